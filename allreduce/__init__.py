@@ -1,0 +1,68 @@
+"""Collectives written once as textbook algorithms over a point-to-point transport.
+
+    import allreduce
+    coll = allreduce.create("ring")          # over MPI.COMM_WORLD
+    coll.allreduce(x)                        # in place, sum; numpy array or torch tensor
+    coll.allreduce(x, op="avg")              # also "max", "min"
+    shard = coll.reduce_scatter(x)           # this rank's shard (allreduce.shard_bounds)
+    whole = coll.allgather(shard)            # shards of all ranks, in rank order
+    coll.broadcast(x, root=0)                # in place
+    allreduce.create("hierarchical", inner="ring", outer="tree", ranks_per_node=2)
+    allreduce.create("ring", transport="torch")   # over torch.distributed instead of MPI
+
+Algorithms: ring, tree, halving_doubling, hierarchical; baselines: mpi, torch.
+"""
+from .buffers import CollectiveError
+from .collective import Collective, CollectiveTimeout
+from .shards import shard_bounds, shard_of
+from .transport import MPITransport, Transport, TransportTimeout
+
+TEXTBOOK = ("ring", "tree", "halving_doubling")
+ALGORITHMS = TEXTBOOK + ("hierarchical", "mpi", "torch")
+
+__all__ = ["create", "make", "make_transport", "shard_bounds", "shard_of", "ALGORITHMS",
+           "Collective", "CollectiveError", "CollectiveTimeout", "Transport", "TransportTimeout"]
+
+
+def make_transport(kind="mpi", comm=None, timeout=None):
+    """An MPI transport over `comm` (default COMM_WORLD), or a torch.distributed one."""
+    if kind == "mpi":
+        return MPITransport(comm, timeout)
+    if kind == "torch":
+        from .torch_transport import TorchTransport, init_torch_distributed
+        init_torch_distributed(comm)
+        return TorchTransport(None, timeout)
+    raise CollectiveError(f"unknown transport {kind!r}; choose 'mpi' or 'torch'")
+
+
+def make(name, transport, **options):
+    """The collective `name` over an existing transport."""
+    if name == "ring":
+        from .ring import Ring as cls
+    elif name == "tree":
+        from .tree import Tree as cls
+    elif name == "halving_doubling":
+        from .halving_doubling import HalvingDoubling as cls
+    elif name == "hierarchical":
+        from .hierarchical import Hierarchical as cls
+    elif name == "mpi":
+        from .native import MPINative as cls
+    elif name == "torch":
+        from .native import TorchNative as cls
+    else:
+        raise CollectiveError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
+    try:
+        return cls(transport, **options)
+    except TypeError as e:
+        raise CollectiveError(f"{name}: bad option ({e})") from None
+
+
+def create(name, comm=None, transport=None, timeout=None, **options):
+    """A collective by name.  `transport` is 'mpi' (default; 'torch' for the torch
+    baseline), 'torch', or a Transport object; `comm` an mpi4py communicator."""
+    if name not in ALGORITHMS:
+        raise CollectiveError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
+    if transport is None or isinstance(transport, str):
+        transport = make_transport(transport or ("torch" if name == "torch" else "mpi"),
+                                   comm, timeout)
+    return make(name, transport, **options)

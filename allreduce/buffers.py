@@ -1,0 +1,164 @@
+"""The buffers collectives work on: numpy arrays and torch tensors, flat.
+
+Algorithms see a buffer as a flat 1-D array they can slice (`x[a:b]`), and
+touch its values only through the helpers here (`reduce_into`, `scale`,
+`empty_like`), so one algorithm serves numpy arrays and CPU or CUDA tensors.
+Transports see raw bytes (`as_bytes`), so nothing is ever pickled.
+"""
+import numpy as np
+
+try:  # torch is optional for the numpy-only user
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+
+OPS = ("sum", "avg", "max", "min")
+
+# The dtypes every algorithm supports.  The order of each table is a wire
+# contract: the signature check sends the index.
+NUMPY_DTYPES = (np.float32, np.float64, np.int32, np.int64, np.float16)
+TORCH_DTYPES = (
+    ("float32", "float64", "int32", "int64", "float16", "bfloat16")
+    if torch is None else
+    (torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16))
+DTYPE_NAMES = ("float32", "float64", "int32", "int64", "float16", "bfloat16")
+
+
+class CollectiveError(RuntimeError):
+    """A collective was called wrongly, or ranks disagree about the call."""
+
+
+def is_tensor(x):
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def dtype_code(x):
+    """Index of x's dtype in DTYPE_NAMES (raises for an unsupported dtype)."""
+    if is_tensor(x):
+        if x.dtype in TORCH_DTYPES:
+            return TORCH_DTYPES.index(x.dtype)
+        raise CollectiveError(
+            f"unsupported dtype {x.dtype}; supported: {', '.join(DTYPE_NAMES)}")
+    for code, dt in enumerate(NUMPY_DTYPES):
+        if x.dtype == dt:
+            return code
+    raise CollectiveError(
+        f"unsupported dtype {x.dtype}; supported for numpy: "
+        f"{', '.join(np.dtype(d).name for d in NUMPY_DTYPES)}")
+
+
+def dtype_name(x):
+    return DTYPE_NAMES[dtype_code(x)]
+
+
+def is_float(x):
+    return dtype_code(x) not in (2, 3)
+
+
+def validate(x, what, writable=True):
+    """Raise CollectiveError naming the problem if x cannot be used as given."""
+    if is_tensor(x):
+        if x.is_sparse:
+            raise CollectiveError(f"{what}: sparse tensors are not supported")
+        if not x.is_contiguous():
+            raise CollectiveError(
+                f"{what}: tensor is not contiguous (shape {tuple(x.shape)}, "
+                f"strides {x.stride()}); call .contiguous() first")
+        if writable and x.requires_grad and x.is_leaf:
+            raise CollectiveError(
+                f"{what}: tensor requires grad; pass tensor.data or use torch.no_grad()")
+    elif isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous:
+            raise CollectiveError(
+                f"{what}: array is not C-contiguous (shape {x.shape}, strides {x.strides}); "
+                "use np.ascontiguousarray first")
+        if writable and not x.flags.writeable:
+            raise CollectiveError(f"{what}: array is read-only but the result is written into it")
+    else:
+        raise CollectiveError(
+            f"{what}: expected a numpy array or a torch tensor, got {type(x).__name__}")
+    dtype_code(x)
+
+
+def flat(x):
+    """A 1-D view of x sharing its memory (x is contiguous)."""
+    return x.view(-1) if is_tensor(x) else x.reshape(-1)
+
+
+def empty_like(x, n):
+    """A new uninitialised flat buffer of n elements of x's dtype and device."""
+    if is_tensor(x):
+        return torch.empty(n, dtype=x.dtype, device=x.device)
+    return np.empty(n, dtype=x.dtype)
+
+
+def copy_into(dst, src):
+    if is_tensor(dst):
+        dst.copy_(src)
+    else:
+        np.copyto(dst, src)
+
+
+def reduce_into(dst, src, op):
+    """dst = dst (op) src, elementwise, in place.  `avg` sums; the caller divides."""
+    if is_tensor(dst):
+        if op == "max":
+            torch.maximum(dst, src, out=dst)
+        elif op == "min":
+            torch.minimum(dst, src, out=dst)
+        else:
+            dst.add_(src)
+    else:
+        if op == "max":
+            np.maximum(dst, src, out=dst)
+        elif op == "min":
+            np.minimum(dst, src, out=dst)
+        else:
+            np.add(dst, src, out=dst)
+
+
+def scale(x, divisor):
+    """x /= divisor in place (the `avg` op of floating buffers)."""
+    if is_tensor(x):
+        x.div_(divisor)
+    else:
+        np.divide(x, divisor, out=x)
+
+
+def nbytes(x):
+    return x.numel() * x.element_size() if is_tensor(x) else x.nbytes
+
+
+def numel(x):
+    return x.numel() if is_tensor(x) else x.size
+
+
+def as_bytes(x):
+    """x's memory as a flat uint8 numpy array (CPU) or uint8 tensor (CUDA), no copy."""
+    if is_tensor(x):
+        if x.numel() == 0:
+            return np.empty(0, dtype=np.uint8)
+        b = x.view(torch.uint8) if x.element_size() == 1 else x.view(-1).view(torch.uint8)
+        return b.numpy() if b.device.type == "cpu" else b
+    return x.reshape(-1).view(np.uint8)
+
+
+class Scratch:
+    """Reusable work buffers, kept between calls.
+
+    Allocating a fresh temporary on every call costs a page fault per 4 KiB on
+    first touch; that is why native MPI_Allreduce falls off a cliff at 64 MiB
+    here (../shared/ENVIRONMENT.md).  We keep one buffer per name and grow it.
+    """
+
+    def __init__(self):
+        self._buffers = {}
+
+    def get(self, name, like, n):
+        dev = like.device if is_tensor(like) else None
+        key = (name, "torch" if is_tensor(like) else "numpy", str(like.dtype), str(dev))
+        buf = self._buffers.get(key)
+        if buf is None or numel(buf) < n:
+            buf = empty_like(like, max(n, 1))
+            self._buffers[key] = buf
+        return buf[:n]

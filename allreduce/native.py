@@ -1,0 +1,147 @@
+"""The baselines: the MPI library's own collectives and torch.distributed's.
+
+These are what the textbook algorithms are measured against.  Both use the
+libraries' non-blocking calls (MPI_Iallreduce, `async_op=True`), which here
+run as fast as the blocking ones, so that the wait can have a timeout.
+"""
+import numpy as np
+
+from .buffers import CollectiveError, is_tensor, reduce_into
+from .collective import Collective
+from .transport import Handle, MPITransport
+
+_MPI_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def _numpy_view(x):
+    """A numpy view of x's memory in x's own dtype; bfloat16 as uint16 bits."""
+    if not is_tensor(x):
+        return x
+    import torch
+    if x.device.type != "cpu":
+        raise CollectiveError("the mpi baseline takes CPU buffers (MPI here is not CUDA-aware); "
+                              "use --sync torch with NCCL for CUDA tensors")
+    return x.view(torch.int16).numpy() if x.dtype == torch.bfloat16 else x.numpy()
+
+
+class MPINative(Collective):
+    """mpi4py's MPI collectives over the transport's communicator."""
+    name = "mpi"
+
+    def __init__(self, transport, **options):
+        if not isinstance(transport, MPITransport):
+            raise CollectiveError("the 'mpi' baseline needs an MPI transport")
+        super().__init__(transport, **options)
+        self.MPI = transport.MPI
+        self.comm = transport.comm
+        self._user_ops = {}
+
+    def _mpi_op(self, x, op):
+        """MPI has no bfloat16, and MPICH's float16 is an extension: reduce those
+        with a user-defined MPI_Op that adds through torch or numpy."""
+        if is_tensor(x):
+            import torch
+            half = x.dtype in (torch.float16, torch.bfloat16)
+        else:
+            half = x.dtype == np.float16
+        if not half:
+            return getattr(self.MPI, _MPI_OPS[op])
+        key = (str(x.dtype), op)
+        if key not in self._user_ops:
+            dtype = x.dtype
+
+            def combine(inbuf, inoutbuf, datatype, dtype=dtype, op=op):
+                if is_tensor(x):
+                    import torch
+                    a = torch.frombuffer(bytearray(inbuf), dtype=dtype)
+                    b = torch.frombuffer(inoutbuf, dtype=dtype)
+                else:
+                    a = np.frombuffer(inbuf, dtype=dtype)
+                    b = np.frombuffer(inoutbuf, dtype=dtype)
+                reduce_into(b, a, op)
+            self._user_ops[key] = self.MPI.Op.Create(combine, commute=True)
+        return self._user_ops[key]
+
+    def _wait(self, request):
+        self.transport._wait_all([Handle(self.transport, request, -1)])
+
+    def _count(self, nbytes):
+        self.transport.traffic.sent += nbytes  # what this rank hands MPI, not what MPI moves
+
+    def _allreduce(self, x, op):
+        buf = _numpy_view(x)
+        self._wait(self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self._mpi_op(x, op)))
+
+    def _reduce_scatter(self, x, bounds, op):
+        buf = _numpy_view(x)
+        counts = [b - a for a, b in bounds]
+        a, b = bounds[self.rank]
+        out = np.empty(b - a, dtype=buf.dtype)
+        self._wait(self.comm.Ireduce_scatter(buf, out, counts, op=self._mpi_op(x, op)))
+        buf[a:b] = out
+        return x[a:b]
+
+    def _allgather(self, x, bounds):
+        buf = _numpy_view(x)
+        counts = [b - a for a, b in bounds]
+        displs = [a for a, _ in bounds]
+        self._wait(self.comm.Iallgatherv(self.MPI.IN_PLACE, [buf, counts, displs, None]))
+
+    def _broadcast(self, x, root):
+        self._wait(self.comm.Ibcast(_numpy_view(x), root=root))
+
+
+class TorchNative(Collective):
+    """torch.distributed's collectives (gloo on CPU, NCCL on GPU)."""
+    name = "torch"
+
+    def __init__(self, transport, **options):
+        from .torch_transport import TorchTransport
+        if not isinstance(transport, TorchTransport):
+            raise CollectiveError("the 'torch' baseline needs a torch transport")
+        super().__init__(transport, **options)
+        import torch.distributed as dist
+        self.dist = dist
+        self.group = transport.group
+
+    def _tensor(self, x):
+        import torch
+        return x if is_tensor(x) else torch.from_numpy(x)
+
+    def _wait(self, work):
+        self.transport._wait_all([Handle(self.transport, work, -1)])
+
+    def _reduce_op(self, op):
+        R = self.dist.ReduceOp
+        return {"sum": R.SUM, "avg": R.SUM, "max": R.MAX, "min": R.MIN}[op]
+
+    def _allreduce(self, x, op):
+        if len(x):
+            self._wait(self.dist.all_reduce(self._tensor(x), op=self._reduce_op(op),
+                                            group=self.group, async_op=True))
+
+    def _reduce_scatter(self, x, bounds, op):
+        # gloo has no reduce-scatter: all-reduce, then keep our shard.
+        self._allreduce(x, op)
+        a, b = bounds[self.rank]
+        return x[a:b]
+
+    def _allgather(self, x, bounds):
+        # all_gather wants equal sizes: pad every shard to the largest.
+        t = self._tensor(x)
+        width = max(b - a for a, b in bounds)
+        if width == 0:
+            return
+        padded = [t.new_zeros(width) for _ in bounds]
+        a, b = bounds[self.rank]
+        mine = t.new_zeros(width)
+        mine[:b - a] = t[a:b]
+        self._wait(self.dist.all_gather(padded, mine, group=self.group, async_op=True))
+        for (a, b), piece in zip(bounds, padded):
+            t[a:b] = piece[:b - a]
+
+    def _broadcast(self, x, root):
+        if len(x):
+            src = self.transport.world_rank(root)
+            self._wait(self.dist.broadcast(self._tensor(x), src=src, group=self.group,
+                                           async_op=True))

@@ -1,0 +1,127 @@
+"""Point-to-point over torch.distributed: gloo for CPU tensors, NCCL for CUDA tensors.
+
+Under torchrun the usual environment (MASTER_ADDR, MASTER_PORT, RANK,
+WORLD_SIZE) initialises the process group.  Under mpiexec there is no such
+environment, so rank 0 picks a free port and tells the others over MPI.
+"""
+import os
+import socket
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .buffers import as_bytes, is_tensor, nbytes
+from .transport import Handle, Transport, TransportTimeout, default_timeout
+
+
+def under_torchrun():
+    return all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"))
+
+
+def init_torch_distributed(comm=None, backend=None, timeout=None):
+    """Initialise torch.distributed once; from torchrun's environment or from MPI ranks."""
+    if dist.is_initialized():
+        return
+    backend = backend or ("nccl" if os.environ.get("TOPOLAB_DEVICE") == "cuda" else "gloo")
+    wait = timedelta(seconds=timeout or default_timeout())
+    if under_torchrun():
+        dist.init_process_group(backend, timeout=wait)
+        return
+    from mpi4py import MPI
+    comm = comm or MPI.COMM_WORLD
+    # All ranks on one host (the usual case here): use loopback, so nothing
+    # depends on how the host name resolves.  Across hosts: rank 0's address.
+    hosts = comm.allgather(socket.gethostname())
+    one_host = len(set(hosts)) == 1
+    address = np.zeros(64, dtype=np.uint8)
+    port = np.zeros(1, dtype=np.int64)
+    if comm.rank == 0:
+        host = os.environ.get("TOPOLAB_MASTER_ADDR") or (
+            "127.0.0.1" if one_host else socket.gethostbyname(socket.gethostname()))
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port[0] = s.getsockname()[1]
+        encoded = host.encode()
+        address[:len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
+    comm.Bcast(address, root=0)
+    comm.Bcast(port, root=0)
+    host = bytes(address).rstrip(b"\0").decode()
+    if one_host:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{int(port[0])}",
+                            rank=comm.rank, world_size=comm.size, timeout=wait)
+
+
+def _as_tensor(buf):
+    """The bytes of buf as a uint8 tensor, sharing memory."""
+    b = as_bytes(buf)
+    return torch.from_numpy(b) if isinstance(b, np.ndarray) else b
+
+
+class _Done:
+    def is_completed(self):
+        return True
+
+    def wait(self):
+        return True
+
+
+class TorchTransport(Transport):
+    """torch.distributed point-to-point over a process group (None: the world)."""
+
+    def __init__(self, group=None, timeout=None, traffic=None):
+        super().__init__(timeout, traffic)
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.global_ranks = [dist.get_global_rank(group, r) if group is not None else r
+                             for r in range(self.size)]
+
+    def isend(self, buf, peer, tag=0):
+        self.traffic.sent += nbytes(buf)
+        if nbytes(buf) == 0:  # gloo rejects empty messages; the peer skips them too
+            return Handle(self, _Done(), peer)
+        return Handle(self, dist.isend(_as_tensor(buf), self.global_ranks[peer], tag=tag), peer)
+
+    def irecv(self, buf, peer, tag=0):
+        self.traffic.received += nbytes(buf)
+        if nbytes(buf) == 0:
+            return Handle(self, _Done(), peer)
+        return Handle(self, dist.irecv(_as_tensor(buf), self.global_ranks[peer], tag=tag), peer)
+
+    def _wait_all(self, handles):
+        deadline = time.monotonic() + self.timeout
+        for h in handles:
+            while not h.request.is_completed():
+                if time.monotonic() > deadline:
+                    raise TransportTimeout(self.world_rank(self.rank), [self.world_rank(h.peer)],
+                                           self.timeout)
+                time.sleep(0)
+            h.request.wait()  # surfaces an error the backend recorded
+
+    def barrier(self):
+        work = dist.barrier(group=self.group, async_op=True)
+        self._wait_all([Handle(self, work, -1)])
+
+    def split(self, color):
+        # new_group must be called by every rank for every group, in the same order.
+        colors = torch.zeros(self.size, dtype=torch.int64)
+        colors[self.rank] = color
+        dist.all_reduce(colors, group=self.group)
+        mine = None
+        for c in sorted(set(colors.tolist())):
+            members = [self.global_ranks[r] for r in range(self.size) if colors[r] == c]
+            group = dist.new_group(members)
+            if c == color:
+                mine = group
+        return TorchTransport(mine, self.timeout, self.traffic)
+
+    def world_rank(self, rank):
+        return self.global_ranks[rank] if rank >= 0 else rank
+
+
+def is_cuda(x):
+    return is_tensor(x) and x.device.type == "cuda"

@@ -1,0 +1,145 @@
+"""Point-to-point transport: the only thing the collective algorithms use.
+
+    t.rank, t.size                    who I am, how many we are
+    h = t.isend(buf, peer)            non-blocking; h.wait() completes it
+    h = t.irecv(buf, peer)
+    t.send / t.recv / t.sendrecv      the blocking forms
+    t.wait_all(handles)
+    t.split(color)                    a transport over the ranks of the same colour
+
+A buffer is a contiguous numpy array or torch tensor.  Its bytes go on the wire
+as they are (`buffers.as_bytes`): never pickled, never copied on the way.
+
+Every wait polls with a deadline (TOPOLAB_TIMEOUT seconds, default 120), so a
+missing peer ends in a `TransportTimeout` naming the rank and the peer instead
+of a hang.  Polling costs nothing measurable against a blocking wait here: MPI
+itself spins while it waits.
+"""
+import os
+import time
+
+from .buffers import as_bytes, nbytes
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def default_timeout():
+    value = os.environ.get("TOPOLAB_TIMEOUT", "")
+    try:
+        return float(value) if value else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"TOPOLAB_TIMEOUT={value!r} is not a number of seconds") from None
+
+
+class TransportTimeout(TimeoutError):
+    """A wait ran past the transport's timeout."""
+
+    def __init__(self, rank, peers, timeout, what="wait"):
+        self.rank, self.peers, self.timeout = rank, peers, timeout
+        names = ", ".join(f"rank {p}" for p in peers) or "?"
+        super().__init__(f"rank {rank}: {what} timed out after {timeout:g} s waiting for {names}")
+
+
+class Traffic:
+    """Bytes a rank sent and received; shared by a transport and its splits."""
+
+    def __init__(self):
+        self.sent = 0
+        self.received = 0
+
+    def reset(self):
+        self.sent = self.received = 0
+
+
+class Transport:
+    """The interface.  Subclasses give isend, irecv, _wait_all, split, world_rank."""
+
+    rank = 0
+    size = 1
+
+    def __init__(self, timeout=None, traffic=None):
+        self.timeout = default_timeout() if timeout is None else float(timeout)
+        self.traffic = traffic or Traffic()
+
+    @property
+    def bytes_sent(self):
+        return self.traffic.sent
+
+    @property
+    def bytes_received(self):
+        return self.traffic.received
+
+    def send(self, buf, peer, tag=0):
+        self.isend(buf, peer, tag).wait()
+
+    def recv(self, buf, peer, tag=0):
+        self.irecv(buf, peer, tag).wait()
+
+    def sendrecv(self, sendbuf, dest, recvbuf, source, tag=0):
+        # Post the receive first so the peer's send can land directly in it.
+        self.wait_all([self.irecv(recvbuf, source, tag), self.isend(sendbuf, dest, tag)])
+
+    def wait_all(self, handles):
+        if handles:
+            self._wait_all(handles)
+
+
+class Handle:
+    """A pending send or receive; wait() completes it or raises TransportTimeout."""
+
+    def __init__(self, transport, request, peer):
+        self.transport, self.request, self.peer = transport, request, peer
+
+    def wait(self):
+        self.transport._wait_all([self])
+
+
+class MPITransport(Transport):
+    """Point-to-point over an mpi4py communicator, zero-copy through the buffer API."""
+
+    def __init__(self, comm=None, timeout=None, traffic=None):
+        from mpi4py import MPI
+        super().__init__(timeout, traffic)
+        self.MPI = MPI
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+
+    def isend(self, buf, peer, tag=0):
+        self.traffic.sent += nbytes(buf)
+        return Handle(self, self.comm.Isend([as_bytes(buf), self.MPI.BYTE], peer, tag), peer)
+
+    def irecv(self, buf, peer, tag=0):
+        self.traffic.received += nbytes(buf)
+        return Handle(self, self.comm.Irecv([as_bytes(buf), self.MPI.BYTE], peer, tag), peer)
+
+    def _wait_all(self, handles):
+        requests = [h.request for h in handles]
+        Testall = self.MPI.Request.Testall
+        if Testall(requests):
+            return
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while not Testall(requests):
+            spins += 1
+            if spins % 256 == 0:
+                if time.monotonic() > deadline:
+                    pending = [h.peer for h in handles if not h.request.Test()]
+                    raise TransportTimeout(self.world_rank(self.rank),
+                                           [self.world_rank(p) for p in pending], self.timeout)
+                # Oversubscribed (more ranks than cores): let the peer we wait for run.
+                if spins > 4096:
+                    os.sched_yield()
+
+    def barrier(self):
+        self._wait_all([Handle(self, self.comm.Ibarrier(), -1)])
+
+    def split(self, color):
+        return MPITransport(self.comm.Split(color, self.rank), self.timeout, self.traffic)
+
+    def world_rank(self, rank):
+        """The rank in MPI.COMM_WORLD of this communicator's `rank` (for messages)."""
+        if rank < 0:
+            return rank
+        world = self.MPI.COMM_WORLD
+        return self.MPI.Group.Translate_ranks(self.comm.Get_group(), [rank], world.Get_group())[0]
