@@ -101,7 +101,7 @@ def copy_into(dst, src):
 
 def reduce_into(dst, src, op):
     """dst = dst (op) src, elementwise, in place.  `avg` sums; the caller divides."""
-    if is_tensor(dst):
+    if type(dst) is not np.ndarray:
         if op == "max":
             torch.maximum(dst, src, out=dst)
         elif op == "min":
@@ -126,7 +126,7 @@ def scale(x, divisor):
 
 
 def nbytes(x):
-    return x.numel() * x.element_size() if is_tensor(x) else x.nbytes
+    return x.nbytes if type(x) is np.ndarray else x.numel() * x.element_size()
 
 
 def numel(x):
@@ -155,8 +155,10 @@ class Scratch:
         self._buffers = {}
 
     def get(self, name, like, n):
-        dev = like.device if is_tensor(like) else None
-        key = (name, "torch" if is_tensor(like) else "numpy", str(like.dtype), str(dev))
+        if type(like) is np.ndarray:
+            key = (name, like.dtype)
+        else:
+            key = (name, like.dtype, like.device)
         buf = self._buffers.get(key)
         if buf is None or numel(buf) < n:
             buf = empty_like(like, max(n, 1))

@@ -134,8 +134,8 @@ class Collective:
 
     def segments(self, x, n):
         """[start, stop) segments of a run of n elements of x, SEGMENT_BYTES each."""
-        per = max(1, self.segment_bytes // max(1, x.element_size() if hasattr(x, "element_size")
-                                                   else x.itemsize))
+        per = max(1, self.segment_bytes // (x.itemsize if type(x) is np.ndarray
+                                            else x.element_size()))
         if n <= per:
-            return [(0, n)]
+            return ((0, n),)
         return [(a, min(a + per, n)) for a in range(0, n, per)]

@@ -31,6 +31,7 @@ receive is posted at once, so adding segment k overlaps receiving segment k+1.
 from .buffers import reduce_into
 from .collective import Collective
 from .shards import shard_bounds
+from .shards import shard_bounds
 
 
 class Ring(Collective):
@@ -52,9 +53,10 @@ class Ring(Collective):
             incoming = self.scratch.get("incoming", x, r1 - r0)
             # Both ends cut a chunk into the same segments, since the right
             # neighbour's recv_chunk is our send_chunk.
-            recvs = [t.irecv(incoming[a:b], left) for a, b in self.segments(x, r1 - r0)]
+            segments = self.segments(x, r1 - r0)
+            recvs = [t.irecv(incoming[a:b], left) for a, b in segments]
             sends = [t.isend(x[s0 + a:s0 + b], right) for a, b in self.segments(x, s1 - s0)]
-            for (a, b), handle in zip(self.segments(x, r1 - r0), recvs):
+            for (a, b), handle in zip(segments, recvs):
                 handle.wait()
                 reduce_into(x[r0 + a:r0 + b], incoming[a:b], op)
             t.wait_all(sends)

@@ -18,6 +18,8 @@ itself spins while it waits.
 import os
 import time
 
+import numpy as np
+
 from .buffers import as_bytes, nbytes
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -107,11 +109,18 @@ class MPITransport(Transport):
 
     def isend(self, buf, peer, tag=0):
         self.traffic.sent += nbytes(buf)
-        return Handle(self, self.comm.Isend([as_bytes(buf), self.MPI.BYTE], peer, tag), peer)
+        return Handle(self, self.comm.Isend(self._message(buf), peer, tag), peer)
 
     def irecv(self, buf, peer, tag=0):
         self.traffic.received += nbytes(buf)
-        return Handle(self, self.comm.Irecv([as_bytes(buf), self.MPI.BYTE], peer, tag), peer)
+        return Handle(self, self.comm.Irecv(self._message(buf), peer, tag), peer)
+
+    def _message(self, buf):
+        # A numpy array goes as it is (mpi4py reads its buffer and dtype: the
+        # cheapest path for small messages); a tensor goes as its raw bytes.
+        if type(buf) is np.ndarray:
+            return buf
+        return [as_bytes(buf), self.MPI.BYTE]
 
     def _wait_all(self, handles):
         requests = [h.request for h in handles]

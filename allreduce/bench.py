@@ -1,0 +1,220 @@
+"""Collective benchmark in the manner of nccl-tests and the OSU micro-benchmarks.
+
+    mpiexec -n 2 python -m mpi4py -m allreduce.bench --algos ring,mpi --sizes 4K,16M,64M
+    mpiexec -n 4 python -m mpi4py -m allreduce.bench --min-bytes 4K --max-bytes 64M --factor 4 \\
+        --algos ring,tree,halving_doubling,hierarchical,mpi,torch --jsonl results/bench.jsonl
+    mpiexec -f hostfile -n 16 python -m mpi4py -m allreduce.bench ...      # several hosts
+
+For every (size, collective) the algorithms take turns iteration by iteration
+(A B C A B C ...), each call after a barrier, so a machine that changes speed
+mid-run slows all of them alike.  A row reports the median time (the slowest
+rank's median), algbw = bytes / time, busbw = algbw * the nccl-tests factor,
+the bytes one rank sent against the textbook figure, and #wrong: elements that
+differ from a reference each rank computes on its own.
+"""
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from . import ALGORITHMS, create, shard_bounds
+from .theory import bus_factor, bytes_sent
+
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
+DTYPES = ("float32", "float64", "int32", "int64", "float16", "bfloat16")
+
+
+def parse_size(text):
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text.rstrip("KMGB") if scale > 1 else text) * scale)
+
+
+def human(nbytes):
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m allreduce.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--algos", default="ring,mpi", help=f"comma list of {','.join(ALGORITHMS)}")
+    p.add_argument("--ops", default="allreduce", help=f"comma list of {','.join(COLLECTIVES)}")
+    p.add_argument("--sizes", default=None, help="comma list of message sizes, e.g. 4K,1M,64M")
+    p.add_argument("--min-bytes", default="4K")
+    p.add_argument("--max-bytes", default="64M")
+    p.add_argument("--factor", type=int, default=4, help="size step of the min..max sweep")
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per row")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--transport", default="mpi", choices=("mpi", "torch"),
+                   help="transport of the textbook algorithms")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="hierarchical: emulate nodes of this many ranks (default: host names)")
+    p.add_argument("--inner", default="ring", help="hierarchical: algorithm inside a node")
+    p.add_argument("--outer", default="ring", help="hierarchical: algorithm between nodes")
+    p.add_argument("--jsonl", default=None, help="append one JSON record per row to this file")
+    args = p.parse_args(argv)
+    args.algos = [a for a in args.algos.split(",") if a]
+    args.ops = [o for o in args.ops.split(",") if o]
+    for a in args.algos:
+        if a not in ALGORITHMS:
+            p.error(f"unknown algorithm {a!r}; choose from {', '.join(ALGORITHMS)}")
+    for o in args.ops:
+        if o not in COLLECTIVES:
+            p.error(f"unknown collective {o!r}; choose from {', '.join(COLLECTIVES)}")
+    if args.sizes:
+        args.sizes = [parse_size(s) for s in args.sizes.split(",")]
+    else:
+        lo, hi = parse_size(args.min_bytes), parse_size(args.max_bytes)
+        args.sizes = []
+        while lo <= hi:
+            args.sizes.append(lo)
+            lo *= max(2, args.factor)
+    return args
+
+
+def make_input(rank, n, dtype):
+    """Rank- and position-dependent values that every rank can recompute for any rank."""
+    import torch
+    i = np.arange(n)
+    if dtype in ("int32", "int64"):
+        return np.asarray((i % 1000) + 1000 * rank, dtype=dtype)
+    values = (i % 61) * 0.125 - 3 + 0.5 * rank       # exact in every float dtype
+    if dtype == "bfloat16":
+        return torch.from_numpy(values.astype(np.float32)).to(torch.bfloat16)
+    return values.astype(dtype)
+
+
+def reference(collective, rank, P, n, dtype, root=0):
+    """The expected result, computed locally in float64 / int64."""
+    inputs = [np.asarray(make_input(r, n, dtype).float() if dtype == "bfloat16"
+                         else make_input(r, n, dtype), dtype=np.float64) for r in range(P)]
+    total = np.sum(inputs, axis=0) if P else np.zeros(n)
+    if collective == "allreduce":
+        return total
+    a, b = shard_bounds(n, P)[rank]
+    if collective == "reduce_scatter":
+        return total[a:b]
+    if collective == "allgather":
+        return np.concatenate([inputs[r][slice(*shard_bounds(n, P)[r])] for r in range(P)])
+    return inputs[root]
+
+
+def as_float64(x):
+    return x.double().numpy() if hasattr(x, "double") else np.asarray(x, dtype=np.float64)
+
+
+def provenance():
+    def commit():
+        try:
+            return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                  text=True, timeout=5).stdout.strip() or None
+        except OSError:
+            return None
+    from mpi4py import MPI
+    import torch
+    return {"host": socket.gethostname(), "commit": commit(), "python": platform.python_version(),
+            "mpi": MPI.Get_library_version().splitlines()[0].strip(), "torch": torch.__version__}
+
+
+def main(argv=None):
+    from mpi4py import MPI
+    args = parse_args(argv)
+    comm = MPI.COMM_WORLD
+    rank, P = comm.rank, comm.size
+    colls = {}
+    for algo in args.algos:
+        options = {}
+        if algo == "hierarchical":
+            options = {"ranks_per_node": args.ranks_per_node, "inner": args.inner,
+                       "outer": args.outer}
+        transport = "torch" if algo == "torch" else args.transport
+        colls[algo] = create(algo, transport=transport, **options)
+    itemsize = 2 if args.dtype in ("float16", "bfloat16") else np.dtype(args.dtype).itemsize
+    meta = provenance() if rank == 0 else {}
+    header = (f"{'algo':>16} {'collective':>14} {'size':>8} {'time_us':>10} {'algbw':>7} "
+              f"{'busbw':>7} {'sent/rank':>10} {'theory':>10} {'#wrong':>6}")
+    if rank == 0:
+        print(f"# P={P} dtype={args.dtype} iters={args.iters} transport={args.transport}  "
+              f"(bandwidth in GB/s; {meta['mpi']})")
+        print(header)
+        sys.stdout.flush()
+    out = open(args.jsonl, "a") if (args.jsonl and rank == 0) else None
+    for nbytes in args.sizes:
+        n = nbytes // itemsize
+        for collective in args.ops:
+            pristine = make_input(rank, n, args.dtype)
+            if collective == "allgather":
+                pristine = pristine[slice(*shard_bounds(n, P)[rank])]
+            work = {a: pristine.clone() if hasattr(pristine, "clone") else pristine.copy()
+                    for a in colls}
+            times = {a: [] for a in colls}
+            wrong, sent = {}, {}
+
+            def call(algo):
+                coll, x = colls[algo], work[algo]
+                x[:] = pristine
+                comm.Barrier()
+                start = time.perf_counter()
+                if collective == "allreduce":
+                    result = coll.allreduce(x)
+                elif collective == "reduce_scatter":
+                    result = coll.reduce_scatter(x)
+                elif collective == "allgather":
+                    result = coll.allgather(x, n)
+                else:
+                    result = coll.broadcast(x, root=0)
+                return time.perf_counter() - start, result
+
+            for algo in colls:                 # checked call, also a warm-up
+                before = colls[algo].transport.bytes_sent
+                _, result = call(algo)
+                sent[algo] = colls[algo].transport.bytes_sent - before
+                expect = reference(collective, rank, P, n, args.dtype)
+                wrong[algo] = int(np.count_nonzero(as_float64(result) != expect))
+            for _ in range(args.warmup):
+                for algo in colls:
+                    call(algo)
+            for _ in range(args.iters):
+                for algo in colls:             # interleaved: A B C A B C ...
+                    times[algo].append(call(algo)[0])
+            for algo in colls:
+                median = comm.reduce(float(np.median(times[algo])), op=MPI.MAX, root=0)
+                n_wrong = comm.reduce(wrong[algo], op=MPI.SUM, root=0)
+                most_sent = comm.reduce(sent[algo], op=MPI.MAX, root=0)
+                if rank != 0:
+                    continue
+                theory = bytes_sent(algo, collective, n * itemsize, P)
+                algbw = n * itemsize / median / 1e9 if median > 0 else 0.0
+                busbw = algbw * bus_factor(collective, P)
+                native = algo in ("mpi", "torch")
+                print(f"{algo:>16} {collective:>14} {human(nbytes):>8} {median * 1e6:10.1f} "
+                      f"{algbw:7.2f} {busbw:7.2f} {('-' if native else human(most_sent)):>10} "
+                      f"{('-' if theory is None else human(int(theory))):>10} {n_wrong:6d}")
+                sys.stdout.flush()
+                if out:
+                    record = {"algo": algo, "op": collective, "bytes": n * itemsize,
+                              "dtype": args.dtype, "world_size": P, "iters": args.iters,
+                              "time_us": median * 1e6, "algbw_gbps": algbw, "busbw_gbps": busbw,
+                              "sent_bytes": None if native else most_sent,
+                              "theory_bytes": theory, "wrong": n_wrong,
+                              "transport": "torch" if algo == "torch" else args.transport,
+                              **meta}
+                    out.write(json.dumps(record) + "\n")
+                    out.flush()
+    if out:
+        out.close()
+    comm.Barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Gradient buckets: flat buffers all-reduced while backward is still running.
+
+The teaching ladder (picotron's): the naive data-parallel step all-reduces
+every gradient after backward, one call per tensor.  Two improvements, as in
+PyTorch DDP (Li et al., "PyTorch Distributed", VLDB 2020):
+
+1. Bucketing.  Gradients live in a few flat buffers of at most --bucket-mb
+   each (`p.grad` is a view into its bucket, so nothing is copied in), so one
+   collective moves many small tensors at once instead of paying a latency each.
+2. Overlap.  Backward produces gradients from the last layer to the first.
+   Parameters are put in buckets in reverse order, so the bucket of the last
+   layers fills first; a post-accumulate-grad hook counts a bucket's ready
+   gradients and, when it is full, hands it to a communication thread, which
+   all-reduces it while backward computes the earlier layers' gradients.
+
+       backward:  [layer 3 grads][layer 2 grads][layer 1 grads]
+       comm:                     [bucket 0 ----][bucket 1 ----][bucket 2]
+                                                                ^ exposed
+
+Only the communication still running when backward ends is "exposed" and
+costs step time.  Ordering constraint: every rank must issue the same
+collectives in the same order, so the thread reduces bucket 0, 1, 2 ... in
+index order, waiting for a bucket even if a later one is ready first (DDP does
+the same).  mpi4py initialises MPI with MPI_THREAD_MULTIPLE, so the thread may
+call MPI while the main thread computes.  --no-overlap reduces the buckets on
+the main thread after backward, the same calls in the same order.
+"""
+import queue
+import threading
+
+import torch
+
+
+class Bucket:
+    def __init__(self, index, params, device, wire_dtype, stage_to_host):
+        self.index = index
+        self.params = params
+        n = sum(p.numel() for p in params)
+        self.flat = torch.zeros(n, dtype=torch.float32, device=device)
+        self.wire = None if wire_dtype == torch.float32 else \
+            torch.empty(n, dtype=wire_dtype, device=device)
+        # MPI here is not CUDA-aware: a CUDA bucket travels through pinned host memory.
+        self.host = torch.empty(n, dtype=wire_dtype, pin_memory=True) if stage_to_host else None
+        self.views = {}
+        offset = 0
+        for p in params:
+            self.views[p] = self.flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.pending = len(params)
+        self.event = None
+
+
+def plan_buckets(params, cap_bytes):
+    """Group params (in the order given) into runs of at most cap_bytes of float32;
+    a parameter larger than the cap gets a bucket of its own."""
+    groups, current, size = [], [], 0
+    for p in params:
+        nbytes = p.numel() * 4
+        if current and size + nbytes > cap_bytes:
+            groups.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        groups.append(current)
+    return groups
+
+
+class GradBuckets:
+    """Owns the gradients of `params`; `reduce(flat_tensor)` is the collective
+    (in place, averaging over the data-parallel ranks)."""
+
+    def __init__(self, params, reduce, cap_bytes, compressor, overlap=True,
+                 stage_to_host=False):
+        params = [p for p in params if p.requires_grad]
+        self.reduce, self.compressor, self.overlap = reduce, compressor, overlap
+        device = params[0].device
+        ordered = list(reversed(params))             # roughly the order backward makes them
+        self.buckets = [Bucket(i, group, device, compressor.wire_dtype, stage_to_host)
+                        for i, group in enumerate(plan_buckets(ordered, cap_bytes))]
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        self.error = None
+        self._ready = queue.Queue()
+        self._done = queue.Queue()
+        self._thread = None
+        if overlap:
+            self._thread = threading.Thread(target=self._comm_loop, name="grad-comm", daemon=True)
+            self._thread.start()
+        self.zero_()
+
+    # ------------------------------------------------------------ per step
+    def zero_(self):
+        """Before forward: zero the buckets and point every p.grad at its view."""
+        for b in self.buckets:
+            b.flat.zero_()
+            b.pending = len(b.params)
+            for p in b.params:
+                p.grad = b.views[p]
+
+    def _on_grad_ready(self, p):
+        # Runs inside backward.  Autograd adds into an existing .grad in place,
+        # so p.grad is still our view; if something replaced it, copy it back.
+        view = self.bucket_of[p].views[p]
+        if p.grad is not view and p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+        b = self.bucket_of[p]
+        b.pending -= 1
+        if b.pending == 0:
+            self._mark_ready(b)
+
+    def _mark_ready(self, b):
+        b.pending = -1                               # handed over; not again this step
+        if b.flat.is_cuda:                           # UNVERIFIED on GPU: the hook runs when
+            b.event = torch.cuda.Event()             # the kernel is queued, not finished
+            b.event.record()
+        if self.overlap:
+            self._ready.put(b.index)
+
+    def wait(self):
+        """After backward: finish every bucket's all-reduce; grads are then averaged."""
+        for b in self.buckets:                       # parameters that got no gradient
+            if b.pending >= 0:
+                self._mark_ready(b)
+        if self.overlap:
+            self._done.get()
+        else:
+            for b in self.buckets:
+                self._reduce(b)
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    # -------------------------------------------------- communication side
+    def _reduce(self, b):
+        if b.event is not None:
+            b.event.synchronize()
+        wire = self.compressor.compress(b.flat, b.wire)
+        if b.host is not None:
+            b.host.copy_(wire)
+            self.reduce(b.host)
+            wire.copy_(b.host)
+        else:
+            self.reduce(wire)
+        self.compressor.decompress(wire, b.flat)
+
+    def _comm_loop(self):
+        n = len(self.buckets)
+        while True:
+            ready, next_bucket = set(), 0
+            while next_bucket < n:
+                index = self._ready.get()
+                if index is None:
+                    return
+                ready.add(index)
+                while next_bucket in ready:          # strictly in index order on every rank
+                    if self.error is None:
+                        try:
+                            self._reduce(self.buckets[next_bucket])
+                        except BaseException as e:   # re-raised on the main thread
+                            self.error = e
+                    next_bucket += 1
+            self._done.put(True)
+
+    def close(self):
+        for h in self._hooks:
+            h.remove()
+        if self._thread is not None:
+            self._ready.put(None)
+            self._thread.join(timeout=5)

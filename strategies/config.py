@@ -1,0 +1,165 @@
+"""The training configuration: one frozen dataclass, validated on construction.
+
+    cfg = TrainConfig(sync="ring", steps=50)           # raises ConfigError if wrong
+    cfg = parse_args(["--sync", "ring", "--steps", "50"])   # the same from a command line
+
+The command line maps `--key value` onto the fields (`global_batch` is
+`--global-batch`); a boolean that defaults to True is switched off with
+`--no-key` (`--no-overlap`), one that defaults to False is switched on with
+`--key` (`--resume`).  Every check that needs only the config is here; the
+checks that also need the world size are in `dp_size_of`, so that an error
+names each factor (`global batch 10 % dp(3) != 0`).
+"""
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+ALLREDUCE_SYNCS = ("ring", "tree", "halving_doubling", "hierarchical", "mpi", "torch")
+PS_SYNCS = ("ps", "hybrid")
+SYNCS = ALLREDUCE_SYNCS + PS_SYNCS + ("local",)
+MODELS = ("mlp", "gpt")
+OPTIMIZERS = ("sgd", "adam")
+COMPRESSIONS = ("none", "fp16", "bf16")
+CONSISTENCIES = ("bsp", "ssp", "asp")
+DEVICES = ("cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A bad flag, a bad combination of flags, or bad input data: reported before training."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # synchronisation
+    sync: str = "local"
+    servers: int = 1              # ps / hybrid: the last `servers` ranks serve
+    consistency: str = "bsp"      # ps: bsp, ssp (bounded by --staleness) or asp
+    staleness: int = 0
+    ranks_per_node: int = 0       # hierarchical / hybrid: 0 = ranks that share a host name
+    bucket_mb: float = 25.0       # gradient bucket cap (DDP's default is 25 MB as well)
+    overlap: bool = True          # --no-overlap: all-reduce after backward, not during it
+    compress: str = "none"        # gradients on the wire: none, fp16, bf16
+    device: str = "cpu"
+    threads: int = 0              # torch intra-op threads per rank; 0 = cores / ranks on host
+    timeout: float = 60.0         # seconds any rank waits for a peer before giving up
+    # model
+    model: str = "mlp"
+    width: int = 128              # mlp hidden width
+    depth: int = 2                # mlp hidden layers
+    layers: int = 2               # gpt blocks
+    d_model: int = 64
+    heads: int = 4
+    vocab: int = 32               # gpt, synthetic data (byte-level text always uses 256)
+    seq_len: int = 32
+    # data
+    data: str = ""                # "" = synthetic; .npz (x, y) for mlp, plain text for gpt
+    in_dim: int = 32              # synthetic mlp data: input features and classes
+    classes: int = 10
+    dataset_size: int = 4096      # synthetic samples
+    # optimisation
+    steps: int = 100
+    global_batch: int = 64        # split evenly across the data-parallel ranks
+    lr: float = 0.05
+    optimizer: str = "sgd"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    seed: int = 0
+    # output
+    jsonl: str = ""
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 0     # 0 = only at the end (when --checkpoint-dir is given)
+    resume: bool = False
+    params_out: str = ""          # .npz of the final parameters (for equivalence checks)
+    progress: bool = True         # --no-progress: no tqdm bar on rank 0
+
+    def __post_init__(self):
+        def choose(field, options):
+            value = getattr(self, field)
+            if value not in options:
+                raise ConfigError(f"--{field.replace('_', '-')} {value!r} is not one of "
+                                  f"{', '.join(options)}")
+
+        choose("sync", SYNCS)
+        choose("model", MODELS)
+        choose("optimizer", OPTIMIZERS)
+        choose("compress", COMPRESSIONS)
+        choose("consistency", CONSISTENCIES)
+        choose("device", DEVICES)
+        for field in ("steps", "global_batch", "width", "depth", "layers", "d_model", "heads",
+                      "vocab", "seq_len", "in_dim", "classes", "dataset_size", "servers"):
+            if getattr(self, field) < 1:
+                raise ConfigError(f"--{field.replace('_', '-')} must be >= 1, "
+                                  f"got {getattr(self, field)}")
+        for field in ("staleness", "ranks_per_node", "checkpoint_every", "threads", "momentum",
+                      "weight_decay"):
+            if getattr(self, field) < 0:
+                raise ConfigError(f"--{field.replace('_', '-')} must be >= 0, "
+                                  f"got {getattr(self, field)}")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"--bucket-mb must be > 0, got {self.bucket_mb}")
+        if self.model == "gpt" and self.d_model % self.heads:
+            raise ConfigError(f"--d-model {self.d_model} is not divisible by --heads {self.heads}")
+        if self.consistency == "bsp" and self.staleness:
+            raise ConfigError("--staleness needs --consistency ssp (bsp waits for every worker)")
+        if self.resume and not self.checkpoint_dir:
+            raise ConfigError("--resume needs --checkpoint-dir")
+        if self.checkpoint_dir and self.sync in PS_SYNCS:
+            # The optimizer state (momentum, Adam moments) lives on the servers,
+            # and psrv has no call to save it yet.
+            raise ConfigError(f"checkpoints are not supported with --sync {self.sync} yet: "
+                              "the optimizer state lives on the parameter servers")
+
+    @property
+    def synchronous(self):
+        """Whether every step sees every worker's gradients of the same step."""
+        return self.sync not in PS_SYNCS or self.consistency == "bsp"
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+
+def dp_size_of(cfg, world_size):
+    """The data-parallel size, after checking that the world and the batch fit it."""
+    servers = cfg.servers if cfg.sync in PS_SYNCS else 0
+    dp = world_size - servers
+    where = f"world {world_size} = dp({dp}) + servers({servers})" if servers else \
+        f"world {world_size} = dp({dp})"
+    if dp < 1:
+        raise ConfigError(f"no worker left: {where}; use fewer --servers or more ranks")
+    if cfg.sync == "local" and world_size != 1:
+        raise ConfigError(f"--sync local runs on one process, not {world_size}")
+    if cfg.global_batch % dp:
+        raise ConfigError(f"--global-batch {cfg.global_batch} is not divisible by the "
+                          f"data-parallel size: {cfg.global_batch} % dp({dp}) = "
+                          f"{cfg.global_batch % dp} ({where})")
+    return dp
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # raise instead of exiting, so that every rank reports it
+        raise ConfigError(message)
+
+
+def parser():
+    p = _Parser(prog="python -m strategies.train", add_help=True,
+                description="One training worker; --sync picks the gradient synchronisation.")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in (bool, "bool"):
+            if f.default:
+                p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name,
+                               action="store_false")
+            else:
+                p.add_argument(flag, dest=f.name, action="store_true")
+        else:
+            kind = {"int": int, "float": float, "str": str}.get(f.type, f.type)
+            p.add_argument(flag, dest=f.name, type=kind, default=f.default,
+                           metavar=f.name.upper())
+    return p
+
+
+def parse_args(argv=None):
+    """A TrainConfig from command-line arguments (ConfigError on any problem)."""
+    return TrainConfig(**vars(parser().parse_args(argv)))

@@ -1,0 +1,135 @@
+"""Who this process is in the run: the explicit context passed to whoever needs it.
+
+    ctx = RunContext.create(cfg)         # collective: every rank calls it
+    ctx.rank, ctx.world_size              # in the whole launch
+    ctx.is_server                         # ps / hybrid: one of the last --servers ranks
+    ctx.dp_rank, ctx.dp_size, ctx.dp_comm # the data-parallel workers (servers excluded)
+    ctx.control.allgather(obj)            # small control messages (errors, metrics)
+
+There is no global state: two contexts could live in one test.  Issue 5 adds
+pipeline and tensor axes; they belong here, as more (rank, size, comm) triples
+of a dp x pp x tp grid, while the gradient sync keeps talking to `dp_comm` only.
+
+Control messages (a preflight error, a step's loss, metric records) are small
+Python objects, so they go through mpi4py's pickling calls or, under torchrun,
+torch.distributed's object collectives; gradients never do.
+"""
+import os
+import socket
+from dataclasses import dataclass
+
+from .config import PS_SYNCS, ConfigError, dp_size_of
+
+
+class MPIControl:
+    def __init__(self, comm):
+        self.comm = comm
+
+    def allgather(self, obj):
+        return self.comm.allgather(obj)
+
+    def barrier(self):
+        self.comm.Barrier()
+
+
+class TorchControl:
+    """The same calls over torch.distributed, for torchrun launches without MPI."""
+
+    def __init__(self):
+        import torch.distributed as dist
+        self.dist = dist
+
+    def allgather(self, obj):
+        out = [None] * self.dist.get_world_size()
+        self.dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self):
+        self.dist.barrier()
+
+
+def under_torchrun():
+    return all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"))
+
+
+@dataclass
+class RunContext:
+    rank: int
+    world_size: int
+    local_rank: int          # index among the ranks on this host (picks the GPU)
+    local_size: int
+    dp_rank: int
+    dp_size: int
+    is_server: bool
+    comm: object             # mpi4py communicator of the whole launch (None under torchrun)
+    dp_comm: object          # mpi4py communicator of the data-parallel workers
+    control: object
+    role: object = None      # psrv role (ps, hybrid)
+    host: str = ""
+
+    @classmethod
+    def create(cls, cfg):
+        """Build the context.  Raises ConfigError for a world that does not fit cfg;
+        every rank computes the same answer from the same numbers."""
+        host = socket.gethostname()
+        if under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
+            return cls._from_torchrun(cfg, host)
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+        dp = dp_size_of(cfg, comm.size)
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+        local_rank, local_size = local.rank, local.size
+        local.Free()
+        if cfg.sync in PS_SYNCS:
+            is_server = comm.rank >= dp   # psrv's convention: the last S ranks serve
+            dp_comm = comm.Split(1 if is_server else 0, comm.rank)
+            return cls(comm.rank, comm.size, local_rank, local_size,
+                       -1 if is_server else dp_comm.rank, dp, is_server, comm, dp_comm,
+                       MPIControl(comm), host=host)
+        return cls(comm.rank, comm.size, local_rank, local_size, comm.rank, dp, False,
+                   comm, comm, MPIControl(comm), host=host)
+
+    @classmethod
+    def _from_torchrun(cls, cfg, host):
+        if cfg.sync not in ("torch",):
+            raise ConfigError(f"under torchrun only --sync torch works (got --sync {cfg.sync}); "
+                              "launch the others with mpiexec")
+        import torch.distributed as dist
+        from allreduce.torch_transport import init_torch_distributed
+        init_torch_distributed()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        dp = dp_size_of(cfg, world)
+        return cls(rank, world, int(os.environ.get("LOCAL_RANK", 0)),
+                   int(os.environ.get("LOCAL_WORLD_SIZE", 1)), rank, dp, False, None, None,
+                   TorchControl(), host=host)
+
+    def attach_ps_role(self, cfg):
+        """psrv's roles over the whole launch (ps and hybrid only)."""
+        psrv = require_psrv()
+        self.role = psrv.launch.mpi_roles(self.comm, num_servers=cfg.servers)
+        if bool(self.role.is_server) != self.is_server:
+            raise RuntimeError("psrv placed servers differently from strategies.context "
+                               "(expected the last --servers ranks)")
+        if not self.is_server:
+            self.dp_comm = self.role.worker_comm
+        return self.role
+
+    def device(self, cfg):
+        import torch
+        if cfg.device == "cuda":
+            # UNVERIFIED: no GPU on the machine this was written on.
+            if not torch.cuda.is_available():
+                raise ConfigError("--device cuda but torch sees no GPU")
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+
+
+def require_psrv():
+    """The parameter-server package, or a clear error while it is being written."""
+    try:
+        import psrv
+        psrv.Client, psrv.launch.mpi_roles, psrv.Consistency, psrv.OptimizerConfig  # noqa: B018
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"--sync ps / hybrid: the psrv package is not available yet ({e})") \
+            from None
+    return psrv
