@@ -31,7 +31,6 @@ receive is posted at once, so adding segment k overlaps receiving segment k+1.
 from .buffers import reduce_into
 from .collective import Collective
 from .shards import shard_bounds
-from .shards import shard_bounds
 
 
 class Ring(Collective):
