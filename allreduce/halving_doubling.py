@@ -25,6 +25,33 @@ from .shards import shard_bounds, span
 from .tree import Tree
 
 
+def fold(P):
+    """(p2, extra): the largest power of two <= P, and how many ranks exceed it."""
+    p2 = 1 << (P.bit_length() - 1)
+    return p2, P - p2
+
+
+def virtual_rank(rank, P):
+    """rank's place among the p2 ranks that take part; None for the even ranks that sit out."""
+    p2, extra = fold(P)
+    if rank < 2 * extra:
+        return rank // 2 if rank % 2 else None
+    return rank - extra
+
+
+def real_rank(v, P):
+    """The rank that plays virtual rank v."""
+    p2, extra = fold(P)
+    return 2 * v + 1 if v < extra else v + extra
+
+
+def blocks(bounds, P):
+    """[start, stop) of each virtual rank's block: the shards of the real ranks it stands for."""
+    p2, extra = fold(P)
+    return [span(bounds, 2 * v, 2 * v + 2) if v < extra else span(bounds, v + extra, v + extra + 1)
+            for v in range(p2)]
+
+
 class HalvingDoubling(Collective):
     name = "halving_doubling"
 
@@ -32,59 +59,37 @@ class HalvingDoubling(Collective):
         super().__init__(transport, **options)
         self._tree = Tree(transport, **options)
 
-    # ------------------------------------------------------------ folding
-    def _fold_shape(self):
-        p2 = 1 << (self.size.bit_length() - 1)
-        return p2, self.size - p2
-
-    def virtual_rank(self):
-        """This rank's place among the p2 ranks that take part (None: sits out)."""
-        p2, extra = self._fold_shape()
-        r = self.rank
-        if r < 2 * extra:
-            return r // 2 if r % 2 else None
-        return r - extra
-
-    def _real_rank(self, v):
-        p2, extra = self._fold_shape()
-        return 2 * v + 1 if v < extra else v + extra
-
-    def _blocks(self, bounds):
-        """[start, stop) of each virtual rank's block: the shards of its real ranks."""
-        p2, extra = self._fold_shape()
-        return [span(bounds, 2 * v, 2 * v + 2) if v < extra else span(bounds, v + extra, v + extra + 1)
-                for v in range(p2)]
-
     # -------------------------------------------------- the power-of-two core
-    def _halving(self, x, blocks, v, op):
+    def _halving(self, x, owned, v, op):
         t = self.transport
-        p2 = len(blocks)
+        p2 = len(owned)
         lo, hi = 0, p2                       # the blocks this rank is still responsible for
         distance = p2 // 2
         while distance:
             partner = v ^ distance
             mid = lo + distance
             keep, give = ((lo, mid), (mid, hi)) if v < partner else ((mid, hi), (lo, mid))
-            k0, k1 = blocks[keep[0]][0], blocks[keep[1] - 1][1]
-            g0, g1 = blocks[give[0]][0], blocks[give[1] - 1][1]
+            k0, k1 = owned[keep[0]][0], owned[keep[1] - 1][1]
+            g0, g1 = owned[give[0]][0], owned[give[1] - 1][1]
             incoming = self.scratch.get("incoming", x, k1 - k0)
-            t.sendrecv(x[g0:g1], self._real_rank(partner), incoming, self._real_rank(partner))
+            peer = real_rank(partner, self.size)
+            t.sendrecv(x[g0:g1], peer, incoming, peer)
             reduce_into(x[k0:k1], incoming, op)
             lo, hi = keep
             distance //= 2
 
-    def _doubling(self, x, blocks, v):
+    def _doubling(self, x, owned, v):
         t = self.transport
-        p2 = len(blocks)
+        p2 = len(owned)
         distance = 1
         lo, hi = v, v + 1
         while distance < p2:
             partner = v ^ distance
             plo, phi = (lo + distance, hi + distance) if v < partner else (lo - distance, hi - distance)
-            mine = blocks[lo][0], blocks[hi - 1][1]
-            theirs = blocks[plo][0], blocks[phi - 1][1]
-            t.sendrecv(x[mine[0]:mine[1]], self._real_rank(partner),
-                       x[theirs[0]:theirs[1]], self._real_rank(partner))
+            mine = owned[lo][0], owned[hi - 1][1]
+            theirs = owned[plo][0], owned[phi - 1][1]
+            peer = real_rank(partner, self.size)
+            t.sendrecv(x[mine[0]:mine[1]], peer, x[theirs[0]:theirs[1]], peer)
             lo, hi = min(lo, plo), max(hi, phi)
             distance *= 2
 
@@ -92,7 +97,7 @@ class HalvingDoubling(Collective):
     def _fold_in(self, x, op):
         """Even ranks below 2*extra hand their whole vector to the odd rank above."""
         t, r = self.transport, self.rank
-        p2, extra = self._fold_shape()
+        p2, extra = fold(self.size)
         if r < 2 * extra:
             if r % 2 == 0:
                 t.send(x, r + 1)
@@ -104,7 +109,7 @@ class HalvingDoubling(Collective):
     def _fold_out(self, x):
         """The odd ranks below 2*extra hand the whole result back."""
         t, r = self.transport, self.rank
-        p2, extra = self._fold_shape()
+        p2, extra = fold(self.size)
         if r < 2 * extra:
             if r % 2 == 0:
                 t.recv(x, r + 1)
@@ -113,20 +118,20 @@ class HalvingDoubling(Collective):
 
     def _allreduce(self, x, op):
         self._fold_in(x, op)
-        v = self.virtual_rank()
+        v = virtual_rank(self.rank, self.size)
         if v is not None:
-            blocks = self._blocks(shard_bounds(len(x), self.size))
-            self._halving(x, blocks, v, op)
-            self._doubling(x, blocks, v)
+            owned = blocks(shard_bounds(len(x), self.size), self.size)
+            self._halving(x, owned, v, op)
+            self._doubling(x, owned, v)
         self._fold_out(x)
 
     def _reduce_scatter(self, x, bounds, op):
         t, r = self.transport, self.rank
-        p2, extra = self._fold_shape()
+        p2, extra = fold(self.size)
         self._fold_in(x, op)
-        v = self.virtual_rank()
+        v = virtual_rank(self.rank, self.size)
         if v is not None:
-            self._halving(x, self._blocks(bounds), v, op)
+            self._halving(x, blocks(bounds, self.size), v, op)
         a, b = bounds[r]
         if r < 2 * extra:                    # the odd rank owns both shards: hand one back
             if v is None:
@@ -137,15 +142,15 @@ class HalvingDoubling(Collective):
 
     def _allgather(self, x, bounds):
         t, r = self.transport, self.rank
-        p2, extra = self._fold_shape()
-        v = self.virtual_rank()
+        p2, extra = fold(self.size)
+        v = virtual_rank(self.rank, self.size)
         if r < 2 * extra:                    # fold: even hands its shard to odd
             if v is None:
                 t.send(x[bounds[r][0]:bounds[r][1]], r + 1)
             else:
                 t.recv(x[bounds[r - 1][0]:bounds[r - 1][1]], r - 1)
         if v is not None:
-            self._doubling(x, self._blocks(bounds), v)
+            self._doubling(x, blocks(bounds, self.size), v)
         self._fold_out(x)
 
     def _broadcast(self, x, root):

@@ -33,6 +33,16 @@ from .collective import Collective
 from .shards import shard_bounds
 
 
+def reduce_scatter_chunks(rank, step, P):
+    """(chunk sent right, chunk received from the left) at reduce-scatter step `step`."""
+    return (rank - step - 1) % P, (rank - step - 2) % P
+
+
+def allgather_chunks(rank, step, P):
+    """(chunk sent right, chunk received from the left) at all-gather step `step`."""
+    return (rank - step) % P, (rank - step - 1) % P
+
+
 class Ring(Collective):
     name = "ring"
 
@@ -45,8 +55,7 @@ class Ring(Collective):
         t, P, r = self.transport, self.size, self.rank
         right, left = (r + 1) % P, (r - 1) % P
         for step in range(P - 1):
-            send_chunk = (r - step - 1) % P
-            recv_chunk = (r - step - 2) % P
+            send_chunk, recv_chunk = reduce_scatter_chunks(r, step, P)
             s0, s1 = bounds[send_chunk]
             r0, r1 = bounds[recv_chunk]
             incoming = self.scratch.get("incoming", x, r1 - r0)
@@ -66,8 +75,9 @@ class Ring(Collective):
         t, P, r = self.transport, self.size, self.rank
         right, left = (r + 1) % P, (r - 1) % P
         for step in range(P - 1):
-            s0, s1 = bounds[(r - step) % P]
-            r0, r1 = bounds[(r - step - 1) % P]
+            send_chunk, recv_chunk = allgather_chunks(r, step, P)
+            s0, s1 = bounds[send_chunk]
+            r0, r1 = bounds[recv_chunk]
             t.sendrecv(x[s0:s1], right, x[r0:r1], left)
 
     def _broadcast(self, x, root):
