@@ -138,7 +138,10 @@ def as_bytes(x):
     if is_tensor(x):
         if x.numel() == 0:
             return np.empty(0, dtype=np.uint8)
-        b = x.view(torch.uint8) if x.element_size() == 1 else x.view(-1).view(torch.uint8)
+        x = x.view(-1)
+        if x.stride(0) != 1:  # a one-element tensor may have any stride and still be contiguous
+            x = x.as_strided((x.numel(),), (1,))
+        b = x.view(torch.uint8)
         return b.numpy() if b.device.type == "cpu" else b
     return x.reshape(-1).view(np.uint8)
 

@@ -115,12 +115,11 @@ class Collective:
         except CollectiveError as e:
             problem = e
         if self.check:
-            try:
-                code = dtype_code(x)
-            except CollectiveError:
-                code = -1
-            sig = check.signature(collective, numel(x) if count is None else count, code,
-                                  op, root, problem is not None)
+            if problem is None:
+                code, n = dtype_code(x), numel(x) if count is None else count
+            else:
+                code, n = -1, -1
+            sig = check.signature(collective, n, code, op, root, problem is not None)
             self._guarded(collective, check.verify, self.transport, sig, self.name,
                           problem and str(problem))
         if problem is not None:

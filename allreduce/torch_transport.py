@@ -62,10 +62,7 @@ def _as_tensor(buf):
 
 
 class _Done:
-    def is_completed(self):
-        return True
-
-    def wait(self):
+    def wait(self, timeout=None):
         return True
 
 
@@ -93,14 +90,19 @@ class TorchTransport(Transport):
         return Handle(self, dist.irecv(_as_tensor(buf), self.global_ranks[peer], tag=tag), peer)
 
     def _wait_all(self, handles):
+        # gloo's point-to-point work makes progress only inside wait(), so we
+        # cannot poll is_completed(); wait(timeout) ends the wait instead.
         deadline = time.monotonic() + self.timeout
         for h in handles:
-            while not h.request.is_completed():
-                if time.monotonic() > deadline:
-                    raise TransportTimeout(self.world_rank(self.rank), [self.world_rank(h.peer)],
-                                           self.timeout)
-                time.sleep(0)
-            h.request.wait()  # surfaces an error the backend recorded
+            left = max(deadline - time.monotonic(), 0.001)
+            try:
+                h.request.wait(timeout=timedelta(seconds=left))
+            except RuntimeError as e:
+                peer = self.world_rank(h.peer)
+                if "imed out" in str(e) or "imeout" in str(e):
+                    raise TransportTimeout(self.world_rank(self.rank), [peer], self.timeout) from None
+                raise RuntimeError(f"rank {self.world_rank(self.rank)}: torch.distributed failed "
+                                   f"talking to rank {peer}: {e}") from None
 
     def barrier(self):
         work = dist.barrier(group=self.group, async_op=True)

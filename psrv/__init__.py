@@ -1,0 +1,20 @@
+"""psrv: a parameter server over ZeroMQ (sharded servers, push/pull, BSP/SSP/ASP).
+
+    protocol.py   the wire format (one struct header + raw frames; the only place it is described)
+    placement.py  parameter names -> slices -> servers, byte-balanced (BytePS-style slicing)
+    optim.py      torch's SGD and Adam formulas in float32 numpy
+    store.py      one shard's keys, optimizer state, consistency rules, checkpoints
+    server.py     the ROUTER loop: validation, held-back replies, dead workers
+    client.py     the worker's side: push, pull, push_pull, handles
+    launch.py     roles under mpiexec, and local server processes for tests and benchmarks
+    bench.py      push+pull throughput beside a raw pyzmq ping-pong
+    example.py    a small training run that uses all of the above
+"""
+from . import launch
+from .client import Client, Handle, PSError
+from .config import Consistency, OptimizerConfig
+from .placement import Placement
+from .protocol import ProtocolError
+
+__all__ = ["Client", "Handle", "PSError", "Consistency", "OptimizerConfig", "Placement",
+           "ProtocolError", "launch"]

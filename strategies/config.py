@@ -134,6 +134,9 @@ def dp_size_of(cfg, world_size):
         raise ConfigError(f"--global-batch {cfg.global_batch} is not divisible by the "
                           f"data-parallel size: {cfg.global_batch} % dp({dp}) = "
                           f"{cfg.global_batch % dp} ({where})")
+    if cfg.sync == "hybrid" and cfg.ranks_per_node and dp % cfg.ranks_per_node:
+        raise ConfigError(f"--ranks-per-node {cfg.ranks_per_node} does not divide dp({dp}) "
+                          f"into whole nodes ({where})")
     return dp
 
 

@@ -106,7 +106,10 @@ class RunContext:
     def attach_ps_role(self, cfg):
         """psrv's roles over the whole launch (ps and hybrid only)."""
         psrv = require_psrv()
-        self.role = psrv.launch.mpi_roles(self.comm, num_servers=cfg.servers)
+        # Servers listen on loopback when every rank shares this host, else on all interfaces.
+        one_host = len(set(self.comm.allgather(self.host))) == 1
+        self.role = psrv.launch.mpi_roles(self.comm, num_servers=cfg.servers,
+                                          bind_host="127.0.0.1" if one_host else "0.0.0.0")
         if bool(self.role.is_server) != self.is_server:
             raise RuntimeError("psrv placed servers differently from strategies.context "
                                "(expected the last --servers ranks)")
@@ -128,6 +131,7 @@ def require_psrv():
     """The parameter-server package, or a clear error while it is being written."""
     try:
         import psrv
+        import psrv.launch
         psrv.Client, psrv.launch.mpi_roles, psrv.Consistency, psrv.OptimizerConfig  # noqa: B018
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"--sync ps / hybrid: the psrv package is not available yet ({e})") \

@@ -1,0 +1,176 @@
+"""Push+pull throughput of psrv beside a raw pyzmq ping-pong of the same bytes.
+
+    python -m psrv.bench                                     # 4K..64M, W=1,2,3 x S=1,2
+    python -m psrv.bench --sizes 64M --workers 1 --servers 1 --reps 9 --jsonl results/psrv.jsonl
+
+For every (S servers, W workers, size) each worker moves `size` bytes of float32
+per iteration, both ways:
+
+    psrv     push_pull of one parameter of `size` bytes (placed over the S servers,
+             BSP, SGD applied on the servers) and copy of the new values into `out`
+    raw_zmq  the same bytes, split the same way over S echo processes (ROUTER),
+             sent as one multipart of 1 MiB zero-copy frames, echoed back
+             zero-copy, received zero-copy (the fastest ping-pong found here;
+             one 64 MiB frame is about half as fast)
+
+The two kinds run interleaved in the same processes (psrv, raw, psrv, raw, ...
+`--reps` times, a barrier before each block) because this machine changes speed
+every minute or two.  Reported: median time per iteration (the slowest worker),
+and gbps = W * 2 * size / time, the aggregate bytes moved per second (1 GB = 1e9 B).
+"""
+import argparse
+import json
+import multiprocessing as mp
+import platform
+import statistics
+import time
+
+import numpy as np
+import zmq
+
+from . import protocol as P
+from .client import Client
+from .config import OptimizerConfig
+from .launch import start_local_servers
+
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text):
+    text = text.strip().upper().rstrip("B").rstrip("I")
+    return int(text[:-1]) * UNITS[text[-1]] if text[-1] in UNITS else int(text)
+
+
+def echo_server(queue):
+    """The raw baseline's server: return every message as it came, zero-copy."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 2000)
+    queue.put(f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}")
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if len(frames) == 2 and frames[1].bytes == b"stop":
+            break
+        sock.send_multipart(frames, copy=False)
+    sock.close()
+
+
+def worker(w, num_workers, endpoints, echoes, sizes, reps, barrier, results):
+    client = Client(endpoints, w, num_workers, timeout=120.0)
+    params = {f"s{size:012d}": np.zeros(size // 4, np.float32) for size in sizes}
+    client.init(params, OptimizerConfig("sgd", lr=1e-9))
+    ctx = zmq.Context()
+    raw = [ctx.socket(zmq.DEALER) for _ in echoes]
+    for sock, ep in zip(raw, echoes):
+        sock.connect(ep)
+    steps = {name: 0 for name in params}
+
+    def run_psrv(name, iters):
+        g, out = {name: params[name]}, {name: np.empty_like(params[name])}
+        for _ in range(iters):
+            client.push_pull(g, out, steps[name]).wait()
+            steps[name] += 1
+
+    def run_raw(name, iters):
+        flat = params[name]
+        parts = [[] for _ in raw]          # the bytes each server would own, in 1 MiB frames
+        for sl in client.placement.by_name[name]:
+            parts[sl.server] += P.chunks(flat[sl.offset:sl.offset + sl.length])
+        for _ in range(iters):
+            for sock, frames in zip(raw, parts):
+                if frames:
+                    sock.send_multipart(frames, copy=False)
+            for sock, frames in zip(raw, parts):
+                if frames and not sock.poll(120_000):
+                    raise TimeoutError("echo server did not answer in 120 s")
+                if frames:
+                    sock.recv_multipart(copy=False)
+
+    for size in sizes:
+        name = f"s{size:012d}"
+        iters = max(2, min(200, int(2e8 / size / num_workers)))
+        run_psrv(name, 2)                    # warm-up: connections, page faults
+        run_raw(name, 2)
+        for rep in range(reps):
+            for kind, fn in (("psrv", run_psrv), ("raw_zmq", run_raw)):
+                barrier.wait(120)
+                t = time.perf_counter()
+                fn(name, iters)
+                results.put((kind, size, rep, w, (time.perf_counter() - t) / iters))
+    client.close()
+    for sock in raw:
+        sock.close(linger=0)
+    ctx.term()
+
+
+def run_config(num_servers, num_workers, sizes, reps):
+    ctx = mp.get_context("spawn")
+    queue, results = ctx.Queue(), ctx.Queue()
+    echo_procs = [ctx.Process(target=echo_server, args=(queue,)) for _ in range(num_servers)]
+    for p in echo_procs:
+        p.start()
+    echoes = [queue.get(timeout=60) for _ in echo_procs]
+    # echo i must own what psrv server i owns; the queue returns them in any order, fine:
+    # the raw client splits bytes per socket index, as psrv does per server index
+    with start_local_servers(num_servers, worker_timeout=60) as servers:
+        barrier = ctx.Barrier(num_workers)
+        procs = [ctx.Process(target=worker, args=(w, num_workers, servers.endpoints, echoes,
+                                                  sizes, reps, barrier, results))
+                 for w in range(num_workers)]
+        for p in procs:
+            p.start()
+        times = {}
+        for _ in range(len(sizes) * reps * 2 * num_workers):
+            kind, size, rep, w, t = results.get(timeout=600)
+            key = (kind, size, rep)
+            times[key] = max(times.get(key, 0.0), t)      # the slowest worker sets the pace
+        for p in procs:
+            p.join(60)
+        servers.wait(60)
+    for ep in echoes:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(ep)
+        sock.send(b"stop")
+        sock.close(linger=2000)
+    for p in echo_procs:
+        p.join(30)
+    rows = []
+    for size in sizes:
+        for kind in ("psrv", "raw_zmq"):
+            t = statistics.median(times[(kind, size, r)] for r in range(reps))
+            rows.append({"kind": kind, "bytes": size, "workers": num_workers,
+                         "servers": num_servers, "time_us": round(t * 1e6, 1),
+                         "gbps": round(num_workers * 2 * size / t / 1e9, 3),
+                         "reps": reps, "host": platform.node()})
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="4K,64K,1M,16M,64M")
+    ap.add_argument("--workers", default="1,2,3")
+    ap.add_argument("--servers", default="1,2")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--jsonl", help="append one JSON record per row to this file")
+    a = ap.parse_args(argv)
+    sizes = [parse_size(s) for s in a.sizes.split(",")]
+    if any(s % 4 or s <= 0 for s in sizes):
+        raise SystemExit("sizes must be positive multiples of 4 bytes (float32)")
+    print(f"{'kind':<8} {'servers':>7} {'workers':>7} {'bytes':>10} {'time_us':>11} "
+          f"{'GB/s':>7} {'psrv/raw':>8}", flush=True)
+    for s in (int(x) for x in a.servers.split(",")):
+        for w in (int(x) for x in a.workers.split(",")):
+            rows = run_config(s, w, sizes, a.reps)
+            for r in rows:
+                ratio = ""
+                if r["kind"] == "raw_zmq":
+                    ps = next(x for x in rows if x["kind"] == "psrv" and x["bytes"] == r["bytes"])
+                    ratio = f"{ps['gbps'] / r['gbps']:.2f}"
+                print(f"{r['kind']:<8} {s:7d} {w:7d} {r['bytes']:10d} {r['time_us']:11.1f} "
+                      f"{r['gbps']:7.3f} {ratio:>8}", flush=True)
+                if a.jsonl:
+                    with open(a.jsonl, "a") as f:
+                        f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

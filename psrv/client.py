@@ -1,0 +1,282 @@
+"""The worker's side: push gradients to the shards that own them, pull fresh values back.
+
+    client = psrv.Client(["tcp://127.0.0.1:5555", ...], worker_id=w, num_workers=W)
+    step = client.init(params, psrv.OptimizerConfig("sgd", lr=0.1))   # worker 0's values win
+    for step in range(step, steps):
+        grads = compute(params)
+        h = client.push_pull(grads, params, step)   # returns at once; ZeroMQ's I/O thread sends
+        ...                                         # (overlap: compute something else here)
+        h.wait()                                    # params now hold the servers' values
+    client.close()
+
+Like MPI_Isend, a non-blocking call sends the caller's arrays zero-copy: do not
+write to `grads` before `wait()` returns.
+
+One DEALER socket per server.  The keys of one step are batched per server into
+messages of at most `message_bytes` (big tensors arrive already cut into slices
+by Placement), so a server can update and return the first slices while the
+later ones are still on the wire.  Replies are matched to requests by request
+id; a reply for another request found while waiting is kept for its handle.
+Every wait has a deadline and ends in a PSError naming the server.
+"""
+import itertools
+import threading
+import time
+
+import numpy as np
+import zmq
+
+from . import protocol as P
+from .config import Consistency, pack_config
+from .placement import DEFAULT_SLICE_BYTES, Placement
+
+
+class PSError(RuntimeError):
+    """A server answered with an error, or did not answer in time."""
+
+
+class Handle:
+    """The requests of one non-blocking call; wait() completes them all."""
+
+    def __init__(self, client, requests):
+        self.client, self.requests, self.done = client, requests, False
+
+    def wait(self):
+        if not self.done:
+            deadline = time.monotonic() + self.client.timeout
+            for server, request, op, out in self.requests:
+                self.client._complete(server, request, op, out, deadline)
+            self.done = True
+
+
+class Client:
+    def __init__(self, endpoints, worker_id, num_workers, timeout=30.0, consistency=None,
+                 auth_key=None, heartbeat_interval=0.5, slice_bytes=DEFAULT_SLICE_BYTES,
+                 message_bytes=4 << 20):
+        if not 0 <= worker_id < num_workers:
+            raise ValueError(f"worker_id {worker_id} not in [0, num_workers={num_workers})")
+        if not endpoints:
+            raise ValueError("no server endpoints")
+        self.endpoints, self.worker_id, self.num_workers = list(endpoints), worker_id, num_workers
+        self.timeout, self.auth_key = timeout, auth_key
+        self.consistency = consistency or Consistency()
+        self.slice_bytes, self.message_bytes = slice_bytes, message_bytes
+        self.placement = None
+        self.staleness_log = []
+        self.bytes_sent = self.bytes_received = 0
+        self._ids = itertools.count(1)
+        self._stash = [dict() for _ in self.endpoints]      # request id -> early reply
+        self._start_steps = {}                              # INIT request id -> clock
+        self._ctx = zmq.Context()
+        self._socks = []
+        for ep in self.endpoints:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)       # we close only after the last reply came
+            sock.connect(ep)
+            self._socks.append(sock)
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, args=(heartbeat_interval,), daemon=True)
+        self._beat.start()
+        self.closed = False
+
+    # -- the API ----------------------------------------------------------------------
+    def init(self, params, optimizer, consistency=None):
+        """Declare params on the servers (worker 0's values win), then copy the servers'
+        values into params.  Returns the step to start from (> 0 after a resume)."""
+        if consistency is not None:
+            self.consistency = consistency
+        for name, p in params.items():
+            _check_out(name, p)
+        self.placement = Placement({n: p.shape for n, p in params.items()}, len(self.endpoints),
+                                   self.slice_bytes)
+        config = pack_config(optimizer, self.consistency, self.num_workers)
+        requests = []
+        for server in range(len(self.endpoints)):
+            slices = self.placement.on_server(server)
+            source = params if self.worker_id == 0 else {}
+            entries, payload = self._entries(slices, source, step=0)
+            names = "\n".join(sl.name for sl in slices).encode()
+            requests.append(self._send(server, P.Op.INIT, entries, payload, [config, names], params))
+        steps = []
+        Handle(self, requests).wait()
+        for server, request, op, out in requests:
+            steps.append(self._start_steps.pop(request, 0))
+        return min(steps)
+
+    def push_pull(self, grads, out, step):
+        """Non-blocking: push grads for `step`, and fill `out` with the updated values on wait()."""
+        return Handle(self, self._requests(P.Op.PUSH_PULL, grads, step, out))
+
+    def push_async(self, grads, step):
+        return Handle(self, self._requests(P.Op.PUSH, grads, step, None))
+
+    def pull_async(self, out):
+        return Handle(self, self._requests(P.Op.PULL, {n: None for n in out}, 0, out))
+
+    def push(self, name, grad, step):
+        self.push_async({name: grad}, step).wait()
+
+    def pull(self, name, out):
+        self.pull_async({name: out}).wait()
+
+    def stats(self):
+        """Merged over servers: {'histogram': {staleness: count}, 'max_clock_gap': g}."""
+        hist, gap = {}, 0
+        for server in range(len(self.endpoints)):
+            a = np.frombuffer(self._call(server, P.Op.STATS).extras[0], np.int64)
+            gap = max(gap, int(a[0]))
+            for s, c in a[2:2 + 2 * int(a[1])].reshape(-1, 2):
+                hist[int(s)] = hist.get(int(s), 0) + int(c)
+        return {"histogram": dict(sorted(hist.items())), "max_clock_gap": gap}
+
+    def checkpoint(self):
+        """Ask every shard to write its checkpoint now; returns their paths."""
+        return [bytes(self._call(s, P.Op.CHECKPOINT).extras[0]).decode()
+                for s in range(len(self.endpoints))]
+
+    def close(self):
+        """Say BYE to every server (best effort, bounded), stop heartbeats, close sockets."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop.set()
+        byes = [self._send(s, P.Op.BYE, [], [], [], None) for s in range(len(self.endpoints))]
+        deadline = time.monotonic() + min(self.timeout, 5.0)     # one deadline for all
+        for server, request, op, _ in byes:
+            try:
+                self._receive(server, request, deadline, op)
+            except PSError:
+                pass             # a dead server cannot be told; its timeout already told us
+        self._beat.join(timeout=5)
+        for sock in self._socks:
+            sock.close()
+        self._ctx.term()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- requests ----------------------------------------------------------------------
+    def _requests(self, op, arrays, step, out):
+        if self.placement is None:
+            raise PSError("call init() before push/pull")
+        for name in arrays:
+            if name not in self.placement.by_name:
+                raise KeyError(f"{name!r} was not declared in init()")
+        if out is not None:
+            for name, o in out.items():
+                _check_out(name, o, self.placement.by_name[name][0].shape)
+        by_server = {}
+        for name in sorted(arrays):
+            for sl in self.placement.by_name[name]:
+                by_server.setdefault(sl.server, []).append(sl)
+        requests = []
+        source = arrays if op != P.Op.PULL else {}
+        for server, slices in sorted(by_server.items()):
+            # batch: consecutive slices up to message_bytes per message
+            batch, size = [], 0
+            for sl in slices + [None]:
+                nbytes = sl.length * 4 if sl else 0
+                if batch and (sl is None or size + nbytes > self.message_bytes):
+                    entries, payload = self._entries(batch, source, step)
+                    requests.append(self._send(server, op, entries, payload, [], out))
+                    batch, size = [], 0
+                if sl:
+                    batch.append(sl)
+                    size += nbytes
+        return requests
+
+    def _entries(self, slices, arrays, step):
+        entries, payload = [], []
+        for sl in slices:
+            parts = []
+            if sl.name in arrays:
+                flat = np.ascontiguousarray(arrays[sl.name], dtype=np.float32).reshape(-1)
+                if flat.size != sum(s.length for s in self.placement.by_name[sl.name]):
+                    raise ValueError(f"{sl.name}: {flat.size} elements, declared shape {sl.shape}")
+                parts = P.chunks(flat[sl.offset:sl.offset + sl.length])
+            entries.append(P.Entry(sl.key, sl.offset, sl.length, sl.shape, nframes=len(parts),
+                                   step=step))
+            payload += parts
+        return entries, payload
+
+    def _send(self, server, op, entries, payload, extras, out):
+        request = next(self._ids)
+        frames = P.encode(op, self.worker_id, request, entries, extras, payload, self.auth_key)
+        self._socks[server].send_multipart(frames, copy=False)
+        self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
+        return (server, request, op, out)
+
+    def _call(self, server, op, timeout=None):
+        s, request, _, _ = self._send(server, op, [], [], [], None)
+        return self._receive(s, request, time.monotonic() + (timeout or self.timeout), op)
+
+    def _receive(self, server, request, deadline, op):
+        """The reply to `request` from `server`, or PSError at the deadline."""
+        sock, stash = self._socks[server], self._stash[server]
+        while request not in stash:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(left * 1000):
+                raise PSError(f"worker {self.worker_id}: server {server} ({self.endpoints[server]}) "
+                              f"sent no reply to {op.name} (request {request}) within "
+                              f"{self.timeout:g} s: is it alive?")
+            frames = sock.recv_multipart(copy=False)
+            self.bytes_received += sum(len(f.buffer) for f in frames)
+            try:
+                msg = P.decode(frames, self.auth_key)
+            except P.ProtocolError as e:
+                raise PSError(f"server {server} sent a malformed reply: {e}") from None
+            stash[msg.request] = msg
+        msg = stash.pop(request)
+        if msg.op == P.Op.ERROR:
+            text = bytes(msg.extras[0]).decode("utf-8", "replace")
+            raise PSError(f"worker {self.worker_id}: server {server} ({self.endpoints[server]}) "
+                          f"refused {op.name}: {text}")
+        return msg
+
+    def _complete(self, server, request, op, out, deadline):
+        msg = self._receive(server, request, deadline, op)
+        if msg.op != P.Op.VALUES:
+            return
+        if op == P.Op.INIT:
+            self._start_steps[request] = min((e.step for e in msg.entries), default=0)
+        names = {sl.key: sl for sl in self.placement.on_server(server)}
+        for e, frames in msg.entry_frames():
+            sl = names.get(e.key)
+            if sl is None or (e.offset, e.length) != (sl.offset, sl.length):
+                raise PSError(f"server {server} returned key {e.key}, which is not its slice")
+            if op == P.Op.PUSH_PULL and e.staleness >= 0:
+                self.staleness_log.append(e.staleness)
+            dst = out[sl.name].reshape(-1)
+            pos = sl.offset
+            for f in frames:
+                src = np.frombuffer(f, np.float32)
+                dst[pos:pos + len(src)] = src
+                pos += len(src)
+
+    def _heartbeat(self, interval):
+        """Runs in a thread with its own sockets (ZeroMQ sockets are not thread-safe)."""
+        socks = []
+        for ep in self.endpoints:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(ep)
+            socks.append(s)
+        try:
+            while not self._stop.wait(interval):
+                for s in socks:
+                    s.send_multipart(P.encode(P.Op.HEARTBEAT, self.worker_id, 0,
+                                              auth_key=self.auth_key))
+        finally:
+            for s in socks:
+                s.close()
+
+
+def _check_out(name, a, shape=None):
+    if not (isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous
+            and a.flags.writeable):
+        raise ValueError(f"{name}: need a writable C-contiguous float32 numpy array")
+    if shape is not None and a.shape != tuple(shape):
+        raise ValueError(f"{name}: shape {a.shape}, declared {tuple(shape)}")

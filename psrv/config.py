@@ -1,0 +1,79 @@
+"""What a worker tells the servers at initialisation: optimizer and consistency model.
+
+Both are frozen dataclasses validated on construction, and both travel in the
+INIT message as one fixed `struct` (CONFIG below), never pickled:
+
+    CONFIG  <B d d d d d d B I I  (59 bytes)
+            optimizer code, lr, momentum, beta1, beta2, eps, weight_decay,
+            consistency code, staleness bound, number of workers
+
+Consistency models (Ho et al. 2013, "More effective distributed ML via a stale
+synchronous parallel parameter server"):
+
+    bsp  a key's update for step t is applied once all W workers pushed t
+         (their gradients averaged), and a pull at clock t+1 waits for it
+    ssp  each push is applied on arrival (scaled by 1/W); a worker at clock t
+         waits until the slowest worker has reached clock t - s
+    asp  each push is applied on arrival (scaled by 1/W); nobody waits
+"""
+import struct
+from dataclasses import dataclass
+
+OPTIMIZERS = ("sgd", "adam")      # the order is the wire code: sgd=0, adam=1
+MODES = ("bsp", "ssp", "asp")      # bsp=0, ssp=1, asp=2
+
+CONFIG = struct.Struct("<BddddddBII")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """torch.optim.SGD / torch.optim.Adam hyper-parameters (dampening 0, no nesterov, no amsgrad)."""
+    name: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.0
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self):
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optimizer name {self.name!r} is not one of {OPTIMIZERS}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        b1, b2 = self.betas
+        if not (0 <= b1 < 1 and 0 <= b2 < 1):
+            raise ValueError(f"betas must be in [0, 1), got {self.betas}")
+        if not (self.eps > 0 and self.weight_decay >= 0):
+            raise ValueError(f"need eps > 0 and weight_decay >= 0, got {self.eps}, {self.weight_decay}")
+        object.__setattr__(self, "betas", (float(b1), float(b2)))
+
+
+@dataclass(frozen=True)
+class Consistency:
+    mode: str = "bsp"
+    staleness: int = 0            # the bound s of ssp; ignored by bsp and asp
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"consistency mode {self.mode!r} is not one of {MODES}")
+        if not 0 <= self.staleness < 2**31:
+            raise ValueError(f"staleness must be >= 0, got {self.staleness}")
+
+
+def pack_config(opt, consistency, num_workers):
+    return CONFIG.pack(OPTIMIZERS.index(opt.name), opt.lr, opt.momentum, opt.betas[0],
+                       opt.betas[1], opt.eps, opt.weight_decay,
+                       MODES.index(consistency.mode), consistency.staleness, num_workers)
+
+
+def unpack_config(buf):
+    """bytes -> (OptimizerConfig, Consistency, num_workers); ValueError names the bad field."""
+    if len(buf) != CONFIG.size:
+        raise ValueError(f"config frame is {len(buf)} bytes, expected {CONFIG.size}")
+    code, lr, mom, b1, b2, eps, wd, mode, s, w = CONFIG.unpack(buf)
+    if code >= len(OPTIMIZERS) or mode >= len(MODES):
+        raise ValueError(f"unknown optimizer code {code} or consistency code {mode}")
+    opt = OptimizerConfig(OPTIMIZERS[code], lr, mom, (b1, b2), eps, wd)
+    return opt, Consistency(MODES[mode], s), w

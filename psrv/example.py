@@ -1,0 +1,98 @@
+"""A small training run through psrv: linear regression, data sharded over the workers.
+
+    mpiexec -n 3 python -m mpi4py -m psrv.example --servers 1        # 2 workers, 1 server
+    mpiexec -n 5 python -m mpi4py -m psrv.example --servers 2 --mode ssp --staleness 1
+
+    # standalone (any hosts): start the servers, then one worker per process
+    python -m psrv.server --shard 0 --num-shards 1 --bind tcp://127.0.0.1:5555 &
+    python -m psrv.example --ps tcp://127.0.0.1:5555 --worker-id 0 --num-workers 2 &
+    python -m psrv.example --ps tcp://127.0.0.1:5555 --worker-id 1 --num-workers 2
+
+Worker 0 prints one JSON line: the losses, and (BSP only) the largest difference
+from the same SGD run done serially on the global batch, which BSP must reproduce.
+"""
+import argparse
+import json
+
+import numpy as np
+
+from .client import Client
+from .config import Consistency, OptimizerConfig
+
+
+def data(n=96, dim=16, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, dim)).astype(np.float32)
+    w_true = rng.standard_normal(dim).astype(np.float32)
+    return x, x @ w_true + np.float32(0.5)
+
+
+def grads(params, x, y):
+    """Mean-squared error 0.5 * mean((x w + b - y)^2) and its gradient."""
+    err = x @ params["w"] + params["b"][0] - y
+    return float(0.5 * np.mean(err * err)), {"w": (x.T @ err / len(y)).astype(np.float32),
+                                              "b": np.array([err.mean()], np.float32)}
+
+
+def initial_params(dim):
+    return {"w": np.zeros(dim, np.float32), "b": np.zeros(1, np.float32)}
+
+
+def serial(steps, lr, x, y):
+    params = initial_params(x.shape[1])
+    for _ in range(steps):
+        _, g = grads(params, x, y)
+        for k in params:
+            params[k] -= np.float32(lr) * g[k]
+    return params
+
+
+def train(client, worker_id, num_workers, steps, lr, consistency):
+    x, y = data()
+    mine = slice(worker_id * len(y) // num_workers, (worker_id + 1) * len(y) // num_workers)
+    params = initial_params(x.shape[1])
+    start = client.init(params, OptimizerConfig("sgd", lr=lr), consistency)
+    losses = []
+    for step in range(start, steps):
+        loss, g = grads(params, x[mine], y[mine])
+        losses.append(loss)
+        client.push_pull(g, params, step).wait()
+    result = {"worker": worker_id, "losses": [round(v, 6) for v in losses],
+              "staleness": client.stats()["histogram"]}
+    if consistency.mode == "bsp":
+        ref = serial(steps, lr, x, y)
+        result["max_abs_diff_vs_serial"] = max(float(np.abs(params[k] - ref[k]).max()) for k in ref)
+    return result
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--servers", type=int, default=1, help="under mpiexec: the last S ranks serve")
+    ap.add_argument("--ps", help="standalone: comma-separated server endpoints")
+    ap.add_argument("--worker-id", type=int, default=0)
+    ap.add_argument("--num-workers", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--mode", default="bsp", choices=("bsp", "ssp", "asp"))
+    ap.add_argument("--staleness", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=30.0)
+    a = ap.parse_args(argv)
+    consistency = Consistency(a.mode, a.staleness)
+    if a.ps:
+        endpoints, worker_id, num_workers = a.ps.split(","), a.worker_id, a.num_workers
+    else:
+        from mpi4py import MPI                        # distributed-only: roles from the ranks
+        from .launch import mpi_roles
+        role = mpi_roles(MPI.COMM_WORLD, num_servers=a.servers, worker_timeout=a.timeout)
+        if role.is_server:
+            role.serve()
+            return
+        endpoints, worker_id, num_workers = role.endpoints, role.worker_id, role.num_workers
+    with Client(endpoints, worker_id, num_workers, timeout=a.timeout) as client:
+        result = train(client, worker_id, num_workers, a.steps, a.lr, consistency)
+    if worker_id == 0:
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Who serves and who trains, and where the servers are.
+
+(a) Under MPI: the last S ranks serve, the others train.  Each server binds a
+random port, and the endpoints are exchanged with one allgather:
+
+    mpiexec -n 3 python -m mpi4py -m psrv.example --servers 1     # ranks 0,1 train; rank 2 serves
+
+    role = psrv.launch.mpi_roles(MPI.COMM_WORLD, num_servers=S)
+    if role.is_server:
+        role.serve()                   # returns when every worker has closed
+    else:
+        client = psrv.Client(role.endpoints, role.worker_id, role.num_workers)
+        ...                            # role.worker_comm: the workers only (for data sharding)
+
+(b) Standalone, one process per shard, on any hosts:
+
+    python -m psrv.server --shard 0 --num-shards 2 --bind tcp://h1:5555
+    python -m psrv.server --shard 1 --num-shards 2 --bind tcp://h2:5555
+    python -m psrv.example --ps tcp://h1:5555,tcp://h2:5555 --worker-id 0 --num-workers 2
+
+`start_local_servers` runs (b) on this machine with random loopback ports (tests, bench).
+"""
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class Role:
+    is_server: bool
+    endpoints: list
+    num_workers: int
+    worker_id: int = None            # None on server ranks
+    worker_comm: object = None       # the workers' sub-communicator; None on server ranks
+    server: object = field(default=None, repr=False)   # a server.Server on server ranks
+
+    def serve(self):
+        self.server.serve()
+
+
+def mpi_roles(comm, num_servers=1, bind_host="127.0.0.1", **server_options):
+    """Split comm: ranks size-S .. size-1 serve (shard = rank - (size - S)), the rest train."""
+    from .server import Server      # here, so that `python -m psrv.server` imports it once
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if not 0 < num_servers < size:
+        raise ValueError(f"need 0 < servers({num_servers}) < ranks({size}): at least one worker")
+    workers = size - num_servers
+    server = None
+    if rank >= workers:
+        server = Server(f"tcp://{bind_host}:0", rank - workers, num_servers, **server_options)
+        advertised = server.endpoint
+        if bind_host in ("0.0.0.0", "*"):      # reachable name for other hosts
+            advertised = server.endpoint.replace(bind_host, socket.gethostname())
+    endpoints = comm.allgather(advertised if server else None)[workers:]
+    sub = comm.Split(color=0 if server is None else 1, key=rank)
+    if server is not None:
+        sub.Free()
+        return Role(True, endpoints, workers, server=server)
+    return Role(False, endpoints, workers, worker_id=rank, worker_comm=sub)
+
+
+class LocalServers:
+    """S `python -m psrv.server` processes on random loopback ports; logs in temp files."""
+
+    def __init__(self, num_servers=1, timeout=30.0, **options):
+        self.procs, self.endpoints, self.logs = [], [], []
+        for shard in range(num_servers):
+            args = [sys.executable, "-m", "psrv.server", "--shard", str(shard),
+                    "--num-shards", str(num_servers), "--bind", "tcp://127.0.0.1:0"]
+            for k, v in options.items():
+                if v is True:
+                    args.append("--" + k.replace("_", "-"))
+                elif v not in (None, False):
+                    args += ["--" + k.replace("_", "-"), str(v)]
+            log = tempfile.NamedTemporaryFile("w+", prefix=f"psrv-shard{shard}-", suffix=".log",
+                                              delete=False)
+            env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+            proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
+            self.procs.append(proc)
+            self.logs.append(log.name)
+            self.endpoints.append(self._read_endpoint(proc, timeout, log.name))
+
+    @staticmethod
+    def _read_endpoint(proc, timeout, log):
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        line = proc.stdout.readline() if ready else ""
+        if "listening on" not in line:
+            proc.kill()
+            raise RuntimeError(f"psrv.server did not start within {timeout} s; "
+                               f"its log {log}:\n{open(log).read()[-2000:]}")
+        return line.split()[-1]
+
+    def log(self, shard):
+        with open(self.logs[shard]) as f:
+            return f.read()
+
+    def kill(self, shard):
+        self.procs[shard].send_signal(signal.SIGKILL)
+        self.procs[shard].wait(10)
+
+    def wait(self, timeout=30.0):
+        """Wait for every server to exit on its own; returns their exit codes."""
+        return [p.wait(timeout) for p in self.procs]
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+            p.stdout.close()
+        for name in self.logs:
+            if os.path.exists(name):
+                os.unlink(name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def start_local_servers(num_servers=1, **options):
+    return LocalServers(num_servers, **options)

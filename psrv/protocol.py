@@ -1,0 +1,228 @@
+"""The wire format of psrv: the one place it is written down.
+
+A message is one ZeroMQ multipart message (after the ROUTER's identity frame):
+
+    frame 0          HEADER, then num_entries ENTRY records, nothing else
+    extra frames     how many depends on the op (EXTRA_FRAMES): INIT carries the
+                     config struct and the parameter names; ERROR a utf-8 text;
+                     STATS_REPLY an int64 array of (staleness, count) pairs
+    payload frames   raw little-endian array bytes, entry after entry, each entry
+                     in `nframes` chunks (~1 MiB: ZeroMQ moves 1-4 MiB frames at
+                     3-4 GB/s here and one 64 MiB frame at 1.5 GB/s), sent zero-copy
+    [hmac]           32 bytes of HMAC-SHA256 over every frame before it, if FLAG_HMAC
+
+    HEADER <4s B B B B I I I Q   (28 bytes)
+        magic b"TLPS", version, op, flags, reserved=0,
+        sender (worker id, or shard id in replies), request id (echoed in the reply),
+        num_entries, payload_bytes (sum of the payload frames' sizes)
+
+    ENTRY  <I B B H I Q Q q q i 4I   (64 bytes), one per key slice
+        key, dtype code, ndim, reserved=0, nframes, offset, length (elements),
+        step (the worker's clock for this key in a push; its clock in a reply),
+        version (updates applied to the values in a reply),
+        staleness (of the update this request applied; -1 if none),
+        shape (the whole parameter's shape, ndim <= 4, the rest 0)
+
+Nothing is pickled or evaluated.  `decode` checks every structural field and
+raises ProtocolError naming the first bad one; it never allocates from a number
+a header claims, only views the frames that actually arrived.  Whether a key
+exists and has that shape is the server's check (store.py).
+"""
+import hashlib
+import hmac
+import math
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+MAGIC = b"TLPS"
+VERSION = 1
+HEADER = struct.Struct("<4sBBBBIIIQ")
+ENTRY = struct.Struct("<IBBHIQQqqi4I")
+FLAG_HMAC = 1
+HMAC_BYTES = 32
+CHUNK_BYTES = 1 << 20
+MAX_ENTRIES = 1 << 16
+MAX_NDIM = 4
+MAX_ELEMENTS = 1 << 34            # one parameter: 64 GiB of float32 at most
+MAX_TEXT = 4096                   # ERROR text and, x256, the INIT names frame
+
+
+class Op(IntEnum):
+    INIT = 1          # entries (+ worker 0's values): declare keys, set config
+    PUSH = 2          # entries + gradients; reply OK once recorded
+    PULL = 3          # entries; reply VALUES when the consistency model allows
+    PUSH_PULL = 4     # entries + gradients; reply VALUES with the updated values
+    HEARTBEAT = 5     # no reply: "I am alive" while the worker computes
+    BYE = 6           # the worker is done; reply OK
+    STATS = 7         # reply STATS_REPLY: histogram of applied-update staleness
+    CHECKPOINT = 8    # reply OK with the file written
+    OK = 64
+    VALUES = 65
+    ERROR = 66
+    STATS_REPLY = 67
+
+
+EXTRA_FRAMES = {Op.INIT: 2, Op.ERROR: 1, Op.STATS_REPLY: 1, Op.OK: 1}
+CARRIES_PAYLOAD = {Op.INIT, Op.PUSH, Op.PUSH_PULL, Op.VALUES}
+
+# The dtype table: the order is the contract.  The server stores float32 only.
+DTYPES = (np.dtype("<f4"), np.dtype("<f8"), np.dtype("<f2"), np.dtype("<i4"),
+          np.dtype("<i8"), np.dtype("u1"))
+FLOAT32 = 0
+
+
+class ProtocolError(ValueError):
+    """A message that breaks the format; the text names the field."""
+
+
+@dataclass
+class Entry:
+    key: int
+    offset: int
+    length: int
+    shape: tuple = ()
+    dtype: int = FLOAT32
+    nframes: int = 0
+    step: int = 0
+    version: int = 0
+    staleness: int = -1
+
+    def __repr__(self):
+        return f"k{self.key}[{self.offset}:{self.offset + self.length}]@{self.step}"
+
+
+@dataclass
+class Message:
+    op: Op
+    sender: int
+    request: int
+    entries: list
+    extras: list          # buffers
+    payload: list         # buffers, entry after entry
+    flags: int = 0
+
+    def __repr__(self):
+        nbytes = sum(len(memoryview(p)) for p in self.payload)
+        keys = " ".join(map(repr, self.entries[:4])) + (" ..." if len(self.entries) > 4 else "")
+        return (f"<{self.op.name} from {self.sender} req {self.request} [{keys}] "
+                f"{nbytes} B in {len(self.payload)} frames>")
+
+    def entry_frames(self):
+        """Yield (entry, [its payload frames]) in order."""
+        at = 0
+        for e in self.entries:
+            yield e, self.payload[at:at + e.nframes]
+            at += e.nframes
+
+
+def chunks(flat, chunk_bytes=CHUNK_BYTES):
+    """Split a 1-D array into views of about chunk_bytes (no copy)."""
+    step = max(1, chunk_bytes // flat.itemsize)
+    return [flat[i:i + step] for i in range(0, len(flat), step)] or [flat[:0]]
+
+
+def encode(op, sender, request, entries=(), extras=(), payload=(), auth_key=None):
+    """-> list of frames.  Entries' nframes must already count their payload frames."""
+    payload = list(payload)
+    body = [ENTRY.pack(e.key, e.dtype, len(e.shape), 0, e.nframes, e.offset, e.length,
+                       e.step, e.version, e.staleness, *(tuple(e.shape) + (0,) * (4 - len(e.shape))))
+            for e in entries]
+    nbytes = sum(memoryview(p).nbytes for p in payload)
+    flags = FLAG_HMAC if auth_key else 0
+    head = HEADER.pack(MAGIC, VERSION, int(op), flags, 0, sender, request, len(body), nbytes)
+    frames = [head + b"".join(body), *extras, *payload]
+    if auth_key:
+        frames.append(sign(frames, auth_key))
+    return frames
+
+
+def sign(frames, auth_key):
+    mac = hmac.new(auth_key, digestmod=hashlib.sha256)
+    for f in frames:
+        mac.update(memoryview(f).cast("B"))
+    return mac.digest()
+
+
+def decode(frames, auth_key=None):
+    """list of buffers -> Message, or ProtocolError naming what is wrong."""
+    bufs = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
+    if not bufs:
+        raise ProtocolError("empty message")
+    head = bytes(bufs[0][:HEADER.size])
+    if len(head) < HEADER.size:
+        raise ProtocolError(f"frame 0 is {len(bufs[0])} bytes, shorter than the {HEADER.size}-byte header")
+    magic, version, op, flags, reserved, sender, request, n, nbytes = HEADER.unpack(head)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version}, this server speaks {VERSION}")
+    if op not in Op._value2member_map_:
+        raise ProtocolError(f"unknown op {op}")
+    op = Op(op)
+    if flags & ~FLAG_HMAC or reserved:
+        raise ProtocolError(f"unknown flags {flags:#x} or reserved byte {reserved}")
+    # authentication first, so that nothing unauthenticated is interpreted further
+    if auth_key is not None:
+        if not flags & FLAG_HMAC or len(bufs) < 2:
+            raise ProtocolError("authentication required: message has no HMAC")
+        if not hmac.compare_digest(bytes(bufs[-1]), sign(bufs[:-1], auth_key)):
+            raise ProtocolError("authentication failed: HMAC does not match")
+    if flags & FLAG_HMAC:
+        bufs = bufs[:-1]
+    if n > MAX_ENTRIES:
+        raise ProtocolError(f"num_entries {n} above the limit {MAX_ENTRIES}")
+    if len(bufs[0]) != HEADER.size + n * ENTRY.size:
+        raise ProtocolError(f"frame 0 is {len(bufs[0])} bytes, expected header + {n} entries = "
+                            f"{HEADER.size + n * ENTRY.size}")
+    entries = [_entry(bufs[0], HEADER.size + i * ENTRY.size, i) for i in range(n)]
+    extra = EXTRA_FRAMES.get(op, 0)
+    payload = bufs[1 + extra:]
+    if len(bufs) < 1 + extra:
+        raise ProtocolError(f"{op.name} needs {extra} extra frames, message has {len(bufs) - 1}")
+    want = sum(e.nframes for e in entries)
+    if len(payload) != want:
+        raise ProtocolError(f"entries announce {want} payload frames, message has {len(payload)}")
+    if want and op not in CARRIES_PAYLOAD:
+        raise ProtocolError(f"{op.name} carries no payload, got {want} frames")
+    if sum(p.nbytes for p in payload) != nbytes:
+        raise ProtocolError(f"payload_bytes {nbytes} != {sum(p.nbytes for p in payload)} received")
+    msg = Message(op, sender, request, entries, bufs[1:1 + extra], payload, flags)
+    for e, parts in msg.entry_frames():
+        size = DTYPES[e.dtype].itemsize
+        got = sum(p.nbytes for p in parts)
+        if parts and (got != e.length * size or any(p.nbytes % size for p in parts)):
+            raise ProtocolError(f"key {e.key}: {got} payload bytes in {len(parts)} frames for "
+                                f"{e.length} elements of {DTYPES[e.dtype]}")
+    return msg
+
+
+def _entry(buf, at, i):
+    key, dtype, ndim, reserved, nframes, offset, length, step, version, stale, *shape = \
+        ENTRY.unpack_from(buf, at)
+    where = f"entry {i} (key {key})"
+    if dtype >= len(DTYPES):
+        raise ProtocolError(f"{where}: unknown dtype code {dtype}")
+    if ndim > MAX_NDIM or reserved or any(shape[ndim:]):
+        raise ProtocolError(f"{where}: ndim {ndim} (max {MAX_NDIM}) or reserved fields not zero")
+    numel = math.prod(shape[:ndim])
+    if length > MAX_ELEMENTS or offset + length > numel:
+        raise ProtocolError(f"{where}: slice [{offset}:{offset + length}] outside shape {tuple(shape[:ndim])}")
+    if step < 0 or nframes > length + 1:
+        raise ProtocolError(f"{where}: negative step {step} or {nframes} frames for {length} elements")
+    return Entry(key, offset, length, tuple(shape[:ndim]), dtype, nframes, step, version, stale)
+
+
+def error_message(sender, request, text, auth_key=None):
+    return encode(Op.ERROR, sender, request, extras=[text.encode()[:MAX_TEXT]], auth_key=auth_key)
+
+
+def peek_request(frames):
+    """Best-effort request id of a message that failed to decode (0 if unreadable)."""
+    try:
+        return HEADER.unpack(bytes(memoryview(frames[0].buffer if hasattr(frames[0], "buffer")
+                                              else frames[0])[:HEADER.size]))[6]
+    except Exception:   # any garbage: the error reply just carries request 0
+        return 0

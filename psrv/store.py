@@ -1,0 +1,237 @@
+"""What one server shard holds, and the consistency rules that decide when it answers.
+
+Per key (one slice of one parameter) the shard keeps
+
+    value, optimizer state      float32 arrays of the slice's length
+    version                     updates applied so far
+    clock[w]                    pushes worker w made to this key (its next step)
+    read[w]                     the version last sent to worker w
+    acc, arrived                BSP only: sum of this step's gradients, who sent them
+
+and the three consistency models reduce to one question each:
+
+    on a push          bsp: add to acc; when every live worker has pushed, apply acc / n
+                       ssp, asp: apply grad / W at once
+    may w read key?    bsp: version >= clock[w]           (its own step is applied)
+                       ssp: min_j clock[j] >= clock[w] - s (nobody is more than s behind)
+                       asp: always
+
+The staleness of an applied update is version - read[w]: how many updates the
+key took between the read the gradient was computed from and this update
+(always 0 under BSP).  Every value is counted in `histogram`.
+
+Checkpoints are one .npz per shard (arrays only, loaded with allow_pickle=False),
+written to a temporary name and renamed, so a crash leaves the old file or the
+new one, never half of one.  They are taken only when no BSP step is half
+pushed, so nothing in flight is lost.
+"""
+import json
+import os
+from collections import Counter
+
+import numpy as np
+
+from . import optim
+from .config import Consistency, OptimizerConfig
+
+
+class Key:
+    def __init__(self, name, offset, length, shape, num_workers):
+        self.name, self.offset, self.length, self.shape = name, offset, length, tuple(shape)
+        self.value = None
+        self.state = {}
+        self.version = 0
+        self.clock = [0] * num_workers
+        self.read = [0] * num_workers
+        self.staleness = [-1] * num_workers      # of each worker's last applied update
+        self.acc = None
+        self.arrived = set()
+        self.trackers = []                       # zmq sends that still reference value
+
+    def describe(self):
+        return f"{self.name}[{self.offset}:{self.offset + self.length}] of shape {self.shape}"
+
+    def writable(self):
+        """Copy-on-write: a zero-copy reply still queued in ZeroMQ must not see the update."""
+        if any(not t.done for t in self.trackers):
+            self.value = self.value.copy()
+        self.trackers = []
+        return self.value
+
+
+class Shard:
+    def __init__(self, shard_id):
+        self.shard_id = shard_id
+        self.keys = {}
+        self.opt = self.consistency = None
+        self.num_workers = 0
+        self.active = set()
+        self.histogram = Counter()
+        self.max_clock_gap = 0
+
+    @property
+    def configured(self):
+        return self.opt is not None
+
+    @property
+    def has_values(self):
+        return bool(self.keys) and all(k.value is not None for k in self.keys.values())
+
+    # -- initialisation ------------------------------------------------------
+    def configure(self, opt, consistency, num_workers, entries, names):
+        if not self.configured:
+            self.opt, self.consistency, self.num_workers = opt, consistency, num_workers
+            self.active = set(range(num_workers))
+            for e, name in zip(entries, names):
+                self.keys[e.key] = Key(name, e.offset, e.length, e.shape, num_workers)
+            return
+        mine = (self.opt, self.consistency, self.num_workers)
+        if mine != (opt, consistency, num_workers):
+            raise ValueError(f"INIT config {opt}, {consistency}, W={num_workers} differs from the "
+                             f"one this shard holds: {mine[0]}, {mine[1]}, W={mine[2]}")
+        declared = {e.key: (n, e.offset, e.length, e.shape) for e, n in zip(entries, names)}
+        held = {k: (v.name, v.offset, v.length, v.shape) for k, v in self.keys.items()}
+        if declared != held:
+            diff = sorted(set(declared.items()) ^ set(held.items()))[:3]
+            raise ValueError(f"INIT declares other keys than this shard holds, e.g. {diff}")
+
+    def set_values(self, msg):
+        for e, frames in msg.entry_frames():
+            k = self.keys[e.key]
+            k.value = np.empty(k.length, np.float32)
+            pos = 0
+            for f in frames:
+                a = np.frombuffer(f, np.float32)
+                k.value[pos:pos + len(a)] = a
+                pos += len(a)
+            k.state = optim.new_state(self.opt, k.length)
+
+    def check_entry(self, e, worker, push):
+        """Raise ValueError naming the problem if entry e cannot apply to this shard."""
+        k = self.keys.get(e.key)
+        if k is None:
+            raise ValueError(f"unknown key {e.key} (this shard holds {len(self.keys)} keys)")
+        if (e.offset, e.length, e.shape) != (k.offset, k.length, k.shape):
+            raise ValueError(f"key {e.key} is {k.describe()}, message says "
+                             f"[{e.offset}:{e.offset + e.length}] of shape {e.shape}")
+        if e.dtype != 0:
+            raise ValueError(f"key {e.key}: dtype code {e.dtype}, servers hold float32 (code 0)")
+        if push and e.step != k.clock[worker]:
+            raise ValueError(f"key {e.key}: worker {worker} pushed step {e.step}, "
+                             f"its next step is {k.clock[worker]}")
+
+    # -- pushes ----------------------------------------------------------------
+    def push(self, key, worker, frames):
+        """Record worker's gradient for key; apply it if the consistency model says so."""
+        k = self.keys[key]
+        k.clock[worker] += 1
+        if self.consistency.mode != "bsp":
+            self._apply(k, frames, 1.0 / self.num_workers, [worker])
+            return
+        if not k.arrived and self.active == {worker}:      # W = 1: no sum, no copy
+            k.arrived.add(worker)
+            self._apply(k, frames, 1.0, [worker])
+            return
+        if k.acc is None:
+            k.acc = np.empty(k.length, np.float32)
+        pos = 0
+        for f in frames:
+            g = np.frombuffer(f, np.float32)
+            if k.arrived:
+                k.acc[pos:pos + len(g)] += g
+            else:
+                k.acc[pos:pos + len(g)] = g
+            pos += len(g)
+        k.arrived.add(worker)
+        self.try_complete(k)
+
+    def try_complete(self, k):
+        """BSP: apply the step once every live worker's gradient is in."""
+        if k.arrived and k.arrived >= self.active:
+            n = len(k.arrived)
+            if n > 1:
+                k.acc /= np.float32(n)
+            self._apply(k, [k.acc], 1.0, sorted(k.arrived))
+
+    def _apply(self, k, frames, scale, workers):
+        for w in workers:
+            k.staleness[w] = k.version - k.read[w]
+            self.histogram[k.staleness[w]] += 1
+        value = k.writable()
+        t = k.version + 1
+        pos = 0
+        for f in frames:
+            g = np.frombuffer(f, np.float32)
+            if scale != 1.0:
+                g = g * np.float32(scale)
+            sl = slice(pos, pos + len(g))
+            optim.apply(self.opt, t, value[sl], g, {n: s[sl] for n, s in k.state.items()})
+            pos += len(g)
+        k.version = t
+        k.arrived = set()
+
+    # -- reads -----------------------------------------------------------------
+    def may_read(self, key, worker):
+        k = self.keys[key]
+        mode = self.consistency.mode
+        if mode == "bsp":
+            return k.version >= k.clock[worker]
+        if mode == "ssp" and self.active:
+            gap = k.clock[worker] - min(k.clock[j] for j in self.active)
+            if gap > self.consistency.staleness:
+                return False
+            self.max_clock_gap = max(self.max_clock_gap, gap)
+        return True
+
+    def drop_worker(self, worker):
+        """A dead worker stops counting (on_worker_death='continue')."""
+        self.active.discard(worker)
+        if self.consistency and self.consistency.mode == "bsp":
+            for k in self.keys.values():
+                self.try_complete(k)
+
+    def stats(self):
+        """int64 array [max_clock_gap, n, s_1, c_1, ..., s_n, c_n] (the STATS_REPLY frame)."""
+        pairs = sorted(self.histogram.items())
+        return np.array([self.max_clock_gap, len(pairs)] + [x for p in pairs for x in p], np.int64)
+
+    # -- checkpoints -----------------------------------------------------------
+    def quiescent(self):
+        return all(not k.arrived for k in self.keys.values())
+
+    def save(self, path):
+        meta = {"shard": self.shard_id, "num_workers": self.num_workers,
+                "opt": {**vars(self.opt), "betas": list(self.opt.betas)},
+                "consistency": vars(self.consistency),
+                "keys": {str(key): {"name": k.name, "offset": k.offset, "length": k.length,
+                                    "shape": list(k.shape), "version": k.version,
+                                    "clock": k.clock, "read": k.read}
+                         for key, k in self.keys.items()},
+                "histogram": sorted(self.histogram.items())}
+        arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8)}
+        for key, k in self.keys.items():
+            arrays[f"value_{key}"] = k.value
+            arrays.update({f"{n}_{key}": s for n, s in k.state.items()})
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)          # atomic on POSIX: readers see old or new
+
+    def load(self, path):
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            opt = meta["opt"]
+            self.opt = OptimizerConfig(**{**opt, "betas": tuple(opt["betas"])})
+            self.consistency = Consistency(**meta["consistency"])
+            self.num_workers = meta["num_workers"]
+            self.active = set(range(self.num_workers))
+            self.histogram = Counter({s: c for s, c in meta["histogram"]})
+            for key, d in meta["keys"].items():
+                k = Key(d["name"], d["offset"], d["length"], d["shape"], self.num_workers)
+                k.version, k.clock, k.read = d["version"], d["clock"], d["read"]
+                k.value = z[f"value_{key}"].astype(np.float32)
+                k.state = {n: z[f"{n}_{key}"].astype(np.float32)
+                           for n in optim.new_state(self.opt, 0)}
+                self.keys[int(key)] = k

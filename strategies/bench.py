@@ -1,0 +1,160 @@
+"""Training throughput of each --sync beside torch's own DistributedDataParallel (gloo).
+
+Same model, same global batch, same P, one launch: every method builds its own
+replica, then rounds run the methods in turn (A B C A B C ...), because this
+VM's speed drifts minute to minute (shared/ENVIRONMENT.md); the table gives
+each method's median over rounds and its ratio to DDP measured in the same rounds.
+
+One process (nothing to synchronise; a sanity check of the harness):
+    python -m strategies.bench --syncs local --width 256 --rounds 2
+
+Two processes, the communication-heavy MLP of issue 4 (~21M parameters, 84 MB of gradients):
+    mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.bench \\
+        --syncs ring,ring:no-overlap,mpi,torch,ddp --model mlp --width 2048 --depth 6 \\
+        --global-batch 32 --bucket-mb 25 --rounds 5 --steps-per-round 5 --jsonl bench.jsonl
+
+Several hosts: as for strategies.train (`mpiexec -f hosts.txt -n 8 -ppn 4 ...`).
+
+A method is a --sync name (ring, tree, halving_doubling, hierarchical, mpi, torch),
+optionally with `:no-overlap` or `:fp16`/`:bf16`, or `ddp`.  ps and hybrid are
+left out: their servers take ranks away from the data-parallel workers, so P
+would not be the same.  `local` under P > 1 ranks trains without any
+communication: the compute-only bound.  DDP's exposed communication shows as
+0, since it waits inside backward where this harness cannot see it.  Every other flag is TrainConfig's (`--help` of strategies.train).
+"""
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import statistics
+import sys
+
+import torch
+
+from .config import ALLREDUCE_SYNCS, ConfigError, parse_args
+from .context import MPIControl, RunContext
+from .data import load_data
+from .metrics import now
+from .models import build_model, count_parameters
+from .sync import GradientSync, make_optimizer, make_sync
+from .train import one_step
+
+
+class DDPSync(GradientSync):
+    """torch.nn.parallel.DistributedDataParallel: it all-reduces inside backward."""
+    name = "ddp"
+
+    def setup(self, model):
+        from torch.nn.parallel import DistributedDataParallel
+
+        from allreduce.torch_transport import init_torch_distributed
+        init_torch_distributed(self.ctx.comm)
+        super().setup(model)
+        self.ddp = DistributedDataParallel(model, bucket_cap_mb=self.cfg.bucket_mb)
+
+
+def make_method(method, base, ctx, data, device):
+    """(cfg, model, sync, optimizer, forward) of one method name."""
+    name, _, option = method.partition(":")
+    if name != "ddp" and name not in ALLREDUCE_SYNCS + ("local",):
+        raise ConfigError(f"bench: unknown method {method!r}; use ddp or one of "
+                          f"{', '.join(ALLREDUCE_SYNCS + ('local',))}")
+    changes = {"sync": "local" if name == "ddp" else name}
+    if option == "no-overlap":
+        changes["overlap"] = False
+    elif option in ("fp16", "bf16"):
+        changes["compress"] = option
+    elif option:
+        raise ConfigError(f"bench: unknown option {option!r} in {method!r}")
+    cfg = dataclasses.replace(base, **changes)
+    model = build_model(cfg, data.spec, device)
+    if name == "ddp":
+        sync = DDPSync(cfg, ctx, device)
+    else:
+        sync = make_sync(cfg, ctx, device)      # "local" at P > 1: no communication at all
+    sync.setup(model)
+    forward = sync.ddp if name == "ddp" else model
+    optimizer = make_optimizer(cfg, model.parameters()) if name == "ddp" else \
+        sync.make_optimizer(model)
+    return cfg, model, sync, optimizer, forward
+
+
+def main(argv=None):
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--syncs", default="ring,mpi,torch,ddp")
+    own.add_argument("--rounds", type=int, default=5)
+    own.add_argument("--steps-per-round", type=int, default=5)
+    own.add_argument("--warmup", type=int, default=2, help="untimed steps per method first")
+    args, rest = own.parse_known_args(argv)
+    methods = args.syncs.split(",")
+    base = parse_args(rest + ["--no-progress"])
+    # The context only needs the world; "ring" stands for any all-reduce method.
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    ctx = RunContext.create(dataclasses.replace(base, sync="ring" if comm.size > 1 else "local"))
+    torch.set_num_threads(base.threads or max(1, (os.cpu_count() or 1) // ctx.local_size))
+    device = ctx.device(base)
+    data = load_data(base)
+    built = {m: make_method(m, base, ctx, data, device) for m in methods}
+    control = MPIControl(comm)
+    params = count_parameters(next(iter(built.values()))[1])
+    if ctx.rank == 0:
+        print(f"bench: {base.model} with {params:,} parameters ({4 * params / 2**20:.0f} MiB of "
+              f"gradients), P={ctx.dp_size}, global batch {base.global_batch}, "
+              f"bucket {base.bucket_mb} MB, {torch.get_num_threads()} torch thread(s) per rank, "
+              f"{args.rounds} rounds x {args.steps_per_round} steps, interleaved", flush=True)
+
+    def run(method, steps, first_step):
+        cfg, model, sync, optimizer, forward = built[method]
+        comm.Barrier()
+        t0 = now(device)
+        comm_s = 0.0
+        for s in range(steps):
+            _, _, c, _ = one_step(first_step + s, cfg, ctx, data, model, sync, optimizer, device,
+                                  forward)
+            comm_s += c
+        elapsed = comm.allreduce(now(device) - t0, op=MPI.MAX)   # the slowest rank sets the pace
+        return elapsed, comm_s
+
+    for m in methods:
+        run(m, args.warmup, 0)
+    times = {m: [] for m in methods}
+    exposed = {m: [] for m in methods}
+    for r in range(args.rounds):
+        for m in methods:
+            elapsed, comm_s = run(m, args.steps_per_round, args.warmup + r * args.steps_per_round)
+            times[m].append(elapsed / args.steps_per_round)
+            exposed[m].append(comm_s / args.steps_per_round)
+    for m in methods:
+        built[m][2].close()
+    rows = []
+    ddp = times.get("ddp")
+    for m in methods:
+        step_s = statistics.median(times[m])
+        ratios = [d / t for t, d in zip(times[m], ddp)] if ddp else None
+        rows.append({"kind": "bench", "method": m, "world_size": ctx.world_size,
+                     "parameters": params, "global_batch": base.global_batch,
+                     "median_step_s": step_s, "samples_per_s": base.global_batch / step_s,
+                     "median_exposed_comm_s": statistics.median(exposed[m]),
+                     "speedup_vs_ddp": statistics.median(ratios) if ratios else None,
+                     "step_s_per_round": times[m], "host": socket.gethostname(),
+                     "config": base.as_dict(), "argv": sys.argv[1:] if argv is None else argv})
+    if ctx.rank == 0:
+        print(f"{'method':<22}{'samples/s':>12}{'step ms':>10}{'exposed comm ms':>17}"
+              f"{'x DDP':>8}")
+        for row in rows:
+            ratio = f"{row['speedup_vs_ddp']:.2f}" if row["speedup_vs_ddp"] else "-"
+            print(f"{row['method']:<22}{row['samples_per_s']:>12.1f}"
+                  f"{1000 * row['median_step_s']:>10.1f}"
+                  f"{1000 * row['median_exposed_comm_s']:>17.1f}{ratio:>8}", flush=True)
+        if base.jsonl:
+            with open(base.jsonl, "a") as f:
+                for row in rows:
+                    f.write(json.dumps(row) + "\n")
+    control.barrier()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Checkpoints: every K steps and at the end; --resume continues the same trajectory.
+
+    save(cfg, ctx, step, model, optimizer)    # data-parallel rank 0 writes
+    state = read(cfg, ctx, model)              # every rank, before training; ConfigError
+    restore(state, model, optimizer)           #   if it belongs to another model or world
+
+What makes a resumed run reproduce the uninterrupted one: the parameters, the
+optimizer state (momentum, Adam moments and step count) and the step number.
+The data needs no state: step s's batch is a function of (seed, s) (data.py),
+and nothing else is random during training (no dropout).
+
+A checkpoint is written to a temporary file in the same directory, flushed to
+disk, then renamed over `checkpoint.pt`: rename is atomic, so a crash leaves
+the previous checkpoint or the new one, never half a file.  Every rank reads
+the file itself, so several hosts need a shared file system for --resume.
+"""
+import os
+
+import torch
+
+from .config import ConfigError
+from .models import signature
+
+FILE = "checkpoint.pt"
+FORMAT = 1
+
+
+def path_of(cfg):
+    return os.path.join(cfg.checkpoint_dir, FILE)
+
+
+def save(cfg, ctx, step, model, optimizer):
+    """`step` is the number of steps done: a resumed run starts at it."""
+    if ctx.dp_rank != 0:
+        return                      # every data-parallel replica holds the same state
+    os.makedirs(cfg.checkpoint_dir, exist_ok=True)
+    payload = {"format": FORMAT, "step": step, "model_kind": cfg.model,
+               "signature": signature(model), "dp_size": ctx.dp_size,
+               "world_size": ctx.world_size, "config": cfg.as_dict(),
+               "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+               "optimizer": optimizer.state_dict() if optimizer is not None else None}
+    final = path_of(cfg)
+    tmp = f"{final}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+
+
+def read(cfg, ctx, model):
+    """The checkpoint to resume from, checked against this run (before training)."""
+    path = path_of(cfg)
+    if not os.path.isfile(path):
+        raise ConfigError(f"--resume: no checkpoint at {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ConfigError(f"--resume: cannot read {path} ({e})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ConfigError(f"--resume: {path} is not a topolab checkpoint (format {FORMAT})")
+    mine = [(n, tuple(s)) for n, s in signature(model)]
+    theirs = [(n, tuple(s)) for n, s in state["signature"]]
+    if state["model_kind"] != cfg.model or mine != theirs:
+        diff = next(((a, b) for a, b in zip(mine, theirs) if a != b), None)
+        raise ConfigError(
+            f"--resume: {path} holds another model ({state['model_kind']}, "
+            f"{len(theirs)} tensors) than this run ({cfg.model}, {len(mine)} tensors)"
+            + (f"; first difference: checkpoint {diff[1]} vs run {diff[0]}" if diff else ""))
+    if state["dp_size"] != ctx.dp_size or state["world_size"] != ctx.world_size:
+        raise ConfigError(
+            f"--resume: {path} was written by world {state['world_size']} = "
+            f"dp({state['dp_size']}), this run is world {ctx.world_size} = dp({ctx.dp_size})")
+    if state["step"] > cfg.steps:
+        raise ConfigError(f"--resume: the checkpoint is at step {state['step']}, "
+                          f"beyond --steps {cfg.steps}")
+    return state
+
+
+def restore(state, model, optimizer):
+    """Load a checked state; returns the step to continue from."""
+    with torch.no_grad():
+        model.load_state_dict(state["model"])
+    if optimizer is not None and state["optimizer"] is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    return state["step"]

@@ -1,0 +1,53 @@
+"""Shared by all tiers: run a script under real mpiexec, never hang.
+
+Every launch has a wall-clock limit; on expiry the whole process group is
+killed and the test fails, naming the command, instead of hanging CI.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+MPIEXEC = shutil.which("mpiexec", path=str(BIN)) or shutil.which("mpiexec")
+
+
+def mpi_env(**extra):
+    env = dict(os.environ)
+    env.update({"PYTHONPATH": str(ROOT), "TOPOLAB_CHECK": "1", "TOPOLAB_TIMEOUT": "60",
+                "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PATH": f"{BIN}:{env['PATH']}"})
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run(cmd, timeout, env=None, cwd=ROOT):
+    """Run cmd; on timeout kill its process group and fail the test."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env or mpi_env(), cwd=cwd, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"hung for more than {timeout} s: {' '.join(map(str, cmd))}\n"
+                    f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def mpirun(nprocs, args, timeout=120, **env):
+    """`mpiexec -n P python -m mpi4py ARGS`: an exception on one rank aborts all."""
+    if MPIEXEC is None:
+        pytest.fail("mpiexec not found: install the 'mpich' wheel (make venv does)")
+    cmd = [MPIEXEC, "-n", str(nprocs), sys.executable, "-m", "mpi4py", *map(str, args)]
+    return run(cmd, timeout, mpi_env(**env))
+
+
+def check_ok(result):
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}")
+    return result

@@ -1,0 +1,171 @@
+"""Tier (b): every collective of every algorithm against an independent reference.
+
+    mpiexec -n P python -m mpi4py tests/mpi/collectives_matrix.py ['[{"algo": "ring"}, ...]']
+
+Each spec is {"algo": name, "transport": "mpi"|"torch", "options": {...}}; the
+default list covers all algorithms, hierarchical in two shapes, and the ring
+and tree over torch.distributed.
+
+Inputs depend on rank and position (sin(0.37 i + 1.3 r)), never all ones, so a
+chunk in the wrong place or from the wrong rank shows.  Every rank computes
+every rank's input itself, and the reference in float64 from those, without
+any communication.  Tolerances, for a sum of P values of magnitude <= 4 in a
+dtype of machine epsilon eps: P * eps * 4P (P roundings of partial sums of
+magnitude <= 4P, a full ulp each); integers, max and min: exact.  All ranks
+must also hold bit-identical all-reduce results.
+"""
+import hashlib
+import json
+import sys
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+import allreduce
+from allreduce.buffers import CollectiveError
+
+comm = MPI.COMM_WORLD
+rank, P = comm.rank, comm.size
+SPECS = [{"algo": "ring"}, {"algo": "tree"}, {"algo": "halving_doubling"},
+         {"algo": "hierarchical", "options": {"ranks_per_node": 2, "inner": "ring", "outer": "tree"}},
+         {"algo": "hierarchical", "options": {"inner": "halving_doubling", "outer": "ring"}},
+         {"algo": "mpi"}, {"algo": "torch"},
+         {"algo": "ring", "transport": "torch"}, {"algo": "tree", "transport": "torch"}]
+specs = json.loads(sys.argv[1]) if len(sys.argv) > 1 else SPECS
+
+EPS = {"float32": 1.2e-7, "float64": 2.3e-16, "float16": 9.8e-4, "bfloat16": 7.9e-3}
+NUMPY = ["float32", "float64", "int32", "int64", "float16"]
+TORCH = ["float32", "float64", "int32", "int64", "float16", "bfloat16"]
+BIG = 1_000_003
+failures = []
+
+
+def make(kind, dtype, r, n):
+    i = np.arange(n)
+    if dtype.startswith("int"):
+        values = (i * 7 + r * 1000) % 20011 - 10000
+    else:
+        values = np.sin(0.37 * i + 1.3 * r) * 4
+    if kind == "numpy":
+        return values.astype(dtype)
+    return torch.from_numpy(values.astype(np.float64)).to(getattr(torch, dtype))
+
+
+def f64(x):
+    return x.double().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, np.float64)
+
+
+def compare(label, got, want, tol):
+    got = f64(got)
+    if got.shape != want.shape:
+        failures.append(f"{label}: shape {got.shape} != {want.shape}")
+        return
+    bad = np.abs(got - want) > tol
+    if bad.any():
+        i = int(np.argmax(bad))
+        failures.append(f"{label}: {int(bad.sum())} wrong, first at {i}: {got[i]} != {want[i]}")
+
+
+def digest(x):
+    data = f64(x)  # every value here converts to float64 exactly
+    return hashlib.sha1(data.tobytes()).hexdigest()
+
+
+def run_case(coll, kind, dtype, n, ops):
+    label = f"{coll.label} P={P} {kind} {dtype} n={n}"
+    inputs = [f64(make(kind, dtype, r, n)) for r in range(P)]
+    floating = not dtype.startswith("int")
+    tol = P * EPS[dtype] * 4 * P if floating else 0
+    bounds = allreduce.shard_bounds(n, P)
+    a, b = bounds[rank]
+    for op in ops:
+        x = make(kind, dtype, rank, n)
+        want = {"sum": sum(inputs), "avg": sum(inputs) / P,
+                "max": np.max(inputs, axis=0), "min": np.min(inputs, axis=0)}[op]
+        coll.allreduce(x, op=op)
+        compare(f"{label} allreduce {op}", x, want, tol if op in ("sum", "avg") else 0)
+        if op == "sum" and len(set(comm.allgather(digest(x)))) != 1:
+            failures.append(f"{label} allreduce {op}: ranks hold different bits")
+        if op == "min":
+            continue                       # reduce-scatter shares the reduction code
+        x = make(kind, dtype, rank, n)
+        shard = coll.reduce_scatter(x, op=op)
+        compare(f"{label} reduce_scatter {op}", shard, want[a:b],
+                tol if op in ("sum", "avg") else 0)
+        compare(f"{label} reduce_scatter leaves x", x, inputs[rank], 0)
+    mine = make(kind, dtype, rank, n)[a:b]
+    gathered = np.concatenate([inputs[r][slice(*bounds[r])] for r in range(P)])
+    compare(f"{label} allgather(n)", coll.allgather(mine, n), gathered, 0)
+    compare(f"{label} allgather(sizes exchanged)", coll.allgather(mine), gathered, 0)
+    for root in sorted({0, P - 1}):
+        x = make(kind, dtype, rank, n)
+        coll.broadcast(x, root=root)
+        compare(f"{label} broadcast root={root}", x, inputs[root], 0)
+
+
+def expect_error(label, fn, *words):
+    try:
+        fn()
+    except CollectiveError as e:
+        if not all(w in str(e) for w in words):
+            failures.append(f"{label}: error {e!r} does not name {words}")
+        return
+    failures.append(f"{label}: no error raised")
+
+
+def check_algorithm(coll, quick=False):
+    """quick: the algorithm's dtype handling is checked elsewhere; test the transport."""
+    small = sorted({0, 1, max(P - 1, 0), 2 * P + 1})   # empty, one, fewer than P, not divisible
+    numpy_dtypes = ["float32", "int64"] if quick else NUMPY
+    torch_dtypes = ["bfloat16"] if quick else TORCH
+    for n in small:
+        for dtype in numpy_dtypes:
+            ops = ["sum", "max", "min"] + (["avg"] if not dtype.startswith("int") else [])
+            run_case(coll, "numpy", dtype, n, ops)
+        for dtype in torch_dtypes:
+            ops = ["sum", "max"] + (["avg"] if not dtype.startswith("int") else [])
+            run_case(coll, "torch", dtype, n, ops)
+    big = (("numpy", "float32"),) if quick else (("numpy", "float32"), ("numpy", "int64"),
+                                                 ("torch", "bfloat16"))
+    for kind, dtype in big:
+        run_case(coll, kind, dtype, BIG, ["sum"])
+
+    # Bad input: a clear error naming the problem.
+    name = coll.label
+    x = np.arange(20, dtype=np.float32)
+    expect_error(f"{name} non-contiguous", lambda: coll.allreduce(x[::2]), "not C-contiguous")
+    ro = np.arange(4, dtype=np.float32)
+    ro.flags.writeable = False
+    expect_error(f"{name} read-only", lambda: coll.allreduce(ro), "read-only")
+    expect_error(f"{name} dtype", lambda: coll.allreduce(np.zeros(3, np.complex64)),
+                 "unsupported dtype")
+    expect_error(f"{name} torch dtype", lambda: coll.allreduce(torch.zeros(3, dtype=torch.uint8)),
+                 "unsupported dtype")
+    expect_error(f"{name} op", lambda: coll.allreduce(x, op="prod"), "unknown op 'prod'")
+    expect_error(f"{name} int avg", lambda: coll.allreduce(np.arange(3), op="avg"),
+                 "floating dtype")
+    expect_error(f"{name} tensor non-contiguous", lambda: coll.allreduce(torch.zeros(4, 4).t()),
+                 "not contiguous")
+    expect_error(f"{name} root", lambda: coll.broadcast(x, root=P), "root")
+    expect_error(f"{name} list", lambda: coll.allreduce([1, 2, 3]), "numpy array or a torch tensor")
+
+
+for spec in specs:
+    coll = allreduce.create(spec["algo"], transport=spec.get("transport"), **spec.get("options", {}))
+    coll.label = spec["algo"] + (f"@{spec['transport']}" if spec.get("transport") else "") + (
+        f"{spec['options']}" if spec.get("options") else "")
+    check_algorithm(coll, quick=spec.get("transport") == "torch")
+    comm.Barrier()
+    if rank == 0:
+        print(f"checked {coll.label} P={P}", flush=True)
+
+all_failures = comm.gather(failures, root=0)
+if rank == 0:
+    flat = [f"rank {r}: {f}" for r, fs in enumerate(all_failures) for f in fs]
+    if flat:
+        print("\n".join(flat[:60]))
+        print(f"FAILED: {len(flat)} mismatches")
+        sys.stdout.flush()
+        comm.Abort(1)
+    print(f"OK P={P}")

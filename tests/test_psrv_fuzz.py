@@ -1,0 +1,122 @@
+"""A live server fed random, garbled and truncated messages keeps serving everyone else.
+
+After each bad message we send a valid STATS request on the same connection;
+ZeroMQ keeps one connection's messages in order, so every reply before the STATS
+reply answers the bad message: it must be a well-formed ERROR (or a valid reply,
+if the garbling happened to produce a valid request).  Nothing is waited for
+that may never come.
+"""
+import struct
+
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import psrv
+from psrv import protocol as P
+
+SHAPES = {"w": (40, 30), "b": (30,)}
+
+
+@pytest.fixture(scope="module")
+def live():
+    # W=2 with a long worker timeout: worker 1 never shows up, so a garbled BYE
+    # from worker 0 cannot end the server, and nobody is declared dead
+    with psrv.launch.start_local_servers(1, worker_timeout=600) as servers:
+        client = psrv.Client(servers.endpoints, 0, 2, timeout=10,
+                             consistency=psrv.Consistency("asp"))
+        params = {n: np.arange(np.prod(s), dtype=np.float32).reshape(s) for n, s in SHAPES.items()}
+        client.init(params, psrv.OptimizerConfig("sgd", lr=0.1))
+        ctx = zmq.Context()
+        raw = ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(servers.endpoints[0])
+        yield servers, client, raw, params
+        client.close()
+        raw.close()
+        ctx.term()
+
+
+def valid_messages(client, params):
+    """A valid INIT, PULL and PUSH_PULL from worker 0, as frame lists of bytes."""
+    from psrv.config import pack_config
+    sl = client.placement.slices
+    entries, payload = client._entries(sl, params, step=0)
+    grads = client._entries(sl, params, step=10**6)
+    cfg = pack_config(psrv.OptimizerConfig("sgd", lr=0.1), psrv.Consistency("asp"), 2)
+    names = "\n".join(s.name for s in sl).encode()
+    msgs = [P.encode(P.Op.INIT, 0, 9, entries, [cfg, names], payload),
+            P.encode(P.Op.PULL, 0, 9, client._entries(sl, {}, 0)[0]),
+            P.encode(P.Op.PUSH_PULL, 0, 9, *grads[:1], payload=grads[1])]
+    return [[bytes(memoryview(f).cast("B")) for f in m] for m in msgs]
+
+
+def exchange(raw, frames, timeout_ms=10_000):
+    """Send frames, then STATS; return the decoded replies that came before STATS_REPLY."""
+    raw.send_multipart(frames)
+    raw.send_multipart(P.encode(P.Op.STATS, 0, 424242))
+    replies = []
+    while True:
+        assert raw.poll(timeout_ms), "server stopped answering"
+        msg = P.decode(raw.recv_multipart())          # must be well-formed
+        if msg.op == P.Op.STATS_REPLY and msg.request == 424242:
+            return replies
+        replies.append(msg)
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_garbled_frames_never_crash_the_server(live, data):
+    servers, client, raw, params = live
+    kind = data.draw(st.sampled_from(["random", "flip", "truncate", "drop", "header"]))
+    base = data.draw(st.sampled_from(valid_messages(client, params)))
+    if kind == "random":
+        frames = data.draw(st.lists(st.binary(max_size=300), min_size=1, max_size=4))
+    elif kind == "flip":
+        i = data.draw(st.integers(0, len(base) - 1))
+        f = bytearray(base[i])
+        if f:
+            f[data.draw(st.integers(0, len(f) - 1))] = data.draw(st.integers(0, 255))
+        frames = base[:i] + [bytes(f)] + base[i + 1:]
+    elif kind == "truncate":
+        i = data.draw(st.integers(0, len(base) - 1))
+        frames = base[:i] + [base[i][:data.draw(st.integers(0, max(0, len(base[i]) - 1)))]] + base[i + 1:]
+    elif kind == "drop":
+        frames = base[:-1] or [b""]
+    else:   # a well-formed header whose fields lie
+        field = data.draw(st.sampled_from([(5, "B"), (8, "I"), (16, "I"), (20, "Q")]))
+        head = bytearray(base[0])
+        struct.pack_into("<" + field[1], head, field[0],
+                         data.draw(st.integers(0, 2 ** (8 * struct.calcsize(field[1])) - 1)))
+        frames = [bytes(head)] + base[1:]
+    for msg in exchange(raw, frames):
+        assert msg.op in (P.Op.ERROR, P.Op.OK, P.Op.VALUES), msg
+        if msg.op == P.Op.ERROR:
+            assert bytes(msg.extras[0]).decode()       # names the problem
+
+
+@pytest.mark.timeout(60)
+def test_semantic_errors_are_named_and_others_still_served(live):
+    servers, client, raw, params = live
+    sl = client.placement.slices[0]
+    good = P.Entry(sl.key, sl.offset, sl.length, sl.shape)
+    cases = [
+        (P.Entry(999, 0, 4, (4,)), "unknown key 999"),
+        (P.Entry(sl.key, sl.offset, sl.length, sl.shape, dtype=1), "dtype"),
+        (P.Entry(sl.key, 0, 1, sl.shape), "message says"),
+    ]
+    for entry, words in cases:
+        (reply,) = exchange(raw, P.encode(P.Op.PULL, 0, 5, [entry]))
+        assert reply.op == P.Op.ERROR and words in bytes(reply.extras[0]).decode()
+    (reply,) = exchange(raw, P.encode(P.Op.PULL, 7, 5, [good]))
+    assert "not a worker id" in bytes(reply.extras[0]).decode()
+    (reply,) = exchange(raw, P.encode(P.Op.OK, 0, 5, extras=[b"hello"]))
+    assert "reply, not a request" in bytes(reply.extras[0]).decode()
+    # the server logged the refusals and still serves the real worker
+    out = {n: np.empty(s, np.float32) for n, s in SHAPES.items()}
+    for name in SHAPES:
+        client.pull(name, out[name])
+    assert servers.procs[0].poll() is None
+    assert "refused a message" in servers.log(0)

@@ -1,0 +1,27 @@
+"""Tier (c): the launcher under a real `mpiexec -n 3`: ranks 0, 1 train, rank 2 serves."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec next to the python")
+@pytest.mark.parametrize("mode", ["bsp", "ssp"])
+def test_example_under_mpiexec_one_server_two_workers(mode):
+    cmd = [MPIEXEC, "-n", "3", sys.executable, "-m", "mpi4py", "-m", "psrv.example",
+           "--servers", "1", "--steps", "20", "--mode", mode, "--staleness", "1", "--timeout", "20"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (line,) = [l for l in run.stdout.splitlines() if l.startswith("{")]
+    result = json.loads(line)
+    assert result["losses"][-1] < result["losses"][0] / 10
+    if mode == "bsp":      # the server-side SGD reproduces serial SGD on the global batch
+        assert result["max_abs_diff_vs_serial"] < 1e-5
+        assert set(result["staleness"]) == {"0"}

@@ -1,0 +1,210 @@
+"""Tier (c): the training worker under real mpiexec launches.
+
+Equivalence is the integration test: P data-parallel ranks training k steps on
+global batch B must reproduce one process (`--sync local`) training on B.
+
+Tolerance: rtol = 1e-5, atol = 1e-6 on every loss and every final parameter.
+The only difference allowed is the order of float32 additions: one process
+averages B per-sample gradients at once; P ranks average B/P each, then the
+collective sums P partial means (in ring, tree or pairwise order) and divides.
+Each reordering changes a result by a few ulps (2^-24 ~ 6e-8 relative); over
+5 SGD steps with momentum on a tiny MLP that stays below ~1e-7 (measured
+1.5e-8 in absolute terms), so 1e-5 leaves a wide margin, while any real bug (a
+rank's shard missing, a sum not averaged, a bucket out of place or a step
+skipped) changes values by a factor like 1/P, far outside it.
+"""
+import json
+
+import numpy as np
+import pytest
+
+from conftest import check_ok, mpirun
+
+RTOL, ATOL = 1e-5, 1e-6
+TINY = ["--model", "mlp", "--width", "32", "--depth", "2", "--in-dim", "8", "--classes", "4",
+        "--dataset-size", "240", "--global-batch", "12", "--steps", "5", "--lr", "0.1",
+        "--momentum", "0.9", "--bucket-mb", "0.004", "--threads", "1", "--no-progress"]
+GPT = ["--model", "gpt", "--layers", "1", "--d-model", "16", "--heads", "2", "--vocab", "12",
+       "--seq-len", "8", "--dataset-size", "120"]
+TRAIN = ["-m", "strategies.train"]
+# Several runs in one launch: `import torch` plus the torch._dynamo import that
+# the first torch.optim optimizer triggers cost 5-15 s per process on two busy
+# cores, far more than the runs themselves.  Each run is a full main(argv).
+SEVERAL = ["-c", "import json, sys\nfrom strategies.train import main\n"
+                 "for argv in json.loads(sys.argv[1]):\n    main(argv)"]
+
+
+def psrv_ready():
+    try:
+        import psrv
+        import psrv.launch  # noqa: F401
+        return hasattr(psrv, "Client")
+    except ImportError:
+        return False
+
+
+needs_psrv = pytest.mark.skipif(not psrv_ready(), reason="psrv (parameter server) not available yet")
+
+
+def train_several(tmp_path, nprocs, runs, timeout=150):
+    """Launch once, train each (name, extra flags) in turn; returns {name: (records, params)}."""
+    argvs = [[str(a) for a in TINY + list(extra) + ["--jsonl", tmp_path / f"{name}.jsonl",
+                                                    "--params-out", tmp_path / f"{name}.npz"]]
+             for name, extra in runs]
+    check_ok(mpirun(nprocs, SEVERAL + [json.dumps(argvs)], timeout=timeout))
+    return {name: (read_records(tmp_path / f"{name}.jsonl"), dict(np.load(tmp_path / f"{name}.npz")))
+            for name, _ in runs}
+
+
+def read_records(path):
+    records = [json.loads(line) for line in open(path)]
+    return [r for r in records if r["kind"] == "step"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return train_several(tmp_path_factory.mktemp("local"), 1,
+                         [("mlp", ["--sync", "local"]), ("gpt", ["--sync", "local"] + GPT)])
+
+
+def assert_same_run(run, reference, nprocs):
+    records, params = run
+    ref_records, ref_params = reference
+    ref_loss = [r["loss"] for r in ref_records]
+    for rank in range(nprocs):
+        mine = [r for r in records if r["rank"] == rank]
+        assert [r["step"] for r in mine] == list(range(len(ref_loss)))
+        np.testing.assert_allclose([r["loss"] for r in mine], ref_loss, rtol=RTOL, atol=ATOL)
+    assert params.keys() == ref_params.keys()
+    for name in ref_params:
+        np.testing.assert_allclose(params[name], ref_params[name], rtol=RTOL, atol=ATOL,
+                                   err_msg=name)
+    for r in records:
+        for field in ("step_time_s", "comm_time_s", "compute_time_s", "bytes_sent",
+                      "bytes_received", "peak_mem_mb", "local_loss"):
+            assert field in r
+
+
+SYNCS = [("ring", []), ("tree", []), ("halving_doubling", []),
+         ("hierarchical", ["--ranks-per-node", "2"]),   # P=3: nodes of 2 and 1 ranks
+         ("mpi", []), ("torch", [])]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_allreduce_syncs_reproduce_one_process(tmp_path, reference, nprocs):
+    runs = [(sync, ["--sync", sync] + extra) for sync, extra in SYNCS]
+    if nprocs == 2:   # the GPT without overlap, and fp16 on the wire
+        runs += [("gpt_no_overlap", ["--sync", "ring", "--no-overlap"] + GPT),
+                 ("fp16", ["--sync", "ring", "--compress", "fp16"])]
+    got = train_several(tmp_path, nprocs, runs, timeout=230)
+    failures = []
+    for sync, _ in SYNCS:
+        try:
+            assert_same_run(got[sync], reference["mlp"], nprocs)
+        except AssertionError as e:
+            failures.append(f"--sync {sync}: {e}")
+        if sync in ("ring", "tree", "halving_doubling"):
+            assert all(r["bytes_sent"] > 0 for r in got[sync][0])
+    assert not failures, "\n".join(failures)
+    if nprocs == 2:
+        assert_same_run(got["gpt_no_overlap"], reference["gpt"], 2)
+        records, params = got["fp16"]
+        # fp16 keeps 11 significant bits: about 1e-3 relative per gradient, not 1e-7
+        np.testing.assert_allclose([r["loss"] for r in records if r["rank"] == 0],
+                                   [r["loss"] for r in reference["mlp"][0]], rtol=1e-2)
+        assert max(r["bytes_sent"] for r in records) < \
+            0.6 * min(r["bytes_sent"] for r in got["ring"][0])
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(150)
+def test_resumed_run_reproduces_the_uninterrupted_run(tmp_path):
+    common = ["--sync", "ring", "--optimizer", "adam", "--lr", "0.01", "--steps", "6"]
+    ckpt = ["--checkpoint-dir", tmp_path / "ckpt"]
+    got = train_several(tmp_path, 2, [
+        ("whole", common),
+        ("first", common + ckpt + ["--steps", "3", "--checkpoint-every", "2"]),
+        ("rest", common + ckpt + ["--resume"])])
+    records, params = got["rest"]
+    assert sorted({r["step"] for r in records}) == [3, 4, 5]
+    whole_records, whole_params = got["whole"]
+    for r in records:                                   # bit for bit: same P, same order
+        assert r["loss"] == next(w["loss"] for w in whole_records if w["step"] == r["step"])
+    for name, value in whole_params.items():
+        assert np.array_equal(params[name], value), name
+
+
+def failing(nprocs, args, timeout=60):
+    result = mpirun(nprocs, TRAIN + TINY + list(args), timeout=timeout)
+    assert result.returncode != 0, result.stdout
+    return result.stderr
+
+
+def assert_every_rank_says(stderr, nprocs, message):
+    for rank in range(nprocs):
+        line = next((l for l in stderr.splitlines()
+                     if l.startswith(f"strategies.train rank {rank}: error:")), None)
+        assert line is not None, f"rank {rank} reported nothing:\n{stderr[-3000:]}"
+        assert message in line, line
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("args, message", [
+    (["--sync", "rign"], "--sync 'rign' is not one of"),
+    (["--model", "cnn"], "--model 'cnn' is not one of"),
+    (["--sync", "ring", "--global-batch", "13"], "13 % dp(2) = 1"),
+], ids=["sync", "model", "batch"])
+def test_bad_flags_fail_on_every_rank(args, message):
+    assert_every_rank_says(failing(2, args), 2, message)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(90)
+def test_wrong_data_file_fails_on_every_rank(tmp_path):
+    bad = tmp_path / "labels_as_floats.npz"
+    np.savez(bad, x=np.zeros((12, 8), np.float32), y=np.zeros(12, np.float32))
+    assert_every_rank_says(failing(3, ["--sync", "tree", "--data", bad]), 3,
+                           "y must be (N,) integer labels")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_resume_from_another_model_or_world_fails_on_every_rank(tmp_path):
+    ckpt = ["--checkpoint-dir", tmp_path / "ckpt"]
+    check_ok(mpirun(2, TRAIN + TINY + ["--sync", "ring", "--steps", "2"] + ckpt))
+    stderr = failing(2, ["--sync", "ring", "--width", "16", "--resume"] + ckpt)
+    assert_every_rank_says(stderr, 2, "holds another model")
+    stderr = failing(3, ["--sync", "ring", "--resume"] + ckpt)
+    assert_every_rank_says(stderr, 3, "written by world 2 = dp(2), this run is world 3 = dp(3)")
+
+
+# ----------------------------------------------------------- parameter servers
+ASYNC = {"asp": ["--consistency", "asp"], "ssp": ["--consistency", "ssp", "--staleness", "2"]}
+
+
+@needs_psrv
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nprocs", [3, 4])
+def test_parameter_server_syncs(tmp_path, reference, nprocs):
+    """P = nprocs - 1 workers (2 and 3) and one server.  BSP ps and hybrid must
+    reproduce one process; hybrid has one node of 2 workers at P=2 and three
+    nodes of 1 at P=3, so both halves (ring inside, servers between) are used.
+    At P=2, ASP and SSP (with stale gradients, so no equivalence) must converge."""
+    per_node = "2" if nprocs == 3 else "1"
+    runs = [("ps", ["--sync", "ps", "--servers", "1"]),
+            ("hybrid", ["--sync", "hybrid", "--servers", "1", "--ranks-per-node", per_node])]
+    if nprocs == 3:
+        runs += [(name, ["--sync", "ps", "--servers", "1", "--steps", "60", "--momentum", "0",
+                         "--lr", "0.2"] + flags) for name, flags in ASYNC.items()]
+    got = train_several(tmp_path, nprocs, runs, timeout=230)
+    for sync in ("ps", "hybrid"):
+        assert_same_run(got[sync], reference["mlp"], nprocs - 1)
+        assert all(r["bytes_sent"] > 0 for r in got[sync][0])
+    for name in ASYNC if nprocs == 3 else ():
+        loss = [r["loss"] for r in got[name][0] if r["rank"] == 0]
+        assert len(loss) == 60
+        assert np.mean(loss[-10:]) < 0.8 * np.mean(loss[:5]), (name, loss)

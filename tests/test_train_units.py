@@ -1,0 +1,180 @@
+"""Tier (a): the training worker's pure parts, no processes.
+
+Config validation and CLI mapping, batch sharding, bucket planning,
+compression, and GradBuckets in one process with a stand-in collective
+(the real collectives are exercised by test_train_runs.py under mpiexec).
+"""
+import numpy as np
+import pytest
+import torch
+
+from strategies.buckets import GradBuckets, plan_buckets
+from strategies.compress import make_compressor
+from strategies.config import ConfigError, TrainConfig, dp_size_of, parse_args
+from strategies.data import load_data
+from strategies.models import build_model
+
+
+@pytest.mark.timeout(30)
+def test_cli_maps_flags_onto_the_config():
+    cfg = parse_args(["--sync", "ring", "--global-batch", "12", "--no-overlap", "--lr", "0.1",
+                      "--bucket-mb", "0.5", "--checkpoint-dir", "/tmp/x", "--resume"])
+    assert (cfg.sync, cfg.global_batch, cfg.overlap, cfg.lr, cfg.bucket_mb, cfg.resume) == \
+        ("ring", 12, False, 0.1, 0.5, True)
+    assert parse_args([]) == TrainConfig()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("argv, message", [
+    (["--sync", "rign"], "--sync 'rign' is not one of"),
+    (["--model", "cnn"], "--model 'cnn' is not one of"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--lr", "-1"], "--lr must be > 0"),
+    (["--model", "gpt", "--d-model", "30", "--heads", "4"], "not divisible by --heads"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--steps", "ten"], "invalid int value"),
+    (["--sync", "ps", "--staleness", "2"], "--staleness needs --consistency ssp"),
+])
+def test_bad_flags_raise_config_error(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args(argv)
+
+
+@pytest.mark.timeout(30)
+def test_dp_size_names_every_factor():
+    assert dp_size_of(TrainConfig(sync="ring", global_batch=12), 3) == 3
+    assert dp_size_of(TrainConfig(sync="ps", servers=1, global_batch=12), 4) == 3
+    with pytest.raises(ConfigError, match=r"10 % dp\(3\) = 1 \(world 3 = dp\(3\)\)"):
+        dp_size_of(TrainConfig(sync="ring", global_batch=10), 3)
+    with pytest.raises(ConfigError, match=r"world 3 = dp\(2\) \+ servers\(1\)"):
+        dp_size_of(TrainConfig(sync="ps", global_batch=9), 3)
+    with pytest.raises(ConfigError, match="no worker left"):
+        dp_size_of(TrainConfig(sync="ps", servers=2), 2)
+    with pytest.raises(ConfigError, match="one process"):
+        dp_size_of(TrainConfig(sync="local"), 2)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
+def test_shards_of_all_ranks_make_the_global_batch(model):
+    cfg = TrainConfig(model=model, dataset_size=50, global_batch=12, seq_len=8)
+    data = load_data(cfg)
+    for step in (0, 4, 9):                       # step 4 crosses an epoch boundary (50 / 12)
+        whole_x, whole_y = data.batch(step, 0, 1, 12)
+        for dp in (2, 3):
+            parts = [data.batch(step, r, dp, 12) for r in range(dp)]
+            assert torch.equal(torch.cat([x for x, _ in parts]), whole_x)
+            assert torch.equal(torch.cat([y for _, y in parts]), whole_y)
+    # each epoch visits every sample once
+    seen = np.concatenate([data.global_indices(s, 10) for s in range(5)])
+    assert sorted(seen.tolist()) == list(range(50))
+
+
+@pytest.mark.timeout(30)
+def test_bad_npz_and_text_files(tmp_path):
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, x=np.arange(10.0), y=np.arange(10))
+    with pytest.raises(ConfigError, match="x must be a 2-D real array"):
+        load_data(TrainConfig(data=str(bad)))
+    np.savez(bad, x=np.zeros((10, 3)), y=np.zeros(9, dtype=np.int64))
+    with pytest.raises(ConfigError, match="x has 10 samples but y has 9"):
+        load_data(TrainConfig(data=str(bad)))
+    np.savez(bad, features=np.zeros((10, 3)))
+    with pytest.raises(ConfigError, match="missing x, y"):
+        load_data(TrainConfig(data=str(bad)))
+    text = tmp_path / "t.txt"
+    text.write_text("hello")
+    with pytest.raises(ConfigError, match="cannot read it as an .npz"):
+        load_data(TrainConfig(data=str(text)))
+    with pytest.raises(ConfigError, match="shorter than one sample"):
+        load_data(TrainConfig(model="gpt", data=str(text), seq_len=8))
+    text.write_text("abcdefghij" * 10)
+    data = load_data(TrainConfig(model="gpt", data=str(text), seq_len=9))
+    assert data.spec.vocab == 256 and data.x.shape == (10, 9)
+    assert bytes(data.x[0].tolist()) == b"abcdefghi" and bytes(data.y[0].tolist()) == b"bcdefghij"
+
+
+@pytest.mark.timeout(30)
+def test_plan_buckets_respects_the_cap():
+    params = [torch.zeros(n) for n in (10, 10, 30, 5, 5)]
+    groups = plan_buckets(params, cap_bytes=4 * 20)
+    assert [[p.numel() for p in g] for g in groups] == [[10, 10], [30], [5, 5]]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name, tol", [("none", 0), ("fp16", 1e-3), ("bf16", 1e-2)])
+def test_compressor_round_trip(name, tol):
+    c = make_compressor(name)
+    x = torch.linspace(-2, 2, 101)
+    out = torch.empty_like(x)
+    wire = c.compress(x, None if name == "none" else torch.empty(101, dtype=c.wire_dtype))
+    assert wire.dtype == c.wire_dtype
+    c.decompress(wire, out)
+    assert torch.allclose(out, x, atol=tol, rtol=0)
+
+
+def _grads(model, x, y):
+    model.zero_grad()
+    model.criterion(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_grad_buckets_reduce_every_gradient_once_in_order(overlap):
+    cfg = TrainConfig(width=16, depth=3)
+    data = load_data(cfg)
+    model = build_model(cfg, data.spec)
+    x, y = data.batch(0, 0, 1, 8)
+    expected = _grads(model, x, y)
+    calls = []
+
+    def reduce(flat):                       # a stand-in collective: records and doubles
+        calls.append(flat.numel())
+        flat.mul_(2)
+
+    buckets = GradBuckets(list(model.parameters()), reduce, cap_bytes=4 * 300,
+                          compressor=make_compressor("none"), overlap=overlap)
+    try:
+        for _ in range(2):                  # the second step reuses zeroed buckets
+            calls.clear()
+            buckets.zero_()
+            model.criterion(model(x), y).backward()
+            buckets.wait()
+            assert calls == [b.flat.numel() for b in buckets.buckets] and len(calls) > 2
+            for p, g in zip(model.parameters(), expected):
+                assert torch.equal(p.grad, 2 * g)
+    finally:
+        buckets.close()
+
+
+@pytest.mark.timeout(60)
+def test_grad_buckets_flush_parameters_without_gradient():
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4), "unused": torch.nn.Linear(4, 4)})
+    buckets = GradBuckets(list(model.parameters()), lambda flat: None, cap_bytes=64,
+                          compressor=make_compressor("none"), overlap=True)
+    try:
+        buckets.zero_()
+        model["used"](torch.ones(2, 4)).sum().backward()
+        buckets.wait()                      # would hang if unused buckets were never sent
+        assert torch.equal(model["unused"].weight.grad, torch.zeros(4, 4))
+    finally:
+        buckets.close()
+
+
+@pytest.mark.timeout(30)
+def test_comm_thread_error_reaches_the_main_thread():
+    model = torch.nn.Linear(4, 4)
+
+    def reduce(flat):
+        raise RuntimeError("peer vanished")
+
+    buckets = GradBuckets(list(model.parameters()), reduce, cap_bytes=1 << 20,
+                          compressor=make_compressor("none"), overlap=True)
+    try:
+        buckets.zero_()
+        model(torch.ones(2, 4)).sum().backward()
+        with pytest.raises(RuntimeError, match="peer vanished"):
+            buckets.wait()
+    finally:
+        buckets.close()
