@@ -57,12 +57,20 @@ def make(name, transport, **options):
         raise CollectiveError(f"{name}: bad option ({e})") from None
 
 
-def create(name, comm=None, transport=None, timeout=None, **options):
+def create(name, comm=None, transport=None, timeout=None, link_latency_us=None, link_gbps=None,
+           **options):
     """A collective by name.  `transport` is 'mpi' (default; 'torch' for the torch
-    baseline), 'torch', or a Transport object; `comm` an mpi4py communicator."""
+    baseline), 'torch', or a Transport object; `comm` an mpi4py communicator.
+    `link_latency_us` / `link_gbps` emulate a slower interconnect (allreduce.emulate)."""
     if name not in ALGORITHMS:
         raise CollectiveError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
     if transport is None or isinstance(transport, str):
         transport = make_transport(transport or ("torch" if name == "torch" else "mpi"),
                                    comm, timeout)
+    if link_latency_us or link_gbps:
+        if name in ("mpi", "torch"):
+            raise CollectiveError(f"link emulation applies to the textbook algorithms, "
+                                  f"not the {name!r} baseline")
+        from .emulate import EmulatedLink
+        transport = EmulatedLink(transport, link_latency_us or 0.0, link_gbps)
     return make(name, transport, **options)

@@ -23,6 +23,7 @@ import numpy as np
 from .buffers import as_bytes, nbytes
 
 DEFAULT_TIMEOUT_S = 120.0
+SPIN_POLLS = 100   # polls before a waiting rank starts yielding its core
 
 
 def default_timeout():
@@ -131,14 +132,15 @@ class MPITransport(Transport):
         spins = 0
         while not Testall(requests):
             spins += 1
-            if spins % 256 == 0:
-                if time.monotonic() > deadline:
-                    pending = [h.peer for h in handles if not h.request.Test()]
-                    raise TransportTimeout(self.world_rank(self.rank),
-                                           [self.world_rank(p) for p in pending], self.timeout)
-                # Oversubscribed (more ranks than cores): let the peer we wait for run.
-                if spins > 4096:
-                    os.sched_yield()
+            # Spin briefly (the peer is usually microseconds away), then give the
+            # core away on every poll: with more ranks than cores the peer we wait
+            # for may be waiting for this very core.
+            if spins > SPIN_POLLS:
+                os.sched_yield()
+            if spins % 64 == 0 and time.monotonic() > deadline:
+                pending = [h.peer for h in handles if not h.request.Test()]
+                raise TransportTimeout(self.world_rank(self.rank),
+                                       [self.world_rank(p) for p in pending], self.timeout)
 
     def barrier(self):
         self._wait_all([Handle(self, self.comm.Ibarrier(), -1)])
