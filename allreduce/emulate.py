@@ -82,6 +82,9 @@ class EmulatedLink(Transport):
     def world_rank(self, rank):
         return self.inner.world_rank(rank)
 
+    def node_id(self):
+        return self.inner.node_id()
+
     @property
     def comm(self):
         return getattr(self.inner, "comm", None)

@@ -12,13 +12,10 @@ between nodes, so cross the slow links as little as possible:
 Only one rank per node talks across nodes, each moving 2 (N-1)/N n for N
 nodes; the other ranks stay on the fast links.
 
-Nodes are real (ranks sharing a host name) or emulated on one machine with
+Nodes are real (ranks sharing memory: MPI_COMM_TYPE_SHARED) or emulated on one machine with
 `ranks_per_node=k` (ranks 0..k-1 form node 0, and so on).  A node's ranks must
 be consecutive, as mpiexec's default block placement makes them.
 """
-import socket
-import zlib
-
 import numpy as np
 
 from .buffers import CollectiveError
@@ -41,7 +38,7 @@ class Hierarchical(Collective):
                 raise CollectiveError(f"hierarchical: ranks_per_node={ranks_per_node} must be >= 1")
             node_id = transport.rank // int(ranks_per_node)
         else:
-            node_id = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+            node_id = transport.node_id()                  # ranks sharing memory
         self.node = transport.split(node_id)            # my node's ranks
         self.is_leader = self.node.rank == 0
         leaders = transport.split(0 if self.is_leader else 1)

@@ -7,6 +7,7 @@ environment, so rank 0 picks a free port and tells the others over MPI.
 import os
 import socket
 import time
+import zlib
 from datetime import timedelta
 
 import numpy as np
@@ -25,7 +26,11 @@ def init_torch_distributed(comm=None, backend=None, timeout=None):
     """Initialise torch.distributed once; from torchrun's environment or from MPI ranks."""
     if dist.is_initialized():
         return
-    backend = backend or ("nccl" if os.environ.get("TOPOLAB_DEVICE") == "cuda" else "gloo")
+    # One process group, two backends: gloo moves CPU tensors, NCCL CUDA ones.
+    if backend is None:
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank(comm) % torch.cuda.device_count())
     wait = timedelta(seconds=timeout or default_timeout())
     if under_torchrun():
         dist.init_process_group(backend, timeout=wait)
@@ -53,6 +58,18 @@ def init_torch_distributed(comm=None, backend=None, timeout=None):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, init_method=f"tcp://{host}:{int(port[0])}",
                             rank=comm.rank, world_size=comm.size, timeout=wait)
+
+
+def local_rank(comm=None):
+    """This process's rank among those on its host (which GPU it takes)."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    from mpi4py import MPI
+    comm = comm or MPI.COMM_WORLD
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    rank = node.Get_rank()
+    node.Free()
+    return rank
 
 
 def _as_tensor(buf):
@@ -123,6 +140,10 @@ class TorchTransport(Transport):
 
     def world_rank(self, rank):
         return self.global_ranks[rank] if rank >= 0 else rank
+
+    def node_id(self):
+        """Equal on ranks that share a host."""
+        return zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
 
 
 def is_cuda(x):

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from .buffers import as_bytes, nbytes
+from .buffers import CollectiveError, as_bytes, nbytes
 
 DEFAULT_TIMEOUT_S = 120.0
 SPIN_POLLS = 100   # polls before a waiting rank starts yielding its core
@@ -121,6 +121,10 @@ class MPITransport(Transport):
         # cheapest path for small messages); a tensor goes as its raw bytes.
         if type(buf) is np.ndarray:
             return buf
+        if buf.device.type != "cpu":
+            raise CollectiveError(
+                "the MPI transport takes CPU buffers (the MPI from PyPI is not CUDA-aware): "
+                "use transport='torch' (NCCL) for CUDA tensors, or copy them to the host")
         return [as_bytes(buf), self.MPI.BYTE]
 
     def _wait_all(self, handles):
@@ -147,6 +151,14 @@ class MPITransport(Transport):
 
     def split(self, color):
         return MPITransport(self.comm.Split(color, self.rank), self.timeout, self.traffic)
+
+    def node_id(self):
+        """Equal on ranks that share memory (one host): MPI_COMM_TYPE_SHARED."""
+        node = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED)
+        first = np.array([self.rank], dtype=np.int64)    # the node's rank 0 names the node
+        node.Bcast(first, root=0)
+        node.Free()
+        return int(first[0])
 
     def world_rank(self, rank):
         """The rank in MPI.COMM_WORLD of this communicator's `rank` (for messages)."""
