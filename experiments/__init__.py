@@ -1,0 +1,14 @@
+"""Experiments on top of allreduce/, psrv/ and strategies/: sweeps, cost model, plots, labs.
+
+    python -m experiments.sweep experiments/demo.toml     # run a matrix -> results/demo/
+    python -m experiments.report results/demo             # plots + report.md / report.html
+    python -m experiments.calibrate --out cal.json        # alpha, beta, gamma of this machine
+    python -m experiments.simulate                        # 8..4096 ranks, two-level cluster
+    mpiexec -n 4 python -m mpi4py -m experiments.emulate --link-latency-us 100 allreduce.bench
+    experiments/labs/README.md                            # five lab sheets and their checks
+
+Modules: sweep (runner) and sweepfile (the TOML and its checks), records (results
+directory, provenance), costmodel (formulas), calibrate, fidelity (predicted vs
+measured), simulate, plots (one function per figure), report, emulate (slow links,
+stragglers).
+"""

@@ -4,9 +4,9 @@ The teaching ladder (picotron's): the naive data-parallel step all-reduces
 every gradient after backward, one call per tensor.  Two improvements, as in
 PyTorch DDP (Li et al., "PyTorch Distributed", VLDB 2020):
 
-1. Bucketing.  Gradients live in a few flat buffers of at most --bucket-mb
-   each (`p.grad` is a view into its bucket, so nothing is copied in), so one
-   collective moves many small tensors at once instead of paying a latency each.
+1. Bucketing.  Gradients travel in a few flat buffers of at most --bucket-mb
+   each, so one collective moves many small tensors at once instead of paying
+   a latency each (a tensor bigger than the cap is reduced alone, in place).
 2. Overlap.  Backward produces gradients from the last layer to the first.
    Parameters are put in buckets in reverse order, so the bucket of the last
    layers fills first; a post-accumulate-grad hook counts a bucket's ready
@@ -25,29 +25,67 @@ the same).  mpi4py initialises MPI with MPI_THREAD_MULTIPLE, so the thread may
 call MPI while the main thread computes.  --no-overlap reduces the buckets on
 the main thread after backward, the same calls in the same order.
 """
+import os
 import queue
+import sys
 import threading
 
 import torch
 
+# See GradBuckets.__init__; TOPOLAB_SWITCH_S overrides it for experiments.
+SWITCH_INTERVAL_S = float(os.environ.get("TOPOLAB_SWITCH_S", "0.0002"))
+
 
 class Bucket:
+    """A run of parameters whose gradients travel as one flat buffer.
+
+    A bucket of one parameter all-reduces that parameter's .grad in place; a
+    bucket of several copies each .grad into its slice of `flat` as it arrives
+    and points .grad at the slice.  That costs one copy, where keeping .grad a
+    view of `flat` for good (DDP's gradient_as_bucket_view) would cost zeroing
+    the buffer every step plus autograd's read-add-write into it.
+    """
+
     def __init__(self, index, params, device, wire_dtype, stage_to_host):
         self.index = index
         self.params = params
         n = sum(p.numel() for p in params)
-        self.flat = torch.zeros(n, dtype=torch.float32, device=device)
+        self.alone = len(params) == 1                # reduced in place: no flat buffer
+        self.flat = None if self.alone else torch.zeros(n, dtype=torch.float32, device=device)
         self.wire = None if wire_dtype == torch.float32 else \
             torch.empty(n, dtype=wire_dtype, device=device)
         # MPI here is not CUDA-aware: a CUDA bucket travels through pinned host memory.
         self.host = torch.empty(n, dtype=wire_dtype, pin_memory=True) if stage_to_host else None
         self.views = {}
         offset = 0
-        for p in params:
+        for p in params if not self.alone else ():
             self.views[p] = self.flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
+        self.target = self.flat          # what is reduced this step
         self.pending = len(params)
         self.event = None
+
+    def take(self, p):
+        """p's fresh gradient joins the bucket (called from p's hook)."""
+        if self.alone:
+            if not p.grad.is_contiguous():
+                p.grad = p.grad.contiguous()
+            self.target = p.grad.view(-1)
+        else:
+            self.views[p].copy_(p.grad)
+            p.grad = self.views[p]
+            self.target = self.flat
+
+    def fill_missing(self):
+        """Parameters that got no gradient this step contribute zeros."""
+        for p in self.params:
+            if p.grad is None and self.alone:
+                p.grad = torch.zeros_like(p)
+                self.target = p.grad.view(-1)
+            elif p.grad is None:
+                self.views[p].zero_()
+                p.grad = self.views[p]
+                self.target = self.flat
 
 
 def plan_buckets(params, cap_bytes):
@@ -85,34 +123,33 @@ class GradBuckets:
         self._done = queue.Queue()
         self._thread = None
         if overlap:
+            # The thread runs Python (the ring's loops, polling MPI) while backward
+            # runs; every gradient hook needs the GIL back, and by default may wait
+            # up to 5 ms for it.  A 0.2 ms switch interval bounds that wait.
+            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
             self._thread = threading.Thread(target=self._comm_loop, name="grad-comm", daemon=True)
             self._thread.start()
         self.zero_()
 
     # ------------------------------------------------------------ per step
     def zero_(self):
-        """Before forward: zero the buckets and point every p.grad at its view."""
+        """Before forward: no gradients yet (autograd then hands over fresh ones)."""
         for b in self.buckets:
-            b.flat.zero_()
             b.pending = len(b.params)
             for p in b.params:
-                p.grad = b.views[p]
+                p.grad = None
 
     def _on_grad_ready(self, p):
-        # Runs inside backward.  Autograd adds into an existing .grad in place,
-        # so p.grad is still our view; if something replaced it, copy it back.
-        view = self.bucket_of[p].views[p]
-        if p.grad is not view and p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
-            p.grad = view
+        # Runs inside backward, once p.grad holds this step's full gradient.
         b = self.bucket_of[p]
+        b.take(p)
         b.pending -= 1
         if b.pending == 0:
             self._mark_ready(b)
 
     def _mark_ready(self, b):
         b.pending = -1                               # handed over; not again this step
-        if b.flat.is_cuda:                           # UNVERIFIED on GPU: the hook runs when
+        if b.target.is_cuda:                         # UNVERIFIED on GPU: the hook runs when
             b.event = torch.cuda.Event()             # the kernel is queued, not finished
             b.event.record()
         if self.overlap:
@@ -122,6 +159,7 @@ class GradBuckets:
         """After backward: finish every bucket's all-reduce; grads are then averaged."""
         for b in self.buckets:                       # parameters that got no gradient
             if b.pending >= 0:
+                b.fill_missing()
                 self._mark_ready(b)
         if self.overlap:
             self._done.get()
@@ -136,14 +174,14 @@ class GradBuckets:
     def _reduce(self, b):
         if b.event is not None:
             b.event.synchronize()
-        wire = self.compressor.compress(b.flat, b.wire)
+        wire = self.compressor.compress(b.target, b.wire)
         if b.host is not None:
             b.host.copy_(wire)
             self.reduce(b.host)
             wire.copy_(b.host)
         else:
             self.reduce(wire)
-        self.compressor.decompress(wire, b.flat)
+        self.compressor.decompress(wire, b.target)
 
     def _comm_loop(self):
         n = len(self.buckets)

@@ -6,7 +6,9 @@
 
 What makes a resumed run reproduce the uninterrupted one: the parameters, the
 optimizer state (momentum, Adam moments and step count) and the step number.
-The data needs no state: step s's batch is a function of (seed, s) (data.py),
+With --sync ps the parameters and optimizer state live on the servers, which
+write their own shards (psrv); this file then only records the step, model
+and world for the checks.  The data needs no state: step s's batch is a function of (seed, s) (data.py),
 and nothing else is random during training (no dropout).
 
 A checkpoint is written to a temporary file in the same directory, flushed to
@@ -77,8 +79,15 @@ def read(cfg, ctx, model):
     return state
 
 
-def restore(state, model, optimizer):
-    """Load a checked state; returns the step to continue from."""
+def restore(state, model, optimizer, sync=None):
+    """Load a checked state; returns the step to continue from.  With --sync ps the
+    servers hold the state and have loaded it themselves (the file here only
+    names the model and world, for the checks of `read`)."""
+    if hasattr(sync, "start_step"):
+        if sync.start_step != state["step"]:
+            raise RuntimeError(f"--resume: the servers resumed at step {sync.start_step}, "
+                               f"the worker checkpoint is at step {state['step']}")
+        return sync.start_step
     with torch.no_grad():
         model.load_state_dict(state["model"])
     if optimizer is not None and state["optimizer"] is not None:

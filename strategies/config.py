@@ -105,11 +105,9 @@ class TrainConfig:
             raise ConfigError("--staleness needs --consistency ssp (bsp waits for every worker)")
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir")
-        if self.checkpoint_dir and self.sync in PS_SYNCS:
-            # The optimizer state (momentum, Adam moments) lives on the servers,
-            # and psrv has no call to save it yet.
-            raise ConfigError(f"checkpoints are not supported with --sync {self.sync} yet: "
-                              "the optimizer state lives on the parameter servers")
+        if self.checkpoint_dir and self.sync == "hybrid":
+            raise ConfigError("checkpoints are not supported with --sync hybrid yet "
+                              "(they are with ps: the servers save their shards)")
 
     @property
     def synchronous(self):

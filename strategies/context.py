@@ -108,8 +108,16 @@ class RunContext:
         psrv = require_psrv()
         # Servers listen on loopback when every rank shares this host, else on all interfaces.
         one_host = len(set(self.comm.allgather(self.host))) == 1
+        # With --checkpoint-dir the servers save their shards (parameters and
+        # optimizer state) under DIR/ps themselves, and --resume loads them.
+        saving = {"checkpoint_dir": os.path.join(cfg.checkpoint_dir, "ps"),
+                  "checkpoint_every": cfg.checkpoint_every, "resume": cfg.resume} \
+            if cfg.checkpoint_dir else {}
+        if saving and self.is_server:
+            os.makedirs(saving["checkpoint_dir"], exist_ok=True)   # psrv does not create it
         self.role = psrv.launch.mpi_roles(self.comm, num_servers=cfg.servers,
-                                          bind_host="127.0.0.1" if one_host else "0.0.0.0")
+                                          bind_host="127.0.0.1" if one_host else "0.0.0.0",
+                                          **saving)
         if bool(self.role.is_server) != self.is_server:
             raise RuntimeError("psrv placed servers differently from strategies.context "
                                "(expected the last --servers ranks)")
@@ -123,7 +131,9 @@ class RunContext:
             # UNVERIFIED: no GPU on the machine this was written on.
             if not torch.cuda.is_available():
                 raise ConfigError("--device cuda but torch sees no GPU")
-            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+            device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)          # NCCL and pinned copies use the current GPU
+            return device
         return torch.device("cpu")
 
 

@@ -43,6 +43,14 @@ class DataSpec:
 class Dataset:
     def __init__(self, x, y, spec, seed, name):
         self.x, self.y, self.spec, self.seed, self.name = x, y, spec, seed, name
+        self._epoch, self._order = None, None
+
+    def order(self, epoch):
+        """The visiting order of an epoch (the last one is kept: big files, many steps)."""
+        if self._epoch != epoch:
+            self._epoch = epoch
+            self._order = np.random.default_rng([self.seed, 1, epoch]).permutation(len(self))
+        return self._order
 
     def __len__(self):
         return len(self.x)
@@ -54,8 +62,7 @@ class Dataset:
         out = []
         while len(out) < batch:
             epoch, offset = divmod(first + len(out), n)
-            order = np.random.default_rng([self.seed, 1, epoch]).permutation(n)
-            out.extend(order[offset:offset + batch - len(out)].tolist())
+            out.extend(self.order(epoch)[offset:offset + batch - len(out)].tolist())
         return np.asarray(out, dtype=np.int64)
 
     def batch(self, step, dp_rank, dp_size, global_batch, device="cpu"):

@@ -117,7 +117,7 @@ def main(argv=None):
     sync = make_sync(cfg, ctx, device)
     sync.setup(model)
     optimizer = sync.make_optimizer(model)
-    start = checkpoint.restore(state, model, optimizer) if state else 0
+    start = checkpoint.restore(state, model, optimizer, sync) if state else 0
     control = ctx.control if ctx.comm is None else MPIControl(ctx.dp_comm)
     metrics = Metrics(cfg, ctx, control, device, sync, start, cfg.global_batch)
     if ctx.dp_rank == 0 and start == 0:
@@ -132,10 +132,12 @@ def main(argv=None):
             if cfg.checkpoint_dir and cfg.checkpoint_every and \
                     (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 checkpoint.save(cfg, ctx, step + 1, model, optimizer)
+        if cfg.checkpoint_dir:
+            if hasattr(sync, "save_state"):
+                sync.save_state()
+            checkpoint.save(cfg, ctx, cfg.steps, model, optimizer)
     finally:
         sync.close()
-    if cfg.checkpoint_dir:
-        checkpoint.save(cfg, ctx, cfg.steps, model, optimizer)
     if cfg.params_out and ctx.dp_rank == 0:
         save_params(cfg.params_out, model)
     return metrics.summary(time.perf_counter() - started)

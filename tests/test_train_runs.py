@@ -200,10 +200,25 @@ def test_parameter_server_syncs(tmp_path, reference, nprocs):
     if nprocs == 3:
         runs += [(name, ["--sync", "ps", "--servers", "1", "--steps", "60", "--momentum", "0",
                          "--lr", "0.2"] + flags) for name, flags in ASYNC.items()]
+        adam = ["--sync", "ps", "--servers", "1", "--optimizer", "adam", "--lr", "0.01",
+                "--steps", "6"]
+        ckpt = ["--checkpoint-dir", tmp_path / "ckpt"]
+        runs += [("ps_whole", adam), ("ps_first", adam + ckpt + ["--steps", "3",
+                                                                 "--checkpoint-every", "2"]),
+                 ("ps_rest", adam + ckpt + ["--resume"])]
     got = train_several(tmp_path, nprocs, runs, timeout=230)
     for sync in ("ps", "hybrid"):
         assert_same_run(got[sync], reference["mlp"], nprocs - 1)
         assert all(r["bytes_sent"] > 0 for r in got[sync][0])
+    if nprocs == 3:   # the servers saved and reloaded their shards (Adam moments included)
+        records, params = got["ps_rest"]
+        assert sorted({r["step"] for r in records}) == [3, 4, 5]
+        whole_records, whole_params = got["ps_whole"]
+        np.testing.assert_allclose([r["loss"] for r in records if r["rank"] == 0],
+                                   [r["loss"] for r in whole_records
+                                    if r["rank"] == 0 and r["step"] >= 3], rtol=RTOL, atol=ATOL)
+        for name, value in whole_params.items():
+            np.testing.assert_allclose(params[name], value, rtol=RTOL, atol=ATOL, err_msg=name)
     for name in ASYNC if nprocs == 3 else ():
         loss = [r["loss"] for r in got[name][0] if r["rank"] == 0]
         assert len(loss) == 60

@@ -1,0 +1,201 @@
+"""Fit the cost model's alpha, beta, gamma on this machine with a short microbenchmark.
+
+    python -m experiments.calibrate --out results/calibration.json        # ~30 s
+    python -m experiments.calibrate --no-ps --jsonl results/x/records.jsonl
+    (several hosts: mpiexec -f hosts.txt -n 2 -ppn 1 .venv/bin/python -m mpi4py \\
+         -m experiments.calibrate --mpi-part --out inter.json     # the inter-node link)
+
+Measurements, none of them a collective, so that predicting the collectives
+from them is a real test of the model (costmodel.py):
+
+  alpha, beta   Two ranks under mpiexec exchange b bytes at once in both
+                directions (sendrecv through allreduce's MPI transport), which
+                is what every step of a ring does; t(b) = alpha + b * beta, alpha
+                fitted below 1 MiB, beta at 1 MiB and above (fit_two_regimes).
+  gamma         np.add(a, b, out=a) per byte of the vector reduced (the
+                reduction of allreduce.buffers.reduce_into), with both ranks
+                busy at once, as in a ring.
+  memcpy        np.copyto bandwidth: the roofline of plot (a).
+  ps_alpha, ps_beta
+                One psrv worker against one server (psrv.bench's own code):
+                push+pull of b bytes, t(b) = ps_alpha + 2 b * ps_beta.
+
+--verify ring,tree,... also times those all-reduces (1, 4, 16 MiB) in the same
+rounds as the probes, and psrv with two workers between two one-worker runs:
+the fairest test of the model on a machine whose speed drifts minute to
+minute, since prediction and measurement come from the same minutes.
+
+The driver (no mpiexec) launches the MPI part under mpiexec -n 2, runs the
+psrv part itself, and writes one JSON object (and, with --jsonl, one record
+of kind "calibration" for the report).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from .records import mpiexec_path, provenance
+
+SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
+PS_SIZES = [64 << 10, 1 << 20, 4 << 20, 16 << 20]
+LARGE = 1 << 20
+VERIFY_SIZES = [1 << 20, 4 << 20, 16 << 20]
+
+
+def fit_alpha_beta(nbytes, seconds):
+    """Least squares of t = alpha + b * beta, each point weighted by 1/t, so that
+    the small sizes (alpha) count as much as the large ones (beta)."""
+    b, t = np.asarray(nbytes, float), np.asarray(seconds, float)
+    A = np.stack([np.ones_like(b), b], axis=1) / t[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
+    return max(float(alpha), 0.0), float(beta)
+
+
+def fit_two_regimes(nbytes, seconds, split=LARGE):
+    """alpha from the messages below `split`, beta from those at or above it.
+    Why not one fit: caches make a byte cost about twice as much at 16 MiB as at
+    4 MiB here, so one line through 4 KiB..32 MiB misses both ends; the 15 %
+    target of issue 6 is about messages >= 1 MiB, so beta is fitted there."""
+    small = [(b, t) for b, t in zip(nbytes, seconds) if b < split]
+    large = [(b, t) for b, t in zip(nbytes, seconds) if b >= split]
+    alpha, _ = fit_alpha_beta(*zip(*small)) if len(small) >= 2 else (0.0, 0.0)
+    b, t = (np.asarray(x, float) for x in zip(*large))
+    beta = float(np.sum((t - alpha) * b / t**2) / np.sum(b**2 / t**2))   # 1/t weights, alpha fixed
+    return alpha, beta
+
+
+def median_time(fn, reps):
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def mpi_part(reps, verify=()):
+    """Under mpiexec -n 2: exchange times per size, gamma and memcpy, and (verify)
+    the named all-reduces timed in the same rounds; rank 0 returns them."""
+    import allreduce
+    from mpi4py import MPI
+
+    from allreduce.transport import MPITransport
+    comm = MPI.COMM_WORLD
+    t = MPITransport(comm)
+    if t.size != 2:
+        raise SystemExit(f"the MPI part runs on exactly 2 ranks, not {t.size}")
+    peer = 1 - t.rank
+    bufs = {n: (np.ones(n // 4, np.float32), np.empty(n // 4, np.float32)) for n in SIZES}
+    a, b = np.ones(16 << 18, np.float32), np.ones(16 << 18, np.float32)     # 16 MiB each
+    colls = {name: allreduce.create(name) for name in verify}
+    for c in colls.values():
+        c.check = False
+    work = {n: np.zeros(n // 4, np.float32) for n in VERIFY_SIZES}   # sums stay finite
+    probes = {}
+
+    def timed(key, fn):
+        """Run fn twice and keep the second time: caches as warm as in a benchmark
+        that repeats one call, whatever the probe before it touched."""
+        for _ in range(2):
+            t.barrier()
+            start = time.perf_counter()
+            fn()
+        probes.setdefault(key, []).append(time.perf_counter() - start)
+
+    # Round-robin: every probe and every verified all-reduce once per round, so a
+    # machine that changes speed mid-run (shared/ENVIRONMENT.md) slows all alike.
+    for rnd in range(reps + 1):
+        for n, (send, recv) in bufs.items():
+            timed(("x", n), lambda: t.sendrecv(send, peer, recv, peer))
+        timed("add", lambda: np.add(a, b, out=a))
+        timed("copy", lambda: np.copyto(a, b))
+        for name, c in colls.items():
+            for n in VERIFY_SIZES:
+                timed((name, n), lambda: c.allreduce(work[n]))
+        if rnd == 0:
+            probes.clear()                     # warm-up round: page faults, connections
+    med = {k: comm.allreduce(float(np.median(v)), op=MPI.MAX) for k, v in probes.items()}
+    exchange = [med[("x", n)] for n in SIZES]
+    alpha, beta = fit_two_regimes(SIZES, exchange)
+    return {"alpha_s": alpha, "beta_s_per_byte": beta, "gamma_s_per_byte": med["add"] / a.nbytes,
+            "memcpy_gbps": a.nbytes / med["copy"] / 1e9, "exchange_bytes": SIZES,
+            "exchange_s": exchange, "world_size": 2,
+            "verify": [{"algo": name, "bytes": n, "world_size": 2, "time_us": med[(name, n)] * 1e6}
+                       for name in colls for n in VERIFY_SIZES]}
+
+
+def ps_part(reps, verify=True):
+    """psrv, one worker and one server, before and after (verify) two workers and
+    one server; ps_alpha and ps_beta are fitted on the one-worker runs (their
+    median), the two-worker run is a prediction to check."""
+    from psrv.bench import run_config
+
+    def times(W, S):
+        return {r["bytes"]: r["time_us"] * 1e-6 for r in run_config(S, W, PS_SIZES, reps)
+                if r["kind"] == "psrv"}
+
+    runs = [times(1, 1)]
+    check = times(2, 1) if verify else {}
+    if verify:
+        runs.append(times(1, 1))               # A B A: the drift of the machine cancels
+    seconds = [float(np.median([r[n] for r in runs])) for n in PS_SIZES]
+    alpha, two_beta = fit_two_regimes(PS_SIZES, seconds)
+    return {"ps_alpha_s": alpha, "ps_beta_s_per_byte": two_beta / 2, "ps_bytes": PS_SIZES,
+            "ps_s": seconds, "ps_verify": [{"workers": 2, "servers": 1, "bytes": n,
+                                            "time_us": t * 1e6} for n, t in check.items()]}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m experiments.calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="", help="write the fitted constants to this JSON file")
+    p.add_argument("--jsonl", default="", help="append a record of kind 'calibration'")
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--no-ps", dest="ps", action="store_false", help="skip the psrv part")
+    p.add_argument("--verify", default="ring,tree,halving_doubling",
+                   help="all-reduces timed in the same rounds as the probes ('' for none)")
+    p.add_argument("--mpi-part", action="store_true", help="(internal) run under mpiexec -n 2")
+    a = p.parse_args(argv)
+    if a.mpi_part:
+        result = mpi_part(a.reps, [v for v in a.verify.split(',') if v])
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.rank == 0 and a.out:
+            with open(a.out, "w") as f:
+                json.dump(result, f)
+        return result
+    mpiexec = mpiexec_path()
+    with tempfile.TemporaryDirectory() as tmp:
+        part = os.path.join(tmp, "mpi.json")
+        subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", "-m",
+                        "experiments.calibrate", "--mpi-part", "--reps", str(a.reps),
+                        "--verify", a.verify,
+                        "--out", part], check=True, timeout=300)
+        with open(part) as f:
+            result = json.load(f)
+    if a.ps:
+        result.update(ps_part(max(3, a.reps // 3), bool(a.verify)))
+    result["cores"] = os.cpu_count()
+    result["loadavg"] = os.getloadavg()
+    print(f"alpha {result['alpha_s'] * 1e6:.1f} us  beta {1e-9 / result['beta_s_per_byte']:.2f}"
+          f" GB/s  gamma {1e-9 / result['gamma_s_per_byte']:.2f} GB/s  memcpy "
+          f"{result['memcpy_gbps']:.1f} GB/s" + (
+              f"  ps_alpha {result['ps_alpha_s'] * 1e6:.0f} us  ps_beta "
+              f"{1e-9 / result['ps_beta_s_per_byte']:.2f} GB/s" if a.ps else ""), flush=True)
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if a.jsonl:
+        with open(a.jsonl, "a") as f:
+            f.write(json.dumps({"kind": "calibration", **result,
+                                "provenance": provenance()}) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""The alpha-beta-gamma cost model of collectives, parameter servers, ZeRO and pipelines.
+
+    m = Machine(alpha=5e-6, beta=1 / 10e9, gamma=1 / 40e9)     # s, s/byte, s/byte
+    ring_allreduce(64 << 20, P=8, m)          # predicted seconds
+    m = Machine.from_calibration(json.load(open("results/calibration.json")))
+
+Hockney's model (1994): a message of n bytes takes alpha + n * beta; reducing
+n bytes costs n * gamma.  The formulas are those of Thakur, Rabenseifner &
+Gropp, "Optimization of collective communication operations in MPICH" (IJHPCA
+2005, section 4) unless noted; every one counts the slowest rank's critical path.
+
+One term is ours, for this laptop: `cores`.  When P ranks share C < P cores,
+each rank gets C / P of a core for copying and adding, so the bandwidth terms
+(beta, gamma) are stretched by P / C.  Leave cores=None on a cluster.
+
+Quick reference (n bytes, P ranks, lg = ceil(log2 P)):
+    ring               2(P-1) alpha + 2(P-1)/P n beta + (P-1)/P n gamma
+    binomial tree      2 lg (alpha + n beta) + lg n gamma          (reduce + broadcast)
+    halving-doubling   2 log2 p alpha + 2(p-1)/p n beta + (p-1)/p n gamma  (+ a fold if P != p)
+    hierarchical       ring inside k-rank nodes + ring over N nodes + broadcast inside
+    parameter server   alpha + max(n beta_w, W n beta_s / S) per direction       (BytePS)
+"""
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Machine:
+    alpha: float                 # seconds per message
+    beta: float                  # seconds per byte sent
+    gamma: float = 0.0           # seconds per byte reduced
+    cores: int = None            # ranks beyond this many share cores (None: one core each)
+    ps_alpha: float = None       # psrv: seconds per push+pull round trip
+    ps_beta: float = None        # psrv: seconds per byte each way
+
+    def __post_init__(self):
+        if min(self.alpha, self.beta, self.gamma) < 0:
+            raise ValueError(f"alpha, beta, gamma must be >= 0, got {self}")
+        if self.cores is not None and self.cores < 1:
+            raise ValueError(f"cores must be >= 1, got {self.cores}")
+
+    @classmethod
+    def from_calibration(cls, cal, cores=True):
+        """From experiments.calibrate's JSON (or its 'calibration' record)."""
+        return cls(cal["alpha_s"], cal["beta_s_per_byte"], cal["gamma_s_per_byte"],
+                   cal.get("cores") if cores else None, cal.get("ps_alpha_s"),
+                   cal.get("ps_beta_s_per_byte"))
+
+    def stretch(self, procs):
+        """How much slower bandwidth terms run when `procs` processes share the cores."""
+        return max(1.0, procs / self.cores) if self.cores else 1.0
+
+
+def lg(P):
+    return math.ceil(math.log2(P)) if P > 1 else 0
+
+
+# ------------------------------------------------------------------- collectives
+def ring_allreduce(n, P, m):
+    """Reduce-scatter then all-gather, P-1 steps each, n/P bytes per step.
+    Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+    workstations" (JPDC 2009): the bandwidth term 2(P-1)/P n beta is optimal."""
+    if P == 1:
+        return 0.0
+    s = m.stretch(P)
+    return 2 * (P - 1) * m.alpha + (P - 1) / P * n * (2 * m.beta + m.gamma) * s
+
+
+def ring_reduce_scatter(n, P, m):
+    if P == 1:
+        return 0.0
+    return (P - 1) * m.alpha + (P - 1) / P * n * (m.beta + m.gamma) * m.stretch(P)
+
+
+def ring_allgather(n, P, m):
+    return 0.0 if P == 1 else (P - 1) * m.alpha + (P - 1) / P * n * m.beta * m.stretch(P)
+
+
+def tree_allreduce(n, P, m):
+    """Binomial-tree reduce to rank 0, then binomial broadcast (Thakur et al. 2005,
+    4.4: MPICH's short-message allreduce): lg P rounds of the whole message each
+    way, so latency grows as log P but every round moves all n bytes."""
+    return 2 * lg(P) * (m.alpha + n * m.beta * m.stretch(P)) + lg(P) * n * m.gamma * m.stretch(P)
+
+
+def halving_doubling_allreduce(n, P, m):
+    """Rabenseifner's algorithm (Thakur et al. 2005, 4.4): recursive-halving
+    reduce-scatter then recursive-doubling all-gather over p = 2^floor(log2 P)
+    ranks; the P - p extra ranks first fold their vector into a partner and get
+    the result back at the end (+2 (alpha + n beta) + n gamma)."""
+    if P == 1:
+        return 0.0
+    p = 1 << (P.bit_length() - 1)
+    s = m.stretch(P)
+    t = 2 * math.log2(p) * m.alpha + (p - 1) / p * n * (2 * m.beta + m.gamma) * s
+    if p != P:
+        t += 2 * (m.alpha + n * m.beta * s) + n * m.gamma * s
+    return t
+
+
+def hierarchical_allreduce(n, P, k, intra, inter):
+    """Two levels, as allreduce/hierarchical.py does it (the scheme of Jia et al.,
+    "Highly scalable deep learning training system with mixed-precision", 2018,
+    and of Horovod's hierarchical allreduce): k ranks per node, N = P / k nodes.
+      1. ring reduce-scatter inside the node, the leader gathers the k shards
+      2. the N leaders ring-allreduce n bytes over the inter-node links
+      3. the leader broadcasts inside the node (a pipelined chain: ~ n beta)"""
+    N = max(1, P // k)
+    t = ring_reduce_scatter(n, k, intra)
+    if k > 1:
+        t += (k - 1) * intra.alpha + (k - 1) / k * n * intra.beta          # gather
+        t += (k - 1) * intra.alpha + n * intra.beta                        # broadcast
+    return t + ring_allreduce(n, N, inter)
+
+
+ALLREDUCE = {"ring": ring_allreduce, "tree": tree_allreduce,
+             "halving_doubling": halving_doubling_allreduce}
+
+
+def allreduce_time(algo, n, P, m, ranks_per_node=None):
+    """Predicted seconds of one all-reduce of n bytes; None for algorithms the model lacks."""
+    if algo == "hierarchical":
+        k = ranks_per_node or P
+        return hierarchical_allreduce(n, P, k, m, m)
+    fn = ALLREDUCE.get(algo)
+    return fn(n, P, m) if fn else None
+
+
+# ------------------------------------------------------------- parameter server
+def ps_push_pull(n, W, S, beta_worker, beta_server, alpha=0.0, duplex=True):
+    """Jiang et al., "A unified architecture for accelerating distributed DNN
+    training in heterogeneous GPU/CPU clusters" (BytePS, OSDI 2020, section 3.1):
+    each worker pushes n and pulls n; each of S servers receives and sends W n / S.
+    The slower side sets the pace: max(n / B_worker, W n / (S B_server)) per
+    direction.  With full-duplex links push and pull overlap (duplex=True);
+    over loopback on one machine they share the memory bus (duplex=False: x 2)."""
+    one_way = max(n * beta_worker, W * n * beta_server / S)
+    return alpha + (1 if duplex else 2) * one_way
+
+
+def psrv_time(n, W, S, m):
+    """psrv on this machine: push then pull through loopback TCP (not duplex),
+    calibrated on W = S = 1 as ps_alpha + 2 n ps_beta.  No `cores` stretch:
+    ZeroMQ waits sleep (MPI waits spin), and the server's W n / S bytes already
+    count the one process that is busy while the workers wait."""
+    if m.ps_alpha is None or m.ps_beta is None:
+        return None
+    return ps_push_pull(n, W, S, m.ps_beta, m.ps_beta, m.ps_alpha, duplex=False)
+
+
+# ------------------------------------------------------------------------- ZeRO
+ZERO_BYTES_PER_PARAM = {"params": 4, "grads": 4, "optimizer": 8}     # fp32 weights, Adam m and v
+
+
+def zero_memory(psi, N, stage):
+    """Bytes per rank of parameters, gradients and optimizer state with fp32 Adam:
+    Rajbhandari et al., "ZeRO: memory optimizations toward training trillion
+    parameter models" (SC 2020), Figure 1 with K = 8 (Adam's m and v in fp32):
+    stage 0: 16 psi, 1: 8 psi + 8 psi / N, 2: 4 psi + 12 psi / N, 3: 16 psi / N."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
+    shard = {"params": stage >= 3, "grads": stage >= 2, "optimizer": stage >= 1}
+    return {part: psi * b / (N if shard[part] else 1) for part, b in ZERO_BYTES_PER_PARAM.items()}
+
+
+def zero_comm_bytes(psi, N, stage, bytes_per_param=4):
+    """Bytes one rank sends per step (ZeRO paper, section 7): stages 0-2 move what
+    data parallelism moves, 2 (N-1)/N x gradient bytes (a reduce-scatter and an
+    all-gather); stage 3 adds a second all-gather of the parameters: 1.5 x."""
+    base = 2 * (N - 1) / N * psi * bytes_per_param
+    return base * (1.5 if stage == 3 else 1.0)
+
+
+# -------------------------------------------------------------------- pipelines
+def bubble_fraction(p, m):
+    """Idle share of a GPipe or 1F1B step with p stages and m micro-batches:
+    (p - 1) / (m + p - 1) (Huang et al., "GPipe", NeurIPS 2019; 1F1B of
+    Narayanan et al., "PipeDream-2BW"/"Efficient large-scale language model
+    training on GPU clusters using Megatron-LM", SC 2021, has the same bubble)."""
+    if p < 1 or m < 1:
+        raise ValueError(f"need p >= 1 stages and m >= 1 micro-batches, got p={p}, m={m}")
+    return (p - 1) / (m + p - 1)
+
+
+def pipeline_step_time(p, m, t_forward, t_backward, activation_bytes, link):
+    """(m + p - 1) slots of one micro-batch's forward + backward on one stage, each
+    slot also sending an activation (forward) and its gradient (backward)."""
+    send = link.alpha + activation_bytes * link.beta if p > 1 else 0.0
+    return (m + p - 1) * (t_forward + t_backward + 2 * send)
+
+
+def pipeline_activations_in_flight(p, m, schedule, stage=0):
+    """Micro-batches whose activations `stage` holds at once: GPipe all m;
+    1F1B at most p - stage (Narayanan et al. 2021, section 2.2)."""
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(m, p - stage)
+    raise ValueError(f"schedule must be gpipe or 1f1b, got {schedule!r}")

@@ -1,0 +1,257 @@
+"""The figures of issue 6, one function each; every one reads result records only.
+
+    records = experiments.records.load("results/demo")
+    path = busbw_vs_size(records, "results/demo/plots")    # -> .../busbw_vs_size.png (+ .svg)
+
+Each function returns the PNG's path, or None when the records hold nothing
+for it (the report then says which sweep would produce it).  Figures:
+  (a) busbw_vs_size          allreduce.bench: busbw per algorithm, memcpy as roofline
+  (b) strategy_breakdown     strategies.train: throughput; compute / exposed comm / idle
+  (c) scaling                allreduce.bench: time against ranks, measured and predicted
+  (d) zero_memory            memory per rank by ZeRO stage  (records of issue 5, not built yet)
+  (e) pipeline_gantt         a pipeline timeline, GPipe beside 1F1B  (issue 5, not built yet)
+  (f) ps_consistency         loss against step and wall-clock for BSP/SSP/ASP, staleness
+  (g) crossovers             experiments.simulate: predicted time against ranks, two levels
+"""
+import os
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")                       # files only; no display on a cluster node
+import matplotlib.pyplot as plt  # noqa: E402
+
+from . import fidelity  # noqa: E402
+
+
+def save(fig, out_dir, name):
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name + ".png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    fig.savefig(os.path.join(out_dir, name + ".svg"))
+    plt.close(fig)
+    return path
+
+
+def emulated(r):
+    c = r.get("config", {})
+    return bool(c.get("link_latency_us") or c.get("link_gbps"))
+
+
+def allreduce_rows(records):
+    return [r for r in records if r.get("command") == "allreduce.bench"
+            and r.get("op") == "allreduce" and r.get("world_size", 1) > 1]
+
+
+def busbw_vs_size(records, out_dir, world_size=None):
+    """(a) busbw (nccl-tests) against message size, one line per algorithm, at the
+    smallest world size measured without link emulation; memcpy is the ceiling."""
+    rows = [r for r in allreduce_rows(records) if not emulated(r)]
+    if not rows:
+        return None
+    P = world_size or min(r["world_size"] for r in rows)
+    by_algo = defaultdict(list)
+    for r in rows:
+        if r["world_size"] == P:
+            by_algo[r["algo"]].append((r["bytes"], r["busbw_gbps"]))
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for algo, pts in sorted(by_algo.items()):
+        pts.sort()
+        ax.plot([b for b, _ in pts], [g for _, g in pts], "o-", label=algo)
+    cals = [r for r in records if r.get("kind") == "calibration"]
+    if cals:
+        ax.axhline(cals[-1]["memcpy_gbps"], color="k", ls="--", lw=1,
+                   label=f"memcpy {cals[-1]['memcpy_gbps']:.1f} GB/s (roofline)")
+    ax.set(xscale="log", xlabel="message size (bytes)", ylabel="busbw (GB/s)",
+           title=f"all-reduce bus bandwidth, P={P}")
+    ax.legend(fontsize=8)
+    return save(fig, out_dir, "busbw_vs_size")
+
+
+def strategy_name(r):
+    c = r.get("config", {})
+    name = c.get("sync", "?")
+    if name in ("ps", "hybrid"):
+        name += f"/{c.get('consistency', 'bsp')}" + (
+            f"({c['staleness']})" if c.get("consistency") == "ssp" else "")
+    if c.get("straggler"):
+        name += " +straggler"
+    return name
+
+
+def train_steps(records):
+    runs = defaultdict(list)
+    for r in records:
+        if r.get("command") == "strategies.train" and r.get("kind") == "step":
+            runs[(strategy_name(r), r.get("point"))].append(r)
+    return runs
+
+
+def strategy_breakdown(records, out_dir):
+    """(b) samples/s per strategy, and a rank's mean step split into compute, exposed
+    communication and idle: the time a rank's step ends before the slowest rank's
+    of the same step.  Waiting for a slower peer *inside* a collective cannot be
+    told apart from moving bytes in these records: it counts as exposed comm."""
+    runs = {k: v for k, v in train_steps(records).items() if "straggler" not in k[0]}
+    if not runs:
+        return None
+    names, compute, comm, idle, rate = [], [], [], [], []
+    for (name, _), steps in sorted(runs.items()):
+        timed = [s for s in steps if s["step"] > 0] or steps      # step 0 warms up
+        mean = lambda key: sum(s[key] for s in timed) / len(timed)  # noqa: E731
+        names.append(name)
+        compute.append(1e3 * mean("compute_time_s"))
+        comm.append(1e3 * mean("comm_time_s"))
+        slowest = defaultdict(float)                 # a step lasts as long as its slowest rank
+        for s in timed:
+            slowest[s["step"]] = max(slowest[s["step"]], s["step_time_s"])
+        idle.append(1e3 * sum(slowest[s["step"]] - s["step_time_s"] for s in timed) / len(timed))
+        batch = steps[0].get("config", {}).get("global_batch", 64)
+        rate.append(batch * len(slowest) / sum(slowest.values()))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.8))
+    a1.bar(names, rate, color="tab:gray")
+    a1.set(ylabel="samples / s", title="throughput")
+    a2.bar(names, compute, label="compute")
+    a2.bar(names, comm, bottom=compute, label="exposed comm")
+    a2.bar(names, idle, bottom=[c + m for c, m in zip(compute, comm)], label="idle")
+    a2.set(ylabel="ms per step (mean over ranks)", title="step-time breakdown")
+    a2.legend(fontsize=8)
+    for ax in (a1, a2):
+        ax.tick_params(axis="x", rotation=20)
+    return save(fig, out_dir, "strategy_breakdown")
+
+
+def scaling(records, out_dir, nbytes=None):
+    """(c) all-reduce time against the number of ranks at one size: measured
+    points, the cost model's prediction as lines (calibrated, experiments.calibrate)."""
+    rows = [r for r in allreduce_rows(records) if not emulated(r)]
+    sizes = {r["bytes"] for r in rows}
+    if not rows or len({r["world_size"] for r in rows}) < 2:
+        return None
+    n = nbytes or max(s for s in sizes
+                      if len({r["world_size"] for r in rows if r["bytes"] == s}) >= 2)
+    machine = fidelity.machine_of(records)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, algo in enumerate(sorted({r["algo"] for r in rows})):
+        pts = sorted((r["world_size"], r["time_us"] / 1e3) for r in rows
+                     if r["algo"] == algo and r["bytes"] == n)
+        color = f"C{i}"
+        ax.plot([p for p, _ in pts], [t for _, t in pts], "o", color=color,
+                label=f"{algo} measured")
+        if machine:
+            ranks = sorted({p for p, _ in pts})
+            pred = [fidelity.predict({"command": "allreduce.bench", "op": "allreduce",
+                                      "algo": algo, "bytes": n, "world_size": p}, machine)
+                    for p in ranks]
+            if all(x is not None for x in pred):
+                ax.plot(ranks, [1e3 * x for x in pred], "-", color=color, alpha=0.6,
+                        label=f"{algo} predicted")
+    ax.set(xlabel="ranks P", ylabel="time (ms)", title=f"all-reduce of {n / 2**20:g} MiB",
+           xticks=sorted({r["world_size"] for r in rows}))
+    ax.legend(fontsize=7)
+    return save(fig, out_dir, "scaling")
+
+
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations")
+
+
+def zero_memory(records, out_dir):
+    """(d) bytes per rank by ZeRO stage, stacked by part.  Written against the
+    per-step fields planned in issue 5 (`mem_params_bytes`, `mem_grads_bytes`,
+    `mem_optimizer_bytes`, `mem_activations_bytes`, config `zero`): strategies.train
+    does not write them yet, so this returns None on today's records."""
+    rows = [r for r in records if r.get("command") == "strategies.train"
+            and r.get("kind") == "step" and "mem_params_bytes" in r]
+    if not rows:
+        return None
+    by_stage = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        for part in MEMORY_PARTS:
+            stage = r.get("config", {}).get("zero", 0)
+            by_stage[stage][part].append(r.get(f"mem_{part}_bytes", 0))
+    stages = sorted(by_stage)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    bottom = [0.0] * len(stages)
+    for part in MEMORY_PARTS:
+        mib = [max(by_stage[s][part] or [0]) / 2**20 for s in stages]
+        ax.bar([f"ZeRO-{s}" for s in stages], mib, bottom=bottom, label=part)
+        bottom = [b + m for b, m in zip(bottom, mib)]
+    ax.set(ylabel="MiB per rank (largest rank)", title="memory per rank by ZeRO stage")
+    ax.legend(fontsize=8)
+    return save(fig, out_dir, "zero_memory")
+
+
+def pipeline_gantt(traces, out_dir):
+    """(e) one timeline per schedule: {schedule: Chrome-trace events} where each event
+    is {"name": "forward"|"backward"|..., "ph": "X", "ts": us, "dur": us, "pid": rank}
+    (the --trace format planned in issue 5; not written by strategies.train yet)."""
+    traces = {k: [e for e in v if e.get("ph") == "X"] for k, v in (traces or {}).items()}
+    traces = {k: v for k, v in traces.items() if v}
+    if not traces:
+        return None
+    colors = {"forward": "tab:blue", "backward": "tab:orange"}
+    fig, axes = plt.subplots(len(traces), 1, figsize=(8, 2 + 1.2 * len(traces)), squeeze=False)
+    for ax, (schedule, events) in zip(axes[:, 0], sorted(traces.items())):
+        t0 = min(e["ts"] for e in events)
+        for e in events:
+            ax.barh(e.get("pid", 0), e["dur"] / 1e3, left=(e["ts"] - t0) / 1e3,
+                    color=colors.get(e["name"], "tab:gray"), edgecolor="k", lw=0.3)
+        ax.set(ylabel="stage", title=schedule)
+        ax.invert_yaxis()
+    axes[-1, 0].set_xlabel("time (ms)")
+    return save(fig, out_dir, "pipeline_gantt")
+
+
+def ps_consistency(records, out_dir):
+    """(f) the consistency models with a straggler: the global loss against step and
+    against wall-clock (a step ends when its slowest worker ends it), and how stale
+    the parameters a worker computed on were."""
+    runs = {k: v for k, v in train_steps(records).items() if k[0].startswith(("ps/", "hybrid/"))}
+    if any("straggler" in name for name, _ in runs):          # compare like with like
+        runs = {k: v for k, v in runs.items() if "straggler" in k[0]}
+    if not runs:
+        return None
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(13, 3.8))
+    for (name, _), steps in sorted(runs.items()):
+        by_step = defaultdict(list)
+        for s in steps:
+            by_step[s["step"]].append(s)
+        order = sorted(by_step)
+        clocks = defaultdict(float)                     # each rank's own elapsed time
+        wall = []
+        for st in order:
+            for s in by_step[st]:
+                clocks[s["rank"]] += s["step_time_s"]
+            wall.append(max(clocks[s["rank"]] for s in by_step[st]))
+        loss = [by_step[st][0]["loss"] for st in order]
+        a1.plot(order, loss, label=name)
+        a2.plot(wall, loss, label=name)
+        stale = [s["staleness"] for s in steps if s.get("staleness") is not None]
+        if stale:
+            a3.hist(stale, bins=range(0, max(stale) + 2), alpha=0.5, label=name, align="left")
+    a1.set(xlabel="step", ylabel="global-batch loss", title="loss against step")
+    a2.set(xlabel="wall-clock (s)", title="loss against time")
+    a3.set(xlabel="staleness (steps)", ylabel="steps", title="staleness of pulled parameters")
+    for ax in (a1, a2, a3):
+        ax.legend(fontsize=7)
+    return save(fig, out_dir, "ps_consistency")
+
+
+def crossovers(records, out_dir):
+    """(g) experiments.simulate: predicted all-reduce time against ranks on a
+    two-level cluster, one panel per message size."""
+    rows = [r for r in records if r.get("kind") == "simulation"]
+    if not rows:
+        return None
+    sizes = sorted({r["bytes"] for r in rows})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(4.2 * len(sizes), 3.8), squeeze=False)
+    for ax, n in zip(axes[0], sizes):
+        for algo in sorted({r["algo"] for r in rows}):
+            pts = sorted((r["P"], r["time_s"]) for r in rows
+                         if r["bytes"] == n and r["algo"] == algo)
+            ax.plot([p for p, _ in pts], [1e3 * t for _, t in pts], "-", label=algo)
+        ax.set(xscale="log", yscale="log", xlabel="ranks P", ylabel="predicted time (ms)",
+               title=f"{n / 2**20:g} MiB")
+    axes[0][0].legend(fontsize=7)
+    return save(fig, out_dir, "crossovers")

@@ -1,0 +1,177 @@
+"""Every plot the results have data for, and a one-page report linking them.
+
+    python -m experiments.report results/demo        # -> results/demo/report.md, report.html,
+                                                     #    results/demo/plots/*.png, *.svg
+    python -m experiments.report results/demo --cluster-ranks-per-node 4 --inter-gbps 3
+
+Reads RESULTS_DIR/records.jsonl and points.jsonl (experiments.sweep writes them),
+fits nothing itself: predictions come from the sweep's calibration record
+(experiments.calibrate) through the cost model, shown beside the measurements
+with their error.  Also writes the simulation records it plots (simulation.jsonl).
+"""
+import argparse
+import html
+import os
+import statistics
+from collections import Counter
+
+from . import fidelity, plots, simulate
+from .records import append_jsonl, load, read_jsonl
+
+FIGURES = [  # (function, title, what produces its records)
+    (plots.busbw_vs_size, "(a) all-reduce busbw against message size",
+     "an allreduce.bench [[run]]"),
+    (plots.strategy_breakdown, "(b) throughput and step-time breakdown per strategy",
+     "strategies.train [[run]]s with several --sync"),
+    (plots.scaling, "(c) scaling with ranks, measured and predicted",
+     "allreduce.bench at two or more world sizes, and experiments.calibrate"),
+    (plots.zero_memory, "(d) memory per rank by ZeRO stage",
+     "AWAITS ISSUE 5: strategies.train has no --zero and no memory fields yet"),
+    (None, "(e) pipeline Gantt chart, GPipe beside 1F1B",
+     "AWAITS ISSUE 5: strategies.train has no --pp/--schedule/--trace yet"),
+    (plots.ps_consistency, "(f) parameter-server consistency with a straggler",
+     "strategies.train --sync ps with bsp/ssp/asp and a straggler"),
+    (plots.crossovers, "(g) simulated crossovers on a two-level cluster",
+     "experiments.simulate (this report runs it)"),
+]
+
+
+def render(blocks, fmt):
+    out = []
+    for kind, *a in blocks:
+        if kind == "h":
+            out.append(f"{'#' * a[0]} {a[1]}\n" if fmt == "md" else
+                       f"<h{a[0]}>{html.escape(a[1])}</h{a[0]}>")
+        elif kind == "p":
+            out.append(a[0] + "\n" if fmt == "md" else f"<p>{html.escape(a[0])}</p>")
+        elif kind == "img":
+            out.append(f"![{a[1]}]({a[0]})\n" if fmt == "md" else
+                       f'<p><a href="{a[0]}"><img src="{a[0]}" alt="{html.escape(a[1])}" '
+                       f'width="720"></a></p>')
+        elif kind == "table":
+            head, rows = a
+            if fmt == "md":
+                out.append("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+                out += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+                out.append("")
+            else:
+                out.append("<table border=1 cellpadding=3><tr>" + cells(head, "th") + "</tr>" +
+                           "".join(f"<tr>{cells(r, 'td')}</tr>" for r in rows) + "</table>")
+    body = "\n".join(out)
+    if fmt == "html":
+        body = f"<!doctype html><meta charset=utf-8><title>topolab report</title>" \
+               f"<body style='font-family:sans-serif;max-width:60em'>{body}</body>"
+    return body
+
+
+def cells(row, tag):
+    return "".join(f"<{tag}>{html.escape(str(c))}</{tag}>" for c in row)
+
+
+def fmt_size(n):
+    return simulate.human(n) + "B" if isinstance(n, int) else str(n)
+
+
+def provenance_block(records, points):
+    prov = [r.get("provenance", {}) for r in records + points if r.get("provenance")]
+    if not prov:
+        return [("p", "No records yet: run `python -m experiments.sweep FILE.toml` first.")]
+    loads = [p["loadavg"][0] for p in prov if p.get("loadavg")]
+    status = Counter(p.get("status") for p in points)
+    rows = [(k, ", ".join(sorted({str(p.get(k)) for p in prov})))
+            for k in ("commit", "host", "mpi", "torch", "cores")]
+    rows.append(("1-min load average at launch", f"{min(loads):.1f} .. {max(loads):.1f}"
+                 if loads else "?"))
+    rows.append(("points", ", ".join(f"{v} {k}" for k, v in status.items()) or "?"))
+    blocks = [("table", ["provenance", "value"], rows)]
+    for p in points:
+        if p.get("status") != "ok" and not any(q.get("point") == p["point"] and
+                                               q.get("status") == "ok" for q in points):
+            blocks.append(("p", f"FAILED point {p['point']} ({p['command']} "
+                                f"{p.get('config')}): {p['status']}, log {p['log']}"))
+    return blocks
+
+
+def fidelity_blocks(records):
+    machine = fidelity.machine_of(records)
+    if machine is None:
+        return [("p", "No calibration record: add an experiments.calibrate [[run]] to the "
+                      "sweep to see predictions.")]
+    blocks = [("p", f"Calibrated on this machine: alpha {machine.alpha * 1e6:.1f} us, "
+                    f"1/beta {1e-9 / machine.beta:.2f} GB/s, 1/gamma {1e-9 / machine.gamma:.2f}"
+                    f" GB/s, cores {machine.cores}" + (
+                        f"; psrv alpha {machine.ps_alpha * 1e6:.0f} us, 1/beta "
+                        f"{1e-9 / machine.ps_beta:.2f} GB/s" if machine.ps_beta else "") + ".")]
+    rows = fidelity.compare(records, machine)
+    summ = fidelity.summary(rows)
+    if summ:
+        blocks.append(("p", "Fidelity target of issue 6: ring and PS within "
+                            f"{fidelity.TARGET:.0%} at >= 1 MiB (no emulated link)."))
+        blocks.append(("table", ["model", "measured", "points >= 1 MiB", "median |error|",
+                                 "max |error|", f"within {fidelity.TARGET:.0%}"],
+                       [(k, src, n, f"{med:.0%}", f"{mx:.0%}", f"{ok:.0%}")
+                        for (k, src), (n, med, mx, ok) in summ.items()]))
+    blocks.append(("table", ["algorithm", "P (or workers/servers)", "size", "measured",
+                             "emulated link",
+                             "measured ms", "predicted ms", "error"],
+                   [(r["what"], r["P"], fmt_size(r["bytes"]), r["source"],
+                     "yes" if r["emulated"] else "",
+                     f"{r['measured_s'] * 1e3:.3f}", f"{r['predicted_s'] * 1e3:.3f}",
+                     f"{r['error']:+.0%}") for r in sorted(rows, key=lambda r: (
+                         r["what"], str(r["P"]), r["source"], r["emulated"], r["bytes"]))]))
+    return blocks
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results_dir")
+    ap.add_argument("--cluster-ranks-per-node", type=int, default=8)
+    ap.add_argument("--inter-gbps", type=float, default=12.5)
+    ap.add_argument("--inter-latency-us", type=float, default=10.0)
+    a = ap.parse_args(argv)
+    d = a.results_dir
+    records, points = load(d), read_jsonl(os.path.join(d, "points.jsonl"))
+    sim_args = ["--ranks-per-node", str(a.cluster_ranks_per_node), "--inter-gbps",
+                str(a.inter_gbps), "--inter-latency-us", str(a.inter_latency_us)]
+    sim_file = os.path.join(d, "simulation.jsonl")
+    if os.path.exists(sim_file):
+        os.unlink(sim_file)
+    os.makedirs(d, exist_ok=True)
+    sim_rows, cross = simulate.main(sim_args + ["--jsonl", sim_file])
+    sim_records = read_jsonl(sim_file)
+    blocks = [("h", 1, f"topolab report: {os.path.abspath(d)}")]
+    blocks += provenance_block(records, points)
+    blocks.append(("h", 2, "Cost model: predicted beside measured"))
+    blocks += fidelity_blocks(records)
+    blocks.append(("h", 2, "Figures"))
+    written = []
+    for fn, title, needs in FIGURES:
+        blocks.append(("h", 3, title))
+        path = fn(sim_records if fn is plots.crossovers else records,
+                  os.path.join(d, "plots")) if fn else None
+        if path:
+            rel = os.path.relpath(path, d)
+            written.append(path)
+            blocks.append(("img", rel, title))
+            blocks.append(("p", f"SVG: {rel[:-4]}.svg"))
+        else:
+            blocks.append(("p", f"No figure: the records hold no data for it. Needs: {needs}."))
+    blocks.append(("h", 2, "Simulated crossovers (cost model, not measured)"))
+    blocks.append(("p", f"{a.cluster_ranks_per_node} ranks a node, NVLink-like 150 GB/s and "
+                        f"2 us inside, {a.inter_gbps} GB/s and {a.inter_latency_us} us between "
+                        f"nodes; `python -m experiments.simulate --help` for other clusters."))
+    blocks.append(("table", ["P", "nodes", "PS servers to beat ring (256 MiB)",
+                             "tree beats ring up to", "hierarchical beats ring from"],
+                   [(x["P"], x["nodes"], x["ps_servers_to_beat_ring"] or "never",
+                     fmt_size(x["tree_beats_ring_up_to_bytes"]),
+                     fmt_size(x["hierarchical_beats_ring_from_bytes"])) for x in cross]))
+    for fmt in ("md", "html"):
+        with open(os.path.join(d, f"report.{fmt}"), "w") as f:
+            f.write(render(blocks, fmt))
+    print(f"wrote {len(written)} figures and {os.path.join(d, 'report.md')} (+ .html)")
+    return written
+
+
+if __name__ == "__main__":
+    main()

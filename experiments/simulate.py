@@ -1,0 +1,170 @@
+"""Extrapolate the cost model to 8..4096 ranks on a two-level cluster; find the crossovers.
+
+    python -m experiments.simulate                            # 8 GPUs a node, NVLink + 100 Gb/s
+    python -m experiments.simulate --ranks-per-node 4 --inter-gbps 3 --inter-latency-us 30 \\
+        --sizes 1M,64M,1G --jsonl results/sim.jsonl
+    python -m experiments.simulate --calibration results/calibration.json   # intra = this box
+
+A cluster is N nodes of k ranks, ranks placed in blocks (node i holds ranks
+i*k .. i*k+k-1).  Links inside a node have (alpha_intra, beta_intra), links
+between nodes (alpha_inter, beta_inter); every link is full duplex and each
+node has one network port, as in a typical GPU cluster.  The formulas:
+
+  ring          every step moves n/P over every link of the ring at once; the
+                slowest link (between nodes, once N > 1) sets the pace:
+                2 (P-1) (alpha_inter + n/P beta_inter) + (P-1)/P n gamma
+  tree          binomial: rounds at distance 1, 2, 4, ...; those at distance >= k
+                cross nodes.  2 sum_rounds (alpha_d + n beta_d) + lg P n gamma
+  halving_doubling  distance P/2 first, sending n/2, then n/4, ...: 2 sum_i
+                (alpha_d + n / 2^i beta_d) + (P-1)/P n gamma
+  hierarchical  costmodel.hierarchical_allreduce (ring inside, ring of leaders)
+  ps(S)         BytePS (Jiang et al., OSDI 2020): a node first reduces inside
+                (ring reduce-scatter + gather), pushes n and pulls n through its
+                port while S server machines each take N n / S:
+                max(n beta_inter, N n beta_inter / S) + alpha_inter, then an
+                intra-node broadcast
+"""
+import argparse
+import json
+import math
+from dataclasses import dataclass
+
+from .costmodel import Machine, hierarchical_allreduce, lg, ring_reduce_scatter
+
+RANKS = [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    ranks_per_node: int
+    intra: Machine
+    inter: Machine
+
+    def __post_init__(self):
+        if self.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
+
+    def link(self, distance):
+        """The link between ranks `distance` apart (block placement, powers of two)."""
+        return self.intra if distance < self.ranks_per_node else self.inter
+
+
+def ring(n, P, c):
+    if P == 1:
+        return 0.0
+    slow = c.inter if P > c.ranks_per_node else c.intra
+    return 2 * (P - 1) * (slow.alpha + n / P * slow.beta) + (P - 1) / P * n * slow.gamma
+
+
+def tree(n, P, c):
+    rounds = [1 << i for i in range(lg(P))]
+    return sum(2 * (c.link(d).alpha + n * c.link(d).beta) for d in rounds) + \
+        lg(P) * n * c.intra.gamma
+
+
+def halving_doubling(n, P, c):
+    steps = [(P >> (i + 1), n / 2 ** (i + 1)) for i in range(int(math.log2(P)))]
+    return sum(2 * (c.link(d).alpha + b * c.link(d).beta) for d, b in steps) + \
+        (P - 1) / P * n * c.intra.gamma
+
+
+def hierarchical(n, P, c):
+    return hierarchical_allreduce(n, P, min(P, c.ranks_per_node), c.intra, c.inter)
+
+
+def ps(n, P, c, servers):
+    k = min(P, c.ranks_per_node)
+    N = max(1, P // k)
+    local = ring_reduce_scatter(n, k, c.intra) + 2 * ((k - 1) * c.intra.alpha + n * c.intra.beta) \
+        if k > 1 else 0.0                              # reduce-scatter, gather, broadcast
+    push_pull = c.inter.alpha + max(n * c.inter.beta, N * n * c.inter.beta / servers)
+    return local + push_pull
+
+
+ALGOS = {"ring": ring, "tree": tree, "halving_doubling": halving_doubling,
+         "hierarchical": hierarchical}
+
+
+def table(sizes, c, ranks=RANKS, servers=(1, 4, 16)):
+    """Simulation records: predicted seconds for every algorithm, size and P."""
+    rows = []
+    for P in ranks:
+        for n in sizes:
+            for algo, fn in ALGOS.items():
+                rows.append({"kind": "simulation", "algo": algo, "P": P, "bytes": n,
+                             "time_s": fn(n, P, c)})
+            for S in servers:
+                rows.append({"kind": "simulation", "algo": f"ps(S={S})", "P": P, "bytes": n,
+                             "time_s": ps(n, P, c, S)})
+    return rows
+
+
+def crossovers(c, ranks=RANKS, n_large=256 << 20):
+    """Per P: the fewest servers for PS to beat the ring on a large message; the largest
+    size where the tree (latency) still beats the ring; the smallest where
+    hierarchical beats the ring."""
+    grid = [1 << e for e in range(10, 33)]           # 1 KiB .. 4 GiB
+    out = []
+    for P in ranks:
+        nodes = max(1, P // c.ranks_per_node)
+        s_min = next((S for S in range(1, 4 * nodes + 1) if ps(n_large, P, c, S) <
+                      ring(n_large, P, c)), None)
+        tree_up_to = max((n for n in grid if tree(n, P, c) < ring(n, P, c)), default=None)
+        hier_from = min((n for n in grid if hierarchical(n, P, c) < ring(n, P, c)), default=None)
+        out.append({"kind": "crossover", "P": P, "nodes": nodes, "ps_servers_to_beat_ring":
+                    s_min, "ps_message_bytes": n_large, "tree_beats_ring_up_to_bytes": tree_up_to,
+                    "hierarchical_beats_ring_from_bytes": hier_from})
+    return out
+
+
+def human(n):
+    if n is None:
+        return "never"
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g}{unit}"
+    return str(n)
+
+
+def cluster_from_args(a):
+    intra = Machine(a.intra_latency_us * 1e-6, 1 / (a.intra_gbps * 1e9), 1 / (a.reduce_gbps * 1e9))
+    if a.calibration:
+        with open(a.calibration) as f:
+            intra = Machine.from_calibration(json.load(f), cores=False)
+    inter = Machine(a.inter_latency_us * 1e-6, 1 / (a.inter_gbps * 1e9), intra.gamma)
+    return Cluster(a.ranks_per_node, intra, inter)
+
+
+def main(argv=None):
+    from allreduce.bench import parse_size
+    p = argparse.ArgumentParser(prog="python -m experiments.simulate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--intra-gbps", type=float, default=150.0, help="GB/s per direction (NVLink)")
+    p.add_argument("--intra-latency-us", type=float, default=2.0)
+    p.add_argument("--inter-gbps", type=float, default=12.5, help="GB/s (100 Gb/s network)")
+    p.add_argument("--inter-latency-us", type=float, default=10.0)
+    p.add_argument("--reduce-gbps", type=float, default=500.0, help="GB/s of summing on a GPU")
+    p.add_argument("--calibration", default="", help="take intra-node alpha/beta/gamma from it")
+    p.add_argument("--sizes", default="64K,16M,1G")
+    p.add_argument("--jsonl", default="", help="append the simulation and crossover records")
+    a = p.parse_args(argv)
+    c = cluster_from_args(a)
+    sizes = [parse_size(s) for s in a.sizes.split(",")]
+    rows, cross = table(sizes, c), crossovers(c)
+    print(f"{'P':>5} {'nodes':>5} {'PS servers to beat ring':>24} {'tree beats ring up to':>22} "
+          f"{'hierarchical beats ring from':>29}")
+    for x in cross:
+        print(f"{x['P']:5d} {x['nodes']:5d} {str(x['ps_servers_to_beat_ring']):>24} "
+              f"{human(x['tree_beats_ring_up_to_bytes']):>22} "
+              f"{human(x['hierarchical_beats_ring_from_bytes']):>29}")
+    if a.jsonl:
+        with open(a.jsonl, "a") as f:
+            for r in rows + cross:
+                f.write(json.dumps({**r, "cluster": {"ranks_per_node": c.ranks_per_node,
+                                    "intra": vars(c.intra), "inter": vars(c.inter)}}) + "\n")
+    return rows, cross
+
+
+if __name__ == "__main__":
+    main()

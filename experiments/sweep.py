@@ -1,0 +1,163 @@
+"""Run a matrix of experiments described in a TOML file; resumable, bounded, recorded.
+
+    python -m experiments.sweep experiments/demo.toml              # -> results/demo/
+    python -m experiments.sweep my.toml --out results/mine --dry-run   # list the points
+    python -m experiments.report results/demo                      # then the plots and report
+
+A sweep file has a [sweep] table and one [[run]] table per command:
+
+    [sweep]
+    name = "demo"            # the default results directory is results/NAME
+    timeout_s = 120          # per point (a [[run]] may set its own)
+
+    [[run]]
+    command = "allreduce.bench"
+    world_size = [2, 4]                       # an axis: one point per value
+    link_latency_us = [0, 100]                # another axis: 2 x 2 = 4 points
+    algos = ["ring", "tree"]                  # a list the command takes whole:
+    sizes = ["4K", "1M", "16M"]               #   interleaved inside each point
+    iters = 10
+
+A list is an axis (the points are the product of all axes) except for the keys
+a command takes as one comma-separated list (SCHEMA below).  Unknown keys and
+impossible points (ranks that do not factor, a batch that does not split, link
+emulation of a baseline that cannot be slowed) are reported with their line
+and reason before anything runs.  Each point runs under mpiexec (psrv.bench and
+experiments.calibrate start their own processes) with a time limit; points
+already done are skipped, so an interrupted sweep resumes where it stopped; a
+point that crashes or times out is recorded as failed, with its log, and the
+sweep goes on.  The layout of the results directory is in experiments/records.py.
+"""
+import argparse
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from .records import ROOT, append_jsonl, mpiexec_path, provenance, read_jsonl
+from .sweepfile import EMULATION, SweepError, load_sweep, train_fields
+
+__all__ = ["SweepError", "load_sweep", "command_line", "point_id", "main"]
+
+def point_id(command, params):
+    blob = json.dumps({"command": command, **params}, sort_keys=True)
+    return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def flag(key):
+    return "--" + key.replace("_", "-")
+
+
+def command_line(command, p, raw):
+    """The argv of one point; its records go to `raw`."""
+    py = sys.executable
+    if command == "psrv.bench":
+        return [py, "-m", "psrv.bench", "--workers", str(p.get("workers", 1)), "--servers",
+                str(p.get("servers", 1)), "--reps", str(p.get("reps", 3)), "--jsonl", raw] + (
+                    ["--sizes", ",".join(map(str, p["sizes"]))] if "sizes" in p else [])
+    if command == "experiments.calibrate":
+        return [py, "-m", "experiments.calibrate", "--jsonl", raw, "--reps",
+                str(p.get("reps", 15))] + ([] if p.get("ps", True) else ["--no-ps"]) + (
+                    ["--verify", ",".join(p["verify"])] if "verify" in p else [])
+    emulate = [a for k in EMULATION if p.get(k) for a in (flag(k), str(p[k]))]
+    head = [mpiexec_path(), "-n", str(p.get("world_size", 1)), py, "-m", "mpi4py", "-m"]
+    head += ["experiments.emulate", *emulate, command] if emulate else [command]
+    args = []
+    if command == "allreduce.bench":
+        for k, v in p.items():
+            if k in ("world_size",) + EMULATION:
+                continue
+            args += [flag(k), ",".join(map(str, v)) if isinstance(v, list) else str(v)]
+        return head + args + ["--jsonl", raw]
+    defaults = train_fields()
+    for k, v in p.items():
+        if k in ("world_size",) + EMULATION:
+            continue
+        if isinstance(defaults.get(k), bool):
+            if v != defaults[k]:
+                args.append(flag(k) if v else "--no-" + k.replace("_", "-"))
+        else:
+            args += [flag(k), str(v)]
+    return head + args + ["--no-progress", "--jsonl", raw]
+
+
+def run_point(argv, log_path, timeout):
+    """(status, returncode, wall seconds); the whole process group dies on timeout."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+           "PYTHONUNBUFFERED": "1", "TOPOLAB_TIMEOUT": str(max(10, int(timeout)))}
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(argv) + "\n")
+        log.flush()
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout)
+            status = "ok" if rc == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc, status = proc.wait(), "timeout"
+            log.write(f"\n[sweep] killed after {timeout} s\n")
+    return status, rc, time.monotonic() - start
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m experiments.sweep", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("file")
+    ap.add_argument("--out", default="", help="results directory (default results/NAME)")
+    ap.add_argument("--dry-run", action="store_true", help="check the file, list the points")
+    a = ap.parse_args(argv)
+    try:
+        settings, points = load_sweep(a.file)
+    except (SweepError, OSError) as e:
+        print(f"sweep rejected, nothing was run:\n{e}", file=sys.stderr)
+        return 2
+    out = a.out or os.path.join("results", settings["name"])
+    if a.dry_run:
+        for command, params, timeout, _ in points:
+            print(point_id(command, params), command, json.dumps(params))
+        return 0
+    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+    os.makedirs(os.path.join(out, "raw"), exist_ok=True)
+    status_file = os.path.join(out, "points.jsonl")
+    records_file = os.path.join(out, "records.jsonl")
+    done = {s["point"] for s in read_jsonl(status_file) if s.get("status") == "ok"}
+    meta = provenance()
+    failed = 0
+    for i, (command, params, timeout, label) in enumerate(points, 1):
+        pid = point_id(command, params)
+        shown = " ".join(f"{k}={v}" for k, v in params.items() if not isinstance(v, list))
+        if pid in done:
+            print(f"[{i}/{len(points)}] {command} {shown}: done before, skipped", flush=True)
+            continue
+        raw = os.path.join(out, "raw", pid + ".jsonl")
+        log = os.path.join(out, "logs", pid + ".log")
+        if os.path.exists(raw):
+            os.unlink(raw)                      # a half-written earlier attempt
+        argv_ = command_line(command, params, os.path.abspath(raw))
+        meta["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+        status, rc, wall = run_point(argv_, log, timeout)
+        found = read_jsonl(raw)
+        if status == "ok" and not found:
+            status = "failed"                   # exited 0 but measured nothing
+        common = {"command": command, "point": pid, "sweep": settings["name"], "label": label,
+                  "config": params, "provenance": dict(meta)}
+        if status == "ok":
+            append_jsonl(records_file, [{**r, **common} for r in found])
+        else:
+            failed += 1
+        append_jsonl(status_file, [{**common, "status": status, "returncode": rc,
+                                    "wall_s": round(wall, 2), "argv": argv_, "log": log}])
+        print(f"[{i}/{len(points)}] {command} {shown}: {status} in {wall:.1f} s"
+              + ("" if status == "ok" else f" (log: {log})"), flush=True)
+    print(f"sweep {settings['name']}: {len(points)} points, {failed} failed; results in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The sweep file: its schema, where each key is in it, and the checks done before running.
+
+    settings, points = load_sweep("experiments/demo.toml")    # SweepError lists every problem
+
+See experiments/sweep.py for the file's format.  Every problem names its line:
+tomllib keeps no positions, so `key_lines` scans the text for table headers
+and `key =` lines.  A point is impossible when the command would refuse it
+anyway (a world size that does not split into the data-parallel ranks, the
+servers and the nodes; a straggler that is not a rank; link emulation of a
+baseline that cannot be slowed): better said before the first point runs
+than after an hour of sweeping.
+"""
+import dataclasses
+import itertools
+import math
+import os
+import re
+import tomllib
+
+EMULATION = ("link_latency_us", "link_gbps", "straggler")
+
+
+def train_fields():
+    from strategies.config import TrainConfig
+    return {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
+
+# command -> {key: "axis" | "list" | "scalar"}; "list" keys are joined with commas.
+SCHEMA = {
+    "allreduce.bench": {"world_size": "axis", "algos": "list", "ops": "list", "sizes": "list",
+                        "dtype": "axis", "iters": "scalar", "warmup": "scalar",
+                        "transport": "axis", "ranks_per_node": "axis", "inner": "axis",
+                        "outer": "axis", "link_latency_us": "axis", "link_gbps": "axis"},
+    "psrv.bench": {"workers": "axis", "servers": "axis", "sizes": "list", "reps": "scalar"},
+    "experiments.calibrate": {"reps": "scalar", "ps": "scalar", "verify": "list"},
+    "strategies.train": None,     # TrainConfig's fields, world_size and EMULATION: all axes
+}
+RUN_KEYS = ("command", "timeout_s", "label")
+
+
+class SweepError(ValueError):
+    """A problem of the sweep file, with the line it is on."""
+
+
+def key_lines(text):
+    """{(table, index, key): line number}; (table, index, None) is the table's header.
+    tomllib keeps no positions, so the file is scanned for headers and `key =`."""
+    lines, table, counts = {}, None, {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        header = re.match(r"^\[\[?\s*([A-Za-z0-9_.-]+)\s*\]\]?", line)
+        if header:
+            table = header.group(1)
+            counts[table] = counts.get(table, -1) + 1 if line.startswith("[[") else 0
+            lines[(table, counts[table], None)] = number
+            continue
+        assign = re.match(r'^"?([A-Za-z0-9_.-]+)"?\s*=', line)
+        if assign and table is not None:
+            lines.setdefault((table, counts[table], assign.group(1)), number)
+    return lines
+
+
+def schema_of(command):
+    if command == "strategies.train":
+        return {**{k: "axis" for k in train_fields() if k not in ("jsonl", "progress")},
+                "world_size": "axis", **{k: "axis" for k in EMULATION}}
+    return SCHEMA[command]
+
+
+def expand(run, schema):
+    """The run's points: the product of its axes, every other key as it is."""
+    axes = {k: v if isinstance(v, list) else [v] for k, v in run.items()
+            if k not in RUN_KEYS and schema.get(k) == "axis"}
+    fixed = {k: v for k, v in run.items() if k not in RUN_KEYS and schema.get(k) != "axis"}
+    for values in itertools.product(*axes.values()):
+        yield {**fixed, **dict(zip(axes, values))}
+
+
+def check_point(command, p):
+    """None, or (key, reason) for an impossible point."""
+    from .emulate import parse_straggler
+    emulated = bool(p.get("link_latency_us") or p.get("link_gbps"))
+    if command in ("allreduce.bench", "strategies.train"):
+        P = p.get("world_size", 1)
+        if not isinstance(P, int) or P < 1:
+            return "world_size", f"world_size must be a whole number >= 1, got {P!r}"
+    if command == "allreduce.bench":
+        from allreduce import ALGORITHMS
+        from allreduce.bench import COLLECTIVES, parse_size
+        for key, known in (("algos", ALGORITHMS), ("ops", COLLECTIVES)):
+            bad = [a for a in p.get(key, []) if a not in known]
+            if bad:
+                return key, f"unknown {key} {bad}; choose from {', '.join(known)}"
+        try:
+            [parse_size(str(s)) for s in p.get("sizes", [])]
+        except ValueError:
+            return "sizes", f"sizes {p.get('sizes')} are not sizes like 4K, 1M, 16M"
+        if emulated and set(p.get("algos", ["ring", "mpi"])) & {"mpi", "torch"}:
+            return "link_latency_us", ("link emulation slows the textbook algorithms only; "
+                                       "drop mpi and torch from algos for this point")
+        k = p.get("ranks_per_node")
+        if k and P % k:
+            return "ranks_per_node", (f"world_size {P} does not factor into nodes of "
+                                      f"{k} ranks: {P} % {k} = {P % k}")
+    elif command == "psrv.bench":
+        for key in ("workers", "servers"):
+            if not isinstance(p.get(key, 1), int) or p.get(key, 1) < 1:
+                return key, f"{key} must be a whole number >= 1, got {p.get(key)!r}"
+    elif command == "strategies.train":
+        from strategies.config import ConfigError, TrainConfig, dp_size_of
+        fields = {k: v for k, v in p.items() if k not in ("world_size",) + EMULATION}
+        try:
+            cfg = TrainConfig(**fields)
+        except (ConfigError, TypeError) as e:
+            flag = re.search(r"--([a-z-]+)", str(e))
+            return (flag.group(1).replace("-", "_") if flag else "command"), str(e)
+        try:
+            dp_size_of(cfg, P)
+        except ConfigError as e:
+            return "world_size", str(e)
+        grid = [p.get(k) for k in ("dp", "pp", "tp") if p.get(k)]
+        if grid and P % math.prod(grid):
+            return "world_size", f"world_size {P} does not factor into dp x pp x tp {grid}"
+        if emulated and cfg.sync not in ("ring", "tree", "halving_doubling", "hierarchical"):
+            return "link_latency_us", (f"link emulation needs a textbook all-reduce --sync, "
+                                       f"not {cfg.sync!r}")
+        if p.get("straggler"):
+            try:
+                rank, _ = parse_straggler(p["straggler"])
+            except ValueError as e:
+                return "straggler", str(e)
+            if rank >= P:
+                return "straggler", f"straggler rank {rank} is not below world_size {P}"
+    return None
+
+
+def load_sweep(path):
+    """(settings, [(command, params, timeout_s, label)]); SweepError lists every problem."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise SweepError(f"{path}: not valid TOML: {e}") from None
+    lines = key_lines(text)
+    problems = []
+
+    def bad(table, index, key, reason):
+        line = lines.get((table, index, key)) or lines.get((table, index, None)) or 1
+        problems.append(f"{path}:{line}: {reason}")
+
+    for key in doc:
+        if key not in ("sweep", "run"):
+            bad(key, 0, None, f"unknown table [{key}]; a sweep file has [sweep] and [[run]]")
+    settings = {"name": os.path.splitext(os.path.basename(path))[0], "timeout_s": 300}
+    for key, value in doc.get("sweep", {}).items():
+        if key not in settings:
+            bad("sweep", 0, key, f"unknown key {key!r} in [sweep]; known: name, timeout_s")
+        settings[key] = value
+    points = []
+    for i, run in enumerate(doc.get("run", [])):
+        command = run.get("command")
+        if command not in SCHEMA:
+            bad("run", i, "command", f"command {command!r} is not one of {', '.join(SCHEMA)}")
+            continue
+        schema = schema_of(command)
+        unknown = [k for k in run if k not in RUN_KEYS and k not in schema]
+        for k in unknown:
+            bad("run", i, k, f"unknown key {k!r} for {command}; known: "
+                             f"{', '.join(sorted(schema))}")
+        if unknown:
+            continue
+        for k, kind in schema.items():
+            if kind == "list" and k in run and not isinstance(run[k], list):
+                run[k] = [run[k]]
+        for params in expand(run, schema):
+            problem = check_point(command, params)
+            if problem:
+                shown = ", ".join(f"{k}={v}" for k, v in params.items() if schema.get(k) == "axis")
+                bad("run", i, problem[0], f"impossible point ({shown}): {problem[1]}")
+                break
+            points.append((command, params, run.get("timeout_s", settings["timeout_s"]),
+                           run.get("label", "")))
+    if problems:
+        raise SweepError("\n".join(problems))
+    return settings, points

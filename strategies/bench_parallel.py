@@ -1,0 +1,149 @@
+"""Fidelity figures of issue 5: ZeRO memory and traffic, pipeline bubbles, ZeRO-3 speed.
+
+    mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.bench_parallel --part zero
+    mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.bench_parallel --part pipeline
+    mpiexec -n 4 ... --part zero      (N = 4; oversubscribed on two cores: figures of
+                                       memory and bytes hold, times do not)
+
+Every configuration is a full `strategies.train.main(argv)` in one launch (torch
+is imported once), writing its JSON Lines to --dir; rank 0 reads the records
+back and prints the tables (and appends them to --out as records).  Launch it
+without TOPOLAB_CHECK=1: that mode adds a signature exchange to every collective,
+which the byte counters would see.
+
+zero:     MLP with Adam (fp32).  Per rank, measured: params + grads + optimizer
+          bytes against memory.py's fp32 form of the ZeRO paper's formulas; bytes
+          sent per step against 2(N-1)/N * 4Ψ (stages 0-2; ring all-reduce, or
+          reduce-scatter + all-gather) and 3(N-1)/N * 4Ψ (stage 3); median step
+          time of ZeRO-3 over plain data parallelism, run interleaved
+          (0 3 0 3 ...) because this VM's speed drifts minute by minute.
+pipeline: MLP cut into 2 stages; the bubble of each rank = the share of the
+          schedule's span spent in neither forward nor backward (trace.py),
+          against (p-1)/(m+p-1); and on stage 0 the peak of saved activations
+          over one micro-batch's, GPipe against 1F1B.
+"""
+import argparse
+import json
+import os
+import statistics
+import tempfile
+
+MLP = ["--model", "mlp", "--width", "512", "--depth", "4", "--in-dim", "512", "--classes", "16",
+       "--dataset-size", "2048", "--global-batch", "64", "--threads", "1", "--no-progress",
+       "--sync", "ring", "--optimizer", "adam", "--lr", "0.001"]
+PIPE = ["--model", "mlp", "--width", "512", "--depth", "8", "--in-dim", "512", "--classes", "16",
+        "--dataset-size", "2048", "--global-batch", "256", "--threads", "1", "--no-progress",
+        "--sync", "ring", "--lr", "0.01", "--pp", "2"]
+
+
+def train(argv, path):
+    from strategies.train import main
+    main(argv + ["--jsonl", path])
+
+
+def steps(path, skip=1):
+    return [r for r in map(json.loads, open(path)) if r["kind"] == "step" and r["step"] >= skip]
+
+
+def zero_part(world, directory, rounds, n_steps):
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    runs = []
+    for i in range(rounds):                     # interleaved: dp, zero-3, dp, zero-3 ...
+        for stage in (0, 3, "ddp") if i else (0, 1, 2, 3, "ddp"):
+            name = f"{stage}_{i}"
+            flags = ["--sync", "ring"] if stage == "ddp" else ["--zero", str(stage), "--dp", str(world)]
+            train(MLP + flags + ["--steps", str(n_steps)], os.path.join(directory, name + ".jsonl"))
+            runs.append((stage, name))
+    if comm.rank:
+        return []
+    rows = []
+    first = steps(os.path.join(directory, "0_0.jsonl"))[0]["memory"]
+    psi = first["params"] / 4
+    N = world
+    formula = {0: 16 * psi, 1: 8 * psi + 8 * psi / N, 2: 4 * psi + 12 * psi / N, 3: 16 * psi / N}
+    traffic = {s: (2 if s < 3 else 3) * (N - 1) / N * 4 * psi for s in range(4)}
+    times = {}
+    for stage, name in runs:
+        records = steps(os.path.join(directory, name + ".jsonl"))
+        times.setdefault(stage, []).extend(r["step_time_s"] for r in records)
+        if stage == "ddp" or not name.endswith("_0"):
+            continue
+        mem = records[-1]["memory"]
+        state = mem["params"] + mem["grads"] + mem["optimizer"]
+        sent = statistics.median(r["bytes_sent"] for r in records)
+        rows.append({"kind": "zero", "stage": stage, "N": N, "psi": psi, "state_bytes": state,
+                     "formula_bytes": formula[stage], "state_over_formula": state / formula[stage],
+                     "gathered_peak": mem["gathered_peak"], "bytes_sent": sent,
+                     "theory_bytes": traffic[stage], "sent_over_theory": sent / traffic[stage]})
+    base = statistics.median(times[0])
+    for row in rows:
+        row["median_step_s"] = statistics.median(times[row["stage"]])
+        row["over_dp"] = row["median_step_s"] / base
+    print(f"ZeRO, fp32 Adam, Ψ = {psi:,.0f} parameters, N = {N} "
+          f"(ddp = the issue-4 worker's bucketed, overlapped ring: "
+          f"{1000 * statistics.median(times['ddp']):.1f} ms/step)")
+    print(f"{'stage':>5} {'measured B':>12} {'formula B':>12} {'ratio':>6} {'sent B/step':>12} "
+          f"{'theory B':>12} {'ratio':>6} {'gathered':>9} {'step ms':>8} {'/ stage 0':>9}")
+    for r in rows:
+        print(f"{r['stage']:>5} {r['state_bytes']:>12,.0f} {r['formula_bytes']:>12,.0f} "
+              f"{r['state_over_formula']:>6.3f} {r['bytes_sent']:>12,.0f} {r['theory_bytes']:>12,.0f} "
+              f"{r['sent_over_theory']:>6.3f} {r['gathered_peak']:>9,} "
+              f"{1000 * r['median_step_s']:>8.1f} {r['over_dp']:>9.2f}")
+    return rows
+
+
+def pipeline_part(world, directory, n_steps):
+    from mpi4py import MPI
+    runs = [(s, m) for m in (1, 4, 8) for s in ("gpipe", "1f1b")]
+    for s, m in runs:
+        train(PIPE + ["--schedule", s, "--micro-batches", str(m), "--steps", str(n_steps)],
+              os.path.join(directory, f"{s}_{m}.jsonl"))
+    if MPI.COMM_WORLD.rank:
+        return []
+    p = 2
+    rows = []
+    print(f"Pipeline, p = {p}: bubble = share of the schedule in neither forward nor backward")
+    print(f"{'schedule':>8} {'m':>3} {'bubble':>7} {'theory':>7} {'stage0':>7} {'stage1':>7} "
+          f"{'act. live / one mb (stage 0)':>29}")
+    for s, m in runs:
+        records = steps(os.path.join(directory, f"{s}_{m}.jsonl"))
+        per_stage = [statistics.median(r["bubble_fraction"] for r in records
+                                       if r["coords"][1] == k) for k in range(p)]
+        first = [r for r in records if r["coords"][1] == 0]
+        live = max(r["memory"]["activations_peak"] / r["micro_batch_activation_bytes"]
+                   for r in first)
+        row = {"kind": "pipeline", "schedule": s, "m": m, "p": p,
+               "bubble": statistics.mean(per_stage), "theory": (p - 1) / (m + p - 1),
+               "per_stage": per_stage, "stage0_live_micro_batches": live,
+               "stage0_peak_in_flight": max(r["peak_in_flight"] for r in first)}
+        rows.append(row)
+        print(f"{s:>8} {m:>3} {row['bubble']:>7.3f} {row['theory']:>7.3f} {per_stage[0]:>7.3f} "
+              f"{per_stage[1]:>7.3f} {live:>29.2f}")
+    return rows
+
+
+def main(argv=None):
+    from mpi4py import MPI
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("zero", "pipeline"), required=True)
+    ap.add_argument("--dir", default="")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args(argv)
+    comm = MPI.COMM_WORLD
+    directory = args.dir or comm.bcast(tempfile.mkdtemp(prefix="bench_parallel_")
+                                       if comm.rank == 0 else None)
+    if args.part == "zero":
+        rows = zero_part(comm.size, directory, args.rounds, args.steps)
+    else:
+        rows = pipeline_part(comm.size, directory, args.steps)
+    if comm.rank == 0 and args.out:
+        with open(args.out, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Pipeline parallelism: the model's blocks cut into pp stages, micro-batches flowing through.
+
+The cut (`layers_of`, `stage_layers`): the GPT is embed, blocks 0..L-1, head;
+the MLP is its hidden layers 0..d-1 then the output layer.  Stage s of p owns
+blocks [s L/p, (s+1) L/p); stage 0 also the embedding, stage p-1 the head and
+the loss.  Activations go forward and their gradients backward through the
+point-to-point transport of allreduce/ (the pp communicator: rank i is stage
+i); both sides know every message's shape from the config and the micro-batch
+bounds, so only raw float32 bytes travel.
+
+Two schedules of m micro-batches on p stages (F = forward, B = backward):
+
+    GPipe (Huang et al., 2019): all forwards, then all backwards.
+        stage 0:  F0 F1 F2 F3 .  .  .  .  .  .  B0 B1 B2 B3
+        stage 1:  .  F0 F1 F2 F3 .  .  .  .  B0 B1 B2 B3 .      (p = 2 shown loosely)
+    1F1B (PipeDream-Flush, Narayanan et al., 2021): p-s-1 warm-up forwards,
+        then alternate one forward and one backward, then drain the backwards.
+        stage 0:  F0 F1 B0 F2 B1 F3 B2 B3     (p = 2: warm-up of 1)
+        stage 1:  F0 B0 F1 B1 F2 B2 F3 B3
+
+Both have the same bubble, (p-1)/(m+p-1) of the step when a forward and a
+backward take the same time on every stage (GPipe paper, section 2.2), but
+GPipe keeps all m micro-batches' activations alive on stage 0 at the end of
+the forwards, 1F1B at most p: why 1F1B is the default in Megatron-LM.
+
+Every micro-batch's loss is scaled by its share of the local batch, so the
+accumulated gradient is the gradient of the mean over the whole batch, as on
+one process.
+"""
+import torch
+import torch.nn as nn
+
+from allreduce import shard_bounds
+
+from .models import GPT, MLP
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+class GPTEmbed(nn.Module):
+    """Token + position embeddings: the first layer of the GPT (stage 0)."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.tok, self.pos = gpt.tok, gpt.pos
+
+    def forward(self, idx):
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+
+class GPTHead(nn.Module):
+    """Final LayerNorm and the vocabulary projection: the last layer (stage p-1)."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.ln_f, self.head = gpt.ln_f, gpt.head
+
+    def forward(self, x):
+        return self.head(self.ln_f(x))
+
+
+def layers_of(model):
+    """(before, blocks, after): lists of (name, module); running them in order is model(x)."""
+    if isinstance(model, GPT):
+        return ([("embed", GPTEmbed(model))],
+                [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)],
+                [("head", GPTHead(model))])
+    if isinstance(model, MLP):
+        net = model.net
+        hidden = [(f"net.{i}", nn.Sequential(net[i], net[i + 1]))
+                  for i in range(0, len(net) - 1, 2)]
+        return [], hidden, [(f"net.{len(net) - 1}", net[-1])]
+    raise TypeError(f"no pipeline cut for {type(model).__name__}")
+
+
+def blocks_per_stage(n_blocks, pp):
+    return n_blocks // pp
+
+
+def stage_layers(model, stage, pp):
+    """The (name, module) layers of `stage` of `pp`; the caller checked pp divides the blocks."""
+    before, blocks, after = layers_of(model)
+    per = blocks_per_stage(len(blocks), pp)
+    mine = blocks[stage * per:(stage + 1) * per]
+    return (before if stage == 0 else []) + mine + (after if stage == pp - 1 else [])
+
+
+class Stage(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.names = [name for name, _ in layers]
+        self.layers = nn.ModuleList(module for _, module in layers)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Pipeline:
+    """Runs one step's micro-batches through this rank's stage.
+
+    transport: point-to-point over the pp communicator (rank i = stage i).
+    activation_shape(n): shape of the activation between stages for n samples.
+    meter: memory.ActivationMeter around every forward; tracer: trace.Tracer."""
+
+    def __init__(self, stage_module, criterion, transport, stage, stages, micro_batches,
+                 schedule, activation_shape, tracer, meter):
+        self.module, self.criterion, self.transport = stage_module, criterion, transport
+        self.stage, self.stages, self.m = stage, stages, micro_batches
+        self.schedule, self.activation_shape = schedule, activation_shape
+        self.tracer, self.meter = tracer, meter
+        self.first, self.last = stage == 0, stage == stages - 1
+        self.peak_in_flight = 0         # micro-batches forwarded but not yet backwarded
+        self.micro_batch_bytes = 0      # saved activations of micro-batch 0, measured
+
+    def order(self):
+        """This stage's sequence of ("F", i) and ("B", i)."""
+        m = self.m
+        if self.schedule == "gpipe":
+            return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+        warmup = min(self.stages - self.stage - 1, m)
+        ops = [("F", i) for i in range(warmup)]
+        for i in range(m - warmup):
+            ops += [("F", warmup + i), ("B", i)]
+        return ops + [("B", i) for i in range(m - warmup, m)]
+
+    def run(self, x, y):
+        """One step's forwards and backwards; returns this stage's loss (last stage) or None."""
+        n = len(x)
+        self.bounds = shard_bounds(n, self.m)
+        self.x, self.y, self.n = x, y, n
+        self.saved, self.sends, self.loss = {}, [], 0.0
+        self.in_flight = 0
+        for op, i in self.order():
+            (self.forward if op == "F" else self.backward)(i)
+        with self.tracer.span("wait for sends", "comm"):
+            self.transport.wait_all([h for h, _ in self.sends])
+        self.sends = []
+        return self.loss if self.last else None
+
+    def _shape(self, i):
+        start, stop = self.bounds[i]
+        return self.activation_shape(stop - start)
+
+    def forward(self, i):
+        start, stop = self.bounds[i]
+        if self.first:
+            inp = self.x[start:stop].clone()    # its own storage, as a loader would give
+        else:
+            inp = torch.empty(self._shape(i))
+            with self.tracer.span(f"wait activation mb{i}", "idle"):
+                self.transport.recv(inp, self.stage - 1, tag=i)
+            inp.requires_grad_()
+        before = self.meter.live_bytes
+        with self.tracer.span(f"forward mb{i}", "forward"), self.meter:
+            out = self.module(inp)
+            if self.last:
+                out = self.criterion(out, self.y[start:stop]) * ((stop - start) / self.n)
+                self.loss += out.item()
+        if i == 0:                      # what one micro-batch's saved activations cost
+            self.micro_batch_bytes = self.meter.live_bytes - before
+        if not self.last:
+            buf = out.detach().contiguous()
+            self.sends.append((self.transport.isend(buf, self.stage + 1, tag=i), buf))
+        self.saved[i] = (inp, out)
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+    def backward(self, i):
+        inp, out = self.saved.pop(i)
+        if self.last:
+            with self.tracer.span(f"backward mb{i}", "backward"):
+                out.backward()
+        else:
+            grad = torch.empty(out.shape)
+            with self.tracer.span(f"wait gradient mb{i}", "idle"):
+                self.transport.recv(grad, self.stage + 1, tag=i)
+            with self.tracer.span(f"backward mb{i}", "backward"):
+                out.backward(grad)
+        del out
+        if not self.first:
+            g = inp.grad.contiguous()
+            self.sends.append((self.transport.isend(g, self.stage - 1, tag=i), g))
+        self.in_flight -= 1

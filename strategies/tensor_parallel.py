@@ -1,0 +1,174 @@
+"""Tensor parallelism: Megatron-LM's split of the GPT's matrices across the tp ranks.
+
+Shoeybi et al., "Megatron-LM" (2019), section 3.  Two conjugate operators:
+
+    f: identity in the forward, all-reduce of the gradient in the backward
+    g: all-reduce in the forward, identity in the backward
+
+and two kinds of linear layer:
+
+    column-parallel  Y = X A,  A = [A_1 ... A_tp] split by output columns;
+                     rank r computes Y_r = f(X) A_r, a slice of Y's features
+    row-parallel     Z = Y B,  B split by input rows to match Y_r;
+                     rank r computes Y_r B_r, and g sums the partial products
+
+An MLP is column- then row-parallel (GELU acts on each slice alone), attention
+is the same with the heads split (each head's q, k, v columns live on one
+rank), so each block costs one f and one g per sub-layer: two all-reduces in
+the forward and two in the backward.
+
+    x --f--> [qkv_r -> heads_r -> proj_r] --g--> + x --f--> [fc_r -> gelu -> out_r] --g--> +
+
+Embeddings, LayerNorms and the head stay whole on every tp rank: they see the
+same inputs and (after f's backward all-reduce) the same output gradients, so
+their gradients are already equal and need no sync.  Every local parameter
+remembers where it came from (`tp_pieces`: full-matrix slices <- local
+slices), so the full model can be reassembled for checkpoints and tests.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .models import Block
+
+
+class TensorParallel:
+    """The tp axis as the layers see it: rank, size and the collective over tp ranks."""
+
+    def __init__(self, coll, rank, size, tracer=None):
+        self.coll, self.rank, self.size, self.tracer = coll, rank, size, tracer
+
+    def allreduce(self, x, what):
+        x = x.contiguous().clone()
+        if self.tracer is None:
+            return self.coll.allreduce(x)
+        with self.tracer.span(f"tp all-reduce ({what})", "comm"):
+            return self.coll.allreduce(x)
+
+    def slice_of(self, n):
+        """[start, stop) of this rank's equal part of n features."""
+        part = n // self.size
+        return self.rank * part, (self.rank + 1) * part
+
+
+class CopyToTensorParallel(torch.autograd.Function):
+    """The f operator of Megatron: identity forward, all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.tp.allreduce(grad, "f backward"), None
+
+
+class ReduceFromTensorParallel(torch.autograd.Function):
+    """The g operator of Megatron: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        return tp.allreduce(x, "g forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _keep(full, pieces):
+    """A Parameter of the full tensor's pieces (full-index slices), concatenated on dim 0."""
+    local = nn.Parameter(torch.cat([full.detach()[index] for index, _ in pieces]).clone())
+    local.tp_pieces, local.full_shape = pieces, tuple(full.shape)
+    return local
+
+
+def _row_pieces(ranges, cols=slice(None)):
+    """(full index, local index) pairs for row ranges stacked in order."""
+    pieces, at = [], 0
+    for start, stop in ranges:
+        pieces.append(((slice(start, stop), cols), (slice(at, at + stop - start), cols)))
+        at += stop - start
+    return pieces
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_r = f(X) A_r: this rank's output features `rows` (ranges of the full weight's rows)."""
+
+    def __init__(self, full: nn.Linear, tp, rows):
+        super().__init__()
+        self.tp = tp
+        self.weight = _keep(full.weight, _row_pieces(rows))
+        self.bias = None if full.bias is None else \
+            _keep(full.bias, [((slice(a, b),), (slice(i, i + b - a),))
+                              for (a, b), i in zip(rows, _offsets(rows))])
+
+    def forward(self, x):
+        return F.linear(CopyToTensorParallel.apply(x, self.tp), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Z = g(Y_r B_r) + b: this rank's input features `cols`; the bias is added once, after g."""
+
+    def __init__(self, full: nn.Linear, tp, cols):
+        super().__init__()
+        self.tp = tp
+        start, stop = cols
+        rows = slice(None)
+        self.weight = nn.Parameter(full.weight.detach()[:, start:stop].clone())
+        self.weight.tp_pieces = [((rows, slice(start, stop)), (rows, slice(None)))]
+        self.weight.full_shape = tuple(full.weight.shape)
+        self.bias = full.bias          # whole on every tp rank
+
+    def forward(self, x):
+        z = ReduceFromTensorParallel.apply(F.linear(x, self.weight), self.tp)
+        return z if self.bias is None else z + self.bias
+
+
+def _offsets(ranges):
+    out, at = [], 0
+    for a, b in ranges:
+        out.append(at)
+        at += b - a
+    return out
+
+
+class TensorParallelAttention(nn.Module):
+    """Causal self-attention with heads / tp heads on each rank (Megatron section 3, Fig. 3b)."""
+
+    def __init__(self, attn, tp):
+        super().__init__()
+        C = attn.qkv.in_features
+        self.heads = attn.heads // tp.size
+        start, stop = tp.slice_of(C)
+        # q, k and v are three C-wide row blocks of qkv: keep the same head columns of each
+        self.qkv = ColumnParallelLinear(attn.qkv, tp, [(j * C + start, j * C + stop)
+                                                       for j in range(3)])
+        self.proj = RowParallelLinear(attn.proj, tp, (start, stop))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        local = q.shape[2]
+        q, k, v = (t.view(B, T, self.heads, local // self.heads).transpose(1, 2)
+                   for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, local))
+
+
+def tensor_parallel_mlp(mlp, tp):
+    """fc (column-parallel) -> GELU on each slice -> out (row-parallel); a Sequential with
+    the unsplit MLP's indices, so parameter names stay `mlp.0.weight`, `mlp.2.weight`."""
+    fc, act, out = mlp
+    cols = tp.slice_of(fc.out_features)
+    return nn.Sequential(ColumnParallelLinear(fc, tp, [cols]), act, RowParallelLinear(out, tp, cols))
+
+
+def parallelize_blocks(blocks, tp):
+    """Replace each GPT block's attention and MLP by their tensor-parallel forms, in place;
+    parameter names inside a block do not change."""
+    for block in blocks:
+        if not isinstance(block, Block):
+            raise TypeError(f"tensor parallelism splits GPT blocks, not {type(block).__name__}")
+        block.attn = TensorParallelAttention(block.attn, tp)
+        block.mlp = tensor_parallel_mlp(block.mlp, tp)

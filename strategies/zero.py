@@ -1,0 +1,248 @@
+"""ZeRO: the training state sharded over the data-parallel ranks (stage 0 is plain DP).
+
+Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models" (SC 2020), section 5.  Ψ parameters, N data-parallel ranks,
+fp32 Adam (see memory.py for how the paper's 16 bytes map onto pure fp32):
+
+    stage  keeps whole on each rank      keeps 1/N of          bytes per rank     traffic
+    0      params, grads, Adam m and v   -                     16Ψ                2Ψ (all-reduce)
+    1      params, grads                 Adam m and v          8Ψ + 8Ψ/N          2Ψ
+    2      params                        grads, m, v           4Ψ + 12Ψ/N         2Ψ
+    3      -                             params, grads, m, v   16Ψ/N + one layer  3Ψ
+
+(traffic in elements each rank sends, times (N-1)/N.)  The unit of everything
+is a *layer* (a GPT block, an embedding, one linear of the MLP): its
+parameters are one flat buffer, cut by `allreduce.shard_bounds`, the rule that
+reduce-scatter and all-gather use as well, so rank r's shard of parameters,
+gradients and optimizer state are the same elements.
+
+A step, per layer, in the order backward finishes the layers:
+
+    stage 0  all-reduce(avg) the layer's flat gradient            -> every rank updates all
+    stage 1  reduce-scatter(avg) into the shard of the full gradient buffer
+    stage 2  reduce-scatter(avg) into a gradient shard; the full gradient is freed at once
+    stage 3  as 2, and the parameters too live as shards only:
+             forward pre-hook: all-gather the layer; forward hook: free it
+             hook on the layer's output gradient: all-gather again for its backward;
+             after its last parameter gradient arrived: reduce-scatter, free
+    then each rank's optimizer updates its shard (stages 1-3), and stages 1-2
+    all-gather the updated shards into the full parameters.
+
+Stage 1 reduce-scatters where the paper's text says all-reduce: each rank
+updates only its shard, so the all-gather half of an all-reduce would move
+gradients nobody reads; reduce-scatter + all-gather of parameters is exactly
+the 2Ψ of plain DP, which is the paper's figure for stages 1 and 2 (7.2.1).
+
+Stage 3 must really free a layer after its forward, although autograd saved
+views of its weights for the backward (`W.t()` in a linear).  So the saved
+tensors whose storage is a gathered layer are replaced by a token (layer,
+size, stride, offset) and rebuilt from the re-gathered buffer at unpack time
+(`pack`/`unpack`, used through memory.ActivationMeter's saved-tensor hooks).
+"""
+import torch
+import torch.nn as nn
+
+from allreduce import shard_of
+
+from .memory import optimizer_tensors, state_bytes
+from .sync import make_optimizer
+
+EMPTY = torch.empty(0)
+
+
+class ZeroUnit:
+    """One layer's parameters as one flat buffer and this rank's shard of it."""
+
+    def __init__(self, name, module, params, zero):
+        self.name, self.module, self.params, self.zero = name, module, params, zero
+        self.shapes = [p.shape for p in params]
+        self.sizes = [p.numel() for p in params]
+        self.numel = sum(self.sizes)
+        self.start, self.stop = shard_of(zero.dp_rank, self.numel, zero.dp_size)
+        self.arrivals = 0              # parameter gradients seen this step
+        full = torch.cat([p.detach().reshape(-1) for p in params])
+        zero.broadcast(full)           # rank 0's weights win, as in DDP
+        self.full = None
+        self.grad_full = self.grad_shard = None
+        if zero.stage < 3:
+            self._bind(full)
+        if zero.stage in (0, 1):       # a persistent full gradient; p.grad are views of it
+            self.grad_full = torch.zeros(self.numel)
+            self._views(self.grad_full, "grad")
+        if zero.stage == 0:
+            self.shard = None
+        elif zero.stage < 3:           # the optimizer's parameter: a view into `full`
+            self.shard = nn.Parameter(full[self.start:self.stop])
+        else:
+            self.shard = nn.Parameter(full[self.start:self.stop].clone())
+            self._bind(None)
+
+    def _views(self, flat, attr):
+        offset = 0
+        for p, shape, n in zip(self.params, self.shapes, self.sizes):
+            setattr(p, attr, flat[offset:offset + n].view(shape))
+            offset += n
+
+    def _bind(self, full):
+        """Point the parameters at `full`, or at nothing (stage 3 between uses)."""
+        self.full = full
+        if full is None:
+            for p in self.params:
+                p.data = EMPTY
+        else:
+            self._views(full, "data")
+
+    # ------------------------------------------------------------- stage 3
+    def gather(self, why):
+        if self.full is not None:
+            return
+        with self.zero.comm_span(f"zero-3 all-gather {self.name} ({why})"):
+            full = self.zero.coll.allgather(self.shard.detach(), self.numel)
+        self._bind(full)
+        self.zero.gathered[full.untyped_storage().data_ptr()] = self
+        self.zero.note_gathered()
+
+    def release(self):
+        if self.full is not None:
+            self.zero.gathered.pop(self.full.untyped_storage().data_ptr(), None)
+            self._bind(None)
+
+    # --------------------------------------------------------- gradients
+    def gradient_arrived(self):
+        self.arrivals += 1
+        if self.arrivals % len(self.params):
+            return
+        if self.arrivals == len(self.params) * self.zero.backwards_per_step:
+            self.reduce()
+        if self.zero.stage == 3:
+            self.release()              # until the next micro-batch's forward or backward
+
+    def reduce(self):
+        zero, coll = self.zero, self.zero.coll
+        if zero.stage == 0:
+            with zero.comm_span(f"all-reduce grads {self.name}"):
+                if zero.dp_size > 1:
+                    coll.allreduce(self.grad_full, op="avg")
+            return
+        if zero.stage == 1:
+            with zero.comm_span(f"reduce-scatter grads {self.name}"):
+                shard = coll.reduce_scatter(self.grad_full, op="avg")
+            self.grad_full[self.start:self.stop].copy_(shard)
+            self.shard.grad = self.grad_full[self.start:self.stop]
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+        for p in self.params:
+            p.grad = None               # stages 2 and 3 keep only the shard
+        with zero.comm_span(f"reduce-scatter grads {self.name}"):
+            self.shard.grad = coll.reduce_scatter(flat, op="avg")
+
+    def gather_updated(self):
+        """Stages 1 and 2: every rank's updated shard into the full parameters."""
+        with self.zero.comm_span(f"all-gather params {self.name}"):
+            full = self.zero.coll.allgather(self.full[self.start:self.stop], self.numel)
+        self.full.copy_(full)
+
+
+class ZeRO:
+    """The data-parallel axis of a run: plain DP (stage 0) or ZeRO stages 1-3.
+
+    units: [(name, module, [parameters])] of this rank's layers, in forward order.
+    coll: an allreduce/ collective over the dp communicator."""
+
+    def __init__(self, stage, units, coll, cfg, backwards_per_step=1, tracer=None):
+        self.stage, self.coll, self.cfg, self.tracer = stage, coll, cfg, tracer
+        self.dp_rank, self.dp_size = coll.rank, coll.size
+        self.backwards_per_step = backwards_per_step
+        self.gathered = {}              # storage ptr of a gathered layer -> its ZeroUnit
+        self.gathered_bytes = self.peak_gathered_bytes = 0
+        self.units = [ZeroUnit(name, module, params, self) for name, module, params in units]
+        self._hooks = []
+        for unit in self.units:
+            for p in unit.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda p, unit=unit: unit.gradient_arrived()))
+            if stage == 3:
+                self._hooks.append(unit.module.register_forward_pre_hook(
+                    lambda m, args, unit=unit: unit.gather("forward")))
+                self._hooks.append(unit.module.register_forward_hook(
+                    lambda m, args, out, unit=unit: self._after_forward(unit, out)))
+
+    def broadcast(self, flat):
+        if self.dp_size > 1:
+            self.coll.broadcast(flat, root=0)
+
+    def comm_span(self, name):
+        from contextlib import nullcontext
+        return nullcontext() if self.tracer is None else self.tracer.span(name, "comm")
+
+    def _after_forward(self, unit, out):
+        unit.release()
+        if torch.is_tensor(out) and out.requires_grad:
+            # fires when the gradient of the layer's output is ready: just before its backward
+            out.register_hook(lambda grad: unit.gather("backward"))
+
+    def note_gathered(self):
+        now = sum(u.numel * 4 for u in self.gathered.values())
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, now)
+
+    # ---------------------------------------------------- saved tensors (stage 3)
+    def pack(self, t):
+        unit = self.gathered.get(t.untyped_storage().data_ptr()) if self.gathered else None
+        if unit is None:
+            return None
+        return unit, t.size(), t.stride(), t.storage_offset()
+
+    def unpack(self, token):
+        unit, size, stride, offset = token
+        if unit.full is None:
+            raise RuntimeError(f"ZeRO-3: layer {unit.name} was not gathered before its backward")
+        return unit.full.as_strided(size, stride, offset)
+
+    # ------------------------------------------------------------ the step
+    def parameters(self):
+        return [p for u in self.units for p in u.params]
+
+    def make_optimizer(self):
+        params = self.parameters() if self.stage == 0 else [u.shard for u in self.units]
+        return make_optimizer(self.cfg, params)
+
+    def before_backward(self):
+        for unit in self.units:
+            unit.arrivals = 0
+            if unit.grad_full is not None:
+                unit.grad_full.zero_()  # autograd adds into the views in place
+
+    def after_backward(self):
+        missing = [u.name for u in self.units
+                   if u.arrivals != len(u.params) * self.backwards_per_step]
+        if missing:
+            raise RuntimeError(f"ZeRO: no complete gradient for {', '.join(missing)} "
+                               "(every layer must take part in every micro-batch)")
+
+    def step(self, optimizer):
+        optimizer.step()
+        if self.stage in (1, 2):
+            for unit in self.units:
+                unit.gather_updated()
+
+    def state_bytes(self, optimizer):
+        """Params, grads and optimizer state this rank holds between steps, measured."""
+        params = [u.full for u in self.units] + [u.shard for u in self.units if u.shard is not None]
+        grads = [u.grad_full for u in self.units] + \
+            [u.shard.grad for u in self.units if u.shard is not None]
+        return state_bytes(params, grads, optimizer_tensors(optimizer))
+
+    def param_storages(self):
+        return [u.full.untyped_storage().data_ptr() for u in self.units if u.full is not None]
+
+    @property
+    def bytes_sent(self):
+        return self.coll.transport.bytes_sent
+
+    @property
+    def bytes_received(self):
+        return self.coll.transport.bytes_received
+
+    def close(self):
+        for h in self._hooks:
+            h.remove()

@@ -1,0 +1,131 @@
+"""Tier (a): the cost model, simulator and calibration fits against hand-computed values."""
+import math
+
+import numpy as np
+import pytest
+
+from experiments import costmodel as cm
+from experiments import simulate
+from experiments.calibrate import fit_alpha_beta, fit_two_regimes
+from experiments.emulate import parse_straggler
+
+# alpha 10 us, 1 GB/s links, reducing at 2 GB/s; one core per rank
+M = cm.Machine(alpha=1e-5, beta=1e-9, gamma=5e-10)
+N = 1_000_000
+
+
+@pytest.mark.timeout(10)
+def test_ring_by_hand():
+    # 2(P-1) alpha + (P-1)/P n (2 beta + gamma) = 6e-5 + 0.75e6 * 2.5e-9
+    assert cm.ring_allreduce(N, 4, M) == pytest.approx(6e-5 + 1.875e-3)
+    assert cm.ring_allreduce(N, 1, M) == 0.0
+    assert cm.ring_reduce_scatter(N, 4, M) == pytest.approx(3e-5 + 0.75e6 * 1.5e-9)
+    assert cm.ring_allgather(N, 4, M) == pytest.approx(3e-5 + 0.75e6 * 1e-9)
+
+
+@pytest.mark.timeout(10)
+def test_tree_and_halving_doubling_by_hand():
+    # tree: 2 lg P (alpha + n beta) + lg P n gamma, lg 4 = 2
+    assert cm.tree_allreduce(N, 4, M) == pytest.approx(4 * (1e-5 + 1e-3) + 2 * 5e-4)
+    # P = 4: 2 log2 4 alpha + 3/4 n (2 beta + gamma)
+    assert cm.halving_doubling_allreduce(N, 4, M) == pytest.approx(4e-5 + 1.875e-3)
+    # P = 3 folds to p = 2, plus 2 (alpha + n beta) + n gamma
+    assert cm.halving_doubling_allreduce(N, 3, M) == pytest.approx(
+        2e-5 + 0.5e6 * 2.5e-9 + 2 * (1e-5 + 1e-3) + 5e-4)
+
+
+@pytest.mark.timeout(10)
+def test_hierarchical_by_hand():
+    # P = 8 as 2 nodes of 4, intra and inter alike
+    rs = 3e-5 + 0.75e6 * 1.5e-9
+    gather = 3e-5 + 0.75e6 * 1e-9
+    bcast = 3e-5 + 1e6 * 1e-9
+    inter = 2e-5 + 0.5e6 * 2.5e-9
+    assert cm.hierarchical_allreduce(N, 8, 4, M, M) == pytest.approx(rs + gather + bcast + inter)
+    assert cm.allreduce_time("hierarchical", N, 8, M, ranks_per_node=4) == pytest.approx(
+        rs + gather + bcast + inter)
+    assert cm.allreduce_time("mpi", N, 8, M) is None
+
+
+@pytest.mark.timeout(10)
+def test_parameter_server_is_bytepss_max():
+    # W n / (S B) = 4e6 / 2 * 1e-9 = 2 ms beats n / B = 1 ms: the servers are the bottleneck
+    assert cm.ps_push_pull(N, 4, 2, 1e-9, 1e-9, alpha=1e-4) == pytest.approx(1e-4 + 2e-3)
+    assert cm.ps_push_pull(N, 4, 2, 1e-9, 1e-9, alpha=1e-4, duplex=False) == pytest.approx(
+        1e-4 + 4e-3)
+    assert cm.ps_push_pull(N, 4, 8, 1e-9, 1e-9) == pytest.approx(1e-3)   # enough servers
+    m = cm.Machine(1e-5, 1e-9, ps_alpha=2e-4, ps_beta=1e-9)
+    assert cm.psrv_time(N, 1, 1, m) == pytest.approx(2e-4 + 2e-3)
+    assert cm.psrv_time(N, 2, 1, m) == pytest.approx(2e-4 + 4e-3)
+    assert cm.psrv_time(N, 1, 1, M) is None                              # not calibrated
+
+
+@pytest.mark.timeout(10)
+def test_zero_and_pipeline_formulas():
+    psi, n = 1_000_000, 4
+    totals = [sum(cm.zero_memory(psi, n, s).values()) for s in range(4)]
+    assert totals == pytest.approx([16e6, 8e6 + 2e6, 4e6 + 3e6, 4e6])
+    assert cm.zero_comm_bytes(psi, n, 3) == pytest.approx(1.5 * cm.zero_comm_bytes(psi, n, 1))
+    assert cm.zero_comm_bytes(psi, n, 1) == pytest.approx(2 * 0.75 * 4e6)
+    assert cm.bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert cm.bubble_fraction(1, 8) == 0.0
+    assert cm.pipeline_activations_in_flight(4, 8, "gpipe") == 8
+    assert cm.pipeline_activations_in_flight(4, 8, "1f1b") == 4
+    assert cm.pipeline_activations_in_flight(4, 8, "1f1b", stage=3) == 1
+    assert cm.pipeline_step_time(4, 4, 1e-3, 2e-3, 1000, M) == pytest.approx(
+        7 * (3e-3 + 2 * (1e-5 + 1e-6)))
+    with pytest.raises(ValueError):
+        cm.bubble_fraction(0, 4)
+    with pytest.raises(ValueError):
+        cm.zero_memory(psi, n, 4)
+
+
+@pytest.mark.timeout(10)
+def test_machine_is_validated_and_cores_stretch_bandwidth():
+    with pytest.raises(ValueError):
+        cm.Machine(alpha=-1, beta=1e-9)
+    two_cores = cm.Machine(0.0, 1e-9, 0.0, cores=2)
+    # 4 ranks on 2 cores: the bandwidth term takes twice as long
+    assert cm.ring_allreduce(N, 4, two_cores) == pytest.approx(2 * cm.ring_allreduce(
+        N, 4, cm.Machine(0.0, 1e-9)))
+    assert cm.ring_allreduce(N, 2, two_cores) == pytest.approx(N * 1e-9)
+
+
+@pytest.mark.timeout(10)
+def test_fits_recover_a_known_line():
+    sizes = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
+    times = [20e-6 + b / 5e9 for b in sizes]
+    alpha, beta = fit_alpha_beta(sizes, times)
+    assert alpha == pytest.approx(20e-6, rel=1e-6) and beta == pytest.approx(1 / 5e9, rel=1e-6)
+    alpha, beta = fit_two_regimes(sizes, times)
+    assert alpha == pytest.approx(20e-6, rel=1e-3) and beta == pytest.approx(1 / 5e9, rel=1e-3)
+
+
+@pytest.mark.timeout(10)
+def test_simulator_crossovers():
+    gamma = 1 / 500e9
+    c = simulate.Cluster(8, cm.Machine(2e-6, 1 / 150e9, gamma),
+                         cm.Machine(1e-5, 1 / 12.5e9, gamma))
+    # one node: the ring never leaves NVLink, a PS behind the network port cannot win
+    assert simulate.ps(1 << 28, 8, c, 64) > simulate.ring(1 << 28, 8, c)
+    # thousands of ranks: latency makes the tree win small messages, the ring large ones
+    assert simulate.tree(1 << 10, 4096, c) < simulate.ring(1 << 10, 4096, c)
+    assert simulate.ring(1 << 30, 4096, c) < simulate.tree(1 << 30, 4096, c)
+    # ring over 16 nodes: every step paced by the inter-node link
+    assert simulate.ring(N, 128, c) == pytest.approx(254 * (1e-5 + N / 128 / 12.5e9) +
+                                                     127 / 128 * N * gamma)
+    cross = {x["P"]: x for x in simulate.crossovers(c)}
+    assert cross[8]["ps_servers_to_beat_ring"] is None
+    s16 = cross[16]["ps_servers_to_beat_ring"]
+    n = cross[16]["ps_message_bytes"]
+    assert simulate.ps(n, 16, c, s16) < simulate.ring(n, 16, c) <= simulate.ps(n, 16, c, s16 - 1)
+    assert all(math.isfinite(r["time_s"]) for r in simulate.table([1 << 20], c))
+
+
+@pytest.mark.timeout(10)
+def test_straggler_parsing():
+    assert parse_straggler("1:0.05") == (1, 0.05)
+    for bad in ("1", "x:1", "-1:0.1", "1:-2"):
+        with pytest.raises(ValueError):
+            parse_straggler(bad)
+    assert np.isclose(cm.lg(4096), 12)

@@ -1,0 +1,96 @@
+"""Plots and the report from the records of a real (tiny) sweep; the lab-2 check on them."""
+import os
+import sys
+
+import pytest
+from conftest import check_ok, mpi_env, run
+
+from experiments import fidelity, plots
+from experiments.labs import check_ps
+from experiments.records import load, read_jsonl
+
+SWEEP = """
+[sweep]
+name = "report-test"
+timeout_s = 90
+
+[[run]]
+command = "experiments.calibrate"
+reps = 2
+ps = false
+verify = []
+
+[[run]]
+command = "allreduce.bench"
+world_size = [2, 3]
+algos = ["ring", "tree", "mpi"]
+sizes = ["4K", "1M"]
+iters = 2
+warmup = 1
+
+[[run]]
+command = "strategies.train"
+world_size = 2
+sync = "ring"
+steps = 4
+
+[[run]]
+command = "strategies.train"
+world_size = 3
+sync = "ps"
+consistency = ["bsp", "asp"]
+straggler = "1:0.02"
+steps = 8
+"""
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    d = tmp_path_factory.mktemp("report")
+    path = d / "sweep.toml"
+    path.write_text(SWEEP)
+    out = d / "results"
+    check_ok(run([sys.executable, "-m", "experiments.sweep", str(path), "--out", str(out)],
+                 200, mpi_env()))
+    assert all(s["status"] == "ok" for s in read_jsonl(out / "points.jsonl")), \
+        read_jsonl(out / "points.jsonl")
+    return out
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_each_plot_from_real_records(results, tmp_path):
+    records = load(results)
+    for fn in (plots.busbw_vs_size, plots.strategy_breakdown, plots.scaling,
+               plots.ps_consistency):
+        path = fn(records, str(tmp_path))
+        assert path and os.path.getsize(path) > 5000, fn.__name__
+        assert os.path.exists(path[:-4] + ".svg")
+    # issue 5's records do not exist yet: no figure rather than a made-up one
+    assert plots.zero_memory(records, str(tmp_path)) is None
+    assert plots.pipeline_gantt({}, str(tmp_path)) is None
+    assert plots.busbw_vs_size([], str(tmp_path)) is None
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_report_links_figures_and_shows_prediction_errors(results):
+    check_ok(run([sys.executable, "-m", "experiments.report", str(results)], 120, mpi_env()))
+    md = open(results / "report.md").read()
+    for name in ("busbw_vs_size", "strategy_breakdown", "scaling", "ps_consistency",
+                 "crossovers"):
+        assert f"plots/{name}.png" in md and (results / "plots" / f"{name}.png").exists()
+    assert md.count("AWAITS ISSUE 5") == 2
+    assert "predicted ms" in md and "within 15%" in md
+    assert "<img src=\"plots/scaling.png\"" in open(results / "report.html").read()
+    rows = fidelity.compare(load(results), fidelity.machine_of(load(results)))
+    ring = [r for r in rows if r["what"] == "ring" and r["source"] == "sweep"]
+    assert {r["P"] for r in ring} == {2, 3} and all(r["predicted_s"] > 0 for r in ring)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_lab2_check_reads_the_straggler_runs(results, capsys):
+    check_ps.main([str(results)])     # timing checks depend on the machine's load; print only
+    out = capsys.readouterr().out
+    assert "bsp" in out and "asp" in out and "max staleness 0 (must be 0)" in out

@@ -1,0 +1,126 @@
+"""Tier (a) for issue 5: grid arithmetic, stage cuts, schedules, memory counting; no processes."""
+import pytest
+import torch
+
+from strategies.config import ConfigError, TrainConfig
+from strategies.grid import ProcessGrid
+from strategies.memory import ActivationMeter, state_bytes, storage_bytes
+from strategies.models import GPT, MLP
+from strategies.parallel import check
+from strategies.pipeline import Pipeline, stage_layers
+
+
+@pytest.mark.timeout(30)
+def test_grid_is_one_reshape():
+    grid = ProcessGrid(8, dp=2, pp=2, tp=2)
+    assert grid.ranks.tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert grid.coords_of(5) == (1, 0, 1)
+    assert grid.stage_of(6) == 1
+    assert grid.rank_of(dp=1, pp=1, tp=0) == 6
+    assert grid.group_of(5, "dp") == [1, 5]
+    assert grid.group_of(5, "pp") == [5, 7]
+    assert grid.group_of(5, "tp") == [4, 5]
+    for rank in range(8):                # every rank in exactly one group of each axis
+        for axis in ("dp", "pp", "tp"):
+            assert rank in grid.group_of(rank, axis)
+
+
+@pytest.mark.timeout(30)
+def test_grid_dp_defaults_to_what_is_left():
+    assert ProcessGrid(12, pp=2, tp=3).dp == 2
+    assert ProcessGrid(3).dp == 3
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("world, dp, pp, tp, message", [
+    (6, 2, 2, 2, "dp(2) x pp(2) x tp(2) = 8 != world size 6"),
+    (6, 0, 4, 1, "world size 6 is not divisible by pp(4) x tp(1) = 4"),
+    (4, 0, 0, 1, "--pp must be >= 1"),
+])
+def test_grid_errors_name_every_factor(world, dp, pp, tp, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ProcessGrid(world, dp, pp, tp)
+
+
+def cfg(**kw):
+    base = dict(model="gpt", layers=4, d_model=16, heads=4, global_batch=8, sync="ring")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kw, world, message", [
+    (dict(pp=3), 3, r"--layers 4 is not divisible by pp\(3\)"),
+    (dict(model="mlp", depth=3, pp=2), 2, r"--depth 3 is not divisible by pp\(2\)"),
+    (dict(heads=2, d_model=16, tp=4), 4, r"--heads 2 is not divisible by tp\(4\)"),
+    (dict(model="mlp", tp=2), 2, "tensor parallelism splits the GPT"),
+    (dict(micro_batches=5), 2, r"--micro-batches 5 is more than the 4 samples"),
+    (dict(global_batch=9, dp=2, tp=2), 4, r"--global-batch 9 is not divisible by dp\(2\)"),
+])
+def test_grid_config_errors(kw, world, message):
+    with pytest.raises(ConfigError, match=message):
+        check(cfg(**kw), world)
+
+
+@pytest.mark.timeout(30)
+def test_config_errors_without_world():
+    with pytest.raises(ConfigError, match="--zero 1 needs an all-reduce --sync"):
+        cfg(sync="ps", zero=1)
+    with pytest.raises(ConfigError, match="--zero"):
+        cfg(zero=4)
+    with pytest.raises(ConfigError, match="--schedule"):
+        cfg(schedule="interleaved")
+
+
+@pytest.mark.timeout(30)
+def test_stage_cut_covers_the_model_once():
+    gpt = GPT(vocab=8, seq_len=4, layers=4, d_model=8, heads=2)
+    names = [[n for n, _ in stage_layers(gpt, s, 2)] for s in range(2)]
+    assert names == [["embed", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "head"]]
+    params = [p for s in range(4) for _, m in stage_layers(gpt, s, 4) for p in m.parameters()]
+    assert sorted(map(id, params)) == sorted(id(p) for p in gpt.parameters())
+    mlp = MLP(4, 8, 4, 3)
+    assert [n for n, _ in stage_layers(mlp, 1, 2)] == ["net.4", "net.6", "net.8"]
+
+
+def schedule(kind, stage, stages, m):
+    return Pipeline(None, None, None, stage, stages, m, kind, None, None, None).order()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages, m", [(2, 1), (2, 4), (4, 3), (4, 8)])
+def test_schedules_run_each_micro_batch_once(kind, stages, m):
+    for stage in range(stages):
+        ops = schedule(kind, stage, stages, m)
+        assert sorted(ops) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+        assert all(ops.index(("F", i)) < ops.index(("B", i)) for i in range(m))
+        in_flight = peak = 0
+        for op, _ in ops:
+            in_flight += 1 if op == "F" else -1
+            peak = max(peak, in_flight)
+        # GPipe holds all m; 1F1B at most stages - stage (Narayanan et al. 2021)
+        assert peak == (m if kind == "gpipe" else min(m, stages - stage))
+
+
+@pytest.mark.timeout(30)
+def test_storage_bytes_counts_views_once():
+    flat = torch.zeros(100)
+    views = [flat[:40], flat[40:], flat[10:20]]
+    assert storage_bytes(views) == 400
+    assert state_bytes(views, [torch.zeros(10)], [torch.zeros(5), None]) == \
+        {"params": 400, "grads": 40, "optimizer": 20}
+
+
+@pytest.mark.timeout(30)
+def test_activation_meter_sees_saved_tensors_freed_by_backward():
+    layer = torch.nn.Linear(16, 16)
+    meter = ActivationMeter(lambda: [p.untyped_storage().data_ptr() for p in layer.parameters()])
+    x = torch.randn(8, 16, requires_grad=True)
+    with meter:
+        y = torch.tanh(layer(x)).sum()
+    # saved: x (for the weight's gradient) and tanh's output; the weight is not an activation
+    assert meter.live_bytes == 2 * 8 * 16 * 4
+    y.backward()
+    del y
+    assert meter.live_bytes == 0 and meter.peak_bytes == 2 * 8 * 16 * 4
