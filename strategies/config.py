@@ -22,6 +22,8 @@ OPTIMIZERS = ("sgd", "adam")
 COMPRESSIONS = ("none", "fp16", "bf16")
 CONSISTENCIES = ("bsp", "ssp", "asp")
 DEVICES = ("cpu", "cuda")
+SCHEDULES = ("gpipe", "1f1b")
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 class ConfigError(ValueError):
@@ -51,6 +53,14 @@ class TrainConfig:
     heads: int = 4
     vocab: int = 32               # gpt, synthetic data (byte-level text always uses 256)
     seq_len: int = 32
+    # parallelism on a dp x pp x tp grid (issue 5: grid.py, parallel.py, zero.py, ...)
+    dp: int = 0                   # data-parallel size; 0 = what is left, world / (pp * tp)
+    pp: int = 1                   # pipeline stages
+    tp: int = 1                   # tensor-parallel ranks (GPT)
+    zero: int = 0                 # ZeRO stage over the dp axis: 0 (plain DP), 1, 2, 3
+    micro_batches: int = 1        # per step and dp replica
+    schedule: str = "1f1b"        # pipeline schedule: gpipe or 1f1b
+    trace: str = ""               # Chrome trace (Perfetto) of every rank's step
     # data
     data: str = ""                # "" = synthetic; .npz (x, y) for mlp, plain text for gpt
     in_dim: int = 32              # synthetic mlp data: input features and classes
@@ -77,7 +87,7 @@ class TrainConfig:
             value = getattr(self, field)
             if value not in options:
                 raise ConfigError(f"--{field.replace('_', '-')} {value!r} is not one of "
-                                  f"{', '.join(options)}")
+                                  f"{', '.join(map(str, options))}")
 
         choose("sync", SYNCS)
         choose("model", MODELS)
@@ -85,13 +95,16 @@ class TrainConfig:
         choose("compress", COMPRESSIONS)
         choose("consistency", CONSISTENCIES)
         choose("device", DEVICES)
+        choose("schedule", SCHEDULES)
+        choose("zero", ZERO_STAGES)
         for field in ("steps", "global_batch", "width", "depth", "layers", "d_model", "heads",
-                      "vocab", "seq_len", "in_dim", "classes", "dataset_size", "servers"):
+                      "vocab", "seq_len", "in_dim", "classes", "dataset_size", "servers",
+                      "pp", "tp", "micro_batches"):
             if getattr(self, field) < 1:
                 raise ConfigError(f"--{field.replace('_', '-')} must be >= 1, "
                                   f"got {getattr(self, field)}")
         for field in ("staleness", "ranks_per_node", "checkpoint_every", "threads", "momentum",
-                      "weight_decay"):
+                      "weight_decay", "dp"):
             if getattr(self, field) < 0:
                 raise ConfigError(f"--{field.replace('_', '-')} must be >= 0, "
                                   f"got {getattr(self, field)}")
@@ -108,6 +121,18 @@ class TrainConfig:
         if self.checkpoint_dir and self.sync == "hybrid":
             raise ConfigError("checkpoints are not supported with --sync hybrid yet "
                               "(they are with ps: the servers save their shards)")
+        if self.on_grid and self.sync not in ALLREDUCE_SYNCS:
+            what = f"--zero {self.zero}" if self.zero else "--dp/--pp/--tp/--micro-batches/--trace"
+            raise ConfigError(f"{what} needs an all-reduce --sync ({', '.join(ALLREDUCE_SYNCS)}),"
+                              f" not --sync {self.sync}: the grid's axes talk through collectives")
+        if self.on_grid and self.checkpoint_dir:
+            raise ConfigError("checkpoints are not supported with --dp/--pp/--tp/--zero yet")
+
+    @property
+    def on_grid(self):
+        """Whether the run needs the dp x pp x tp worker (parallel.py), not the plain loop."""
+        return bool(self.dp or self.pp > 1 or self.tp > 1 or self.zero or
+                    self.micro_batches > 1 or self.trace)
 
     @property
     def synchronous(self):
@@ -124,6 +149,10 @@ def dp_size_of(cfg, world_size):
     dp = world_size - servers
     where = f"world {world_size} = dp({dp}) + servers({servers})" if servers else \
         f"world {world_size} = dp({dp})"
+    if cfg.on_grid:                        # world = dp x pp x tp (grid.py names each factor)
+        from .grid import ProcessGrid
+        grid = ProcessGrid(world_size, cfg.dp, cfg.pp, cfg.tp)
+        dp, where = grid.dp, grid.describe()
     if dp < 1:
         raise ConfigError(f"no worker left: {where}; use fewer --servers or more ranks")
     if cfg.sync == "local" and world_size != 1:

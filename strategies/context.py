@@ -5,6 +5,8 @@
     ctx.is_server                         # ps / hybrid: one of the last --servers ranks
     ctx.dp_rank, ctx.dp_size, ctx.dp_comm # the data-parallel workers (servers excluded)
     ctx.control.allgather(obj)            # small control messages (errors, metrics)
+    ctx.grid                              # --dp/--pp/--tp/--zero: grid.GridComms, a
+                                          #   communicator per axis (dp_comm is its dp axis)
 
 There is no global state: two contexts could live in one test.  Issue 5 adds
 pipeline and tensor axes; they belong here, as more (rank, size, comm) triples
@@ -19,6 +21,7 @@ import socket
 from dataclasses import dataclass
 
 from .config import PS_SYNCS, ConfigError, dp_size_of
+from .grid import ProcessGrid
 
 
 class MPIControl:
@@ -66,6 +69,7 @@ class RunContext:
     control: object
     role: object = None      # psrv role (ps, hybrid)
     host: str = ""
+    grid: object = None      # grid.GridComms of a dp x pp x tp run (cfg.on_grid)
 
     @classmethod
     def create(cls, cfg):
@@ -86,11 +90,18 @@ class RunContext:
             return cls(comm.rank, comm.size, local_rank, local_size,
                        -1 if is_server else dp_comm.rank, dp, is_server, comm, dp_comm,
                        MPIControl(comm), host=host)
+        if cfg.on_grid:
+            grid = ProcessGrid(comm.size, cfg.dp, cfg.pp, cfg.tp).split(comm)
+            return cls(comm.rank, comm.size, local_rank, local_size, grid.dp_rank, dp, False,
+                       comm, grid.dp, MPIControl(comm), host=host, grid=grid)
         return cls(comm.rank, comm.size, local_rank, local_size, comm.rank, dp, False,
                    comm, comm, MPIControl(comm), host=host)
 
     @classmethod
     def _from_torchrun(cls, cfg, host):
+        if cfg.on_grid:
+            raise ConfigError("--dp/--pp/--tp/--zero/--micro-batches/--trace run under "
+                              "mpiexec, not torchrun")
         if cfg.sync not in ("torch",):
             raise ConfigError(f"under torchrun only --sync torch works (got --sync {cfg.sync}); "
                               "launch the others with mpiexec")

@@ -27,7 +27,7 @@ import torch
 
 from allreduce import make_transport
 
-from .config import PS_SYNCS, ConfigError
+from .config import ConfigError
 from .grid import ProcessGrid
 from .memory import ActivationMeter
 from .metrics import peak_memory_mb
@@ -39,18 +39,9 @@ from .trace import Tracer, busy_seconds, write_chrome_trace
 from .zero import ZeRO
 
 
-def requested(cfg):
-    """Whether cfg needs the grid worker (the plain-DP loop in train.py does the rest)."""
-    return (cfg.pp > 1 or cfg.tp > 1 or cfg.zero > 0 or cfg.micro_batches > 1
-            or bool(cfg.trace) or cfg.dp not in (0,))
-
-
 def check(cfg, world_size):
-    """Every problem of the grid flags against the world and the model; ConfigError."""
-    if cfg.sync in PS_SYNCS:
-        what = f"--zero {cfg.zero}" if cfg.zero else "--dp/--pp/--tp/--micro-batches/--trace"
-        raise ConfigError(f"{what} needs an all-reduce --sync, not --sync {cfg.sync}: "
-                          "the parameter servers hold whole parameters and optimizer state")
+    """Every problem of the grid flags against the world and the model (ConfigError);
+    TrainConfig checked the flags alone (--zero with --sync ps, the schedule's name)."""
     grid = ProcessGrid(world_size, cfg.dp, cfg.pp, cfg.tp)
     blocks, what = (cfg.layers, "--layers") if cfg.model == "gpt" else (cfg.depth, "--depth")
     if blocks % grid.pp:
@@ -175,7 +166,7 @@ def run(cfg, ctx, data, device):
     """Train on the grid; every rank calls it after the preflight checks passed."""
     started = time.perf_counter()
     grid = check(cfg, ctx.world_size)
-    comms = grid.split(ctx.comm)
+    comms = ctx.grid or grid.split(ctx.comm)
     worker = GridWorker(cfg, comms, data.spec, device)
     world = ctx.comm
     writer = world.rank == 0

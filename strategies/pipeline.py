@@ -34,7 +34,6 @@ from allreduce import shard_bounds
 
 from .models import GPT, MLP
 
-SCHEDULES = ("gpipe", "1f1b")
 
 
 class GPTEmbed(nn.Module):

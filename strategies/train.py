@@ -33,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-from . import checkpoint
+from . import checkpoint, parallel
 from .config import PS_SYNCS, ConfigError, parse_args
 from .context import MPIControl, RunContext, require_psrv, under_torchrun
 from .data import load_data
@@ -59,6 +59,8 @@ def prepare(argv=None):
             data = load_data(cfg)
             model = build_model(cfg, data.spec, device)
             state = checkpoint.read(cfg, ctx, model) if cfg.resume else None
+            if cfg.on_grid:
+                parallel.check(cfg, ctx.world_size)   # layers, heads, micro-batches vs grid
     except ConfigError as e:
         problem = str(e)
     if ctx is not None:
@@ -109,6 +111,8 @@ def save_params(path, model):
 def main(argv=None):
     started = time.perf_counter()
     cfg, ctx, device, data, model, state = prepare(argv)
+    if cfg.on_grid:                                # ZeRO, pipeline, tensor parallel (issue 5)
+        return parallel.run(cfg, ctx, data, device)
     if cfg.sync in PS_SYNCS:
         role = ctx.attach_ps_role(cfg)
         if ctx.is_server:
