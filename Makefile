@@ -19,12 +19,11 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install -q -e ".[mpich,test]"
 	touch $@
 
+# A short sweep on 2-4 ranks (collectives, parameter server, training), then the
+# report with every plot: results/demo/report.html.  Points already done are skipped.
 demo: venv
-	mkdir -p results
-	$(VENV)/bin/mpiexec -n $(NP) $(PY) -m mpi4py -m allreduce.bench \
-	    --algos ring,tree,halving_doubling,hierarchical,mpi,torch \
-	    --ops allreduce,reduce_scatter,allgather,broadcast \
-	    --sizes 4K,256K,4M --iters 10 --jsonl results/demo_bench.jsonl
+	$(PY) -m experiments.sweep experiments/demo.toml
+	$(PY) -m experiments.report results/demo
 
 test: venv
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q tests

@@ -1,6 +1,6 @@
 """Fit the cost model's alpha, beta, gamma on this machine with a short microbenchmark.
 
-    python -m experiments.calibrate --out results/calibration.json        # ~30 s
+    python -m experiments.calibrate --out results/calibration.json        # ~45 s
     python -m experiments.calibrate --no-ps --jsonl results/x/records.jsonl
     (several hosts: mpiexec -f hosts.txt -n 2 -ppn 1 .venv/bin/python -m mpi4py \\
          -m experiments.calibrate --mpi-part --out inter.json     # the inter-node link)
@@ -42,7 +42,7 @@ import numpy as np
 from .records import mpiexec_path, provenance
 
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
-PS_SIZES = [64 << 10, 1 << 20, 4 << 20, 16 << 20]
+PS_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
 LARGE = 1 << 20
 VERIFY_SIZES = [1 << 20, 4 << 20, 16 << 20]
 
@@ -67,15 +67,6 @@ def fit_two_regimes(nbytes, seconds, split=LARGE):
     b, t = (np.asarray(x, float) for x in zip(*large))
     beta = float(np.sum((t - alpha) * b / t**2) / np.sum(b**2 / t**2))   # 1/t weights, alpha fixed
     return alpha, beta
-
-
-def median_time(fn, reps):
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def mpi_part(reps, verify=()):
@@ -173,8 +164,7 @@ def main(argv=None):
         part = os.path.join(tmp, "mpi.json")
         subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", "-m",
                         "experiments.calibrate", "--mpi-part", "--reps", str(a.reps),
-                        "--verify", a.verify,
-                        "--out", part], check=True, timeout=300)
+                        "--verify", a.verify, "--out", part], check=True, timeout=300)
         with open(part) as f:
             result = json.load(f)
     if a.ps:

@@ -12,11 +12,10 @@ with their error.  Also writes the simulation records it plots (simulation.jsonl
 import argparse
 import html
 import os
-import statistics
 from collections import Counter
 
 from . import fidelity, plots, simulate
-from .records import append_jsonl, load, read_jsonl
+from .records import load, read_jsonl
 
 FIGURES = [  # (function, title, what produces its records)
     (plots.busbw_vs_size, "(a) all-reduce busbw against message size",
@@ -102,6 +101,12 @@ def fidelity_blocks(records):
                     f" GB/s, cores {machine.cores}" + (
                         f"; psrv alpha {machine.ps_alpha * 1e6:.0f} us, 1/beta "
                         f"{1e-9 / machine.ps_beta:.2f} GB/s" if machine.ps_beta else "") + ".")]
+    cal = [r for r in records if r.get("kind") == "calibration"][-1]
+    if cal.get("loadavg"):
+        blocks.append(("p", f"Load during calibration: 1-min load average {cal['loadavg'][0]:.1f}"
+                            f" on {cal.get('cores')} cores. Above the core count, other "
+                            "processes take turns with the measured ones and times vary by 2x "
+                            "from run to run: read the errors with that in mind."))
     rows = fidelity.compare(records, machine)
     summ = fidelity.summary(rows)
     if summ:
@@ -138,7 +143,7 @@ def main(argv=None):
     if os.path.exists(sim_file):
         os.unlink(sim_file)
     os.makedirs(d, exist_ok=True)
-    sim_rows, cross = simulate.main(sim_args + ["--jsonl", sim_file])
+    _, cross = simulate.main(sim_args + ["--jsonl", sim_file])
     sim_records = read_jsonl(sim_file)
     blocks = [("h", 1, f"topolab report: {os.path.abspath(d)}")]
     blocks += provenance_block(records, points)

@@ -19,7 +19,7 @@ A sweep file has a [sweep] table and one [[run]] table per command:
     iters = 10
 
 A list is an axis (the points are the product of all axes) except for the keys
-a command takes as one comma-separated list (SCHEMA below).  Unknown keys and
+a command takes as one comma-separated list (experiments/sweepfile.py, SCHEMA).  Unknown keys and
 impossible points (ranks that do not factor, a batch that does not split, link
 emulation of a baseline that cannot be slowed) are reported with their line
 and reason before anything runs.  Each point runs under mpiexec (psrv.bench and
@@ -38,9 +38,10 @@ import sys
 import time
 
 from .records import ROOT, append_jsonl, mpiexec_path, provenance, read_jsonl
-from .sweepfile import EMULATION, SweepError, load_sweep, train_fields
+from .sweepfile import EMULATION, SweepError, full_config, load_sweep, train_fields
 
 __all__ = ["SweepError", "load_sweep", "command_line", "point_id", "main"]
+
 
 def point_id(command, params):
     blob = json.dumps({"command": command, **params}, sort_keys=True)
@@ -102,6 +103,10 @@ def run_point(argv, log_path, timeout):
             os.killpg(proc.pid, signal.SIGKILL)
             rc, status = proc.wait(), "timeout"
             log.write(f"\n[sweep] killed after {timeout} s\n")
+        except BaseException:                   # Ctrl-C: no orphaned ranks left running
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
     return status, rc, time.monotonic() - start
 
 
@@ -146,7 +151,7 @@ def main(argv=None):
         if status == "ok" and not found:
             status = "failed"                   # exited 0 but measured nothing
         common = {"command": command, "point": pid, "sweep": settings["name"], "label": label,
-                  "config": params, "provenance": dict(meta)}
+                  "config": full_config(command, params), "provenance": dict(meta)}
         if status == "ok":
             append_jsonl(records_file, [{**r, **common} for r in found])
         else:

@@ -184,3 +184,20 @@ def load_sweep(path):
     if problems:
         raise SweepError("\n".join(problems))
     return settings, points
+
+
+def full_config(command, params):
+    """The point's config with every default the command would use filled in
+    (what each record carries as "config"); the point's own keys win."""
+    if command == "strategies.train":
+        defaults = {k: v for k, v in train_fields().items() if k not in ("jsonl", "progress")}
+    elif command == "allreduce.bench":
+        from allreduce.bench import parse_args
+        defaults = {k: v for k, v in vars(parse_args([])).items() if k != "jsonl"}
+        defaults["world_size"] = 1
+    elif command == "psrv.bench":
+        defaults = {"workers": 1, "servers": 1, "reps": 3,
+                    "sizes": ["4K", "64K", "1M", "16M", "64M"]}
+    else:
+        defaults = {}
+    return {**defaults, **params}

@@ -2,6 +2,7 @@
 
     python -m strategies.train --sync ring ...     (see train.py for launch commands)
     python -m strategies.bench --syncs ring,ddp    (throughput beside torch DDP)
+    python -m strategies.train --sync ring --pp 2 --tp 2 --zero 1 ...   (under mpiexec -n 4)
 
 Read in this order:
     config.py      TrainConfig (frozen, validated) and the --key value command line
@@ -15,4 +16,13 @@ Read in this order:
     checkpoint.py  atomic checkpoints and --resume
     train.py       the loop
     bench.py       interleaved throughput benchmark
+  issue 5, the dp x pp x tp grid (train.py hands over with --dp/--pp/--tp/--zero):
+    grid.py        ProcessGrid: arange(world).reshape(dp, pp, tp), a communicator per axis
+    zero.py        ZeRO stages 0-3 over the dp axis, layer by layer
+    tensor_parallel.py  Megatron's f and g, column/row-parallel linears, split heads
+    pipeline.py    stages of blocks; GPipe and 1F1B over the point-to-point transport
+    memory.py      params / grads / optimizer / saved-activation bytes, measured
+    trace.py       Chrome trace (Perfetto) of forward, backward, comm and idle time
+    parallel.py    the grid worker: builds the rank's share, runs the step, records
+    bench_parallel.py  ZeRO memory and traffic, pipeline bubbles, ZeRO-3 speed
 """

@@ -31,7 +31,7 @@ import tempfile
 MLP = ["--model", "mlp", "--width", "512", "--depth", "4", "--in-dim", "512", "--classes", "16",
        "--dataset-size", "2048", "--global-batch", "64", "--threads", "1", "--no-progress",
        "--sync", "ring", "--optimizer", "adam", "--lr", "0.001"]
-PIPE = ["--model", "mlp", "--width", "512", "--depth", "8", "--in-dim", "512", "--classes", "16",
+PIPE = ["--model", "mlp", "--width", "1024", "--depth", "8", "--in-dim", "512", "--classes", "16",
         "--dataset-size", "2048", "--global-batch", "256", "--threads", "1", "--no-progress",
         "--sync", "ring", "--lr", "0.01", "--pp", "2"]
 

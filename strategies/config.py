@@ -125,6 +125,9 @@ class TrainConfig:
             what = f"--zero {self.zero}" if self.zero else "--dp/--pp/--tp/--micro-batches/--trace"
             raise ConfigError(f"{what} needs an all-reduce --sync ({', '.join(ALLREDUCE_SYNCS)}),"
                               f" not --sync {self.sync}: the grid's axes talk through collectives")
+        if self.on_grid and self.device != "cpu":
+            raise ConfigError("--dp/--pp/--tp/--zero run on --device cpu only so far "
+                              "(activations travel through the MPI transport, not NCCL)")
         if self.on_grid and self.checkpoint_dir:
             raise ConfigError("checkpoints are not supported with --dp/--pp/--tp/--zero yet")
 

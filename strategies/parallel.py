@@ -23,7 +23,6 @@ import sys
 import time
 
 import numpy as np
-import torch
 
 from allreduce import make_transport
 
@@ -129,9 +128,17 @@ class GridWorker:
             "step_time_s": end - start, "compute_time_s": busy,
             "comm_time_s": busy_seconds(events, ("comm",)),
             "idle_time_s": busy_seconds(events, ("idle",)),
-            "bubble_fraction": 1.0 - busy / (pipeline_end - start),
+            "bubble_fraction": 1.0 - busy / self.pipeline_span(start, pipeline_end),
             "peak_in_flight": self.pipeline.peak_in_flight,
             "micro_batch_activation_bytes": self.pipeline.micro_batch_bytes, "memory": memory}
+
+    def pipeline_span(self, start, end):
+        """The flush-to-flush time of this step's pipeline: from the first stage's start to
+        the last stage's end (ranks share one clock on a host).  The GPipe paper's bubble
+        (p-1)/(m+p-1) is a share of this common span; a stage's own [start, end) would
+        leave out the work of the others before it starts and after it ends."""
+        spans = self.comms.pp.allgather((start, end))
+        return max(e for _, e in spans) - min(s for s, _ in spans)
 
     def full_parameters(self):
         """(full name, local array, tp pieces, full shape) of this rank's parameters;

@@ -34,6 +34,8 @@ from allreduce import shard_bounds
 
 from .models import GPT, MLP
 
+SPINS = 200_000        # polls (~0.1 s) before falling back to the transport's yielding wait
+
 
 
 class GPTEmbed(nn.Module):
@@ -138,6 +140,18 @@ class Pipeline:
         self.sends = []
         return self.loss if self.last else None
 
+    def receive(self, buf, peer, tag):
+        """A blocking receive that spins instead of yielding the core: on a loaded host a
+        process that yields may sleep for a whole time slice (ms, as long as a micro-batch),
+        which would add to every bubble.  The transport's own wait keeps the timeout."""
+        handle = self.transport.irecv(buf, peer, tag)
+        request = getattr(handle, "request", None)
+        if request is not None:
+            for _ in range(SPINS):
+                if request.Test():
+                    return
+        handle.wait()
+
     def _shape(self, i):
         start, stop = self.bounds[i]
         return self.activation_shape(stop - start)
@@ -149,7 +163,7 @@ class Pipeline:
         else:
             inp = torch.empty(self._shape(i))
             with self.tracer.span(f"wait activation mb{i}", "idle"):
-                self.transport.recv(inp, self.stage - 1, tag=i)
+                self.receive(inp, self.stage - 1, i)
             inp.requires_grad_()
         before = self.meter.live_bytes
         with self.tracer.span(f"forward mb{i}", "forward"), self.meter:
@@ -174,7 +188,7 @@ class Pipeline:
         else:
             grad = torch.empty(out.shape)
             with self.tracer.span(f"wait gradient mb{i}", "idle"):
-                self.transport.recv(grad, self.stage + 1, tag=i)
+                self.receive(grad, self.stage + 1, i)
             with self.tracer.span(f"backward mb{i}", "backward"):
                 out.backward(grad)
         del out

@@ -39,6 +39,8 @@ tensors whose storage is a gathered layer are replaced by a token (layer,
 size, stride, offset) and rebuilt from the re-gathered buffer at unpack time
 (`pack`/`unpack`, used through memory.ActivationMeter's saved-tensor hooks).
 """
+from contextlib import nullcontext
+
 import torch
 import torch.nn as nn
 
@@ -172,7 +174,6 @@ class ZeRO:
             self.coll.broadcast(flat, root=0)
 
     def comm_span(self, name):
-        from contextlib import nullcontext
         return nullcontext() if self.tracer is None else self.tracer.span(name, "comm")
 
     def _after_forward(self, unit, out):
