@@ -61,6 +61,10 @@ def parse_args(argv=None):
                    help="hierarchical: emulate nodes of this many ranks (default: host names)")
     p.add_argument("--inner", default="ring", help="hierarchical: algorithm inside a node")
     p.add_argument("--outer", default="ring", help="hierarchical: algorithm between nodes")
+    p.add_argument("--link-latency-us", type=float, default=0.0,
+                   help="emulate a slower network: latency per message (allreduce/emulate.py)")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="emulate a slower network: bandwidth of each rank's link")
     p.add_argument("--jsonl", default=None, help="append one JSON record per row to this file")
     args = p.parse_args(argv)
     args.algos = [a for a in args.algos.split(",") if a]
@@ -68,6 +72,10 @@ def parse_args(argv=None):
     for a in args.algos:
         if a not in ALGORITHMS:
             p.error(f"unknown algorithm {a!r}; choose from {', '.join(ALGORITHMS)}")
+    if args.link_latency_us or args.link_gbps:
+        native = [a for a in args.algos if a in ("mpi", "torch")]
+        if native:
+            p.error(f"link emulation slows the textbook algorithms only, not {', '.join(native)}")
     for o in args.ops:
         if o not in COLLECTIVES:
             p.error(f"unknown collective {o!r}; choose from {', '.join(COLLECTIVES)}")
@@ -138,7 +146,8 @@ def main(argv=None):
             options = {"ranks_per_node": args.ranks_per_node, "inner": args.inner,
                        "outer": args.outer}
         transport = "torch" if algo == "torch" else args.transport
-        colls[algo] = create(algo, transport=transport, **options)
+        colls[algo] = create(algo, transport=transport, link_latency_us=args.link_latency_us,
+                             link_gbps=args.link_gbps, **options)
         # The benchmark checks results itself; time and count the collective alone.
         colls[algo].check = False
     itemsize = 2 if args.dtype in ("float16", "bfloat16") else np.dtype(args.dtype).itemsize
@@ -146,7 +155,9 @@ def main(argv=None):
     header = (f"{'algo':>16} {'collective':>14} {'size':>8} {'time_us':>10} {'algbw':>7} "
               f"{'busbw':>7} {'sent/rank':>10} {'theory':>10} {'#wrong':>6}")
     if rank == 0:
-        print(f"# P={P} dtype={args.dtype} iters={args.iters} transport={args.transport}  "
+        link = (f" link={args.link_latency_us:g}us/{args.link_gbps or 'inf'}GB/s"
+                if args.link_latency_us or args.link_gbps else "")
+        print(f"# P={P} dtype={args.dtype} iters={args.iters} transport={args.transport}{link}  "
               f"(bandwidth in GB/s; {meta['mpi']})")
         print(header)
         sys.stdout.flush()
@@ -210,6 +221,8 @@ def main(argv=None):
                               "sent_bytes": None if native else most_sent,
                               "theory_bytes": theory, "wrong": n_wrong,
                               "transport": "torch" if algo == "torch" else args.transport,
+                              "link_latency_us": args.link_latency_us,
+                              "link_gbps": args.link_gbps,
                               **meta}
                     out.write(json.dumps(record) + "\n")
                     out.flush()
