@@ -75,6 +75,7 @@ class GridWorker:
         model = build_model(cfg, spec, device)      # the whole model, same seed on every rank
         self.criterion = model.criterion
         self.originals = list(model.parameters())   # alive: no new parameter may reuse an id
+        self.total_parameters = sum(p.numel() for p in self.originals)
         self.names = {id(p): n for n, p in model.named_parameters()}
         layers = stage_layers(model, comms.pp_rank, comms.pp_size)
         self.tp_coll = None
@@ -179,7 +180,7 @@ def run(cfg, ctx, data, device):
     writer = world.rank == 0
     out = open(cfg.jsonl, "w") if writer and cfg.jsonl else None
     if writer:
-        n = sum(p.numel() for p in build_model(cfg, data.spec).parameters())
+        n = worker.total_parameters
         print(f"[{cfg.sync}] {cfg.model} with {n:,} parameters on {grid.describe()}, "
               f"zero {cfg.zero}, {cfg.micro_batches} micro-batches ({cfg.schedule}), "
               f"global batch {cfg.global_batch}", flush=True)

@@ -161,7 +161,8 @@ def tensor_parallel_mlp(mlp, tp):
     the unsplit MLP's indices, so parameter names stay `mlp.0.weight`, `mlp.2.weight`."""
     fc, act, out = mlp
     cols = tp.slice_of(fc.out_features)
-    return nn.Sequential(ColumnParallelLinear(fc, tp, [cols]), act, RowParallelLinear(out, tp, cols))
+    return nn.Sequential(ColumnParallelLinear(fc, tp, [cols]), act,
+                         RowParallelLinear(out, tp, cols))
 
 
 def parallelize_blocks(blocks, tp):

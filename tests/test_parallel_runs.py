@@ -45,12 +45,12 @@ SEVERAL = ["-c", "import json, sys\nfrom strategies.train import main\n"
                  "    except SystemExit as e:\n        sys.stdout.write(f'exit {e.code}\\n')"]
 
 
-def launch(tmp_path, nprocs, runs, timeout=200):
+def launch(tmp_path, nprocs, runs, timeout=200, **env):
     """Train each (name, flags) in one launch; {name: (step records, parameters)}."""
     argvs = [COMMON + [str(a) for a in flags] + ["--jsonl", str(tmp_path / f"{name}.jsonl"),
                                                  "--params-out", str(tmp_path / f"{name}.npz")]
              for name, flags in runs]
-    check_ok(mpirun(nprocs, SEVERAL + [json.dumps(argvs)], timeout=timeout))
+    check_ok(mpirun(nprocs, SEVERAL + [json.dumps(argvs)], timeout=timeout, **env))
     out = {}
     for name, _ in runs:
         records = [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")]
@@ -162,6 +162,23 @@ def test_zero_memory_matches_the_paper(two):
     for name, want in expected.items():
         for params, grads, optimizer in psi_and_state(two[name][0]):
             assert abs(params + grads + optimizer - want) / want < 0.01, (name, want)
+
+
+@pytest.mark.timeout(400)
+def test_zero_traffic_matches_the_paper(tmp_path):
+    """Bytes each rank sends per step, ring collectives, N = 3: stages 0-2 move 2(N-1)/N
+    of the model (all-reduce = reduce-scatter + all-gather), stage 3 3(N-1)/N (one more
+    all-gather, in the backward).  Launched without TOPOLAB_CHECK, whose argument
+    checks would add their own messages.  Shards are uneven here (dp = 3), so the
+    share of each rank differs from (N-1)/N by a few elements: within 1 %."""
+    runs = launch(tmp_path, 3, [(f"zero{s}", MLP_SGD + ["--zero", str(s), "--dp", "3"])
+                                for s in (0, 1, 2, 3)], TOPOLAB_CHECK=0)
+    psi = runs["zero0"][0][0]["memory"]["params"] / 4
+    N = 3
+    for s in (0, 1, 2, 3):
+        want = (2 if s < 3 else 3) * (N - 1) / N * 4 * psi
+        for r in runs[f"zero{s}"][0]:
+            assert abs(r["bytes_sent"] - want) / want < 0.01, (s, r["rank"], r["bytes_sent"], want)
 
 
 @pytest.mark.timeout(400)
