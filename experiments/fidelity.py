@@ -8,7 +8,7 @@ Two sources of measurements: the sweep's benchmarks (taken minutes away from
 the calibration) and calibrate --verify's (taken in the same rounds as its
 probes).  On a machine whose speed drifts, only the second is a fair test.
 
-An emulated link (experiments.emulate) adds its latency to every message and
+An emulated link (--link-latency-us/--link-gbps, allreduce/emulate.py) adds its latency to every message and
 its time per byte to every byte: alpha' = alpha + L, beta' = beta + 1 / B.
 """
 import dataclasses

@@ -25,9 +25,11 @@ FIGURES = [  # (function, title, what produces its records)
     (plots.scaling, "(c) scaling with ranks, measured and predicted",
      "allreduce.bench at two or more world sizes, and experiments.calibrate"),
     (plots.zero_memory, "(d) memory per rank by ZeRO stage",
-     "AWAITS ISSUE 5: strategies.train has no --zero and no memory fields yet"),
+     "NOT WIRED YET: strategies.train --zero N writes a `memory` dict per step (issue 5); "
+     "the sweep and this plot do not read it yet"),
     (None, "(e) pipeline Gantt chart, GPipe beside 1F1B",
-     "AWAITS ISSUE 5: strategies.train has no --pp/--schedule/--trace yet"),
+     "NOT WIRED YET: strategies.train --pp 2 --schedule gpipe|1f1b --trace FILE writes the "
+     "Chrome trace (issue 5); the sweep does not pass --trace yet"),
     (plots.ps_consistency, "(f) parameter-server consistency with a straggler",
      "strategies.train --sync ps with bsp/ssp/asp and a straggler"),
     (plots.crossovers, "(g) simulated crossovers on a two-level cluster",

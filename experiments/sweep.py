@@ -38,7 +38,7 @@ import sys
 import time
 
 from .records import ROOT, append_jsonl, mpiexec_path, provenance, read_jsonl
-from .sweepfile import EMULATION, SweepError, full_config, load_sweep, train_fields
+from .sweepfile import SweepError, full_config, load_sweep, train_fields
 
 __all__ = ["SweepError", "load_sweep", "command_line", "point_id", "main"]
 
@@ -63,19 +63,17 @@ def command_line(command, p, raw):
         return [py, "-m", "experiments.calibrate", "--jsonl", raw, "--reps",
                 str(p.get("reps", 15))] + ([] if p.get("ps", True) else ["--no-ps"]) + (
                     ["--verify", ",".join(p["verify"])] if "verify" in p else [])
-    emulate = [a for k in EMULATION if p.get(k) for a in (flag(k), str(p[k]))]
-    head = [mpiexec_path(), "-n", str(p.get("world_size", 1)), py, "-m", "mpi4py", "-m"]
-    head += ["experiments.emulate", *emulate, command] if emulate else [command]
+    head = [mpiexec_path(), "-n", str(p.get("world_size", 1)), py, "-m", "mpi4py", "-m", command]
     args = []
     if command == "allreduce.bench":
         for k, v in p.items():
-            if k in ("world_size",) + EMULATION:
+            if k == "world_size":
                 continue
             args += [flag(k), ",".join(map(str, v)) if isinstance(v, list) else str(v)]
         return head + args + ["--jsonl", raw]
     defaults = train_fields()
     for k, v in p.items():
-        if k in ("world_size",) + EMULATION:
+        if k == "world_size":
             continue
         if isinstance(defaults.get(k), bool):
             if v != defaults[k]:

@@ -17,7 +17,6 @@ import os
 import re
 import tomllib
 
-EMULATION = ("link_latency_us", "link_gbps", "straggler")
 
 
 def train_fields():
@@ -33,7 +32,7 @@ SCHEMA = {
                         "outer": "axis", "link_latency_us": "axis", "link_gbps": "axis"},
     "psrv.bench": {"workers": "axis", "servers": "axis", "sizes": "list", "reps": "scalar"},
     "experiments.calibrate": {"reps": "scalar", "ps": "scalar", "verify": "list"},
-    "strategies.train": None,     # TrainConfig's fields, world_size and EMULATION: all axes
+    "strategies.train": None,     # TrainConfig's fields and world_size: all axes
 }
 RUN_KEYS = ("command", "timeout_s", "label")
 
@@ -63,7 +62,7 @@ def key_lines(text):
 def schema_of(command):
     if command == "strategies.train":
         return {**{k: "axis" for k in train_fields() if k not in ("jsonl", "progress")},
-                "world_size": "axis", **{k: "axis" for k in EMULATION}}
+                "world_size": "axis"}
     return SCHEMA[command]
 
 
@@ -78,7 +77,6 @@ def expand(run, schema):
 
 def check_point(command, p):
     """None, or (key, reason) for an impossible point."""
-    from .emulate import parse_straggler
     emulated = bool(p.get("link_latency_us") or p.get("link_gbps"))
     if command in ("allreduce.bench", "strategies.train"):
         P = p.get("world_size", 1)
@@ -108,7 +106,7 @@ def check_point(command, p):
                 return key, f"{key} must be a whole number >= 1, got {p.get(key)!r}"
     elif command == "strategies.train":
         from strategies.config import ConfigError, TrainConfig, dp_size_of
-        fields = {k: v for k, v in p.items() if k not in ("world_size",) + EMULATION}
+        fields = {k: v for k, v in p.items() if k != "world_size"}   # TrainConfig checks the rest
         try:
             cfg = TrainConfig(**fields)
         except (ConfigError, TypeError) as e:
@@ -117,20 +115,10 @@ def check_point(command, p):
         try:
             dp_size_of(cfg, P)
         except ConfigError as e:
-            return "world_size", str(e)
+            return ("straggler" if "--straggler" in str(e) else "world_size"), str(e)
         grid = [p.get(k) for k in ("dp", "pp", "tp") if p.get(k)]
         if grid and P % math.prod(grid):
             return "world_size", f"world_size {P} does not factor into dp x pp x tp {grid}"
-        if emulated and cfg.sync not in ("ring", "tree", "halving_doubling", "hierarchical"):
-            return "link_latency_us", (f"link emulation needs a textbook all-reduce --sync, "
-                                       f"not {cfg.sync!r}")
-        if p.get("straggler"):
-            try:
-                rank, _ = parse_straggler(p["straggler"])
-            except ValueError as e:
-                return "straggler", str(e)
-            if rank >= P:
-                return "straggler", f"straggler rank {rank} is not below world_size {P}"
     return None
 
 

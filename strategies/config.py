@@ -26,8 +26,23 @@ SCHEDULES = ("gpipe", "1f1b")
 ZERO_STAGES = (0, 1, 2, 3)
 
 
+EMULATED_SYNCS = ("ring", "tree", "halving_doubling", "hierarchical")
+
+
 class ConfigError(ValueError):
     """A bad flag, a bad combination of flags, or bad input data: reported before training."""
+
+
+def parse_straggler(text):
+    """'RANK:SECONDS' -> (rank, seconds); ConfigError with the reason."""
+    rank, sep, seconds = str(text).partition(":")
+    try:
+        rank, seconds = int(rank), float(seconds)
+    except ValueError:
+        raise ConfigError(f"--straggler {text!r} is not RANK:SECONDS (e.g. 1:0.05)") from None
+    if not sep or rank < 0 or seconds < 0:
+        raise ConfigError(f"--straggler {text!r} needs RANK >= 0 and SECONDS >= 0")
+    return rank, seconds
 
 
 @dataclass(frozen=True)
@@ -61,6 +76,10 @@ class TrainConfig:
     micro_batches: int = 1        # per step and dp replica
     schedule: str = "1f1b"        # pipeline schedule: gpipe or 1f1b
     trace: str = ""               # Chrome trace (Perfetto) of every rank's step
+    # emulation (experiments): a slower network, a slow rank
+    link_latency_us: float = 0.0  # per message, on the textbook all-reduce backends' links
+    link_gbps: float = 0.0        # bandwidth of each rank's link; 0 = no cap
+    straggler: str = ""           # RANK:SECONDS: that rank's forward pass sleeps every step
     # data
     data: str = ""                # "" = synthetic; .npz (x, y) for mlp, plain text for gpt
     in_dim: int = 32              # synthetic mlp data: input features and classes
@@ -108,6 +127,15 @@ class TrainConfig:
             if getattr(self, field) < 0:
                 raise ConfigError(f"--{field.replace('_', '-')} must be >= 0, "
                                   f"got {getattr(self, field)}")
+        if self.link_latency_us < 0 or self.link_gbps < 0:
+            raise ConfigError("--link-latency-us and --link-gbps must be >= 0")
+        if (self.link_latency_us or self.link_gbps) and self.sync not in EMULATED_SYNCS:
+            raise ConfigError(f"link emulation slows the textbook all-reduces "
+                              f"({', '.join(EMULATED_SYNCS)}), not --sync {self.sync}")
+        if self.straggler:
+            parse_straggler(self.straggler)
+            if self.on_grid:
+                raise ConfigError("--straggler is not supported with --dp/--pp/--tp/--zero yet")
         if not self.lr > 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
         if not self.bucket_mb > 0:
@@ -130,6 +158,14 @@ class TrainConfig:
                               "(activations travel through the MPI transport, not NCCL)")
         if self.on_grid and self.checkpoint_dir:
             raise ConfigError("checkpoints are not supported with --dp/--pp/--tp/--zero yet")
+
+    @property
+    def straggler_rank(self):
+        return parse_straggler(self.straggler)[0] if self.straggler else None
+
+    @property
+    def straggler_seconds(self):
+        return parse_straggler(self.straggler)[1] if self.straggler else 0.0
 
     @property
     def on_grid(self):
@@ -158,6 +194,9 @@ def dp_size_of(cfg, world_size):
         dp, where = grid.dp, grid.describe()
     if dp < 1:
         raise ConfigError(f"no worker left: {where}; use fewer --servers or more ranks")
+    if cfg.straggler and cfg.straggler_rank >= world_size:
+        raise ConfigError(f"--straggler rank {cfg.straggler_rank} is not a rank "
+                          f"(world size {world_size})")
     if cfg.sync == "local" and world_size != 1:
         raise ConfigError(f"--sync local runs on one process, not {world_size}")
     if cfg.global_batch % dp:

@@ -28,7 +28,6 @@ The model, the optimizer and the sync are separate objects on purpose, so that
 ZeRO (a sync that owns sharded optimizer state) and pipeline/tensor parallelism
 (a model split over a grid axis, with the sync on the dp axis) can plug in.
 """
-import os
 
 import torch
 
@@ -36,7 +35,7 @@ import allreduce
 
 from .buckets import GradBuckets
 from .compress import make_compressor
-from .config import ALLREDUCE_SYNCS, ConfigError
+from .config import ALLREDUCE_SYNCS, EMULATED_SYNCS, ConfigError
 
 
 def make_optimizer(cfg, params):
@@ -84,8 +83,8 @@ def collective_for(name, cfg, comm):
     options = {}
     if name == "hierarchical" and cfg.ranks_per_node:
         options["ranks_per_node"] = cfg.ranks_per_node
-    if cfg.device == "cuda":
-        os.environ["TOPOLAB_DEVICE"] = "cuda"     # the torch transport then picks NCCL
+    if name in EMULATED_SYNCS:                     # a slower network, if asked for
+        options.update(link_latency_us=cfg.link_latency_us, link_gbps=cfg.link_gbps or None)
     return allreduce.create(name, comm=comm, timeout=cfg.timeout, **options)
 
 

@@ -94,6 +94,8 @@ def one_step(step, cfg, ctx, data, model, sync, optimizer, device, forward=None)
     t0 = now(device)
     x, y = data.batch(step, ctx.dp_rank, ctx.dp_size, cfg.global_batch, device)
     sync.before_backward()
+    if ctx.rank == cfg.straggler_rank:             # --straggler: a slow GPU, seen as compute
+        time.sleep(cfg.straggler_seconds)
     loss = model.criterion((forward or model)(x), y)
     loss.backward()
     t1 = now(device)

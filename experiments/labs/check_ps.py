@@ -19,7 +19,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-from experiments.emulate import parse_straggler
+from strategies.config import parse_straggler
 from experiments.records import load
 
 
