@@ -150,7 +150,7 @@ class TrainConfig:
             raise ConfigError("checkpoints are not supported with --sync hybrid yet "
                               "(they are with ps: the servers save their shards)")
         if self.on_grid and self.sync not in ALLREDUCE_SYNCS:
-            what = f"--zero {self.zero}" if self.zero else "--dp/--pp/--tp/--micro-batches/--trace"
+            what = f"--zero {self.zero}" if self.zero else "--dp/--pp/--tp/--micro-batches"
             raise ConfigError(f"{what} needs an all-reduce --sync ({', '.join(ALLREDUCE_SYNCS)}),"
                               f" not --sync {self.sync}: the grid's axes talk through collectives")
         if self.on_grid and self.device != "cpu":
@@ -171,7 +171,7 @@ class TrainConfig:
     def on_grid(self):
         """Whether the run needs the dp x pp x tp worker (parallel.py), not the plain loop."""
         return bool(self.dp or self.pp > 1 or self.tp > 1 or self.zero or
-                    self.micro_batches > 1 or self.trace)
+                    self.micro_batches > 1)
 
     @property
     def synchronous(self):

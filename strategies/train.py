@@ -40,6 +40,7 @@ from .data import load_data
 from .metrics import Metrics, now
 from .models import build_model, count_parameters
 from .sync import make_sync
+from .trace import Tracer, write_chrome_trace
 
 
 def prepare(argv=None):
@@ -89,7 +90,7 @@ def control_rank(ctx):
     return MPI.COMM_WORLD.rank
 
 
-def one_step(step, cfg, ctx, data, model, sync, optimizer, device, forward=None):
+def one_step(step, cfg, ctx, data, model, sync, optimizer, device, forward=None, tracer=None):
     """One training step; returns (local loss, compute s, exposed comm s, step s)."""
     t0 = now(device)
     x, y = data.batch(step, ctx.dp_rank, ctx.dp_size, cfg.global_batch, device)
@@ -97,12 +98,18 @@ def one_step(step, cfg, ctx, data, model, sync, optimizer, device, forward=None)
     if ctx.rank == cfg.straggler_rank:             # --straggler: a slow GPU, seen as compute
         time.sleep(cfg.straggler_seconds)
     loss = model.criterion((forward or model)(x), y)
+    t_forward = now(device) if tracer else None
     loss.backward()
     t1 = now(device)
     sync.synchronize(step)
     t2 = now(device)
     sync.step(optimizer)
     t3 = now(device)
+    if tracer:                                     # --trace: the step's intervals, as lived
+        tracer.add(f"forward {step}", "forward", t0, t_forward)
+        tracer.add(f"backward {step}", "backward", t_forward, t1)
+        tracer.add(f"wait for gradients {step}", "comm", t1, t2)
+        tracer.add(f"optimizer {step}", "optimizer", t2, t3)
     return loss.item(), (t1 - t0) + (t3 - t2), t2 - t1, t3 - t0
 
 
@@ -130,10 +137,11 @@ def main(argv=None):
         print(f"[{cfg.sync}] {cfg.model} with {count_parameters(model):,} parameters, "
               f"world {ctx.world_size}, dp {ctx.dp_size}, global batch {cfg.global_batch}, "
               f"data {data.name} ({len(data)} samples)", flush=True)
+    tracer = Tracer(ctx.rank) if cfg.trace else None
     try:
         for step in range(start, cfg.steps):
             loss, compute_s, comm_s, step_s = one_step(step, cfg, ctx, data, model, sync,
-                                                       optimizer, device)
+                                                       optimizer, device, tracer=tracer)
             metrics.record(step, loss, step_s, compute_s, comm_s, sync)
             if cfg.checkpoint_dir and cfg.checkpoint_every and \
                     (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
@@ -146,6 +154,11 @@ def main(argv=None):
         sync.close()
     if cfg.params_out and ctx.dp_rank == 0:
         save_params(cfg.params_out, model)
+    if tracer:                                     # workers only: servers have no steps
+        events = control.allgather(tracer.events)
+        if ctx.dp_rank == 0:
+            labels = [f"worker {r} ({cfg.sync})" for r in range(len(events))]
+            write_chrome_trace(cfg.trace, events, labels)
     return metrics.summary(time.perf_counter() - started)
 
 

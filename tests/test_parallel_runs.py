@@ -210,6 +210,21 @@ def test_trace_shows_the_bubbles(tmp_path):
     assert len(waits) == 3
 
 
+@pytest.mark.timeout(200)
+def test_any_run_can_be_traced_even_through_parameter_servers(tmp_path):
+    path = tmp_path / "ps_trace.json"
+    check_ok(mpirun(3, ["-m", "strategies.train", "--steps", "3", "--threads", "1",
+                        "--no-progress", "--sync", "ps", "--servers", "1"] + MLP_SGD +
+                    ["--trace", str(path)], timeout=180))
+    events = json.load(open(path))["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {0: "worker 0 (ps)", 1: "worker 1 (ps)"}          # the server has no steps
+    for pid in (0, 1):
+        spans = [e for e in events if e["ph"] == "X" and e["pid"] == pid]
+        assert {"forward", "backward", "comm", "optimizer"} == {e["cat"] for e in spans}
+        assert len(spans) == 4 * 3 and all(e["dur"] >= 0 for e in spans)
+
+
 @pytest.mark.timeout(300)
 def test_bad_input_stops_every_rank_before_training(tmp_path):
     bad = {
