@@ -29,6 +29,7 @@ class CollectiveTimeout(TimeoutError):
 
 class Collective:
     name = "?"
+    counts_traffic = True   # False where a library moves the bytes out of our sight
 
     def __init__(self, transport, segment_bytes=SEGMENT_BYTES):
         self.transport = transport

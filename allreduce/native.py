@@ -27,6 +27,7 @@ def _numpy_view(x):
 class MPINative(Collective):
     """mpi4py's MPI collectives over the transport's communicator."""
     name = "mpi"
+    counts_traffic = False  # MPI's own algorithm chooses what moves; we cannot see it
 
     def __init__(self, transport, **options):
         if not isinstance(transport, MPITransport):
@@ -65,9 +66,6 @@ class MPINative(Collective):
     def _wait(self, request):
         self.transport._wait_all([Handle(self.transport, request, -1)])
 
-    def _count(self, nbytes):
-        self.transport.traffic.sent += nbytes  # what this rank hands MPI, not what MPI moves
-
     def _allreduce(self, x, op):
         buf = _numpy_view(x)
         self._wait(self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self._mpi_op(x, op)))
@@ -94,6 +92,7 @@ class MPINative(Collective):
 class TorchNative(Collective):
     """torch.distributed's collectives (gloo on CPU, NCCL on GPU)."""
     name = "torch"
+    counts_traffic = False
 
     def __init__(self, transport, **options):
         from .torch_transport import TorchTransport

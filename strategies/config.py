@@ -146,9 +146,6 @@ class TrainConfig:
             raise ConfigError("--staleness needs --consistency ssp (bsp waits for every worker)")
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir")
-        if self.checkpoint_dir and self.sync == "hybrid":
-            raise ConfigError("checkpoints are not supported with --sync hybrid yet "
-                              "(they are with ps: the servers save their shards)")
         if self.on_grid and self.sync not in ALLREDUCE_SYNCS:
             what = f"--zero {self.zero}" if self.zero else "--dp/--pp/--tp/--micro-batches"
             raise ConfigError(f"{what} needs an all-reduce --sync ({', '.join(ALLREDUCE_SYNCS)}),"

@@ -60,7 +60,8 @@ class Metrics:
         self.pending.append({
             "kind": "step", "step": step, "rank": self.ctx.rank, "local_loss": float(loss),
             "step_time_s": step_time, "compute_time_s": compute_time, "comm_time_s": comm_time,
-            "bytes_sent": sent - self._bytes[0], "bytes_received": received - self._bytes[1],
+            "bytes_sent": _delta(sent, self._bytes[0]),
+            "bytes_received": _delta(received, self._bytes[1]),
             "peak_mem_mb": round(peak_memory_mb(self.device), 1), "staleness": sync.staleness})
         self._bytes = (sent, received)
         last = step + 1 == self.cfg.steps
@@ -81,7 +82,7 @@ class Metrics:
             self.steps.append((per_rank[0]["step"], loss,
                                max(r["step_time_s"] for r in per_rank),
                                max(r["comm_time_s"] for r in per_rank),
-                               sum(r["bytes_sent"] for r in per_rank),
+                               _total(r["bytes_sent"] for r in per_rank),
                                max(r["peak_mem_mb"] for r in per_rank)))
             if self.bar:
                 self.bar.update(1)
@@ -104,14 +105,15 @@ class Metrics:
                "first_loss": self.steps[0][1], "final_loss": self.steps[-1][1],
                "mean_step_time_s": step_s, "samples_per_s": self.samples_per_step / step_s,
                "exposed_comm_fraction": mean([s[3] for s in timed]) / step_s,
-               "bytes_sent_per_step_all_ranks": mean([s[4] for s in timed]),
+               "bytes_sent_per_step_all_ranks":
+                   None if timed[0][4] is None else mean([s[4] for s in timed]),
                "peak_mem_mb": max(s[5] for s in self.steps), "wall_s": wall_s,
                "config": self.cfg.as_dict()}
         print(f"[{self.cfg.sync}] dp={self.ctx.dp_size} steps={out['steps']} "
               f"loss {out['first_loss']:.4f} -> {out['final_loss']:.4f}  "
               f"{out['samples_per_s']:.0f} samples/s  step {1000 * step_s:.1f} ms  "
               f"exposed comm {100 * out['exposed_comm_fraction']:.0f}%  "
-              f"{out['bytes_sent_per_step_all_ranks'] / 2**20:.2f} MiB sent/step  "
+              f"{_mib(out['bytes_sent_per_step_all_ranks'])} sent/step  "
               f"peak {out['peak_mem_mb']:.0f} MB  wall {wall_s:.1f} s", flush=True)
         if self.file:
             self._write(out)
@@ -124,3 +126,17 @@ def now(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def _delta(now_bytes, before):
+    """Bytes since the last step; None where the backend's traffic is not observable."""
+    return None if now_bytes is None else now_bytes - before
+
+
+def _total(values):
+    values = list(values)
+    return None if any(v is None for v in values) else sum(values)
+
+
+def _mib(nbytes):
+    return "? MiB (not observable)" if nbytes is None else f"{nbytes / 2**20:.2f} MiB"

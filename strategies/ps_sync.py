@@ -9,6 +9,7 @@ SSP/ASP a worker may run ahead on stale parameters (psrv records the staleness).
 import socket
 import zlib
 
+import numpy as np
 import torch
 
 from .config import ConfigError
@@ -139,9 +140,24 @@ class HybridSync(GradientSync):
         self.allreduce_part.setup(model)             # p.grad become views of its buckets
         if self.ps is not None:
             self.ps.setup(model, bind_grads=False)
+        # Every worker of a node starts from its leader's parameters and step: the
+        # servers' saved ones after --resume (without it, the same values anyway).
+        with torch.no_grad():
+            for p in model.parameters():
+                host = p.data.cpu() if p.is_cuda else p.data
+                self.node_coll.broadcast(host, root=0)
+                if p.is_cuda:
+                    p.copy_(host)
+        step = np.array([self.ps.start_step if self.ps is not None else 0], dtype=np.int64)
+        self.node_coll.broadcast(step, root=0)
+        self.start_step = int(step[0])
 
     def make_optimizer(self, model):
         return None
+
+    def save_state(self):
+        if self.ps is not None:
+            self.ps.save_state()
 
     def before_backward(self):
         self.allreduce_part.before_backward()

@@ -112,13 +112,14 @@ class AllReduceSync(GradientSync):
     def synchronize(self, step):
         self.buckets.wait()
 
+    # None for the mpi and torch baselines: their libraries' traffic is not observable
     @property
     def bytes_sent(self):
-        return self.coll.transport.bytes_sent
+        return self.coll.transport.bytes_sent if self.coll.counts_traffic else None
 
     @property
     def bytes_received(self):
-        return self.coll.transport.bytes_received
+        return self.coll.transport.bytes_received if self.coll.counts_traffic else None
 
     def close(self):
         self.buckets.close()
