@@ -157,19 +157,19 @@ MEMORY_PARTS = ("params", "grads", "optimizer", "activations")
 
 
 def zero_memory(records, out_dir):
-    """(d) bytes per rank by ZeRO stage, stacked by part.  Written against the
-    per-step fields planned in issue 5 (`mem_params_bytes`, `mem_grads_bytes`,
-    `mem_optimizer_bytes`, `mem_activations_bytes`, config `zero`): strategies.train
-    does not write them yet, so this returns None on today's records."""
+    """(d) bytes per rank by ZeRO stage, stacked by part, from the `memory` dict that
+    strategies.train writes in each step's record on the grid (--dp/--zero):
+    params, grads, optimizer (measured from the tensors) and activations_peak."""
     rows = [r for r in records if r.get("command") == "strategies.train"
-            and r.get("kind") == "step" and "mem_params_bytes" in r]
+            and r.get("kind") == "step" and isinstance(r.get("memory"), dict)]
     if not rows:
         return None
     by_stage = defaultdict(lambda: defaultdict(list))
     for r in rows:
+        stage = r.get("config", {}).get("zero", 0)
+        memory = r["memory"]
         for part in MEMORY_PARTS:
-            stage = r.get("config", {}).get("zero", 0)
-            by_stage[stage][part].append(r.get(f"mem_{part}_bytes", 0))
+            by_stage[stage][part].append(memory.get(part, memory.get(f"{part}_peak", 0)))
     stages = sorted(by_stage)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     bottom = [0.0] * len(stages)
@@ -182,11 +182,26 @@ def zero_memory(records, out_dir):
     return save(fig, out_dir, "zero_memory")
 
 
+def last_step(events):
+    """The events of the trace's last step: from the earliest start, over the ranks,
+    of each rank's last "step" span (the first step carries one-time start-up costs)."""
+    steps = [e for e in events if e.get("ph") == "X" and e.get("cat") == "step"]
+    if not steps:
+        return events
+    last = {}
+    for e in steps:
+        last[e.get("pid", 0)] = max(last.get(e.get("pid", 0), 0), e["ts"])
+    start = min(last.values())
+    return [e for e in events if e.get("ts", 0) >= start]
+
+
 def pipeline_gantt(traces, out_dir):
-    """(e) one timeline per schedule: {schedule: Chrome-trace events} where each event
-    is {"name": "forward"|"backward"|..., "ph": "X", "ts": us, "dur": us, "pid": rank}
-    (the --trace format planned in issue 5; not written by strategies.train yet)."""
-    traces = {k: [e for e in v if e.get("ph") == "X"] for k, v in (traces or {}).items()}
+    """(e) one timeline per schedule, the last step of each: {schedule: Chrome-trace
+    events} (strategies.train --trace; experiments.report collects them by schedule).
+    Forward and backward spans only: the gaps between them are the bubbles."""
+    traces = {k: [e for e in last_step(v) if e.get("ph") == "X"
+                  and e.get("cat") in ("forward", "backward")]
+              for k, v in (traces or {}).items()}
     traces = {k: v for k, v in traces.items() if v}
     if not traces:
         return None
@@ -196,10 +211,16 @@ def pipeline_gantt(traces, out_dir):
         t0 = min(e["ts"] for e in events)
         for e in events:
             ax.barh(e.get("pid", 0), e["dur"] / 1e3, left=(e["ts"] - t0) / 1e3,
-                    color=colors.get(e["name"], "tab:gray"), edgecolor="k", lw=0.3)
-        ax.set(ylabel="stage", title=schedule)
+                    color=colors.get(e.get("cat"), "tab:gray"), edgecolor="k", lw=0.3)
+        stages = sorted({e.get("pid", 0) for e in events})
+        ax.set_yticks(stages)
+        ax.set(ylabel="stage", title=f"{schedule} (last step)")
         ax.invert_yaxis()
+    from matplotlib.patches import Patch
+    axes[0, 0].legend(handles=[Patch(color=c, label=cat) for cat, c in colors.items()],
+                      fontsize=8, loc="upper right")
     axes[-1, 0].set_xlabel("time (ms)")
+    fig.tight_layout()
     return save(fig, out_dir, "pipeline_gantt")
 
 

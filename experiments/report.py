@@ -11,6 +11,7 @@ with their error.  Also writes the simulation records it plots (simulation.jsonl
 """
 import argparse
 import html
+import json
 import os
 from collections import Counter
 
@@ -25,16 +26,27 @@ FIGURES = [  # (function, title, what produces its records)
     (plots.scaling, "(c) scaling with ranks, measured and predicted",
      "allreduce.bench at two or more world sizes, and experiments.calibrate"),
     (plots.zero_memory, "(d) memory per rank by ZeRO stage",
-     "NOT WIRED YET: strategies.train --zero N writes a `memory` dict per step (issue 5); "
-     "the sweep and this plot do not read it yet"),
-    (None, "(e) pipeline Gantt chart, GPipe beside 1F1B",
-     "NOT WIRED YET: strategies.train --pp 2 --schedule gpipe|1f1b --trace FILE writes the "
-     "Chrome trace (issue 5); the sweep does not pass --trace yet"),
+     "strategies.train [[run]]s on the grid (dp = 2) with zero = [0, 1, 2, 3]"),
+    (plots.pipeline_gantt, "(e) pipeline Gantt chart, GPipe beside 1F1B",
+     "strategies.train [[run]]s with pp = 2, schedule = [\"gpipe\", \"1f1b\"], trace = true"),
     (plots.ps_consistency, "(f) parameter-server consistency with a straggler",
      "strategies.train --sync ps with bsp/ssp/asp and a straggler"),
     (plots.crossovers, "(g) simulated crossovers on a two-level cluster",
      "experiments.simulate (this report runs it)"),
 ]
+
+
+def pipeline_traces(d, points):
+    """{"gpipe, m=4": Chrome-trace events} of the points that ran with trace = true."""
+    traces = {}
+    for p in points:
+        cfg = p.get("config", {})
+        path = os.path.join(d, "raw", f"{p.get('point')}.trace.json")
+        if p.get("status") == "ok" and cfg.get("trace") and os.path.exists(path):
+            with open(path) as f:
+                events = json.load(f).get("traceEvents", [])
+            traces[f"{cfg.get('schedule', '?')}, m={cfg.get('micro_batches', 1)}"] = events
+    return traces
 
 
 def render(blocks, fmt):
@@ -153,10 +165,11 @@ def main(argv=None):
     blocks += fidelity_blocks(records)
     blocks.append(("h", 2, "Figures"))
     written = []
+    traces = pipeline_traces(d, points)
     for fn, title, needs in FIGURES:
         blocks.append(("h", 3, title))
-        path = fn(sim_records if fn is plots.crossovers else records,
-                  os.path.join(d, "plots")) if fn else None
+        data = {plots.crossovers: sim_records, plots.pipeline_gantt: traces}.get(fn, records)
+        path = fn(data, os.path.join(d, "plots"))
         if path:
             rel = os.path.relpath(path, d)
             written.append(path)

@@ -52,6 +52,11 @@ def flag(key):
     return "--" + key.replace("_", "-")
 
 
+def trace_path(raw):
+    """Where a point's --trace goes: raw/POINT.trace.json beside raw/POINT.jsonl."""
+    return raw[:-len(".jsonl")] + ".trace.json"
+
+
 def command_line(command, p, raw):
     """The argv of one point; its records go to `raw`."""
     py = sys.executable
@@ -74,6 +79,9 @@ def command_line(command, p, raw):
     defaults = train_fields()
     for k, v in p.items():
         if k == "world_size":
+            continue
+        if k == "trace":                         # a Chrome trace beside the point's records
+            args += ["--trace", trace_path(raw)] if v else []
             continue
         if isinstance(defaults.get(k), bool):
             if v != defaults[k]:
