@@ -80,6 +80,13 @@ def strategy_name(r):
     return name
 
 
+def on_grid(record):
+    """Whether a training record comes from the dp x pp x tp worker (--dp/--pp/--tp/--zero)."""
+    cfg = record.get("config", {})
+    return bool(cfg.get("dp") or cfg.get("zero") or cfg.get("pp", 1) > 1 or
+                cfg.get("tp", 1) > 1 or cfg.get("micro_batches", 1) > 1)
+
+
 def train_steps(records):
     runs = defaultdict(list)
     for r in records:
@@ -93,7 +100,9 @@ def strategy_breakdown(records, out_dir):
     communication and idle: the time a rank's step ends before the slowest rank's
     of the same step.  Waiting for a slower peer *inside* a collective cannot be
     told apart from moving bytes in these records: it counts as exposed comm."""
-    runs = {k: v for k, v in train_steps(records).items() if "straggler" not in k[0]}
+    # plain data-parallel runs only: grid runs (ZeRO, pipeline) have plots (d) and (e)
+    runs = {k: v for k, v in train_steps(records).items()
+            if "straggler" not in k[0] and not on_grid(v[0])}
     if not runs:
         return None
     names, compute, comm, idle, rate = [], [], [], [], []
