@@ -14,7 +14,6 @@ differ from a reference each rank computes on its own.
 """
 import argparse
 import json
-import os
 import platform
 import socket
 import subprocess

@@ -29,7 +29,6 @@ import os
 import sys
 import time
 
-import numpy as np
 import zmq
 
 from . import protocol as P

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from conftest import BIN, ROOT, check_ok, mpirun, run, mpi_env
+from conftest import BIN, check_ok, mpirun, run, mpi_env
 
 pytestmark = pytest.mark.mpi
 
