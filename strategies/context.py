@@ -149,12 +149,12 @@ class RunContext:
 
 
 def require_psrv():
-    """The parameter-server package, or a clear error while it is being written."""
+    """The parameter-server package, or a clear error if it cannot be imported."""
     try:
         import psrv
         import psrv.launch
         psrv.Client, psrv.launch.mpi_roles, psrv.Consistency, psrv.OptimizerConfig  # noqa: B018
     except (ImportError, AttributeError) as e:
-        raise ConfigError(f"--sync ps / hybrid: the psrv package is not available yet ({e})") \
+        raise ConfigError(f"--sync ps / hybrid: cannot import the psrv package ({e})") \
             from None
     return psrv

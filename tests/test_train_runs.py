@@ -34,18 +34,6 @@ SEVERAL = ["-c", "import json, sys\nfrom strategies.train import main\n"
                  "for argv in json.loads(sys.argv[1]):\n    main(argv)"]
 
 
-def psrv_ready():
-    try:
-        import psrv
-        import psrv.launch  # noqa: F401
-        return hasattr(psrv, "Client")
-    except ImportError:
-        return False
-
-
-needs_psrv = pytest.mark.skipif(not psrv_ready(), reason="psrv (parameter server) not available yet")
-
-
 def train_several(tmp_path, nprocs, runs, timeout=150):
     """Launch once, train each (name, extra flags) in turn; returns {name: (records, params)}."""
     argvs = [[str(a) for a in TINY + list(extra) + ["--jsonl", tmp_path / f"{name}.jsonl",
@@ -187,7 +175,6 @@ def test_resume_from_another_model_or_world_fails_on_every_rank(tmp_path):
 ASYNC = {"asp": ["--consistency", "asp"], "ssp": ["--consistency", "ssp", "--staleness", "2"]}
 
 
-@needs_psrv
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("nprocs", [3, 4])
