@@ -23,7 +23,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 # report with every plot: results/demo/report.html.  Points already done are skipped.
 demo: venv
 	$(PY) -m experiments.sweep experiments/demo.toml
-	$(PY) -m experiments.report results/demo
+	$(PY) -m experiments.report results/demo --gallery docs/gallery
 
 test: venv
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q tests

@@ -11,19 +11,24 @@ from them is a real test of the model (costmodel.py):
   alpha, beta   Two ranks under mpiexec exchange b bytes at once in both
                 directions (sendrecv through allreduce's MPI transport), which
                 is what every step of a ring does; t(b) = alpha + b * beta, alpha
-                fitted below 1 MiB, beta at 1 MiB and above (fit_two_regimes).
+                fitted below 1 MiB, beta at 1 MiB and above (fit_two_regimes);
+                and beta per size, (t(b) - alpha) / b at b >= 1 MiB: the curve
+                costmodel's beta_at(n) reads.
   gamma         np.add(a, b, out=a) per byte of the vector reduced (the
                 reduction of allreduce.buffers.reduce_into), with both ranks
-                busy at once, as in a ring.
+                busy at once, as in a ring; per size (1, 4, 16 MiB), since a
+                vector that fits in the caches adds about twice as fast.
   memcpy        np.copyto bandwidth: the roofline of plot (a).
-  ps_alpha, ps_beta
-                One psrv worker against one server (psrv.bench's own code):
-                push+pull of b bytes, t(b) = ps_alpha + 2 b * ps_beta.
+  ps_alpha, ps_s, ps_marginal_s
+                psrv with one server and W = 1, 2, 3 workers, push+pull of b
+                bytes, the three interleaved block by block: W = 1 gives
+                ps_alpha and the round-trip curve T1(b) (ps_s), W = 2 what each
+                further worker adds, D(b) (costmodel.psrv_time).
 
 --verify ring,tree,... also times those all-reduces (1, 4, 16 MiB) in the same
-rounds as the probes, and psrv with two workers between two one-worker runs:
-the fairest test of the model on a machine whose speed drifts minute to
-minute, since prediction and measurement come from the same minutes.
+rounds as the probes, and keeps psrv's W = 3 as a prediction to check: the
+fairest test of the model on a machine whose speed drifts minute to minute,
+since prediction and measurement come from the same minutes.
 
 The driver (no mpiexec) launches the MPI part under mpiexec -n 2, runs the
 psrv part itself, and writes one JSON object (and, with --jsonl, one record
@@ -45,6 +50,7 @@ SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
 PS_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
 LARGE = 1 << 20
 VERIFY_SIZES = [1 << 20, 4 << 20, 16 << 20]
+GAMMA_SIZES = [1 << 20, 4 << 20, 16 << 20]
 
 
 def fit_alpha_beta(nbytes, seconds):
@@ -83,62 +89,129 @@ def mpi_part(reps, verify=()):
     peer = 1 - t.rank
     bufs = {n: (np.ones(n // 4, np.float32), np.empty(n // 4, np.float32)) for n in SIZES}
     a, b = np.ones(16 << 18, np.float32), np.ones(16 << 18, np.float32)     # 16 MiB each
+    adds = {n: (a[:n // 4], b[:n // 4]) for n in GAMMA_SIZES}
     colls = {name: allreduce.create(name) for name in verify}
     for c in colls.values():
         c.check = False
     work = {n: np.zeros(n // 4, np.float32) for n in VERIFY_SIZES}   # sums stay finite
     probes = {}
 
-    def timed(key, fn):
-        """Run fn twice and keep the second time: caches as warm as in a benchmark
-        that repeats one call, whatever the probe before it touched."""
-        for _ in range(2):
-            t.barrier()
+    def timed(key, fn, nbytes):
+        """One warm-up call, then k calls (k ~ 8 MiB / nbytes, 3 to 50), each timed:
+        caches as warm as in a benchmark that repeats one call, whatever the probe
+        before it touched.  Every call counts (the medians are taken in the end),
+        so that a call the hypervisor stalled for a millisecond, which this VM
+        does every few dozen calls, moves the result no more than any other."""
+        k = min(50, max(3, (8 << 20) // max(nbytes, 1)))
+        fn()
+        t.barrier()
+        for _ in range(k):
             start = time.perf_counter()
             fn()
-        probes.setdefault(key, []).append(time.perf_counter() - start)
+            probes.setdefault(key, []).append(time.perf_counter() - start)
 
     # Round-robin: every probe and every verified all-reduce once per round, so a
     # machine that changes speed mid-run (shared/ENVIRONMENT.md) slows all alike.
     for rnd in range(reps + 1):
         for n, (send, recv) in bufs.items():
-            timed(("x", n), lambda: t.sendrecv(send, peer, recv, peer))
-        timed("add", lambda: np.add(a, b, out=a))
-        timed("copy", lambda: np.copyto(a, b))
+            timed(("x", n), lambda: t.sendrecv(send, peer, recv, peer), n)
+        for n, (x, y) in adds.items():
+            timed(("add", n), lambda: np.add(x, y, out=x), n)
+        timed("copy", lambda: np.copyto(a, b), a.nbytes)
         for name, c in colls.items():
             for n in VERIFY_SIZES:
-                timed((name, n), lambda: c.allreduce(work[n]))
+                timed((name, n), lambda: c.allreduce(work[n]), n)
         if rnd == 0:
             probes.clear()                     # warm-up round: page faults, connections
     med = {k: comm.allreduce(float(np.median(v)), op=MPI.MAX) for k, v in probes.items()}
     exchange = [med[("x", n)] for n in SIZES]
     alpha, beta = fit_two_regimes(SIZES, exchange)
-    return {"alpha_s": alpha, "beta_s_per_byte": beta, "gamma_s_per_byte": med["add"] / a.nbytes,
+    large = [n for n in SIZES if n >= LARGE]
+    return {"alpha_s": alpha, "beta_s_per_byte": beta,
+            "gamma_s_per_byte": med[("add", a.nbytes)] / a.nbytes,
+            "beta_bytes": large, "beta_s_per_byte_at": [(med[("x", n)] - alpha) / n
+                                                        for n in large],
+            "gamma_bytes": GAMMA_SIZES, "gamma_s_per_byte_at": [med[("add", n)] / n
+                                                                for n in GAMMA_SIZES],
             "memcpy_gbps": a.nbytes / med["copy"] / 1e9, "exchange_bytes": SIZES,
             "exchange_s": exchange, "world_size": 2,
             "verify": [{"algo": name, "bytes": n, "world_size": 2, "time_us": med[(name, n)] * 1e6}
                        for name in colls for n in VERIFY_SIZES]}
 
 
+PS_WORKERS = (1, 2, 3)        # W = 1 fits the curve, W = 2 the server's share, W = 3 checks
+
+
+def ps_worker(w, endpoints, barrier, results, reps):
+    """One process of the psrv probe: a client of every server set with more than
+    w workers; every (size, W) block starts at a barrier, so blocks alternate
+    W = 1, 2, 3, 1, 2, 3, ... within seconds and the machine's drift hits all alike."""
+    from psrv.client import Client
+    from psrv.config import OptimizerConfig
+    clients = {W: Client(eps, w, W, timeout=120.0) for W, eps in endpoints.items() if w < W}
+    params = {f"s{n}": np.zeros(n // 4, np.float32) for n in PS_SIZES}
+    out = {k: np.empty_like(v) for k, v in params.items()}
+    for c in clients.values():
+        c.init(params, OptimizerConfig("sgd", lr=1e-9))
+    step = {(W, k): 0 for W in clients for k in params}
+    for rep in range(reps + 1):                       # rep 0 warms up
+        for n in PS_SIZES:
+            name, iters = f"s{n}", max(5, min(100, int(8e7 / n)))
+            for W in endpoints:
+                barrier.wait(120)
+                if W not in clients:
+                    continue
+                start = time.perf_counter()
+                for _ in range(iters):
+                    clients[W].push_pull({name: params[name]}, {name: out[name]},
+                                         step[(W, name)]).wait()
+                    step[(W, name)] += 1
+                if rep:
+                    results.put((W, n, rep, (time.perf_counter() - start) / iters))
+    for c in clients.values():
+        c.close()
+
+
 def ps_part(reps, verify=True):
-    """psrv, one worker and one server, before and after (verify) two workers and
-    one server; ps_alpha and ps_beta are fitted on the one-worker runs (their
-    median), the two-worker run is a prediction to check."""
-    from psrv.bench import run_config
+    """psrv, one server, W = 1, 2 and 3 workers interleaved block by block.
+    W = 1 gives ps_alpha and the round-trip curve T1(n); W = 2 what one more
+    worker adds, D(n) (costmodel.psrv_time: t = T1 + (W - 1) D); W = 3 is then
+    predicted, not fitted: ps_verify."""
+    import contextlib
+    import multiprocessing as mp
 
-    def times(W, S):
-        return {r["bytes"]: r["time_us"] * 1e-6 for r in run_config(S, W, PS_SIZES, reps)
-                if r["kind"] == "psrv"}
-
-    runs = [times(1, 1)]
-    check = times(2, 1) if verify else {}
-    if verify:
-        runs.append(times(1, 1))               # A B A: the drift of the machine cancels
-    seconds = [float(np.median([r[n] for r in runs])) for n in PS_SIZES]
+    from psrv.launch import start_local_servers
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    workers = PS_WORKERS if verify else PS_WORKERS[:2]
+    with contextlib.ExitStack() as stack:
+        endpoints = {W: stack.enter_context(start_local_servers(1, worker_timeout=60)).endpoints
+                     for W in workers}
+        barrier = ctx.Barrier(max(workers))
+        procs = [ctx.Process(target=ps_worker, args=(w, endpoints, barrier, results, reps))
+                 for w in range(max(workers))]
+        for p in procs:
+            p.start()
+        times = {}
+        for _ in range(reps * len(PS_SIZES) * sum(workers)):
+            W, n, rep, t = results.get(timeout=600)
+            times[(W, n, rep)] = max(times.get((W, n, rep), 0.0), t)   # the slowest worker
+        for p in procs:
+            p.join(60)
+    runs = range(1, reps + 1)
+    seconds = [float(np.median([times[(1, n, r)] for r in runs])) for n in PS_SIZES]
     alpha, two_beta = fit_two_regimes(PS_SIZES, seconds)
+    # what the second worker adds, from W=2 minus W=1 of the same rep (drift cancels)
+    marginal = [max(0.0, float(np.median([times[(2, n, r)] - times[(1, n, r)] for r in runs])))
+                for n in PS_SIZES]
+    median = {(W, n): float(np.median([times[(W, n, r)] for r in runs]))
+              for W in workers for n in PS_SIZES}
     return {"ps_alpha_s": alpha, "ps_beta_s_per_byte": two_beta / 2, "ps_bytes": PS_SIZES,
-            "ps_s": seconds, "ps_verify": [{"workers": 2, "servers": 1, "bytes": n,
-                                            "time_us": t * 1e6} for n, t in check.items()]}
+            "ps_s": seconds, "ps_marginal_s": marginal,
+            "ps_measured": [{"workers": W, "servers": 1, "bytes": n, "time_us": t * 1e6}
+                            for (W, n), t in median.items()],
+            "ps_verify": [{"workers": W, "servers": 1, "bytes": n, "time_us": t * 1e6}
+                          for (W, n), t in median.items() if W > 2]}
 
 
 def main(argv=None):
@@ -168,7 +241,7 @@ def main(argv=None):
         with open(part) as f:
             result = json.load(f)
     if a.ps:
-        result.update(ps_part(max(3, a.reps // 3), bool(a.verify)))
+        result.update(ps_part(max(5, a.reps // 2), bool(a.verify)))
     result["cores"] = os.cpu_count()
     result["loadavg"] = os.getloadavg()
     print(f"alpha {result['alpha_s'] * 1e6:.1f} us  beta {1e-9 / result['beta_s_per_byte']:.2f}"

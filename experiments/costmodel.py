@@ -9,6 +9,14 @@ n bytes costs n * gamma.  The formulas are those of Thakur, Rabenseifner &
 Gropp, "Optimization of collective communication operations in MPICH" (IJHPCA
 2005, section 4) unless noted; every one counts the slowest rank's critical path.
 
+Where a calibration measured them, beta and gamma are functions of the vector
+size n (the parameterised LogP of Kielmann, Bal & Verstoep, "Fast measurement
+of LogP parameters for message passing platforms", IPDPS workshops 2000):
+repeating an operation on n bytes keeps them in the caches while they fit, and
+a byte costs about half as much then.  `m.beta_at(n)` and `m.gamma_at(n)` read
+the calibrated curves (log-log interpolation, flat past their ends); without
+curves they are the constants beta and gamma, as on a cluster's link.
+
 One term is ours, for this laptop: `cores`.  When P ranks share C < P cores,
 each rank gets C / P of a core for copying and adding, so the bandwidth terms
 (beta, gamma) are stretched by P / C.  Leave cores=None on a cluster.
@@ -19,6 +27,7 @@ Quick reference (n bytes, P ranks, lg = ceil(log2 P)):
     halving-doubling   2 log2 p alpha + 2(p-1)/p n beta + (p-1)/p n gamma  (+ a fold if P != p)
     hierarchical       ring inside k-rank nodes + ring over N nodes + broadcast inside
     parameter server   alpha + max(n beta_w, W n beta_s / S) per direction       (BytePS)
+    psrv, one host     T1(n) + (W - 1) D(n)    (calibrated: W = 1 round trip, each further worker)
 """
 import math
 from dataclasses import dataclass
@@ -31,7 +40,11 @@ class Machine:
     gamma: float = 0.0           # seconds per byte reduced
     cores: int = None            # ranks beyond this many share cores (None: one core each)
     ps_alpha: float = None       # psrv: seconds per push+pull round trip
-    ps_beta: float = None        # psrv: seconds per byte each way
+    ps_beta: float = None        # psrv: seconds per byte each way (at >= 1 MiB; for show)
+    ps_curve: tuple = None       # psrv: ((bytes, seconds), ...) of W = S = 1 push+pull
+    ps_marginal: tuple = None    # psrv: ((bytes, seconds), ...) one more worker adds
+    beta_curve: tuple = None     # ((vector bytes, seconds per byte sent), ...)
+    gamma_curve: tuple = None    # ((vector bytes, seconds per byte reduced), ...)
 
     def __post_init__(self):
         if min(self.alpha, self.beta, self.gamma) < 0:
@@ -42,9 +55,21 @@ class Machine:
     @classmethod
     def from_calibration(cls, cal, cores=True):
         """From experiments.calibrate's JSON (or its 'calibration' record)."""
+        def curve(sizes, values):
+            return tuple(zip(cal[sizes], cal[values])) if cal.get(values) else None
         return cls(cal["alpha_s"], cal["beta_s_per_byte"], cal["gamma_s_per_byte"],
                    cal.get("cores") if cores else None, cal.get("ps_alpha_s"),
-                   cal.get("ps_beta_s_per_byte"))
+                   cal.get("ps_beta_s_per_byte"), curve("ps_bytes", "ps_s"),
+                   curve("ps_bytes", "ps_marginal_s"), curve("beta_bytes", "beta_s_per_byte_at"),
+                   curve("gamma_bytes", "gamma_s_per_byte_at"))
+
+    def beta_at(self, n):
+        """Seconds per byte sent while working on an n-byte vector."""
+        return interpolate(self.beta_curve, n) if self.beta_curve else self.beta
+
+    def gamma_at(self, n):
+        """Seconds per byte reduced while working on an n-byte vector."""
+        return interpolate(self.gamma_curve, n) if self.gamma_curve else self.gamma
 
     def stretch(self, procs):
         """How much slower bandwidth terms run when `procs` processes share the cores."""
@@ -55,6 +80,19 @@ def lg(P):
     return math.ceil(math.log2(P)) if P > 1 else 0
 
 
+def interpolate(curve, n):
+    """The value of a measured ((size, value), ...) curve at size n: linear in
+    log(value) against log(size) between measured sizes, flat past the ends."""
+    sizes, values = [b for b, _ in curve], [max(v, 1e-30) for _, v in curve]
+    if n <= sizes[0]:
+        return values[0]
+    if n >= sizes[-1]:
+        return values[-1]
+    i = next(i for i in range(1, len(sizes)) if n <= sizes[i])
+    x = math.log(n / sizes[i - 1]) / math.log(sizes[i] / sizes[i - 1])
+    return math.exp((1 - x) * math.log(values[i - 1]) + x * math.log(values[i]))
+
+
 # ------------------------------------------------------------------- collectives
 def ring_allreduce(n, P, m):
     """Reduce-scatter then all-gather, P-1 steps each, n/P bytes per step.
@@ -62,25 +100,26 @@ def ring_allreduce(n, P, m):
     workstations" (JPDC 2009): the bandwidth term 2(P-1)/P n beta is optimal."""
     if P == 1:
         return 0.0
-    s = m.stretch(P)
-    return 2 * (P - 1) * m.alpha + (P - 1) / P * n * (2 * m.beta + m.gamma) * s
+    beta, gamma, s = m.beta_at(n), m.gamma_at(n), m.stretch(P)
+    return 2 * (P - 1) * m.alpha + (P - 1) / P * n * (2 * beta + gamma) * s
 
 
 def ring_reduce_scatter(n, P, m):
     if P == 1:
         return 0.0
-    return (P - 1) * m.alpha + (P - 1) / P * n * (m.beta + m.gamma) * m.stretch(P)
+    return (P - 1) * m.alpha + (P - 1) / P * n * (m.beta_at(n) + m.gamma_at(n)) * m.stretch(P)
 
 
 def ring_allgather(n, P, m):
-    return 0.0 if P == 1 else (P - 1) * m.alpha + (P - 1) / P * n * m.beta * m.stretch(P)
+    return 0.0 if P == 1 else (P - 1) * m.alpha + (P - 1) / P * n * m.beta_at(n) * m.stretch(P)
 
 
 def tree_allreduce(n, P, m):
     """Binomial-tree reduce to rank 0, then binomial broadcast (Thakur et al. 2005,
     4.4: MPICH's short-message allreduce): lg P rounds of the whole message each
     way, so latency grows as log P but every round moves all n bytes."""
-    return 2 * lg(P) * (m.alpha + n * m.beta * m.stretch(P)) + lg(P) * n * m.gamma * m.stretch(P)
+    s = m.stretch(P)
+    return 2 * lg(P) * (m.alpha + n * m.beta_at(n) * s) + lg(P) * n * m.gamma_at(n) * s
 
 
 def halving_doubling_allreduce(n, P, m):
@@ -91,10 +130,10 @@ def halving_doubling_allreduce(n, P, m):
     if P == 1:
         return 0.0
     p = 1 << (P.bit_length() - 1)
-    s = m.stretch(P)
-    t = 2 * math.log2(p) * m.alpha + (p - 1) / p * n * (2 * m.beta + m.gamma) * s
+    beta, gamma, s = m.beta_at(n), m.gamma_at(n), m.stretch(P)
+    t = 2 * math.log2(p) * m.alpha + (p - 1) / p * n * (2 * beta + gamma) * s
     if p != P:
-        t += 2 * (m.alpha + n * m.beta * s) + n * m.gamma * s
+        t += 2 * (m.alpha + n * beta * s) + n * gamma * s
     return t
 
 
@@ -108,8 +147,8 @@ def hierarchical_allreduce(n, P, k, intra, inter):
     N = max(1, P // k)
     t = ring_reduce_scatter(n, k, intra)
     if k > 1:
-        t += (k - 1) * intra.alpha + (k - 1) / k * n * intra.beta          # gather
-        t += (k - 1) * intra.alpha + n * intra.beta                        # broadcast
+        t += (k - 1) * intra.alpha + (k - 1) / k * n * intra.beta_at(n)    # gather
+        t += (k - 1) * intra.alpha + n * intra.beta_at(n)                  # broadcast
     return t + ring_allreduce(n, N, inter)
 
 
@@ -139,13 +178,38 @@ def ps_push_pull(n, W, S, beta_worker, beta_server, alpha=0.0, duplex=True):
 
 
 def psrv_time(n, W, S, m):
-    """psrv on this machine: push then pull through loopback TCP (not duplex),
-    calibrated on W = S = 1 as ps_alpha + 2 n ps_beta.  No `cores` stretch:
-    ZeroMQ waits sleep (MPI waits spin), and the server's W n / S bytes already
-    count the one process that is busy while the workers wait."""
-    if m.ps_alpha is None or m.ps_beta is None:
+    """psrv on this machine (one host): seconds of one push+pull of n bytes per worker.
+
+        t(n, W) = T1(n) + (W - 1) D(n)
+
+    T1(n) is the round trip of one worker with one server (ps_alpha included)
+    and D(n) what each further worker adds: the server takes the W requests of
+    a step one at a time, so the server-bound term of BytePS, W n / (S B_s),
+    grows by n / B_s per worker, while each worker's own share of the round
+    trip runs beside the others'.  Both are read off calibrated curves, per
+    size, in the manner of Kielmann et al.'s parameterised LogP: a message that
+    fits in the caches costs about half as much per byte, and psrv sends a
+    tensor above 4 MiB as several slices that overlap.  S does not divide D
+    here: on one host the S servers share its memory bandwidth and cores
+    (BytePS's S counts servers with links of their own; simulate.py uses that).
+    Uncalibrated D: W n / B_s with the server the whole round trip."""
+    if m.ps_alpha is None or not (m.ps_curve or m.ps_beta):
         return None
-    return ps_push_pull(n, W, S, m.ps_beta, m.ps_beta, m.ps_alpha, duplex=False)
+    one = ps_round_trip(n, m)
+    if m.ps_marginal:
+        extra = n * interpolate(tuple((b, t / b) for b, t in m.ps_marginal), n)
+    else:
+        extra = one - m.ps_alpha
+    return one + (W - 1) * extra
+
+
+def ps_round_trip(n, m):
+    """W = S = 1 push+pull of n bytes: the calibrated curve, else ps_alpha + 2 n ps_beta.
+    What the bytes cost is interpolated per byte, so it scales with n past the ends."""
+    if not m.ps_curve:
+        return m.ps_alpha + 2 * n * m.ps_beta
+    per_byte = tuple((b, max(t - m.ps_alpha, 0.0) / b) for b, t in m.ps_curve)
+    return m.ps_alpha + n * interpolate(per_byte, n)
 
 
 # ------------------------------------------------------------------------- ZeRO

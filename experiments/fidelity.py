@@ -30,8 +30,9 @@ def with_link(m, config):
     gbps = float(config.get("link_gbps") or 0)
     if not latency and not gbps:
         return m
-    return dataclasses.replace(m, alpha=m.alpha + latency,
-                               beta=m.beta + (1 / (gbps * 1e9) if gbps else 0.0))
+    extra = 1 / (gbps * 1e9) if gbps else 0.0
+    curve = tuple((b, v + extra) for b, v in m.beta_curve) if m.beta_curve else None
+    return dataclasses.replace(m, alpha=m.alpha + latency, beta=m.beta + extra, beta_curve=curve)
 
 
 def predict(r, m):

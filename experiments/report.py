@@ -13,6 +13,7 @@ import argparse
 import html
 import json
 import os
+import shutil
 from collections import Counter
 
 from . import fidelity, plots, simulate
@@ -114,7 +115,8 @@ def fidelity_blocks(records):
                     f"1/beta {1e-9 / machine.beta:.2f} GB/s, 1/gamma {1e-9 / machine.gamma:.2f}"
                     f" GB/s, cores {machine.cores}" + (
                         f"; psrv alpha {machine.ps_alpha * 1e6:.0f} us, 1/beta "
-                        f"{1e-9 / machine.ps_beta:.2f} GB/s" if machine.ps_beta else "") + ".")]
+                        f"{1e-9 / machine.ps_beta:.2f} GB/s at >= 1 MiB" if machine.ps_beta
+                        else "") + ".")]
     cal = [r for r in records if r.get("kind") == "calibration"][-1]
     if cal.get("loadavg"):
         blocks.append(("p", f"Load during calibration: 1-min load average {cal['loadavg'][0]:.1f}"
@@ -148,6 +150,8 @@ def main(argv=None):
     ap.add_argument("--cluster-ranks-per-node", type=int, default=8)
     ap.add_argument("--inter-gbps", type=float, default=12.5)
     ap.add_argument("--inter-latency-us", type=float, default=10.0)
+    ap.add_argument("--gallery", default="", help="also copy every PNG here (make demo: "
+                                                  "docs/gallery, the README's pictures)")
     a = ap.parse_args(argv)
     d = a.results_dir
     records, points = load(d), read_jsonl(os.path.join(d, "points.jsonl"))
@@ -189,7 +193,12 @@ def main(argv=None):
     for fmt in ("md", "html"):
         with open(os.path.join(d, f"report.{fmt}"), "w") as f:
             f.write(render(blocks, fmt))
-    print(f"wrote {len(written)} figures and {os.path.join(d, 'report.md')} (+ .html)")
+    if a.gallery:
+        os.makedirs(a.gallery, exist_ok=True)
+        for path in written:
+            shutil.copyfile(path, os.path.join(a.gallery, os.path.basename(path)))
+    print(f"wrote {len(written)} figures and {os.path.join(d, 'report.md')} (+ .html)"
+          + (f"; copied the PNGs to {a.gallery}" if a.gallery else ""))
     return written
 
 

@@ -61,6 +61,43 @@ def test_parameter_server_is_bytepss_max():
 
 
 @pytest.mark.timeout(10)
+def test_psrv_time_reads_the_calibrated_curves():
+    # W=1 round trips at 1 and 4 MB; each further worker adds 0.5 and 3 ms
+    m = cm.Machine(1e-5, 1e-9, ps_alpha=1e-3, ps_beta=1e-9,
+                   ps_curve=((1_000_000, 2e-3), (4_000_000, 9e-3)),
+                   ps_marginal=((1_000_000, 0.5e-3), (4_000_000, 3e-3)))
+    assert cm.psrv_time(1_000_000, 1, 1, m) == pytest.approx(2e-3)
+    assert cm.psrv_time(4_000_000, 3, 1, m) == pytest.approx(9e-3 + 2 * 3e-3)
+    # between the sizes: the per-byte cost, log-log interpolated; 2 MB is halfway in log
+    per_byte = math.sqrt(1e-3 / 1e6 * 8e-3 / 4e6)
+    assert cm.psrv_time(2_000_000, 1, 1, m) == pytest.approx(1e-3 + 2e6 * per_byte)
+    # past the ends: linear in bytes at the end's per-byte cost
+    assert cm.psrv_time(8_000_000, 1, 1, m) == pytest.approx(1e-3 + 2 * 8e-3)
+    assert cm.psrv_time(8_000_000, 2, 1, m) == pytest.approx(1e-3 + 2 * 8e-3 + 2 * 3e-3)
+    # S does not divide the per-worker cost on one host
+    assert cm.psrv_time(4_000_000, 3, 2, m) == cm.psrv_time(4_000_000, 3, 1, m)
+
+
+@pytest.mark.timeout(10)
+def test_beta_and_gamma_curves_replace_the_constants():
+    curve = cm.Machine(1e-5, 1e-9, 5e-10, beta_curve=((1 << 20, 1e-10), (16 << 20, 2e-10)),
+                       gamma_curve=((1 << 20, 5e-11), (16 << 20, 1e-10)))
+    assert curve.beta_at(1 << 10) == 1e-10 and curve.beta_at(1 << 30) == 2e-10   # flat ends
+    assert curve.beta_at(4 << 20) == pytest.approx(1e-10 * 2 ** 0.5)             # half way in log
+    assert M.beta_at(1 << 20) == M.beta and M.gamma_at(1 << 20) == M.gamma
+    n = 16 << 20
+    assert cm.ring_allreduce(n, 2, curve) == pytest.approx(2e-5 + 0.5 * n * (4e-10 + 1e-10))
+    cal = {"alpha_s": 1e-5, "beta_s_per_byte": 1e-9, "gamma_s_per_byte": 5e-10,
+           "beta_bytes": [1, 2], "beta_s_per_byte_at": [3e-9, 4e-9],
+           "gamma_bytes": [1, 2], "gamma_s_per_byte_at": [5e-9, 6e-9],
+           "ps_alpha_s": 1e-4, "ps_bytes": [1, 2], "ps_s": [1e-3, 2e-3],
+           "ps_marginal_s": [1e-4, 2e-4]}
+    m = cm.Machine.from_calibration(cal)
+    assert m.beta_curve == ((1, 3e-9), (2, 4e-9)) and m.gamma_curve == ((1, 5e-9), (2, 6e-9))
+    assert m.ps_curve == ((1, 1e-3), (2, 2e-3)) and m.ps_marginal == ((1, 1e-4), (2, 2e-4))
+
+
+@pytest.mark.timeout(10)
 def test_zero_and_pipeline_formulas():
     psi, n = 1_000_000, 4
     totals = [sum(cm.zero_memory(psi, n, s).values()) for s in range(4)]
