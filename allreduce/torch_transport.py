@@ -4,6 +4,7 @@ Under torchrun the usual environment (MASTER_ADDR, MASTER_PORT, RANK,
 WORLD_SIZE) initialises the process group.  Under mpiexec there is no such
 environment, so rank 0 picks a free port and tells the others over MPI.
 """
+import atexit
 import os
 import socket
 import time
@@ -32,6 +33,7 @@ def init_torch_distributed(comm=None, backend=None, timeout=None):
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank(comm) % torch.cuda.device_count())
     wait = timedelta(seconds=timeout or default_timeout())
+    atexit.register(destroy_at_exit)
     if under_torchrun():
         dist.init_process_group(backend, timeout=wait)
         return
@@ -58,6 +60,15 @@ def init_torch_distributed(comm=None, backend=None, timeout=None):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, init_method=f"tcp://{host}:{int(port[0])}",
                             rank=comm.rank, world_size=comm.size, timeout=wait)
+
+
+def destroy_at_exit():
+    """Tear the process group down before the interpreter does: left to
+    interpreter shutdown, gloo's threads are destroyed unjoined and a rank
+    can abort after its work is done ("terminate called without an active
+    exception", seen once in CI under torchrun)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def local_rank(comm=None):
