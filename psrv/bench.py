@@ -17,10 +17,18 @@ The two kinds run interleaved in the same processes (psrv, raw, psrv, raw, ...
 `--reps` times, a barrier before each block) because this machine changes speed
 every minute or two.  Reported: median time per iteration (the slowest worker),
 and gbps = W * 2 * size / time, the aggregate bytes moved per second (1 GB = 1e9 B).
+
+Also reported: cpu_ms, the CPU time (user + system, every thread) that the
+workers and the servers (or echoes) spent per iteration, all together.  On a
+machine of C cores nothing can run faster than cpu_ms / C, so the column says
+how far either kind is from being CPU-bound, and why psrv cannot match the raw
+echo where the cores are few: it runs the optimizer over every byte on the
+server and copies every byte into `out` on the worker, and the echo does neither.
 """
 import argparse
 import json
 import multiprocessing as mp
+import os
 import platform
 import statistics
 import time
@@ -54,7 +62,14 @@ def echo_server(queue):
     sock.close()
 
 
-def worker(w, num_workers, endpoints, echoes, sizes, reps, barrier, results):
+def cpu_seconds(pid):
+    """User + system CPU seconds of a process so far, all its threads (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def worker(w, num_workers, endpoints, echoes, sizes, reps, barrier, results, pids):
     client = Client(endpoints, w, num_workers, timeout=120.0)
     params = {f"s{size:012d}": np.zeros(size // 4, np.float32) for size in sizes}
     client.init(params, OptimizerConfig("sgd", lr=1e-9))
@@ -92,10 +107,14 @@ def worker(w, num_workers, endpoints, echoes, sizes, reps, barrier, results):
         run_raw(name, 2)
         for rep in range(reps):
             for kind, fn in (("psrv", run_psrv), ("raw_zmq", run_raw)):
+                servers = pids[kind] if w == 0 else []     # worker 0 reads the servers' CPU
                 barrier.wait(120)
+                cpu = time.process_time() + sum(map(cpu_seconds, servers))
                 t = time.perf_counter()
                 fn(name, iters)
-                results.put((kind, size, rep, w, (time.perf_counter() - t) / iters))
+                t = time.perf_counter() - t
+                cpu = time.process_time() + sum(map(cpu_seconds, servers)) - cpu
+                results.put((kind, size, rep, w, t / iters, cpu / iters))
     client.close()
     for sock in raw:
         sock.close(linger=0)
@@ -113,16 +132,18 @@ def run_config(num_servers, num_workers, sizes, reps):
     # the raw client splits bytes per socket index, as psrv does per server index
     with start_local_servers(num_servers, worker_timeout=60) as servers:
         barrier = ctx.Barrier(num_workers)
+        pids = {"psrv": [p.pid for p in servers.procs], "raw_zmq": [p.pid for p in echo_procs]}
         procs = [ctx.Process(target=worker, args=(w, num_workers, servers.endpoints, echoes,
-                                                  sizes, reps, barrier, results))
+                                                  sizes, reps, barrier, results, pids))
                  for w in range(num_workers)]
         for p in procs:
             p.start()
-        times = {}
+        times, cpus = {}, {}
         for _ in range(len(sizes) * reps * 2 * num_workers):
-            kind, size, rep, w, t = results.get(timeout=600)
+            kind, size, rep, w, t, cpu = results.get(timeout=600)
             key = (kind, size, rep)
             times[key] = max(times.get(key, 0.0), t)      # the slowest worker sets the pace
+            cpus[key] = cpus.get(key, 0.0) + cpu
         for p in procs:
             p.join(60)
         servers.wait(60)
@@ -137,8 +158,10 @@ def run_config(num_servers, num_workers, sizes, reps):
     for size in sizes:
         for kind in ("psrv", "raw_zmq"):
             t = statistics.median(times[(kind, size, r)] for r in range(reps))
+            cpu = statistics.median(cpus[(kind, size, r)] for r in range(reps))
             rows.append({"kind": kind, "bytes": size, "workers": num_workers,
                          "servers": num_servers, "time_us": round(t * 1e6, 1),
+                         "cpu_ms": round(cpu * 1e3, 2), "cores": os.cpu_count(),
                          "gbps": round(num_workers * 2 * size / t / 1e9, 3),
                          "reps": reps, "host": platform.node()})
     return rows
@@ -156,7 +179,7 @@ def main(argv=None):
     if any(s % 4 or s <= 0 for s in sizes):
         raise SystemExit("sizes must be positive multiples of 4 bytes (float32)")
     print(f"{'kind':<8} {'servers':>7} {'workers':>7} {'bytes':>10} {'time_us':>11} "
-          f"{'GB/s':>7} {'psrv/raw':>8}", flush=True)
+          f"{'GB/s':>7} {'cpu_ms':>8} {'psrv/raw':>8}", flush=True)
     for s in (int(x) for x in a.servers.split(",")):
         for w in (int(x) for x in a.workers.split(",")):
             rows = run_config(s, w, sizes, a.reps)
@@ -166,7 +189,7 @@ def main(argv=None):
                     ps = next(x for x in rows if x["kind"] == "psrv" and x["bytes"] == r["bytes"])
                     ratio = f"{ps['gbps'] / r['gbps']:.2f}"
                 print(f"{r['kind']:<8} {s:7d} {w:7d} {r['bytes']:10d} {r['time_us']:11.1f} "
-                      f"{r['gbps']:7.3f} {ratio:>8}", flush=True)
+                      f"{r['gbps']:7.3f} {r['cpu_ms']:8.2f} {ratio:>8}", flush=True)
                 if a.jsonl:
                     with open(a.jsonl, "a") as f:
                         f.write(json.dumps(r) + "\n")

@@ -25,3 +25,20 @@ def test_example_under_mpiexec_one_server_two_workers(mode):
     if mode == "bsp":      # the server-side SGD reproduces serial SGD on the global batch
         assert result["max_abs_diff_vs_serial"] < 1e-5
         assert set(result["staleness"]) == {"0"}
+
+
+@pytest.mark.timeout(120)
+def test_bench_writes_both_kinds_with_throughput_and_cpu(tmp_path):
+    """psrv.bench, smallest run: one row per kind, JSON Lines as the README says."""
+    out = tmp_path / "psrv.jsonl"
+    cmd = [sys.executable, "-m", "psrv.bench", "--sizes", "64K", "--workers", "2",
+           "--servers", "1", "--reps", "1", "--jsonl", str(out)]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["psrv", "raw_zmq"]
+    for r in rows:
+        assert (r["bytes"], r["workers"], r["servers"]) == (65536, 2, 1)
+        assert r["gbps"] > 0 and r["time_us"] > 0
+        assert r["cpu_ms"] > 0            # workers + servers (or echoes), per iteration
+    assert "psrv/raw" in run.stdout and "cpu_ms" in run.stdout
