@@ -139,7 +139,7 @@ def mpi_part(reps, verify=()):
                        for name in colls for n in VERIFY_SIZES]}
 
 
-PS_WORKERS = (1, 2, 3)        # W = 1 fits the curve, W = 2 the server's share, W = 3 checks
+PS_WORKERS = (1, 2, 3)        # W = 1 fits T1(n), W = 2 fits D(n), W = 3 checks the two
 
 
 def ps_worker(w, endpoints, barrier, results, reps):
