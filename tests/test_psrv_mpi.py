@@ -42,3 +42,46 @@ def test_bench_writes_both_kinds_with_throughput_and_cpu(tmp_path):
         assert r["gbps"] > 0 and r["time_us"] > 0
         assert r["cpu_ms"] > 0            # workers + servers (or echoes), per iteration
     assert "psrv/raw" in run.stdout and "cpu_ms" in run.stdout
+
+
+def host_address():
+    """This host's address on its main interface (a UDP connect sends nothing)."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))
+            return s.getsockname()[0]
+        except OSError:
+            return None
+
+
+@pytest.mark.timeout(120)
+def test_standalone_server_on_a_network_interface(tmp_path):
+    """The across-hosts launch, on one host: a server bound to the host's network
+    address (not loopback) and a worker given --ps, as two unrelated processes."""
+    address = host_address()
+    if not address or address.startswith("127."):
+        pytest.skip("this host has no network interface besides loopback")
+    log = open(tmp_path / "server.log", "w")      # a file: a pipe nobody reads could fill up
+    server = subprocess.Popen([sys.executable, "-m", "psrv.server", "--shard", "0",
+                               "--num-shards", "1", "--bind", f"tcp://{address}:0",
+                               "--worker-timeout", "20"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        line = server.stdout.readline()
+        endpoint = line.split()[-1]
+        assert endpoint.startswith(f"tcp://{address}:"), line
+        run = subprocess.run([sys.executable, "-m", "psrv.example", "--ps", endpoint,
+                              "--worker-id", "0", "--num-workers", "1", "--steps", "20",
+                              "--timeout", "20"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=100)
+        assert run.returncode == 0, run.stderr[-3000:] + (tmp_path / "server.log").read_text()
+        (result,) = [json.loads(l) for l in run.stdout.splitlines() if l.startswith("{")]
+        assert result["losses"][-1] < result["losses"][0] / 10
+        assert server.wait(30) == 0          # it exits once its worker said BYE
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.wait(10)
+        server.stdout.close()
+        log.close()
