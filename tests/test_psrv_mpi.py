@@ -1,4 +1,5 @@
-"""Tier (c): the launcher under a real `mpiexec -n 3`: ranks 0, 1 train, rank 2 serves."""
+"""Tier (c): psrv from the command line: the launcher under a real `mpiexec -n 3` (ranks 0, 1
+train, rank 2 serves), the benchmark, and the standalone launch on a network address."""
 import json
 import os
 import subprocess
