@@ -7,6 +7,7 @@ environment, so rank 0 picks a free port and tells the others over MPI.
 import atexit
 import os
 import socket
+import sys
 import time
 import zlib
 from datetime import timedelta
@@ -33,9 +34,9 @@ def init_torch_distributed(comm=None, backend=None, timeout=None):
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank(comm) % torch.cuda.device_count())
     wait = timedelta(seconds=timeout or default_timeout())
-    atexit.register(destroy_at_exit)
     if under_torchrun():
         dist.init_process_group(backend, timeout=wait)
+        destroy_at_exit()
         return
     from mpi4py import MPI
     comm = comm or MPI.COMM_WORLD
@@ -60,15 +61,34 @@ def init_torch_distributed(comm=None, backend=None, timeout=None):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, init_method=f"tcp://{host}:{int(port[0])}",
                             rank=comm.rank, world_size=comm.size, timeout=wait)
+    destroy_at_exit()
+
+
+_exit = {"registered": False, "crashed": False}
 
 
 def destroy_at_exit():
-    """Tear the process group down before the interpreter does: left to
-    interpreter shutdown, gloo's threads are destroyed unjoined and a rank
-    can abort after its work is done ("terminate called without an active
-    exception", seen once in CI under torchrun)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Tear the process group down when the program ends normally.  Left to
+    interpreter shutdown, gloo's threads are destroyed unjoined and a rank can
+    abort after its work is done ("terminate called without an active
+    exception", seen once in CI under torchrun).  After an uncaught exception
+    it is left alone: destroying waits for the collectives in flight, and the
+    peers of a crashed rank may never finish theirs."""
+    if _exit["registered"]:
+        return
+    _exit["registered"] = True
+    previous_hook = sys.excepthook
+
+    def note_crash(*exc_info):
+        _exit["crashed"] = True
+        previous_hook(*exc_info)
+
+    def destroy():
+        if dist.is_initialized() and not _exit["crashed"]:
+            dist.destroy_process_group()
+
+    sys.excepthook = note_crash
+    atexit.register(destroy)
 
 
 def local_rank(comm=None):

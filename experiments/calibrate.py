@@ -35,7 +35,9 @@ psrv part itself, and writes one JSON object (and, with --jsonl, one record
 of kind "calibration" for the report).
 """
 import argparse
+import contextlib
 import json
+import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -177,9 +179,7 @@ def ps_part(reps, verify=True):
     W = 1 gives ps_alpha and the round-trip curve T1(n); W = 2 what one more
     worker adds, D(n) (costmodel.psrv_time: t = T1 + (W - 1) D); W = 3 is then
     predicted, not fitted: ps_verify."""
-    import contextlib
-    import multiprocessing as mp
-
+    from psrv.bench import collect
     from psrv.launch import start_local_servers
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -193,8 +193,7 @@ def ps_part(reps, verify=True):
         for p in procs:
             p.start()
         times = {}
-        for _ in range(reps * len(PS_SIZES) * sum(workers)):
-            W, n, rep, t = results.get(timeout=600)
+        for W, n, rep, t in collect(results, reps * len(PS_SIZES) * sum(workers), procs):
             times[(W, n, rep)] = max(times.get((W, n, rep), 0.0), t)   # the slowest worker
         for p in procs:
             p.join(60)

@@ -15,7 +15,11 @@ of LogP parameters for message passing platforms", IPDPS workshops 2000):
 repeating an operation on n bytes keeps them in the caches while they fit, and
 a byte costs about half as much then.  `m.beta_at(n)` and `m.gamma_at(n)` read
 the calibrated curves (log-log interpolation, flat past their ends); without
-curves they are the constants beta and gamma, as on a cluster's link.
+curves they are the constants beta and gamma, as on a cluster's link.  The
+formulas read them at the whole vector's size n, on purpose, not at the n/P
+bytes of one step: what decides whether the caches hold the work is the
+working set, and the calibration probes repeat an n-byte operation the way a
+benchmark repeats an n-byte all-reduce.
 
 One term is ours, for this laptop: `cores`.  When P ranks share C < P cores,
 each rank gets C / P of a core for copying and adding, so the bandwidth terms
@@ -51,17 +55,33 @@ class Machine:
             raise ValueError(f"alpha, beta, gamma must be >= 0, got {self}")
         if self.cores is not None and self.cores < 1:
             raise ValueError(f"cores must be >= 1, got {self.cores}")
+        for name in ("ps_curve", "ps_marginal", "beta_curve", "gamma_curve"):
+            curve = getattr(self, name)
+            if curve is None:
+                continue
+            sizes = [b for b, _ in curve]
+            if not sizes or sizes != sorted(set(sizes)) or sizes[0] <= 0 or \
+                    any(v < 0 for _, v in curve):
+                raise ValueError(f"{name} must be ((size, value), ...) with sizes > 0 "
+                                 f"increasing and values >= 0, got {curve}")
 
     @classmethod
     def from_calibration(cls, cal, cores=True):
         """From experiments.calibrate's JSON (or its 'calibration' record)."""
         def curve(sizes, values):
-            return tuple(zip(cal[sizes], cal[values])) if cal.get(values) else None
-        return cls(cal["alpha_s"], cal["beta_s_per_byte"], cal["gamma_s_per_byte"],
-                   cal.get("cores") if cores else None, cal.get("ps_alpha_s"),
-                   cal.get("ps_beta_s_per_byte"), curve("ps_bytes", "ps_s"),
-                   curve("ps_bytes", "ps_marginal_s"), curve("beta_bytes", "beta_s_per_byte_at"),
-                   curve("gamma_bytes", "gamma_s_per_byte_at"))
+            if not cal.get(values):
+                return None
+            if len(cal[sizes]) != len(cal[values]):
+                raise ValueError(f"calibration: {len(cal[sizes])} {sizes} but "
+                                 f"{len(cal[values])} {values}")
+            return tuple(zip(cal[sizes], cal[values]))
+        return cls(alpha=cal["alpha_s"], beta=cal["beta_s_per_byte"],
+                   gamma=cal["gamma_s_per_byte"], cores=cal.get("cores") if cores else None,
+                   ps_alpha=cal.get("ps_alpha_s"), ps_beta=cal.get("ps_beta_s_per_byte"),
+                   ps_curve=curve("ps_bytes", "ps_s"),
+                   ps_marginal=curve("ps_bytes", "ps_marginal_s"),
+                   beta_curve=curve("beta_bytes", "beta_s_per_byte_at"),
+                   gamma_curve=curve("gamma_bytes", "gamma_s_per_byte_at"))
 
     def beta_at(self, n):
         """Seconds per byte sent while working on an n-byte vector."""
@@ -82,15 +102,20 @@ def lg(P):
 
 def interpolate(curve, n):
     """The value of a measured ((size, value), ...) curve at size n: linear in
-    log(value) against log(size) between measured sizes, flat past the ends."""
-    sizes, values = [b for b, _ in curve], [max(v, 1e-30) for _, v in curve]
+    log(value) against log(size) between measured sizes, flat past the ends.
+    Where a value is 0 (a cost lost in the noise) the log does not exist, and
+    the interpolation is linear in the value instead."""
+    sizes, values = [b for b, _ in curve], [v for _, v in curve]
     if n <= sizes[0]:
         return values[0]
     if n >= sizes[-1]:
         return values[-1]
     i = next(i for i in range(1, len(sizes)) if n <= sizes[i])
     x = math.log(n / sizes[i - 1]) / math.log(sizes[i] / sizes[i - 1])
-    return math.exp((1 - x) * math.log(values[i - 1]) + x * math.log(values[i]))
+    a, b = values[i - 1], values[i]
+    if a <= 0 or b <= 0:
+        return (1 - x) * a + x * b
+    return math.exp((1 - x) * math.log(a) + x * math.log(b))
 
 
 # ------------------------------------------------------------------- collectives
@@ -192,7 +217,8 @@ def psrv_time(n, W, S, m):
     tensor above 4 MiB as several slices that overlap.  S does not divide D
     here: on one host the S servers share its memory bandwidth and cores
     (BytePS's S counts servers with links of their own; simulate.py uses that).
-    Uncalibrated D: W n / B_s with the server the whole round trip."""
+    Without a calibrated D, each worker adds a whole round trip's bytes:
+    t = ps_alpha + 2 W n ps_beta."""
     if m.ps_alpha is None or not (m.ps_curve or m.ps_beta):
         return None
     one = ps_round_trip(n, m)

@@ -30,6 +30,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import queue
 import statistics
 import time
 
@@ -63,10 +64,34 @@ def echo_server(queue):
 
 
 def cpu_seconds(pid):
-    """User + system CPU seconds of a process so far, all its threads (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds a process has run so far, all its threads (Linux /proc).
+    schedstat counts nanoseconds; stat's utime + stime (fields 14, 15) only
+    clock ticks of 10 ms, too coarse for an iteration of a few ms."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except FileNotFoundError:       # a thread that ended meanwhile
+            pass
+    return total / 1e9
+
+
+def collect(results, count, procs, timeout=600.0):
+    """`count` items from a multiprocessing queue, or a readable error as soon as
+    one of `procs` has died (rather than waiting out the timeout)."""
+    items, deadline = [], time.monotonic() + timeout
+    while len(items) < count:
+        try:
+            items.append(results.get(timeout=1.0))
+        except queue.Empty:
+            dead = [f"{p.name} (exit code {p.exitcode})" for p in procs
+                    if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"benchmark process died: {', '.join(dead)}") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(items)} of {count} results after {timeout:g} s")
+    return items
 
 
 def worker(w, num_workers, endpoints, echoes, sizes, reps, barrier, results, pids):
@@ -109,12 +134,13 @@ def worker(w, num_workers, endpoints, echoes, sizes, reps, barrier, results, pid
             for kind, fn in (("psrv", run_psrv), ("raw_zmq", run_raw)):
                 servers = pids[kind] if w == 0 else []     # worker 0 reads the servers' CPU
                 barrier.wait(120)
-                cpu = time.process_time() + sum(map(cpu_seconds, servers))
-                t = time.perf_counter()
+                cpu = sum(map(cpu_seconds, [os.getpid()] + servers))
+                start = time.perf_counter()
                 fn(name, iters)
-                t = time.perf_counter() - t
-                cpu = time.process_time() + sum(map(cpu_seconds, servers)) - cpu
-                results.put((kind, size, rep, w, t / iters, cpu / iters))
+                elapsed = time.perf_counter() - start
+                barrier.wait(120)           # the servers' work for the slower workers counts too
+                cpu = sum(map(cpu_seconds, [os.getpid()] + servers)) - cpu
+                results.put((kind, size, rep, w, elapsed / iters, cpu / iters))
     client.close()
     for sock in raw:
         sock.close(linger=0)
@@ -139,8 +165,8 @@ def run_config(num_servers, num_workers, sizes, reps):
         for p in procs:
             p.start()
         times, cpus = {}, {}
-        for _ in range(len(sizes) * reps * 2 * num_workers):
-            kind, size, rep, w, t, cpu = results.get(timeout=600)
+        for kind, size, rep, w, t, cpu in collect(results, len(sizes) * reps * 2 * num_workers,
+                                                  procs + echo_procs):
             key = (kind, size, rep)
             times[key] = max(times.get(key, 0.0), t)      # the slowest worker sets the pace
             cpus[key] = cpus.get(key, 0.0) + cpu

@@ -95,6 +95,12 @@ def test_beta_and_gamma_curves_replace_the_constants():
     m = cm.Machine.from_calibration(cal)
     assert m.beta_curve == ((1, 3e-9), (2, 4e-9)) and m.gamma_curve == ((1, 5e-9), (2, 6e-9))
     assert m.ps_curve == ((1, 1e-3), (2, 2e-3)) and m.ps_marginal == ((1, 1e-4), (2, 2e-4))
+    # a cost that came out 0 (noise at small sizes): linear there, not log(0)
+    assert cm.interpolate(((1, 0.0), (4, 2.0)), 2) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="beta_curve"):
+        cm.Machine(1e-5, 1e-9, beta_curve=((2, 1e-9), (1, 1e-9)))     # sizes not increasing
+    with pytest.raises(ValueError, match="ps_marginal_s"):
+        cm.Machine.from_calibration({**cal, "ps_marginal_s": [1e-4]})
 
 
 @pytest.mark.timeout(10)

@@ -77,7 +77,7 @@ def test_standalone_server_on_a_network_interface(tmp_path):
                               "--timeout", "20"],
                              cwd=ROOT, capture_output=True, text=True, timeout=100)
         assert run.returncode == 0, run.stderr[-3000:] + (tmp_path / "server.log").read_text()
-        (result,) = [json.loads(l) for l in run.stdout.splitlines() if l.startswith("{")]
+        (result,) = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
         assert result["losses"][-1] < result["losses"][0] / 10
         assert server.wait(30) == 0          # it exits once its worker said BYE
     finally:
