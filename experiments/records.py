@@ -92,7 +92,17 @@ def provenance():
     return {"commit": git_commit(), "host": socket.gethostname(), "mpi": mpi_version(),
             "torch": version("torch"), "numpy": version("numpy"), "mpi4py": version("mpi4py"),
             "python": platform.python_version(), "cores": os.cpu_count(),
-            "loadavg": [round(x, 2) for x in os.getloadavg()]}
+            "loadavg": [round(x, 2) for x in os.getloadavg()], "env": tuning_env()}
+
+
+# Settings that change what is measured without changing any command line:
+# MPICH's and Open MPI's tuning variables (e.g. MPIR_CVAR_CH4_CMA_ENABLE=0 turns
+# MPICH's single-copy path off) and our own switches.
+TUNING_PREFIXES = ("MPIR_CVAR_", "OMPI_MCA_", "TOPOLAB_", "OMP_NUM_THREADS")
+
+
+def tuning_env():
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(TUNING_PREFIXES)}
 
 
 def load(results_dir):

@@ -96,6 +96,8 @@ def provenance_block(records, points):
             for k in ("commit", "host", "mpi", "torch", "cores")]
     rows.append(("1-min load average at launch", f"{min(loads):.1f} .. {max(loads):.1f}"
                  if loads else "?"))
+    envs = {" ".join(f"{k}={v}" for k, v in p.get("env", {}).items()) for p in prov}
+    rows.append(("MPI and topolab settings", "; ".join(sorted(e or "defaults" for e in envs))))
     rows.append(("points", ", ".join(f"{v} {k}" for k, v in status.items()) or "?"))
     blocks = [("table", ["provenance", "value"], rows)]
     for p in points:
