@@ -5,25 +5,47 @@
     (several hosts: mpiexec -f hosts.txt -n 2 -ppn 1 .venv/bin/python -m mpi4py \\
          -m experiments.calibrate --mpi-part --out inter.json     # the inter-node link)
 
-Measurements, none of them a collective, so that predicting the collectives
-from them is a real test of the model (costmodel.py):
+Measurements, all but one of them point-to-point, so that predicting the
+collectives' large messages from them is a real test of the model (costmodel.py):
 
-  alpha, beta   Two ranks under mpiexec exchange b bytes at once in both
+  alpha         The latency of one step of our algorithms, their Python
+                included: an all-reduce of 2 floats by the ring (2 steps at P =
+                2), halved.  A bare exchange (alpha_exchange_s, below) takes
+                about 10 us here; a step adds 10-15 us of bookkeeping around it
+                (posting, polling, dispatching the add), LogP's overhead o,
+                which is about 10 % of a 1 MiB ring and so cannot be left out.
+  beta          Two ranks under mpiexec exchange b bytes at once in both
                 directions (sendrecv through allreduce's MPI transport), which
-                is what every step of a ring does; t(b) = alpha + b * beta, alpha
-                fitted below 1 MiB, beta at 1 MiB and above (fit_two_regimes);
-                and beta per size, (t(b) - alpha) / b at b >= 1 MiB: the curve
-                costmodel's beta_at(n) reads.
+                is what every step of a ring does; t(b) = alpha_exchange + b *
+                beta, alpha_exchange fitted below 1 MiB, beta at 1 MiB and above
+                (fit_two_regimes); and beta per size, (t(b) - alpha_exchange) / b
+                at b >= 1 MiB: the curve costmodel's beta_at(n) reads.  t(b) is the mean of the two
+                kinds of step a ring takes, in equal numbers (CACHES below):
+                a reduce-scatter step receives into a scratch buffer nobody
+                reads; an all-gather step receives into the chunk the
+                neighbour read one step before.  Both send a chunk just written.
   gamma         np.add(a, b, out=a) per byte of the vector reduced (the
                 reduction of allreduce.buffers.reduce_into), with both ranks
                 busy at once, as in a ring; per size (1, 4, 16 MiB), since a
-                vector that fits in the caches adds about twice as fast.
+                vector that fits in the caches adds about twice as fast.  `a`
+                is a chunk the peer has just read, as in a benchmark that
+                repeats an all-reduce on one buffer (CACHES).
   memcpy        np.copyto bandwidth: the roofline of plot (a).
   ps_alpha, ps_s, ps_marginal_s
                 psrv with one server and W = 1, 2, 3 workers, push+pull of b
                 bytes, the three interleaved block by block: W = 1 gives
                 ps_alpha and the round-trip curve T1(b) (ps_s), W = 2 what each
                 further worker adds, D(b) (costmodel.psrv_time).
+
+CACHES.  Writing a cache line that the other core holds means invalidating its
+copy first, and on this VM that costs far more when its two vCPUs sit apart (a
+mode that comes and goes every minute or two, shared/ENVIRONMENT.md).  There,
+with 512 KiB chunks: an exchange into a buffer nobody reads took 125 us, into
+one the peer had just read 190 us; adding into a chunk the peer had just read
+took 130 us, into a private one 40 us.  MPICH's single-copy path (CMA) writes
+straight into the receive buffer, so it pays this in full.  A ring pays it on
+half its receives and on every add, so probes that touch only private buffers
+predicted it 1.6-2x too fast in that mode.
 
 --verify ring,tree,... also times those all-reduces (1, 4, 16 MiB) in the same
 rounds as the probes, and keeps psrv's W = 3 as a prediction to check: the
@@ -89,25 +111,40 @@ def mpi_part(reps, verify=()):
     if t.size != 2:
         raise SystemExit(f"the MPI part runs on exactly 2 ranks, not {t.size}")
     peer = 1 - t.rank
-    bufs = {n: (np.ones(n // 4, np.float32), np.empty(n // 4, np.float32)) for n in SIZES}
+    # Per size: a chunk to send and a scratch buffer to receive into (a
+    # reduce-scatter step), and two buffers swapped after every exchange, so
+    # that each call receives into what the peer has just read (an all-gather step).
+    steps = {n: (np.ones(n // 4, np.float32), np.empty(n // 4, np.float32),
+                 [np.ones(n // 4, np.float32), np.ones(n // 4, np.float32)]) for n in SIZES}
     a, b = np.ones(16 << 18, np.float32), np.ones(16 << 18, np.float32)     # 16 MiB each
-    adds = {n: (a[:n // 4], b[:n // 4]) for n in GAMMA_SIZES}
+    seen = np.empty_like(a)
+    adds = {n: (a[:n // 4], b[:n // 4], seen[:n // 4]) for n in GAMMA_SIZES}
+    ring, tiny = allreduce.create("ring"), np.zeros(2, np.float32)
+    ring.check = False
     colls = {name: allreduce.create(name) for name in verify}
     for c in colls.values():
         c.check = False
     work = {n: np.zeros(n // 4, np.float32) for n in VERIFY_SIZES}   # sums stay finite
     probes = {}
 
-    def timed(key, fn, nbytes):
+    def allgather_step(pair):
+        send, recv = pair
+        t.sendrecv(send, peer, recv, peer)
+        pair.reverse()
+
+    def timed(key, fn, nbytes, before=None):
         """One warm-up call, then k calls (k ~ 8 MiB / nbytes, 3 to 50), each timed:
         caches as warm as in a benchmark that repeats one call, whatever the probe
         before it touched.  Every call counts (the medians are taken in the end),
         so that a call the hypervisor stalled for a millisecond, which this VM
-        does every few dozen calls, moves the result no more than any other."""
+        does every few dozen calls, moves the result no more than any other.
+        before(), untimed, sets the caches up as a ring would leave them."""
         k = min(50, max(3, (8 << 20) // max(nbytes, 1)))
         fn()
         t.barrier()
         for _ in range(k):
+            if before:
+                before()
             start = time.perf_counter()
             fn()
             probes.setdefault(key, []).append(time.perf_counter() - start)
@@ -115,28 +152,34 @@ def mpi_part(reps, verify=()):
     # Round-robin: every probe and every verified all-reduce once per round, so a
     # machine that changes speed mid-run (shared/ENVIRONMENT.md) slows all alike.
     for rnd in range(reps + 1):
-        for n, (send, recv) in bufs.items():
-            timed(("x", n), lambda: t.sendrecv(send, peer, recv, peer), n)
-        for n, (x, y) in adds.items():
-            timed(("add", n), lambda: np.add(x, y, out=x), n)
+        for n, (send, scratch, pair) in steps.items():
+            timed(("rs", n), lambda: t.sendrecv(send, peer, scratch, peer), n,
+                  before=lambda: send.fill(1.0))
+            timed(("ag", n), lambda: allgather_step(pair), n)
+        for n, (x, y, z) in adds.items():
+            timed(("add", n), lambda: np.add(x, y, out=x), n,
+                  before=lambda: t.sendrecv(x, peer, z, peer))     # the peer reads x
         timed("copy", lambda: np.copyto(a, b), a.nbytes)
+        timed("step", lambda: ring.allreduce(tiny), 8)
         for name, c in colls.items():
             for n in VERIFY_SIZES:
                 timed((name, n), lambda: c.allreduce(work[n]), n)
         if rnd == 0:
             probes.clear()                     # warm-up round: page faults, connections
     med = {k: comm.allreduce(float(np.median(v)), op=MPI.MAX) for k, v in probes.items()}
-    exchange = [med[("x", n)] for n in SIZES]
+    exchange = [(med[("rs", n)] + med[("ag", n)]) / 2 for n in SIZES]
     alpha, beta = fit_two_regimes(SIZES, exchange)
     large = [n for n in SIZES if n >= LARGE]
-    return {"alpha_s": alpha, "beta_s_per_byte": beta,
+    return {"alpha_s": med["step"] / 2, "alpha_exchange_s": alpha, "beta_s_per_byte": beta,
             "gamma_s_per_byte": med[("add", a.nbytes)] / a.nbytes,
-            "beta_bytes": large, "beta_s_per_byte_at": [(med[("x", n)] - alpha) / n
-                                                        for n in large],
+            "beta_bytes": large, "beta_s_per_byte_at": [(sec - alpha) / n for n, sec in
+                                                        zip(SIZES, exchange) if n >= LARGE],
             "gamma_bytes": GAMMA_SIZES, "gamma_s_per_byte_at": [med[("add", n)] / n
                                                                 for n in GAMMA_SIZES],
             "memcpy_gbps": a.nbytes / med["copy"] / 1e9, "exchange_bytes": SIZES,
             "exchange_s": exchange, "world_size": 2,
+            "exchange_scratch_s": [med[("rs", n)] for n in SIZES],
+            "exchange_just_read_s": [med[("ag", n)] for n in SIZES],
             "verify": [{"algo": name, "bytes": n, "world_size": 2, "time_us": med[(name, n)] * 1e6}
                        for name in colls for n in VERIFY_SIZES]}
 

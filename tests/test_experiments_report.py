@@ -90,6 +90,19 @@ def test_report_links_figures_and_shows_prediction_errors(results):
 
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
+def test_calibration_record_holds_both_kinds_of_ring_step(results):
+    from experiments.calibrate import SIZES
+    cal = [r for r in load(results) if r.get("kind") == "calibration"][-1]
+    scratch, just_read = cal["exchange_scratch_s"], cal["exchange_just_read_s"]
+    assert len(scratch) == len(just_read) == len(SIZES) == len(cal["exchange_s"])
+    for mean, a, b in zip(cal["exchange_s"], scratch, just_read):
+        assert mean == pytest.approx((a + b) / 2) and a > 0 and b > 0
+    assert cal["alpha_s"] > 0 and cal["alpha_exchange_s"] >= 0
+    assert len(cal["beta_s_per_byte_at"]) == len(cal["beta_bytes"]) == 4
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
 def test_lab2_check_reads_the_straggler_runs(results, capsys):
     check_ps.main([str(results)])     # timing checks depend on the machine's load; print only
     out = capsys.readouterr().out
