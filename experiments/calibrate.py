@@ -24,6 +24,9 @@ collectives' large messages from them is a real test of the model (costmodel.py)
                 a reduce-scatter step receives into a scratch buffer nobody
                 reads; an all-gather step receives into the chunk the
                 neighbour read one step before.  Both send a chunk just written.
+  beta1         The same two kinds of step, sent one way (the two ranks take
+                turns sending): what a tree's rounds, a fold, a gather and a
+                broadcast do; the curve costmodel's beta_one_way_at(n) reads.
   gamma         np.add(a, b, out=a) per byte of the vector reduced (the
                 reduction of allreduce.buffers.reduce_into), with both ranks
                 busy at once, as in a ring; per size (1, 4, 16 MiB), since a
@@ -116,6 +119,7 @@ def mpi_part(reps, verify=()):
     # that each call receives into what the peer has just read (an all-gather step).
     steps = {n: (np.ones(n // 4, np.float32), np.empty(n // 4, np.float32),
                  [np.ones(n // 4, np.float32), np.ones(n // 4, np.float32)]) for n in SIZES}
+    sends = [0]                                 # one-way probes: who sends this call
     a, b = np.ones(16 << 18, np.float32), np.ones(16 << 18, np.float32)     # 16 MiB each
     seen = np.empty_like(a)
     adds = {n: (a[:n // 4], b[:n // 4], seen[:n // 4]) for n in GAMMA_SIZES}
@@ -131,6 +135,14 @@ def mpi_part(reps, verify=()):
         send, recv = pair
         t.sendrecv(send, peer, recv, peer)
         pair.reverse()
+
+    def one_way(send, recv):
+        """Rank 0 sends, then rank 1, then rank 0...: both directions count alike."""
+        if t.rank == sends[0] % 2:
+            t.send(send, peer)
+        else:
+            t.recv(recv, peer)
+        sends[0] += 1
 
     def timed(key, fn, nbytes, before=None):
         """One warm-up call, then k calls (k ~ 8 MiB / nbytes, 3 to 50), each timed:
@@ -156,6 +168,11 @@ def mpi_part(reps, verify=()):
             timed(("rs", n), lambda: t.sendrecv(send, peer, scratch, peer), n,
                   before=lambda: send.fill(1.0))
             timed(("ag", n), lambda: allgather_step(pair), n)
+            if n >= LARGE:
+                timed(("rs1", n), lambda: one_way(send, scratch), n,
+                      before=lambda: send.fill(1.0))
+                # what it sent last it now receives into: a chunk the peer just read
+                timed(("ag1", n), lambda: one_way(pair[0], pair[0]), n)
         for n, (x, y, z) in adds.items():
             timed(("add", n), lambda: np.add(x, y, out=x), n,
                   before=lambda: t.sendrecv(x, peer, z, peer))     # the peer reads x
@@ -174,6 +191,11 @@ def mpi_part(reps, verify=()):
             "gamma_s_per_byte": med[("add", a.nbytes)] / a.nbytes,
             "beta_bytes": large, "beta_s_per_byte_at": [(sec - alpha) / n for n, sec in
                                                         zip(SIZES, exchange) if n >= LARGE],
+            "beta_one_way_bytes": large,
+            "beta_one_way_s_per_byte_at": [((med[("rs1", n)] + med[("ag1", n)]) / 2 - alpha) / n
+                                           for n in large],
+            "one_way_scratch_s": [med[("rs1", n)] for n in large],
+            "one_way_just_read_s": [med[("ag1", n)] for n in large],
             "gamma_bytes": GAMMA_SIZES, "gamma_s_per_byte_at": [med[("add", n)] / n
                                                                 for n in GAMMA_SIZES],
             "memcpy_gbps": a.nbytes / med["copy"] / 1e9, "exchange_bytes": SIZES,

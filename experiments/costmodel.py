@@ -21,13 +21,21 @@ bytes of one step: what decides whether the caches hold the work is the
 working set, and the calibration probes repeat an n-byte operation the way a
 benchmark repeats an n-byte all-reduce.
 
+A step that sends one way (a tree's round, a fold, a gather, a broadcast)
+reads `m.beta_one_way_at(n)`, a step where every rank sends and receives at
+once (a ring's, halving-doubling's) `m.beta_at(n)`.  On a cluster's
+full-duplex link the two are the same, and without a one-way curve the model
+takes them to be.  On one host the cores do the copying, and two copies at
+once share the memory bandwidth: a one-way message cost 4-19 % less per byte
+than an exchange here (1-16 MiB), so a calibration measures both.
+
 One term is ours, for this laptop: `cores`.  When P ranks share C < P cores,
 each rank gets C / P of a core for copying and adding, so the bandwidth terms
 (beta, gamma) are stretched by P / C.  Leave cores=None on a cluster.
 
 Quick reference (n bytes, P ranks, lg = ceil(log2 P)):
     ring               2(P-1) alpha + 2(P-1)/P n beta + (P-1)/P n gamma
-    binomial tree      2 lg (alpha + n beta) + lg n gamma          (reduce + broadcast)
+    binomial tree      2 lg (alpha + n beta1) + lg n gamma    (reduce + broadcast; beta1 one way)
     halving-doubling   2 log2 p alpha + 2(p-1)/p n beta + (p-1)/p n gamma  (+ a fold if P != p)
     hierarchical       ring inside k-rank nodes + ring over N nodes + broadcast inside
     parameter server   alpha + max(n beta_w, W n beta_s / S) per direction       (BytePS)
@@ -48,6 +56,7 @@ class Machine:
     ps_curve: tuple = None       # psrv: ((bytes, seconds), ...) of W = S = 1 push+pull
     ps_marginal: tuple = None    # psrv: ((bytes, seconds), ...) one more worker adds
     beta_curve: tuple = None     # ((vector bytes, seconds per byte sent), ...)
+    beta_one_way_curve: tuple = None   # the same for a message sent one way
     gamma_curve: tuple = None    # ((vector bytes, seconds per byte reduced), ...)
 
     def __post_init__(self):
@@ -55,7 +64,8 @@ class Machine:
             raise ValueError(f"alpha, beta, gamma must be >= 0, got {self}")
         if self.cores is not None and self.cores < 1:
             raise ValueError(f"cores must be >= 1, got {self.cores}")
-        for name in ("ps_curve", "ps_marginal", "beta_curve", "gamma_curve"):
+        for name in ("ps_curve", "ps_marginal", "beta_curve", "beta_one_way_curve",
+                     "gamma_curve"):
             curve = getattr(self, name)
             if curve is None:
                 continue
@@ -81,11 +91,20 @@ class Machine:
                    ps_curve=curve("ps_bytes", "ps_s"),
                    ps_marginal=curve("ps_bytes", "ps_marginal_s"),
                    beta_curve=curve("beta_bytes", "beta_s_per_byte_at"),
+                   beta_one_way_curve=curve("beta_one_way_bytes",
+                                            "beta_one_way_s_per_byte_at"),
                    gamma_curve=curve("gamma_bytes", "gamma_s_per_byte_at"))
 
     def beta_at(self, n):
         """Seconds per byte sent while working on an n-byte vector."""
         return interpolate(self.beta_curve, n) if self.beta_curve else self.beta
+
+    def beta_one_way_at(self, n):
+        """Seconds per byte of a message sent one way (the peer sends nothing back
+        meanwhile) while working on an n-byte vector; beta_at(n) where not measured."""
+        if self.beta_one_way_curve:
+            return interpolate(self.beta_one_way_curve, n)
+        return self.beta_at(n)
 
     def gamma_at(self, n):
         """Seconds per byte reduced while working on an n-byte vector."""
@@ -144,7 +163,7 @@ def tree_allreduce(n, P, m):
     4.4: MPICH's short-message allreduce): lg P rounds of the whole message each
     way, so latency grows as log P but every round moves all n bytes."""
     s = m.stretch(P)
-    return 2 * lg(P) * (m.alpha + n * m.beta_at(n) * s) + lg(P) * n * m.gamma_at(n) * s
+    return 2 * lg(P) * (m.alpha + n * m.beta_one_way_at(n) * s) + lg(P) * n * m.gamma_at(n) * s
 
 
 def halving_doubling_allreduce(n, P, m):
@@ -158,7 +177,7 @@ def halving_doubling_allreduce(n, P, m):
     beta, gamma, s = m.beta_at(n), m.gamma_at(n), m.stretch(P)
     t = 2 * math.log2(p) * m.alpha + (p - 1) / p * n * (2 * beta + gamma) * s
     if p != P:
-        t += 2 * (m.alpha + n * beta * s) + n * gamma * s
+        t += 2 * (m.alpha + n * m.beta_one_way_at(n) * s) + n * gamma * s
     return t
 
 
@@ -172,8 +191,8 @@ def hierarchical_allreduce(n, P, k, intra, inter):
     N = max(1, P // k)
     t = ring_reduce_scatter(n, k, intra)
     if k > 1:
-        t += (k - 1) * intra.alpha + (k - 1) / k * n * intra.beta_at(n)    # gather
-        t += (k - 1) * intra.alpha + n * intra.beta_at(n)                  # broadcast
+        t += (k - 1) * intra.alpha + (k - 1) / k * n * intra.beta_one_way_at(n)    # gather
+        t += (k - 1) * intra.alpha + n * intra.beta_one_way_at(n)                  # broadcast
     return t + ring_allreduce(n, N, inter)
 
 

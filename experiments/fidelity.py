@@ -37,8 +37,11 @@ def with_link(m, config):
     if not latency and not gbps:
         return m
     extra = 1 / (gbps * 1e9) if gbps else 0.0
-    curve = tuple((b, v + extra) for b, v in m.beta_curve) if m.beta_curve else None
-    return dataclasses.replace(m, alpha=m.alpha + latency, beta=m.beta + extra, beta_curve=curve)
+    def shifted(curve):
+        return tuple((b, v + extra) for b, v in curve) if curve else None
+    return dataclasses.replace(m, alpha=m.alpha + latency, beta=m.beta + extra,
+                               beta_curve=shifted(m.beta_curve),
+                               beta_one_way_curve=shifted(m.beta_one_way_curve))
 
 
 def predict(r, m):

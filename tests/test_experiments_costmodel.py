@@ -95,6 +95,14 @@ def test_beta_and_gamma_curves_replace_the_constants():
     m = cm.Machine.from_calibration(cal)
     assert m.beta_curve == ((1, 3e-9), (2, 4e-9)) and m.gamma_curve == ((1, 5e-9), (2, 6e-9))
     assert m.ps_curve == ((1, 1e-3), (2, 2e-3)) and m.ps_marginal == ((1, 1e-4), (2, 2e-4))
+    assert m.beta_one_way_curve is None and m.beta_one_way_at(2) == m.beta_at(2)  # not measured
+    one_way = cm.Machine.from_calibration({**cal, "beta_one_way_bytes": [1, 2],
+                                           "beta_one_way_s_per_byte_at": [1e-9, 2e-9]})
+    assert one_way.beta_one_way_at(2) == 2e-9 and one_way.beta_at(2) == 4e-9
+    # a tree's rounds send one way; a ring's steps exchange
+    n = 2
+    assert cm.tree_allreduce(n, 2, one_way) == pytest.approx(2 * (1e-5 + n * 2e-9) + n * 6e-9)
+    assert cm.ring_allreduce(n, 2, one_way) == cm.ring_allreduce(n, 2, m)
     # a cost that came out 0 (noise at small sizes): linear there, not log(0)
     assert cm.interpolate(((1, 0.0), (4, 2.0)), 2) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="beta_curve"):

@@ -102,6 +102,9 @@ def test_calibration_record_holds_both_kinds_of_ring_step(results):
         assert mean == pytest.approx((a + b) / 2) and a > 0 and b > 0
     assert cal["alpha_s"] > 0 and cal["alpha_exchange_s"] >= 0
     assert len(cal["beta_s_per_byte_at"]) == len(cal["beta_bytes"]) == 4
+    assert cal["beta_one_way_bytes"] == cal["beta_bytes"]
+    assert len(cal["beta_one_way_s_per_byte_at"]) == len(cal["one_way_scratch_s"]) == 4
+    assert all(s > 0 for s in cal["one_way_scratch_s"] + cal["one_way_just_read_s"])
 
 
 @pytest.mark.mpi
