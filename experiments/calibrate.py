@@ -31,8 +31,9 @@ collectives' large messages from them is a real test of the model (costmodel.py)
                 reduction of allreduce.buffers.reduce_into), with both ranks
                 busy at once, as in a ring; per size (1, 4, 16 MiB), since a
                 vector that fits in the caches adds about twice as fast.  `a`
-                is a chunk the peer has just read, as in a benchmark that
-                repeats an all-reduce on one buffer (CACHES).
+                is private, as a rank's own chunk is when its input is fresh
+                (allreduce.bench writes it before every call, backward before
+                every step).
   memcpy        np.copyto bandwidth: the roofline of plot (a).
   ps_alpha, ps_s, ps_marginal_s
                 psrv with one server and W = 1, 2, 3 workers, push+pull of b
@@ -44,11 +45,13 @@ CACHES.  Writing a cache line that the other core holds means invalidating its
 copy first, and on this VM that costs far more when its two vCPUs sit apart (a
 mode that comes and goes every minute or two, shared/ENVIRONMENT.md).  There,
 with 512 KiB chunks: an exchange into a buffer nobody reads took 125 us, into
-one the peer had just read 190 us; adding into a chunk the peer had just read
-took 130 us, into a private one 40 us.  MPICH's single-copy path (CMA) writes
-straight into the receive buffer, so it pays this in full.  A ring pays it on
-half its receives and on every add, so probes that touch only private buffers
-predicted it 1.6-2x too fast in that mode.
+one the peer had just read 190 us (and np.copyto into such a buffer 110 us
+against 22 us).  MPICH's single-copy path (CMA) writes straight into the
+receive buffer, so it pays this in full.  A ring pays it on its all-gather
+steps: each receives into a chunk the neighbour read during the reduce-scatter.
+(Called again on the same buffer, it would pay it on its adds too; a benchmark
+or a training step gives it a fresh input.)  Probes that touch only private
+buffers predicted the ring 1.6-2x too fast in that mode.
 
 --verify ring,tree,... also times those all-reduces (1, 4, 16 MiB) in the same
 rounds as the probes, and keeps psrv's W = 3 as a prediction to check: the
@@ -121,8 +124,7 @@ def mpi_part(reps, verify=()):
                  [np.ones(n // 4, np.float32), np.ones(n // 4, np.float32)]) for n in SIZES}
     sends = [0]                                 # one-way probes: who sends this call
     a, b = np.ones(16 << 18, np.float32), np.ones(16 << 18, np.float32)     # 16 MiB each
-    seen = np.empty_like(a)
-    adds = {n: (a[:n // 4], b[:n // 4], seen[:n // 4]) for n in GAMMA_SIZES}
+    adds = {n: (a[:n // 4], b[:n // 4]) for n in GAMMA_SIZES}
     ring, tiny = allreduce.create("ring"), np.zeros(2, np.float32)
     ring.check = False
     colls = {name: allreduce.create(name) for name in verify}
@@ -173,14 +175,14 @@ def mpi_part(reps, verify=()):
                       before=lambda: send.fill(1.0))
                 # what it sent last it now receives into: a chunk the peer just read
                 timed(("ag1", n), lambda: one_way(pair[0], pair[0]), n)
-        for n, (x, y, z) in adds.items():
-            timed(("add", n), lambda: np.add(x, y, out=x), n,
-                  before=lambda: t.sendrecv(x, peer, z, peer))     # the peer reads x
+        for n, (x, y) in adds.items():
+            timed(("add", n), lambda: np.add(x, y, out=x), n)
         timed("copy", lambda: np.copyto(a, b), a.nbytes)
         timed("step", lambda: ring.allreduce(tiny), 8)
         for name, c in colls.items():
-            for n in VERIFY_SIZES:
-                timed((name, n), lambda: c.allreduce(work[n]), n)
+            for n in VERIFY_SIZES:        # a fresh input each call, as in allreduce.bench
+                timed((name, n), lambda: c.allreduce(work[n]), n,
+                      before=lambda: work[n].fill(0.0))
         if rnd == 0:
             probes.clear()                     # warm-up round: page faults, connections
     med = {k: comm.allreduce(float(np.median(v)), op=MPI.MAX) for k, v in probes.items()}
