@@ -85,8 +85,16 @@ def test_beta_and_gamma_curves_replace_the_constants():
     assert curve.beta_at(1 << 10) == 1e-10 and curve.beta_at(1 << 30) == 2e-10   # flat ends
     assert curve.beta_at(4 << 20) == pytest.approx(1e-10 * 2 ** 0.5)             # half way in log
     assert M.beta_at(1 << 20) == M.beta and M.gamma_at(1 << 20) == M.gamma
-    n = 16 << 20
+    n = 32 << 20           # a ring step reads the curves at its message: 16 MiB, the flat end
     assert cm.ring_allreduce(n, 2, curve) == pytest.approx(2e-5 + 0.5 * n * (4e-10 + 1e-10))
+    n = 2 << 20            # 1 MiB messages: the other end
+    assert cm.ring_allreduce(n, 2, curve) == pytest.approx(2e-5 + 0.5 * n * (2e-10 + 5e-11))
+    # halving-doubling's rounds halve: n/2, n/4, ...; at P = 2 it is the ring
+    assert cm.halving_doubling_allreduce(n, 2, curve) == pytest.approx(
+        cm.ring_allreduce(n, 2, curve))
+    for P in (4, 8):       # constants: the closed form 2 log2 P alpha + (P-1)/P n (2 beta + gamma)
+        assert cm.halving_doubling_allreduce(n, P, M) == pytest.approx(
+            2 * math.log2(P) * M.alpha + (P - 1) / P * n * (2 * M.beta + M.gamma))
     cal = {"alpha_s": 1e-5, "beta_s_per_byte": 1e-9, "gamma_s_per_byte": 5e-10,
            "beta_bytes": [1, 2], "beta_s_per_byte_at": [3e-9, 4e-9],
            "gamma_bytes": [1, 2], "gamma_s_per_byte_at": [5e-9, 6e-9],
