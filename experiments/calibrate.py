@@ -19,14 +19,15 @@ collectives' large messages from them is a real test of the model (costmodel.py)
                 is what every step of a ring does; t(b) = alpha_exchange + b *
                 beta, alpha_exchange fitted below 1 MiB, beta at 1 MiB and above
                 (fit_two_regimes); and beta per size, (t(b) - alpha_exchange) / b
-                at b >= 1 MiB: the curve costmodel's beta_at(n) reads.  t(b) is the mean of the two
-                kinds of step a ring takes, in equal numbers (CACHES below):
-                a reduce-scatter step receives into a scratch buffer nobody
-                reads; an all-gather step receives into the chunk the
-                neighbour read one step before.  Both send a chunk just written.
+                at b >= 1 MiB: the curve costmodel's beta_at(b) reads.
+                t(b) is the mean of the two kinds of step a ring takes, in
+                equal numbers (CACHES below): a reduce-scatter step receives
+                into a scratch buffer nobody reads; an all-gather step receives
+                into the chunk the neighbour read one step before.  Both send
+                a chunk just written.
   beta1         The same two kinds of step, sent one way (the two ranks take
                 turns sending): what a tree's rounds, a fold, a gather and a
-                broadcast do; the curve costmodel's beta_one_way_at(n) reads.
+                broadcast do; the curve costmodel's beta_one_way_at(b) reads.
   gamma         np.add(a, b, out=a) per byte of the vector reduced (the
                 reduction of allreduce.buffers.reduce_into), with both ranks
                 busy at once, as in a ring; per size (1, 4, 16 MiB), since a
