@@ -57,7 +57,9 @@ buffers predicted the ring 1.6-2x too fast in that mode.
 --verify ring,tree,... also times those all-reduces (1, 4, 16 MiB) in the same
 rounds as the probes, and keeps psrv's W = 3 as a prediction to check: the
 fairest test of the model on a machine whose speed drifts minute to minute,
-since prediction and measurement come from the same minutes.
+since prediction and measurement come from the same minutes.  Their median in
+each round (round_us) shows that drift: how far any prediction made minutes
+before a measurement can be trusted on this machine.
 
 The driver (no mpiexec) launches the MPI part under mpiexec -n 2, runs the
 psrv part itself, and writes one JSON object (and, with --jsonl, one record
@@ -133,6 +135,7 @@ def mpi_part(reps, verify=()):
         c.check = False
     work = {n: np.zeros(n // 4, np.float32) for n in VERIFY_SIZES}   # sums stay finite
     probes = {}
+    per_round = {}      # (algorithm, bytes) -> its median in each round: the machine's drift
 
     def allgather_step(pair):
         send, recv = pair
@@ -157,12 +160,15 @@ def mpi_part(reps, verify=()):
         k = min(50, max(3, (8 << 20) // max(nbytes, 1)))
         fn()
         t.barrier()
+        seconds = []
         for _ in range(k):
             if before:
                 before()
             start = time.perf_counter()
             fn()
-            probes.setdefault(key, []).append(time.perf_counter() - start)
+            seconds.append(time.perf_counter() - start)
+        probes.setdefault(key, []).extend(seconds)
+        return seconds
 
     # Round-robin: every probe and every verified all-reduce once per round, so a
     # machine that changes speed mid-run (shared/ENVIRONMENT.md) slows all alike.
@@ -182,11 +188,17 @@ def mpi_part(reps, verify=()):
         timed("step", lambda: ring.allreduce(tiny), 8)
         for name, c in colls.items():
             for n in VERIFY_SIZES:        # a fresh input each call, as in allreduce.bench
-                timed((name, n), lambda: c.allreduce(work[n]), n,
-                      before=lambda: work[n].fill(0.0))
+                seconds = timed((name, n), lambda: c.allreduce(work[n]), n,
+                                before=lambda: work[n].fill(0.0))
+                if rnd:
+                    per_round.setdefault((name, n), []).append(float(np.median(seconds)))
         if rnd == 0:
             probes.clear()                     # warm-up round: page faults, connections
     med = {k: comm.allreduce(float(np.median(v)), op=MPI.MAX) for k, v in probes.items()}
+    for key, medians in per_round.items():          # the slowest rank's, round by round
+        mine = np.array(medians)
+        per_round[key] = np.empty_like(mine)
+        comm.Allreduce(mine, per_round[key], op=MPI.MAX)
     exchange = [(med[("rs", n)] + med[("ag", n)]) / 2 for n in SIZES]
     alpha, beta = fit_two_regimes(SIZES, exchange)
     large = [n for n in SIZES if n >= LARGE]
@@ -205,7 +217,8 @@ def mpi_part(reps, verify=()):
             "exchange_s": exchange, "world_size": 2,
             "exchange_scratch_s": [med[("rs", n)] for n in SIZES],
             "exchange_just_read_s": [med[("ag", n)] for n in SIZES],
-            "verify": [{"algo": name, "bytes": n, "world_size": 2, "time_us": med[(name, n)] * 1e6}
+            "verify": [{"algo": name, "bytes": n, "world_size": 2, "time_us": med[(name, n)] * 1e6,
+                        "round_us": [round(x * 1e6, 1) for x in per_round[(name, n)]]}
                        for name in colls for n in VERIFY_SIZES]}
 
 

@@ -92,6 +92,15 @@ def compare(records, m):
     return rows
 
 
+def drift(cal, algo="ring"):
+    """[(bytes, fastest, slowest, rounds)]: the fastest and slowest of `algo`'s
+    per-round medians (seconds) in calibrate --verify, which ran the same calls
+    round after round: how far the machine itself moved within minutes."""
+    return [(v["bytes"], min(v["round_us"]) * 1e-6, max(v["round_us"]) * 1e-6,
+             len(v["round_us"])) for v in cal.get("verify", [])
+            if v.get("algo") == algo and v.get("round_us")]
+
+
 def summary(rows, algos=("ring", "psrv"), min_bytes=1 << 20):
     """{(algo, source): (n, median |error|, max |error|, share within TARGET)}."""
     out = {}

@@ -135,6 +135,14 @@ def fidelity_blocks(records):
                             "measured minutes later, and this machine's speed may have moved "
                             "since; rows with more MPI ranks than cores measure the "
                             "scheduler as much as the algorithm."))
+        spread = fidelity.drift(cal)
+        if spread:
+            blocks.append(("p", "How far this machine moved by itself during the calibration: "
+                                "the ring's median per round took " + "; ".join(
+                                    f"{fmt_size(b)} {lo * 1e3:.2f}-{hi * 1e3:.2f} ms "
+                                    f"(slowest {hi / lo - 1:+.0%})" for b, lo, hi, _ in spread)
+                           + f", over {spread[0][3]} rounds. A point measured minutes away "
+                             "from the calibration cannot be predicted more closely than that."))
         blocks.append(("table", ["model", "measured", "points >= 1 MiB", "median |error|",
                                  "max |error|", f"within {fidelity.TARGET:.0%}"],
                        [(k, src, n, f"{med:.0%}", f"{mx:.0%}", f"{ok:.0%}")

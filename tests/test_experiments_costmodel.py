@@ -188,3 +188,18 @@ def test_straggler_parsing():
         with pytest.raises(ValueError):
             parse_straggler(bad)
     assert np.isclose(cm.lg(4096), 12)
+
+
+@pytest.mark.timeout(10)
+def test_report_shows_the_machines_own_drift_from_the_calibration_rounds():
+    from experiments import fidelity, report
+    cal = {"kind": "calibration", "alpha_s": 1e-5, "beta_s_per_byte": 1e-9,
+           "gamma_s_per_byte": 5e-10, "cores": 2,
+           "verify": [{"algo": "ring", "bytes": 1 << 20, "world_size": 2, "time_us": 400.0,
+                       "round_us": [300.0, 450.0, 400.0]},
+                      {"algo": "tree", "bytes": 1 << 20, "world_size": 2, "time_us": 900.0,
+                       "round_us": [900.0]}]}
+    assert fidelity.drift(cal) == [(1 << 20, pytest.approx(3e-4), pytest.approx(4.5e-4), 3)]
+    text = " ".join(str(b[1]) for b in report.fidelity_blocks([cal]) if b[0] == "p")
+    assert "1MB 0.30-0.45 ms (slowest +50%)" in text and "over 3 rounds" in text
+    assert fidelity.drift({"verify": [{"algo": "ring", "bytes": 1, "time_us": 1.0}]}) == []
