@@ -125,7 +125,6 @@ def mpi_part(reps, verify=()):
     # that each call receives into what the peer has just read (an all-gather step).
     steps = {n: (np.ones(n // 4, np.float32), np.empty(n // 4, np.float32),
                  [np.ones(n // 4, np.float32), np.ones(n // 4, np.float32)]) for n in SIZES}
-    sends = [0]                                 # one-way probes: who sends this call
     a, b = np.ones(16 << 18, np.float32), np.ones(16 << 18, np.float32)     # 16 MiB each
     adds = {n: (a[:n // 4], b[:n // 4]) for n in GAMMA_SIZES}
     ring, tiny = allreduce.create("ring"), np.zeros(2, np.float32)
@@ -135,6 +134,7 @@ def mpi_part(reps, verify=()):
         c.check = False
     work = {n: np.zeros(n // 4, np.float32) for n in VERIFY_SIZES}   # sums stay finite
     probes = {}
+    one_way_calls = 0   # the one-way probes alternate the sender call by call
     per_round = {}      # (algorithm, bytes) -> its median in each round: the machine's drift
 
     def allgather_step(pair):
@@ -144,11 +144,12 @@ def mpi_part(reps, verify=()):
 
     def one_way(send, recv):
         """Rank 0 sends, then rank 1, then rank 0...: both directions count alike."""
-        if t.rank == sends[0] % 2:
+        nonlocal one_way_calls
+        if t.rank == one_way_calls % 2:
             t.send(send, peer)
         else:
             t.recv(recv, peer)
-        sends[0] += 1
+        one_way_calls += 1
 
     def timed(key, fn, nbytes, before=None):
         """One warm-up call, then k calls (k ~ 8 MiB / nbytes, 3 to 50), each timed:

@@ -24,8 +24,8 @@ vector's size instead predicted the ring 10 % too fast here (median |error|
 10 % against 7 %, within 15 % at 26 against 29 of 30 points).
 
 A step that sends one way (a tree's round, a fold, a gather, a broadcast)
-reads `m.beta_one_way_at(n)`, a step where every rank sends and receives at
-once (a ring's, halving-doubling's) `m.beta_at(n)`.  On a cluster's
+reads `m.beta_one_way_at(b)`, a step where every rank sends and receives at
+once (a ring's, halving-doubling's) `m.beta_at(b)`.  On a cluster's
 full-duplex link the two are the same, and without a one-way curve the model
 takes them to be.  On one host the cores do the copying, and two copies at
 once share the memory bandwidth: a one-way message cost 4-19 % less per byte
@@ -57,9 +57,9 @@ class Machine:
     ps_beta: float = None        # psrv: seconds per byte each way (at >= 1 MiB; for show)
     ps_curve: tuple = None       # psrv: ((bytes, seconds), ...) of W = S = 1 push+pull
     ps_marginal: tuple = None    # psrv: ((bytes, seconds), ...) one more worker adds
-    beta_curve: tuple = None     # ((vector bytes, seconds per byte sent), ...)
+    beta_curve: tuple = None     # ((message bytes, seconds per byte sent), ...)
     beta_one_way_curve: tuple = None   # the same for a message sent one way
-    gamma_curve: tuple = None    # ((vector bytes, seconds per byte reduced), ...)
+    gamma_curve: tuple = None    # ((chunk bytes, seconds per byte reduced), ...)
 
     def __post_init__(self):
         if min(self.alpha, self.beta, self.gamma) < 0:
@@ -97,20 +97,20 @@ class Machine:
                                             "beta_one_way_s_per_byte_at"),
                    gamma_curve=curve("gamma_bytes", "gamma_s_per_byte_at"))
 
-    def beta_at(self, n):
-        """Seconds per byte sent while working on an n-byte vector."""
-        return interpolate(self.beta_curve, n) if self.beta_curve else self.beta
+    def beta_at(self, b):
+        """Seconds per byte of a b-byte message exchanged (both peers send at once)."""
+        return interpolate(self.beta_curve, b) if self.beta_curve else self.beta
 
-    def beta_one_way_at(self, n):
-        """Seconds per byte of a message sent one way (the peer sends nothing back
-        meanwhile) while working on an n-byte vector; beta_at(n) where not measured."""
+    def beta_one_way_at(self, b):
+        """Seconds per byte of a b-byte message sent one way (the peer sends nothing
+        back meanwhile); beta_at(b) where not measured."""
         if self.beta_one_way_curve:
-            return interpolate(self.beta_one_way_curve, n)
-        return self.beta_at(n)
+            return interpolate(self.beta_one_way_curve, b)
+        return self.beta_at(b)
 
-    def gamma_at(self, n):
-        """Seconds per byte reduced while working on an n-byte vector."""
-        return interpolate(self.gamma_curve, n) if self.gamma_curve else self.gamma
+    def gamma_at(self, b):
+        """Seconds per byte reduced when a step reduces a b-byte chunk."""
+        return interpolate(self.gamma_curve, b) if self.gamma_curve else self.gamma
 
     def stretch(self, procs):
         """How much slower bandwidth terms run when `procs` processes share the cores."""
@@ -177,7 +177,7 @@ def halving_doubling_allreduce(n, P, m):
     """Rabenseifner's algorithm (Thakur et al. 2005, 4.4): recursive-halving
     reduce-scatter then recursive-doubling all-gather over p = 2^floor(log2 P)
     ranks; the P - p extra ranks first fold their vector into a partner and get
-    the result back at the end (+2 (alpha + n beta) + n gamma)."""
+    the result back at the end (+2 (alpha + n beta1) + n gamma, beta1 one way)."""
     if P == 1:
         return 0.0
     p, s = 1 << (P.bit_length() - 1), m.stretch(P)

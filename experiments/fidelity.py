@@ -37,6 +37,7 @@ def with_link(m, config):
     if not latency and not gbps:
         return m
     extra = 1 / (gbps * 1e9) if gbps else 0.0
+
     def shifted(curve):
         return tuple((b, v + extra) for b, v in curve) if curve else None
     return dataclasses.replace(m, alpha=m.alpha + latency, beta=m.beta + extra,
