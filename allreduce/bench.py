@@ -13,7 +13,6 @@ the bytes one rank sent against the textbook figure, and #wrong: elements that
 differ from a reference each rank computes on its own.
 """
 import argparse
-import json
 import platform
 import socket
 import subprocess
@@ -23,6 +22,7 @@ import time
 import numpy as np
 
 from . import ALGORITHMS, create, shard_bounds
+from .records import append_jsonl
 from .theory import bus_factor, bytes_sent
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
@@ -160,7 +160,7 @@ def main(argv=None):
               f"(bandwidth in GB/s; {meta['mpi']})")
         print(header)
         sys.stdout.flush()
-    out = open(args.jsonl, "a") if (args.jsonl and rank == 0) else None
+    out = args.jsonl if rank == 0 else None
     for nbytes in args.sizes:
         n = nbytes // itemsize
         for collective in args.ops:
@@ -223,10 +223,7 @@ def main(argv=None):
                               "link_latency_us": args.link_latency_us,
                               "link_gbps": args.link_gbps,
                               **meta}
-                    out.write(json.dumps(record) + "\n")
-                    out.flush()
-    if out:
-        out.close()
+                    append_jsonl(out, [record])
     comm.Barrier()
 
 
