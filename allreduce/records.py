@@ -39,6 +39,17 @@ def truncate_jsonl(path):
         pass
 
 
+def rewrite_jsonl(path, records):
+    """Replace `path` with exactly `records`: written to a temporary file beside it,
+    then renamed over it (atomic), so a crash leaves the old file or the new one."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def scan_jsonl(path):
     """(records, bad_lines): the JSON objects of `path` in order, and the 1-based
     numbers of the non-empty lines that are not a JSON object (a torn write).

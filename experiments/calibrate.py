@@ -77,7 +77,7 @@ import time
 
 import numpy as np
 
-from .records import mpiexec_path, provenance
+from .records import append_jsonl, mpiexec_path, provenance
 
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
 PS_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
@@ -335,9 +335,7 @@ def main(argv=None):
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
     if a.jsonl:
-        with open(a.jsonl, "a") as f:
-            f.write(json.dumps({"kind": "calibration", **result,
-                                "provenance": provenance()}) + "\n")
+        append_jsonl(a.jsonl, [{"kind": "calibration", **result, "provenance": provenance()}])
     return result
 
 

@@ -10,7 +10,6 @@ A results directory (written by experiments.sweep) holds
 Plots and the report read records.jsonl only.
 """
 import functools
-import json
 import os
 import platform
 import socket
@@ -18,29 +17,10 @@ import subprocess
 import sys
 from importlib import metadata
 
+# JSON Lines have one home below every package; imported here for the readers of results.
+from allreduce.records import append_jsonl, read_jsonl
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def read_jsonl(path):
-    """The records of a JSON Lines file; a torn last line (a killed writer) is skipped."""
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass
-    return out
-
-
-def append_jsonl(path, records):
-    with open(path, "a") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
 
 
 def git_commit(root=ROOT):

@@ -29,6 +29,8 @@ import json
 import math
 from dataclasses import dataclass
 
+from allreduce.records import append_jsonl
+
 from .costmodel import Machine, hierarchical_allreduce, lg, ring_reduce_scatter
 
 RANKS = [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
@@ -159,10 +161,9 @@ def main(argv=None):
               f"{human(x['tree_beats_ring_up_to_bytes']):>22} "
               f"{human(x['hierarchical_beats_ring_from_bytes']):>29}")
     if a.jsonl:
-        with open(a.jsonl, "a") as f:
-            for r in rows + cross:
-                f.write(json.dumps({**r, "cluster": {"ranks_per_node": c.ranks_per_node,
-                                    "intra": vars(c.intra), "inter": vars(c.inter)}}) + "\n")
+        cluster = {"ranks_per_node": c.ranks_per_node, "intra": vars(c.intra),
+                   "inter": vars(c.inter)}
+        append_jsonl(a.jsonl, [{**r, "cluster": cluster} for r in rows + cross])
     return rows, cross
 
 

@@ -26,7 +26,6 @@ echo where the cores are few: it runs the optimizer over every byte on the
 server and copies every byte into `out` on the worker, and the echo does neither.
 """
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -36,6 +35,8 @@ import time
 
 import numpy as np
 import zmq
+
+from allreduce.records import append_jsonl
 
 from . import protocol as P
 from .client import Client
@@ -217,8 +218,7 @@ def main(argv=None):
                 print(f"{r['kind']:<8} {s:7d} {w:7d} {r['bytes']:10d} {r['time_us']:11.1f} "
                       f"{r['gbps']:7.3f} {r['cpu_ms']:8.2f} {ratio:>8}", flush=True)
                 if a.jsonl:
-                    with open(a.jsonl, "a") as f:
-                        f.write(json.dumps(r) + "\n")
+                    append_jsonl(a.jsonl, [r])
 
 
 if __name__ == "__main__":

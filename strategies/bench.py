@@ -24,13 +24,14 @@ communication: the compute-only bound.  DDP's exposed communication shows as
 """
 import argparse
 import dataclasses
-import json
 import os
 import socket
 import statistics
 import sys
 
 import torch
+
+from allreduce.records import append_jsonl
 
 from .config import ALLREDUCE_SYNCS, ConfigError, parse_args
 from .context import MPIControl, RunContext
@@ -80,7 +81,8 @@ def make_method(method, base, ctx, data, device):
     return cfg, model, sync, optimizer, forward
 
 
-def main(argv=None):
+def bench(argv=None):
+    """Run the benchmark; returns its rows (every rank)."""
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--syncs", default="ring,mpi,torch,ddp")
     own.add_argument("--rounds", type=int, default=5)
@@ -149,12 +151,21 @@ def main(argv=None):
                   f"{1000 * row['median_step_s']:>10.1f}"
                   f"{1000 * row['median_exposed_comm_s']:>17.1f}{ratio:>8}", flush=True)
         if base.jsonl:
-            with open(base.jsonl, "a") as f:
-                for row in rows:
-                    f.write(json.dumps(row) + "\n")
+            append_jsonl(base.jsonl, rows)
     control.barrier()
     return rows
 
 
+def main(argv=None):
+    """The command line (`topolab-train-bench`): exit status 0 after a run (sys.exit
+    would print a returned list of rows and exit 1)."""
+    try:
+        bench(argv)
+    except ConfigError as e:                    # every rank finds the same bad flag
+        print(f"strategies.bench: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,7 +5,7 @@
     mpiexec -n 4 ... --part zero      (N = 4; oversubscribed on two cores: figures of
                                        memory and bytes hold, times do not)
 
-Every configuration is a full `strategies.train.main(argv)` in one launch (torch
+Every configuration is a full `strategies.train.train(argv)` in one launch (torch
 is imported once), writing its JSON Lines to --dir; rank 0 reads the records
 back and prints the tables (and appends them to --out as records).  Launch it
 without TOPOLAB_CHECK=1: that mode adds a signature exchange to every collective,
@@ -23,10 +23,11 @@ pipeline: MLP cut into 2 stages; the bubble of each rank = the share of the
           over one micro-batch's, GPipe against 1F1B.
 """
 import argparse
-import json
 import os
 import statistics
 import tempfile
+
+from allreduce.records import append_jsonl, read_jsonl
 
 MLP = ["--model", "mlp", "--width", "512", "--depth", "4", "--in-dim", "512", "--classes", "16",
        "--dataset-size", "2048", "--global-batch", "64", "--threads", "1", "--no-progress",
@@ -39,12 +40,12 @@ PIPE = ["--model", "mlp", "--width", "1024", "--depth", "8", "--in-dim", "1024",
 
 
 def train(argv, path):
-    from strategies.train import main
-    main(argv + ["--jsonl", path])
+    from strategies.train import train
+    train(argv + ["--jsonl", path])
 
 
 def steps(path, skip=1):
-    return [r for r in map(json.loads, open(path)) if r["kind"] == "step" and r["step"] >= skip]
+    return [r for r in read_jsonl(path) if r["kind"] == "step" and r["step"] >= skip]
 
 
 def zero_part(world, directory, rounds, n_steps):
@@ -146,9 +147,7 @@ def main(argv=None):
     else:
         rows = pipeline_part(comm.size, directory, args.steps)
     if comm.rank == 0 and args.out:
-        with open(args.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        append_jsonl(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,12 @@ collective over the data-parallel ranks.  Synchronous syncs flush every step
 (the bar shows the global loss at once); ASP/SSP flush every 20 steps, so the
 metrics do not keep fast workers in lock-step with slow ones.
 """
-import json
 import resource
 import time
 
 import torch
+
+from allreduce.records import append_jsonl, read_jsonl, rewrite_jsonl, truncate_jsonl
 
 
 def peak_memory_mb(device):
@@ -40,10 +41,13 @@ class Metrics:
         self.samples_per_step = samples_per_step
         self.start_step = start_step
         self._bytes = (sync.bytes_sent, sync.bytes_received)   # setup's broadcast is not a step
-        self.file = None
+        self.file = cfg.jsonl if self.is_writer else ""
         self.bar = None
-        if self.is_writer and cfg.jsonl:
-            self.file = open(cfg.jsonl, "a" if cfg.resume else "w")
+        if self.file:
+            if cfg.resume:
+                forget_steps_from(self.file, start_step)
+            else:
+                truncate_jsonl(self.file)          # one run a file (the benchmarks append)
             self._write({"kind": "config", **cfg.as_dict(), "world_size": ctx.world_size,
                          "dp_size": ctx.dp_size, "host": ctx.host, "start_step": start_step})
         if self.is_writer and cfg.progress:
@@ -51,9 +55,8 @@ class Metrics:
             self.bar = tqdm(total=cfg.steps, initial=start_step, desc=cfg.sync, unit="step",
                             dynamic_ncols=True)
 
-    def _write(self, record):
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+    def _write(self, *records):
+        append_jsonl(self.file, records)
 
     def record(self, step, loss, step_time, compute_time, comm_time, sync):
         sent, received = sync.bytes_sent, sync.bytes_received
@@ -77,8 +80,8 @@ class Metrics:
             loss = sum(r["local_loss"] for r in per_rank) / len(per_rank)
             for r in per_rank:
                 r["loss"] = loss
-                if self.file:
-                    self._write(r)
+            if self.file:
+                self._write(*per_rank)
             self.steps.append((per_rank[0]["step"], loss,
                                max(r["step_time_s"] for r in per_rank),
                                max(r["comm_time_s"] for r in per_rank),
@@ -117,8 +120,17 @@ class Metrics:
               f"peak {out['peak_mem_mb']:.0f} MB  wall {wall_s:.1f} s", flush=True)
         if self.file:
             self._write(out)
-            self.file.close()
         return out
+
+
+def forget_steps_from(path, start_step):
+    """--resume from a checkpoint at `start_step`: drop the file's step records at or
+    after it.  The run that wrote them went on past the checkpoint and died; the resumed
+    run redoes those steps and writes them again, so keeping both would list each twice.
+    (TensorBoard's SummaryWriter(purge_step=...) does the same with its event files.)"""
+    records = read_jsonl(path)
+    rewrite_jsonl(path, [r for r in records
+                         if not (r.get("kind") == "step" and r.get("step", -1) >= start_step)])
 
 
 def now(device):

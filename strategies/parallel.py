@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from allreduce import make_transport
+from allreduce.records import append_jsonl, truncate_jsonl
 
 from .config import ConfigError
 from .grid import ProcessGrid
@@ -178,15 +179,16 @@ def run(cfg, ctx, data, device):
     worker = GridWorker(cfg, comms, data.spec, device)
     world = ctx.comm
     writer = world.rank == 0
-    out = open(cfg.jsonl, "w") if writer and cfg.jsonl else None
+    out = cfg.jsonl if writer else ""            # one run a file, as strategies.train
     if writer:
         n = worker.total_parameters
         print(f"[{cfg.sync}] {cfg.model} with {n:,} parameters on {grid.describe()}, "
               f"zero {cfg.zero}, {cfg.micro_batches} micro-batches ({cfg.schedule}), "
               f"global batch {cfg.global_batch}", flush=True)
         if out:
-            out.write(_json({"kind": "config", **cfg.as_dict(), "world_size": grid.world_size,
-                             "dp_size": grid.dp, "pp_size": grid.pp, "tp_size": grid.tp}))
+            truncate_jsonl(out)
+            append_jsonl(out, [{"kind": "config", **cfg.as_dict(), "world_size": grid.world_size,
+                                "dp_size": grid.dp, "pp_size": grid.pp, "tp_size": grid.tp}])
     reports = (comms.is_last_stage and comms.tp_rank == 0)
     traffic = worker.traffic()
     losses = []
@@ -205,8 +207,7 @@ def run(cfg, ctx, data, device):
             records = world.gather(record, root=0)
             losses.append(loss)
             if out:
-                for r in records:
-                    out.write(_json(r))
+                append_jsonl(out, records)
     finally:
         worker.zero.close()
     pieces = worker.full_parameters() if cfg.params_out else []
@@ -226,15 +227,9 @@ def run(cfg, ctx, data, device):
         print(f"[{cfg.sync}] {grid.describe()} zero {cfg.zero}: loss {losses[0]:.4f} -> "
               f"{losses[-1]:.4f} in {cfg.steps} steps, wall {wall:.1f} s", flush=True)
         if out:
-            out.write(_json(summary))
-            out.close()
+            append_jsonl(out, [summary])
         return summary
     return None
-
-
-def _json(record):
-    import json
-    return json.dumps(record) + "\n"
 
 
 if __name__ == "__main__":

@@ -117,7 +117,8 @@ def save_params(path, model):
     np.savez(path, **{n: p.detach().cpu().numpy() for n, p in model.named_parameters()})
 
 
-def main(argv=None):
+def train(argv=None):
+    """Train as the flags say; returns the run's summary on the writing rank, else None."""
     started = time.perf_counter()
     cfg, ctx, device, data, model, state = prepare(argv)
     if cfg.on_grid:                                # ZeRO, pipeline, tensor parallel (issue 5)
@@ -162,5 +163,12 @@ def main(argv=None):
     return metrics.summary(time.perf_counter() - started)
 
 
+def main(argv=None):
+    """The command line (`topolab-train`): exit status 0 after a run.  Not the summary:
+    a console script passes main's value to sys.exit, which prints a dict and exits 1."""
+    train(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
