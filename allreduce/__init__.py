@@ -9,10 +9,13 @@
     coll.broadcast(x, root=0)                # in place
     allreduce.create("hierarchical", inner="ring", outer="tree", ranks_per_node=2)
     allreduce.create("ring", transport="torch")   # over torch.distributed instead of MPI
+    allreduce.create("ring", comm=sub, transport="torch")   # over a sub-communicator's ranks
+    coll = allreduce.host_staged(coll)       # CUDA tensors through pinned host memory where
+                                             # the transport is MPI (not CUDA-aware)
 
 Algorithms: ring, tree, halving_doubling, hierarchical; baselines: mpi, torch.
 """
-from .buffers import CollectiveError
+from .buffers import CollectiveError, HostStaged
 from .collective import Collective, CollectiveTimeout
 from .shards import shard_bounds, shard_of
 from .transport import MPITransport, Transport, TransportTimeout
@@ -20,18 +23,20 @@ from .transport import MPITransport, Transport, TransportTimeout
 TEXTBOOK = ("ring", "tree", "halving_doubling")
 ALGORITHMS = TEXTBOOK + ("hierarchical", "mpi", "torch")
 
-__all__ = ["create", "make", "make_transport", "shard_bounds", "shard_of", "ALGORITHMS",
-           "Collective", "CollectiveError", "CollectiveTimeout", "Transport", "TransportTimeout"]
+__all__ = ["create", "make", "make_transport", "host_staged", "shard_bounds", "shard_of",
+           "ALGORITHMS", "Collective", "CollectiveError", "CollectiveTimeout", "Transport", "TransportTimeout"]
 
 
 def make_transport(kind="mpi", comm=None, timeout=None):
-    """An MPI transport over `comm` (default COMM_WORLD), or a torch.distributed one."""
+    """A transport over `comm`'s ranks.  'mpi': an mpi4py communicator (default
+    COMM_WORLD).  'torch': the same, or a list of global ranks or a torch
+    ProcessGroup; each runs on a process group of its own (torch_transport.py)."""
     if kind == "mpi":
         return MPITransport(comm, timeout)
     if kind == "torch":
-        from .torch_transport import TorchTransport, init_torch_distributed
-        init_torch_distributed(comm)
-        return TorchTransport(None, timeout)
+        from .torch_transport import TorchTransport, group_for, init_torch_distributed
+        init_torch_distributed(timeout=timeout)
+        return TorchTransport(group_for(comm, timeout), timeout)
     raise CollectiveError(f"unknown transport {kind!r}; choose 'mpi' or 'torch'")
 
 
@@ -60,7 +65,8 @@ def make(name, transport, **options):
 def create(name, comm=None, transport=None, timeout=None, link_latency_us=None, link_gbps=None,
            **options):
     """A collective by name.  `transport` is 'mpi' (default; 'torch' for the torch
-    baseline), 'torch', or a Transport object; `comm` an mpi4py communicator.
+    baseline), 'torch', or a Transport object; `comm` an mpi4py communicator (for
+    'torch' also a list of global ranks or a ProcessGroup: make_transport).
     `link_latency_us` / `link_gbps` emulate a slower interconnect (allreduce.emulate)."""
     if name not in ALGORITHMS:
         raise CollectiveError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
@@ -74,3 +80,10 @@ def create(name, comm=None, transport=None, timeout=None, link_latency_us=None, 
         from .emulate import EmulatedLink
         transport = EmulatedLink(transport, link_latency_us or 0.0, link_gbps)
     return make(name, transport, **options)
+
+
+def host_staged(coll):
+    """`coll` itself where its transport moves CUDA tensors (NCCL); otherwise `coll`
+    with CUDA tensors staged through pinned host memory (buffers.HostStaged).  Host
+    buffers go straight through either way."""
+    return coll if coll.transport.takes_cuda else HostStaged(coll)

@@ -6,6 +6,8 @@
     t.send / t.recv / t.sendrecv      the blocking forms
     t.wait_all(handles)
     t.split(color)                    a transport over the ranks of the same colour
+    t.takes_cuda                      whether CUDA tensors may be passed (NCCL); where
+                                      not, allreduce.host_staged stages them via the host
 
 A buffer is a contiguous numpy array or torch tensor.  Its bytes go on the wire
 as they are (`buffers.as_bytes`): never pickled, never copied on the way.
@@ -80,6 +82,7 @@ class Transport:
 
     rank = 0
     size = 1
+    takes_cuda = False
 
     def __init__(self, timeout=None, traffic=None):
         self.timeout = default_timeout() if timeout is None else float(timeout)
@@ -146,7 +149,8 @@ class MPITransport(Transport):
         if buf.device.type != "cpu":
             raise CollectiveError(
                 "the MPI transport takes CPU buffers (the MPI from PyPI is not CUDA-aware): "
-                "use transport='torch' (NCCL) for CUDA tensors, or copy them to the host")
+                "use transport='torch' (NCCL) for CUDA tensors, or allreduce.host_staged(coll) "
+                "to stage them through host memory")
         return [as_bytes(buf), self.MPI.BYTE]
 
     def _wait_all(self, handles):

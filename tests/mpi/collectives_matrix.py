@@ -4,7 +4,12 @@
 
 Each spec is {"algo": name, "transport": "mpi"|"torch", "options": {...}}; the
 default list covers all algorithms, hierarchical in two shapes, and the ring
-and tree over torch.distributed.
+and tree over torch.distributed.  Two optional keys:
+  "split": "parity"    the collective runs over a sub-communicator of COMM_WORLD:
+                       world ranks of equal parity (sizes 2 and 1 at P = 3);
+           "reversed"  all ranks in reverse order (rank r is world rank P-1-r)
+  "device": "cuda"     torch inputs live on the GPU; an MPI transport moves them
+                       through host memory (allreduce.host_staged), NCCL directly
 
 Inputs depend on rank and position (sin(0.37 i + 1.3 r)), never all ones, so a
 chunk in the wrong place or from the wrong rank shows.  Every rank computes
@@ -25,8 +30,7 @@ from mpi4py import MPI
 import allreduce
 from allreduce.buffers import CollectiveError
 
-comm = MPI.COMM_WORLD
-rank, P = comm.rank, comm.size
+world = MPI.COMM_WORLD
 SPECS = [{"algo": "ring"}, {"algo": "tree"}, {"algo": "halving_doubling"},
          {"algo": "hierarchical", "options": {"ranks_per_node": 2, "inner": "ring", "outer": "tree"}},
          {"algo": "hierarchical", "options": {"inner": "halving_doubling", "outer": "ring"}},
@@ -41,7 +45,7 @@ BIG = 1_000_003
 failures = []
 
 
-def make(kind, dtype, r, n):
+def make(kind, dtype, r, n, device="cpu"):
     i = np.arange(n)
     if dtype.startswith("int"):
         values = (i * 7 + r * 1000) % 20011 - 10000
@@ -49,11 +53,11 @@ def make(kind, dtype, r, n):
         values = np.sin(0.37 * i + 1.3 * r) * 4
     if kind == "numpy":
         return values.astype(dtype)
-    return torch.from_numpy(values.astype(np.float64)).to(getattr(torch, dtype))
+    return torch.from_numpy(values.astype(np.float64)).to(getattr(torch, dtype)).to(device)
 
 
 def f64(x):
-    return x.double().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, np.float64)
+    return x.double().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, np.float64)
 
 
 def compare(label, got, want, tol):
@@ -72,7 +76,9 @@ def digest(x):
     return hashlib.sha1(data.tobytes()).hexdigest()
 
 
-def run_case(coll, kind, dtype, n, ops):
+def run_case(coll, comm, kind, dtype, n, ops, device="cpu"):
+    """Inputs are made from the rank in `comm`, the communicator of the collective."""
+    rank, P = comm.rank, comm.size
     label = f"{coll.label} P={P} {kind} {dtype} n={n}"
     inputs = [f64(make(kind, dtype, r, n)) for r in range(P)]
     floating = not dtype.startswith("int")
@@ -80,7 +86,7 @@ def run_case(coll, kind, dtype, n, ops):
     bounds = allreduce.shard_bounds(n, P)
     a, b = bounds[rank]
     for op in ops:
-        x = make(kind, dtype, rank, n)
+        x = make(kind, dtype, rank, n, device)
         want = {"sum": sum(inputs), "avg": sum(inputs) / P,
                 "max": np.max(inputs, axis=0), "min": np.min(inputs, axis=0)}[op]
         coll.allreduce(x, op=op)
@@ -89,17 +95,17 @@ def run_case(coll, kind, dtype, n, ops):
             failures.append(f"{label} allreduce {op}: ranks hold different bits")
         if op == "min":
             continue                       # reduce-scatter shares the reduction code
-        x = make(kind, dtype, rank, n)
+        x = make(kind, dtype, rank, n, device)
         shard = coll.reduce_scatter(x, op=op)
         compare(f"{label} reduce_scatter {op}", shard, want[a:b],
                 tol if op in ("sum", "avg") else 0)
         compare(f"{label} reduce_scatter leaves x", x, inputs[rank], 0)
-    mine = make(kind, dtype, rank, n)[a:b]
+    mine = make(kind, dtype, rank, n, device)[a:b]
     gathered = np.concatenate([inputs[r][slice(*bounds[r])] for r in range(P)])
     compare(f"{label} allgather(n)", coll.allgather(mine, n), gathered, 0)
     compare(f"{label} allgather(sizes exchanged)", coll.allgather(mine), gathered, 0)
     for root in sorted({0, P - 1}):
-        x = make(kind, dtype, rank, n)
+        x = make(kind, dtype, rank, n, device)
         coll.broadcast(x, root=root)
         compare(f"{label} broadcast root={root}", x, inputs[root], 0)
 
@@ -114,22 +120,26 @@ def expect_error(label, fn, *words):
     failures.append(f"{label}: no error raised")
 
 
-def check_algorithm(coll, quick=False):
-    """quick: the algorithm's dtype handling is checked elsewhere; test the transport."""
+def check_algorithm(coll, comm, quick=False, device="cpu"):
+    """quick: the algorithm's dtype handling is checked elsewhere; test the transport.
+    On a GPU every torch dtype is checked: NCCL and the host staging are new paths."""
+    P = comm.size
     small = sorted({0, 1, max(P - 1, 0), 2 * P + 1})   # empty, one, fewer than P, not divisible
     numpy_dtypes = ["float32", "int64"] if quick else NUMPY
-    torch_dtypes = ["bfloat16"] if quick else TORCH
+    torch_dtypes = TORCH if device != "cpu" else ["bfloat16"] if quick else TORCH
     for n in small:
         for dtype in numpy_dtypes:
             ops = ["sum", "max", "min"] + (["avg"] if not dtype.startswith("int") else [])
-            run_case(coll, "numpy", dtype, n, ops)
+            run_case(coll, comm, "numpy", dtype, n, ops)
         for dtype in torch_dtypes:
             ops = ["sum", "max"] + (["avg"] if not dtype.startswith("int") else [])
-            run_case(coll, "torch", dtype, n, ops)
+            run_case(coll, comm, "torch", dtype, n, ops, device)
     big = (("numpy", "float32"),) if quick else (("numpy", "float32"), ("numpy", "int64"),
                                                  ("torch", "bfloat16"))
+    if device != "cpu":
+        big += (("torch", "float32"),)
     for kind, dtype in big:
-        run_case(coll, kind, dtype, BIG, ["sum"])
+        run_case(coll, comm, kind, dtype, BIG, ["sum"], device)
 
     # Bad input: a clear error naming the problem.
     name = coll.label
@@ -151,21 +161,36 @@ def check_algorithm(coll, quick=False):
     expect_error(f"{name} list", lambda: coll.allreduce([1, 2, 3]), "numpy array or a torch tensor")
 
 
-for spec in specs:
-    coll = allreduce.create(spec["algo"], transport=spec.get("transport"), **spec.get("options", {}))
-    coll.label = spec["algo"] + (f"@{spec['transport']}" if spec.get("transport") else "") + (
-        f"{spec['options']}" if spec.get("options") else "")
-    check_algorithm(coll, quick=spec.get("transport") == "torch")
-    comm.Barrier()
-    if rank == 0:
-        print(f"checked {coll.label} P={P}", flush=True)
+def communicator(split):
+    if split == "parity":
+        return world.Split(world.rank % 2, world.rank)
+    if split == "reversed":
+        return world.Split(0, -world.rank)
+    return world
 
-all_failures = comm.gather(failures, root=0)
-if rank == 0:
+
+for spec in specs:
+    comm = communicator(spec.get("split"))
+    device = spec.get("device", "cpu")
+    coll = allreduce.create(spec["algo"], comm=comm, transport=spec.get("transport"),
+                            **spec.get("options", {}))
+    if device != "cpu":
+        coll = allreduce.host_staged(coll)
+    coll.label = spec["algo"] + (f"@{spec['transport']}" if spec.get("transport") else "") + (
+        f"{spec['options']}" if spec.get("options") else "") + (
+        f" split={spec['split']} (world ranks {comm.allgather(world.rank)})"
+        if spec.get("split") else "") + (f" on {device}" if device != "cpu" else "")
+    check_algorithm(coll, comm, quick=spec.get("transport") == "torch", device=device)
+    world.Barrier()
+    if world.rank == 0:
+        print(f"checked {coll.label} P={comm.size}", flush=True)
+
+all_failures = world.gather(failures, root=0)
+if world.rank == 0:
     flat = [f"rank {r}: {f}" for r, fs in enumerate(all_failures) for f in fs]
     if flat:
         print("\n".join(flat[:60]))
         print(f"FAILED: {len(flat)} mismatches")
         sys.stdout.flush()
-        comm.Abort(1)
-    print(f"OK P={P}")
+        world.Abort(1)
+    print(f"OK P={world.size}")
