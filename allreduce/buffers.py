@@ -167,3 +167,85 @@ class Scratch:
             buf = empty_like(like, max(n, 1))
             self._buffers[key] = buf
         return buf[:n]
+
+
+class HostStaging:
+    """Pinned host buffers that tensors travel through to a transport that moves
+    host memory only (the MPI here is not CUDA-aware).
+
+    One buffer per dtype, grown to the largest tensor seen and reused: pinning
+    memory (cudaHostAlloc) costs more than copying the same bytes several times,
+    so it is paid once, not on every call, and pinned memory lets the copies to
+    and from the GPU run at full PCIe speed.  Without CUDA the buffers are plain
+    host memory (so the staging can be tested on any machine)."""
+
+    def __init__(self):
+        self._buffers = {}
+
+    def host_copy(self, x):
+        """A flat host tensor holding x's values; valid until the next call for x's dtype."""
+        n = x.numel()
+        buf = self._buffers.get(x.dtype)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 1), dtype=x.dtype, pin_memory=torch.cuda.is_available())
+            self._buffers[x.dtype] = buf
+        host = buf[:n]
+        host.copy_(x.reshape(-1))       # device to pinned host: returns once the bytes are there
+        return host
+
+
+class HostStaged:
+    """A collective whose device tensors are staged through host memory: copied
+    into a pinned buffer, reduced there by the wrapped collective (which only
+    sees host memory), copied back.  Host buffers go straight through, so on a
+    CPU nothing changes.  Made by `allreduce.host_staged(coll)`."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.staging = HostStaging()
+
+    # what callers read off a collective
+    name = property(lambda self: self.inner.name)
+    transport = property(lambda self: self.inner.transport)
+    counts_traffic = property(lambda self: self.inner.counts_traffic)
+    rank = property(lambda self: self.inner.rank)
+    size = property(lambda self: self.inner.size)
+
+    def __repr__(self):
+        return f"<host-staged {self.inner!r}>"
+
+    def needs_host(self, x):
+        return is_tensor(x) and x.device.type != "cpu"
+
+    def _host(self, x, what):
+        validate(x, f"{self.name} {what}", writable=what in ("allreduce", "broadcast"))
+        return self.staging.host_copy(x)
+
+    def allreduce(self, x, op="sum"):
+        if not self.needs_host(x):
+            return self.inner.allreduce(x, op)
+        host = self._host(x, "allreduce")
+        self.inner.allreduce(host, op)
+        x.copy_(host.view_as(x))
+        return x
+
+    def broadcast(self, x, root=0):
+        if not self.needs_host(x):
+            return self.inner.broadcast(x, root)
+        host = self._host(x, "broadcast")
+        self.inner.broadcast(host, root)
+        x.copy_(host.view_as(x))
+        return x
+
+    def reduce_scatter(self, x, op="sum"):
+        if not self.needs_host(x):
+            return self.inner.reduce_scatter(x, op)
+        return self.inner.reduce_scatter(self._host(x, "reduce_scatter"), op).to(x.device)
+
+    def allgather(self, shard, n=None):
+        if not self.needs_host(shard):
+            return self.inner.allgather(shard, n)
+        return self.inner.allgather(self._host(shard, "allgather"), n).to(shard.device)
+
+    def barrier(self):
+        self.inner.barrier()
