@@ -9,6 +9,14 @@
         h.wait()                                    # params now hold the servers' values
     client.close()
 
+    with psrv.Client(...) as client:    # an exception inside tells the servers ABORT, not BYE
+        ...
+
+Across hosts the servers are CURVE servers: pass keys=psrv.keys.ClientKeys (from
+psrv.keys.load_worker_keys, or launch.mpi_roles's role.keys).  Every socket is
+then authenticated and encrypted, and a server that refuses this worker's key
+is reported at once (PSError), not after the timeout.
+
 Like MPI_Isend, a non-blocking call sends the caller's arrays zero-copy: do not
 write to `grads` before `wait()` returns.
 
@@ -20,12 +28,14 @@ id; a reply for another request found while waiting is kept for its handle.
 Every wait has a deadline and ends in a PSError naming the server.
 """
 import itertools
+import os
 import threading
 import time
 
 import numpy as np
 import zmq
 
+from . import auth
 from . import protocol as P
 from .config import Consistency, pack_config
 from .placement import DEFAULT_SLICE_BYTES, Placement
@@ -51,14 +61,16 @@ class Handle:
 
 class Client:
     def __init__(self, endpoints, worker_id, num_workers, timeout=30.0, consistency=None,
-                 auth_key=None, heartbeat_interval=0.5, slice_bytes=DEFAULT_SLICE_BYTES,
+                 keys=None, heartbeat_interval=0.5, slice_bytes=DEFAULT_SLICE_BYTES,
                  message_bytes=4 << 20):
         if not 0 <= worker_id < num_workers:
             raise ValueError(f"worker_id {worker_id} not in [0, num_workers={num_workers})")
         if not endpoints:
             raise ValueError("no server endpoints")
         self.endpoints, self.worker_id, self.num_workers = list(endpoints), worker_id, num_workers
-        self.timeout, self.auth_key = timeout, auth_key
+        self.timeout, self.keys = timeout, keys
+        if keys is not None and len(keys.servers) not in (1, len(self.endpoints)):
+            raise ValueError(f"{len(keys.servers)} server keys for {len(self.endpoints)} endpoints")
         self.consistency = consistency or Consistency()
         self.slice_bytes, self.message_bytes = slice_bytes, message_bytes
         self.placement = None
@@ -68,12 +80,10 @@ class Client:
         self._stash = [dict() for _ in self.endpoints]      # request id -> early reply
         self._start_steps = {}                              # INIT request id -> clock
         self._ctx = zmq.Context()
-        self._socks = []
-        for ep in self.endpoints:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)       # we close only after the last reply came
-            sock.connect(ep)
-            self._socks.append(sock)
+        # a routing id of our own: a reconnect after a network blip is the same connection
+        # to the server, which ties a worker id to the connection that registered it
+        self._socks = [self._socket(i, b"w" + os.urandom(15)) for i in range(len(self.endpoints))]
+        self._monitors = [auth.watch_handshakes(s) for s in self._socks] if keys else None
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, args=(heartbeat_interval,), daemon=True)
         self._beat.start()
@@ -134,13 +144,15 @@ class Client:
         return [bytes(self._call(s, P.Op.CHECKPOINT).extras[0]).decode()
                 for s in range(len(self.endpoints))]
 
-    def close(self):
-        """Say BYE to every server (best effort, bounded), stop heartbeats, close sockets."""
+    def close(self, error=None):
+        """Say BYE to every server, or ABORT with `error` (a crash, which under BSP/SSP
+        fails the run on the other workers); best effort, bounded; close the sockets."""
         if self.closed:
             return
         self.closed = True
         self._stop.set()
-        byes = [self._send(s, P.Op.BYE, [], [], [], None) for s in range(len(self.endpoints))]
+        op, extras = (P.Op.BYE, []) if error is None else (P.Op.ABORT, [str(error).encode()[:P.MAX_TEXT]])
+        byes = [self._send(s, op, [], [], extras, None) for s in range(len(self.endpoints))]
         deadline = time.monotonic() + min(self.timeout, 5.0)     # one deadline for all
         for server, request, op, _ in byes:
             try:
@@ -148,15 +160,28 @@ class Client:
             except PSError:
                 pass             # a dead server cannot be told; its timeout already told us
         self._beat.join(timeout=5)
-        for sock in self._socks:
+        for i, sock in enumerate(self._socks):
+            if self._monitors:
+                auth.stop_watching(sock, self._monitors[i])
             sock.close()
         self._ctx.term()
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, kind, exc, tb):
+        self.close(error=None if kind is None else f"{kind.__name__}: {exc}")
+
+    def _socket(self, server, routing_id=None):
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)           # we close only after the last reply came
+        sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
+        if routing_id:
+            sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        if self.keys is not None:
+            auth.make_client(sock, self.keys, self.keys.server(server))
+        sock.connect(self.endpoints[server])
+        return sock
 
     # -- requests ----------------------------------------------------------------------
     def _requests(self, op, arrays, step, out):
@@ -204,7 +229,7 @@ class Client:
 
     def _send(self, server, op, entries, payload, extras, out):
         request = next(self._ids)
-        frames = P.encode(op, self.worker_id, request, entries, extras, payload, self.auth_key)
+        frames = P.encode(op, self.worker_id, request, entries, extras, payload)
         self._socks[server].send_multipart(frames, copy=False)
         self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
         return (server, request, op, out)
@@ -216,16 +241,30 @@ class Client:
     def _receive(self, server, request, deadline, op):
         """The reply to `request` from `server`, or PSError at the deadline."""
         sock, stash = self._socks[server], self._stash[server]
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if self._monitors:
+            poller.register(self._monitors[server], zmq.POLLIN)
         while request not in stash:
             left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(left * 1000):
+            ready = dict(poller.poll(left * 1000)) if left > 0 else {}
+            if self._monitors and self._monitors[server] in ready:
+                failure = auth.handshake_failure(self._monitors[server])
+                if failure:
+                    raise PSError(f"worker {self.worker_id}: server {server} "
+                                  f"({self.endpoints[server]}) refused the CURVE handshake: "
+                                  f"{failure}: is this worker's public key in the server's key "
+                                  f"set, and the server's public key the right one?")
+            if sock not in ready:
+                if left > 0 and ready:
+                    continue
                 raise PSError(f"worker {self.worker_id}: server {server} ({self.endpoints[server]}) "
                               f"sent no reply to {op.name} (request {request}) within "
                               f"{self.timeout:g} s: is it alive?")
             frames = sock.recv_multipart(copy=False)
             self.bytes_received += sum(len(f.buffer) for f in frames)
             try:
-                msg = P.decode(frames, self.auth_key)
+                msg = P.decode(frames)
             except P.ProtocolError as e:
                 raise PSError(f"server {server} sent a malformed reply: {e}") from None
             stash[msg.request] = msg
@@ -258,17 +297,11 @@ class Client:
 
     def _heartbeat(self, interval):
         """Runs in a thread with its own sockets (ZeroMQ sockets are not thread-safe)."""
-        socks = []
-        for ep in self.endpoints:
-            s = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(ep)
-            socks.append(s)
+        socks = [self._socket(i) for i in range(len(self.endpoints))]
         try:
             while not self._stop.wait(interval):
                 for s in socks:
-                    s.send_multipart(P.encode(P.Op.HEARTBEAT, self.worker_id, 0,
-                                              auth_key=self.auth_key))
+                    s.send_multipart(P.encode(P.Op.HEARTBEAT, self.worker_id, 0))
         finally:
             for s in socks:
                 s.close()

@@ -3,21 +3,37 @@
     mpiexec -n 3 python -m mpi4py -m psrv.example --servers 1        # 2 workers, 1 server
     mpiexec -n 5 python -m mpi4py -m psrv.example --servers 2 --mode ssp --staleness 1
 
-    # standalone (any hosts): start the servers, then one worker per process
+    # standalone on one host: start the servers, then one worker per process
     python -m psrv.server --shard 0 --num-shards 1 --bind tcp://127.0.0.1:5555 &
     python -m psrv.example --ps tcp://127.0.0.1:5555 --worker-id 0 --num-workers 2 &
     python -m psrv.example --ps tcp://127.0.0.1:5555 --worker-id 1 --num-workers 2
+
+    # across hosts: CURVE keys, servers on h1 and h2, the workers under mpiexec
+    # (worker id and count are the MPI rank and size unless given)
+    python -m psrv.keys keys --workers 8
+    python -m psrv.server --shard 0 --num-shards 2 --bind tcp://0.0.0.0:5555 --keys keys   # on h1
+    python -m psrv.server --shard 1 --num-shards 2 --bind tcp://0.0.0.0:5556 --keys keys   # on h2
+    mpiexec -f hostfile -n 8 python -m mpi4py -m psrv.example --ps tcp://h1:5555,tcp://h2:5556 --keys keys
+
+    # under mpiexec across hosts, servers included: keys are made and exchanged by itself
+    mpiexec -f hostfile -n 5 python -m mpi4py -m psrv.example --servers 1 --bind-host 0.0.0.0
 
 Worker 0 prints one JSON line: the losses, and (BSP only) the largest difference
 from the same SGD run done serially on the global batch, which BSP must reproduce.
 """
 import argparse
 import json
+import logging
+import os
+import sys
 
 import numpy as np
 
 from .client import Client
 from .config import Consistency, OptimizerConfig
+from .keys import load_worker_keys
+
+MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 
 def data(n=96, dim=16, seed=0):
@@ -68,9 +84,12 @@ def train(client, worker_id, num_workers, steps, lr, consistency):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--servers", type=int, default=1, help="under mpiexec: the last S ranks serve")
+    ap.add_argument("--bind-host", default="127.0.0.1",
+                    help="under mpiexec: where servers listen (off loopback: CURVE, keys exchanged)")
     ap.add_argument("--ps", help="standalone: comma-separated server endpoints")
-    ap.add_argument("--worker-id", type=int, default=0)
-    ap.add_argument("--num-workers", type=int, default=1)
+    ap.add_argument("--keys", help="standalone: directory from python -m psrv.keys")
+    ap.add_argument("--worker-id", type=int, help="default: the MPI rank under mpiexec, else 0")
+    ap.add_argument("--num-workers", type=int, help="default: the MPI size under mpiexec, else 1")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--mode", default="bsp", choices=("bsp", "ssp", "asp"))
@@ -79,19 +98,36 @@ def main(argv=None):
     a = ap.parse_args(argv)
     consistency = Consistency(a.mode, a.staleness)
     if a.ps:
-        endpoints, worker_id, num_workers = a.ps.split(","), a.worker_id, a.num_workers
+        rank, size = mpi_rank_and_size()
+        worker_id = rank if a.worker_id is None else a.worker_id
+        num_workers = size if a.num_workers is None else a.num_workers
+        endpoints = a.ps.split(",")
+        keys = load_worker_keys(a.keys, worker_id) if a.keys else None
     else:
         from mpi4py import MPI                        # distributed-only: roles from the ranks
         from .launch import mpi_roles
-        role = mpi_roles(MPI.COMM_WORLD, num_servers=a.servers, worker_timeout=a.timeout)
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,   # server ranks log here
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        role = mpi_roles(MPI.COMM_WORLD, num_servers=a.servers, bind_host=a.bind_host,
+                         worker_timeout=a.timeout)
         if role.is_server:
             role.serve()
             return
         endpoints, worker_id, num_workers = role.endpoints, role.worker_id, role.num_workers
-    with Client(endpoints, worker_id, num_workers, timeout=a.timeout) as client:
+        keys = role.keys
+    with Client(endpoints, worker_id, num_workers, timeout=a.timeout, keys=keys) as client:
         result = train(client, worker_id, num_workers, a.steps, a.lr, consistency)
     if worker_id == 0:
         print(json.dumps(result), flush=True)
+
+
+def mpi_rank_and_size():
+    """(rank, size) of COMM_WORLD when launched by mpiexec (or under python -m mpi4py),
+    else (0, 1) without initialising MPI."""
+    if "mpi4py" not in sys.modules and not any(v in os.environ for v in MPI_RANK_VARIABLES):
+        return 0, 1
+    from mpi4py import MPI                            # distributed-only
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
 
 if __name__ == "__main__":

@@ -9,14 +9,19 @@ random port, and the endpoints are exchanged with one allgather:
     if role.is_server:
         role.serve()                   # returns when every worker has closed
     else:
-        client = psrv.Client(role.endpoints, role.worker_id, role.num_workers)
+        client = psrv.Client(role.endpoints, role.worker_id, role.num_workers, keys=role.keys)
         ...                            # role.worker_comm: the workers only (for data sharding)
 
-(b) Standalone, one process per shard, on any hosts:
+    Off loopback (bind_host="0.0.0.0") the servers are authenticated with no
+    extra step: every rank makes a CURVE keypair and only the public keys are
+    gathered (keys.for_mpi_rank); a server admits exactly the workers' keys.
 
-    python -m psrv.server --shard 0 --num-shards 2 --bind tcp://h1:5555
-    python -m psrv.server --shard 1 --num-shards 2 --bind tcp://h2:5555
-    python -m psrv.example --ps tcp://h1:5555,tcp://h2:5555 --worker-id 0 --num-workers 2
+(b) Standalone, one process per shard, on any hosts (keys: python -m psrv.keys):
+
+    python -m psrv.keys keys --workers 2
+    python -m psrv.server --shard 0 --num-shards 2 --bind tcp://h1:5555 --keys keys
+    python -m psrv.server --shard 1 --num-shards 2 --bind tcp://h2:5555 --keys keys
+    python -m psrv.example --ps tcp://h1:5555,tcp://h2:5555 --worker-id 0 --num-workers 2 --keys keys
 
 `start_local_servers` runs (b) on this machine with random loopback ports (tests, bench).
 """
@@ -40,21 +45,27 @@ class Role:
     worker_id: int = None            # None on server ranks
     worker_comm: object = None       # the workers' sub-communicator; None on server ranks
     server: object = field(default=None, repr=False)   # a server.Server on server ranks
+    keys: object = field(default=None, repr=False)     # a worker's keys.ClientKeys, off loopback
 
     def serve(self):
         self.server.serve()
 
 
 def mpi_roles(comm, num_servers=1, bind_host="127.0.0.1", **server_options):
-    """Split comm: ranks size-S .. size-1 serve (shard = rank - (size - S)), the rest train."""
+    """Split comm: ranks size-S .. size-1 serve (shard = rank - (size - S)), the rest train.
+    Off loopback every rank takes part in one key exchange (collective)."""
+    from .auth import is_local
+    from .keys import for_mpi_rank
     from .server import Server      # here, so that `python -m psrv.server` imports it once
     rank, size = comm.Get_rank(), comm.Get_size()
     if not 0 < num_servers < size:
         raise ValueError(f"need 0 < servers({num_servers}) < ranks({size}): at least one worker")
     workers = size - num_servers
+    keys = None if is_local(f"tcp://{bind_host}:0") else for_mpi_rank(comm, workers)
     server = None
     if rank >= workers:
-        server = Server(f"tcp://{bind_host}:0", rank - workers, num_servers, **server_options)
+        server = Server(f"tcp://{bind_host}:0", rank - workers, num_servers, keys=keys,
+                        **server_options)
         advertised = server.endpoint
         if bind_host in ("0.0.0.0", "*"):      # reachable name for other hosts
             advertised = server.endpoint.replace(bind_host, socket.gethostname())
@@ -63,7 +74,7 @@ def mpi_roles(comm, num_servers=1, bind_host="127.0.0.1", **server_options):
     if server is not None:
         sub.Free()
         return Role(True, endpoints, workers, server=server)
-    return Role(False, endpoints, workers, worker_id=rank, worker_comm=sub)
+    return Role(False, endpoints, workers, worker_id=rank, worker_comm=sub, keys=keys)
 
 
 class LocalServers:

@@ -9,10 +9,9 @@ A message is one ZeroMQ multipart message (after the ROUTER's identity frame):
     payload frames   raw little-endian array bytes, entry after entry, each entry
                      in `nframes` chunks (~1 MiB: ZeroMQ moves 1-4 MiB frames at
                      3-4 GB/s here and one 64 MiB frame at 1.5 GB/s), sent zero-copy
-    [hmac]           32 bytes of HMAC-SHA256 over every frame before it, if FLAG_HMAC
 
     HEADER <4s B B B B I I I Q   (28 bytes)
-        magic b"TLPS", version, op, flags, reserved=0,
+        magic b"TLPS", version, op, flags=0, reserved=0,
         sender (worker id, or shard id in replies), request id (echoed in the reply),
         num_entries, payload_bytes (sum of the payload frames' sizes)
 
@@ -26,10 +25,13 @@ A message is one ZeroMQ multipart message (after the ROUTER's identity frame):
 Nothing is pickled or evaluated.  `decode` checks every structural field and
 raises ProtocolError naming the first bad one; it never allocates from a number
 a header claims, only views the frames that actually arrived.  Whether a key
-exists and has that shape is the server's check (store.py).
+exists and has that shape is the server's check (store.py).  No frame is larger
+than MAX_FRAME_BYTES (the servers set it as ZeroMQ's MAXMSGSIZE).
+
+Authentication and encryption are not in the format: they are ZeroMQ's CURVE
+(auth.py), below it, so a message that reaches `decode` on an authenticated
+server came from a known key over a connection no one else can write to.
 """
-import hashlib
-import hmac
 import math
 import struct
 from dataclasses import dataclass
@@ -38,16 +40,17 @@ from enum import IntEnum
 import numpy as np
 
 MAGIC = b"TLPS"
-VERSION = 1
+VERSION = 2                       # 2: no HMAC flag; ABORT
 HEADER = struct.Struct("<4sBBBBIIIQ")
 ENTRY = struct.Struct("<IBBHIQQqqi4I")
-FLAG_HMAC = 1
-HMAC_BYTES = 32
 CHUNK_BYTES = 1 << 20
 MAX_ENTRIES = 1 << 16
 MAX_NDIM = 4
 MAX_ELEMENTS = 1 << 34            # one parameter: 64 GiB of float32 at most
-MAX_TEXT = 4096                   # ERROR text and, x256, the INIT names frame
+MAX_TEXT = 4096                   # ERROR/ABORT text and, x256, the INIT names frame
+# the largest legal frame: frame 0 with MAX_ENTRIES entries (4 MiB + 28 B); payload
+# chunks are CHUNK_BYTES, the INIT names frame 256 * MAX_TEXT
+MAX_FRAME_BYTES = max(HEADER.size + MAX_ENTRIES * ENTRY.size, CHUNK_BYTES, 256 * MAX_TEXT)
 
 
 class Op(IntEnum):
@@ -56,16 +59,17 @@ class Op(IntEnum):
     PULL = 3          # entries; reply VALUES when the consistency model allows
     PUSH_PULL = 4     # entries + gradients; reply VALUES with the updated values
     HEARTBEAT = 5     # no reply: "I am alive" while the worker computes
-    BYE = 6           # the worker is done; reply OK
+    BYE = 6           # the worker finished cleanly; reply OK
     STATS = 7         # reply STATS_REPLY: histogram of applied-update staleness
     CHECKPOINT = 8    # reply OK with the file written
+    ABORT = 9         # the worker stops on an error (its text): a crash, not a finish; reply OK
     OK = 64
     VALUES = 65
     ERROR = 66
     STATS_REPLY = 67
 
 
-EXTRA_FRAMES = {Op.INIT: 2, Op.ERROR: 1, Op.STATS_REPLY: 1, Op.OK: 1}
+EXTRA_FRAMES = {Op.INIT: 2, Op.ERROR: 1, Op.STATS_REPLY: 1, Op.OK: 1, Op.ABORT: 1}
 CARRIES_PAYLOAD = {Op.INIT, Op.PUSH, Op.PUSH_PULL, Op.VALUES}
 
 # The dtype table: the order is the contract.  The server stores float32 only.
@@ -124,29 +128,18 @@ def chunks(flat, chunk_bytes=CHUNK_BYTES):
     return [flat[i:i + step] for i in range(0, len(flat), step)] or [flat[:0]]
 
 
-def encode(op, sender, request, entries=(), extras=(), payload=(), auth_key=None):
+def encode(op, sender, request, entries=(), extras=(), payload=()):
     """-> list of frames.  Entries' nframes must already count their payload frames."""
     payload = list(payload)
     body = [ENTRY.pack(e.key, e.dtype, len(e.shape), 0, e.nframes, e.offset, e.length,
                        e.step, e.version, e.staleness, *(tuple(e.shape) + (0,) * (4 - len(e.shape))))
             for e in entries]
     nbytes = sum(memoryview(p).nbytes for p in payload)
-    flags = FLAG_HMAC if auth_key else 0
-    head = HEADER.pack(MAGIC, VERSION, int(op), flags, 0, sender, request, len(body), nbytes)
-    frames = [head + b"".join(body), *extras, *payload]
-    if auth_key:
-        frames.append(sign(frames, auth_key))
-    return frames
+    head = HEADER.pack(MAGIC, VERSION, int(op), 0, 0, sender, request, len(body), nbytes)
+    return [head + b"".join(body), *extras, *payload]
 
 
-def sign(frames, auth_key):
-    mac = hmac.new(auth_key, digestmod=hashlib.sha256)
-    for f in frames:
-        mac.update(memoryview(f).cast("B"))
-    return mac.digest()
-
-
-def decode(frames, auth_key=None):
+def decode(frames):
     """list of buffers -> Message, or ProtocolError naming what is wrong."""
     bufs = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
     if not bufs:
@@ -162,16 +155,8 @@ def decode(frames, auth_key=None):
     if op not in Op._value2member_map_:
         raise ProtocolError(f"unknown op {op}")
     op = Op(op)
-    if flags & ~FLAG_HMAC or reserved:
+    if flags or reserved:
         raise ProtocolError(f"unknown flags {flags:#x} or reserved byte {reserved}")
-    # authentication first, so that nothing unauthenticated is interpreted further
-    if auth_key is not None:
-        if not flags & FLAG_HMAC or len(bufs) < 2:
-            raise ProtocolError("authentication required: message has no HMAC")
-        if not hmac.compare_digest(bytes(bufs[-1]), sign(bufs[:-1], auth_key)):
-            raise ProtocolError("authentication failed: HMAC does not match")
-    if flags & FLAG_HMAC:
-        bufs = bufs[:-1]
     if n > MAX_ENTRIES:
         raise ProtocolError(f"num_entries {n} above the limit {MAX_ENTRIES}")
     if len(bufs[0]) != HEADER.size + n * ENTRY.size:
@@ -215,8 +200,8 @@ def _entry(buf, at, i):
     return Entry(key, offset, length, tuple(shape[:ndim]), dtype, nframes, step, version, stale)
 
 
-def error_message(sender, request, text, auth_key=None):
-    return encode(Op.ERROR, sender, request, extras=[text.encode()[:MAX_TEXT]], auth_key=auth_key)
+def error_message(sender, request, text):
+    return encode(Op.ERROR, sender, request, extras=[text.encode()[:MAX_TEXT]])
 
 
 def peek_request(frames):

@@ -2,74 +2,104 @@
 
     python -m psrv.server --shard 0 --num-shards 2 --bind tcp://127.0.0.1:5555
     python -m psrv.server --shard 0 --num-shards 1 --bind tcp://127.0.0.1:0   # random port
+    python -m psrv.server ... --bind tcp://0.0.0.0:5555 --keys DIR   # other hosts: CURVE keys
     python -m psrv.server ... --checkpoint-dir ckpt --checkpoint-every 100 [--resume]
 
 It prints one line `psrv.server shard I listening on tcp://HOST:PORT` on stdout
 (launch.start_local_servers reads it), logs to stderr, and exits once every
-worker has said BYE or been declared dead.
+worker has said BYE or been declared dead, or on SIGINT/SIGTERM (after writing
+its checkpoint when it has a --checkpoint-dir).  A non-loopback --bind without
+--keys (python -m psrv.keys) is refused: nobody else may drive the servers.
 
-The loop, one message at a time (a single thread owns the socket and the store):
+The loop, one message at a time (a single thread owns the sockets and the store):
 
+    0. with keys: the CURVE handshake and ZAP allow-list (auth.py) run before any
+       message arrives; every message then carries its client key
     1. decode and validate the header (protocol.decode): bad -> ERROR reply, go on
-    2. check the message against the store (known key, shape, dtype, step): bad -> ERROR
-    3. INIT / PUSH / PUSH_PULL change the store; replies that the consistency
+    2. who is speaking: a connection speaks for one worker id, and a worker id
+       belongs to the first connection (with keys: the first client key) that used it
+    3. check the message against the store (known key, shape, dtype, step): bad -> ERROR
+    4. INIT / PUSH / PUSH_PULL change the store; replies that the consistency
        model holds back wait in `pending` and are re-tried after every change
-    4. every ~0.1 s: a worker silent for longer than worker_timeout (join_timeout
-       before its first message, so a slow start is not a death) is dead;
-       under BSP/SSP either the run fails (every waiting and later request gets an
-       ERROR naming the worker) or the shard continues without it (a flag)
+    5. every ~0.1 s: a worker silent for longer than worker_timeout (join_timeout
+       before its first message, so a slow start is not a death) is dead.  A dead
+       or crashed (ABORT) worker under BSP/SSP either fails the run (every waiting
+       and later request gets an ERROR naming the worker) or the shard continues
+       without it (on_worker_death); a BYE is a clean finish and never fails a run
 
-Workers send HEARTBEATs from a background thread, so a long forward pass is not
-taken for death.  Replies reference the stored arrays zero-copy (store.Key.writable
-copies a value before updating it if a reply still holds it).
+Replies reference the stored arrays zero-copy (store.Key.writable copies a value
+before updating it if a reply still holds it).
 """
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 
 import zmq
 
+from . import auth
 from . import protocol as P
 from .config import unpack_config
+from .keys import load_server_keys
 from .store import Shard
 
 log = logging.getLogger("psrv.server")
 MAX_WORKERS = 4096
 WORKER_OPS = {P.Op.INIT, P.Op.PUSH, P.Op.PULL, P.Op.PUSH_PULL, P.Op.HEARTBEAT, P.Op.BYE,
-              P.Op.STATS, P.Op.CHECKPOINT}
+              P.Op.STATS, P.Op.CHECKPOINT, P.Op.ABORT}
+# Queued messages per connection, each way (libzmq's default, stated): a worker sends
+# about (its bytes on this shard) / message_bytes messages a step and gets as many replies.
+HWM = 1000
 
 
 class Server:
     def __init__(self, bind="tcp://127.0.0.1:0", shard=0, num_shards=1, worker_timeout=10.0,
                  on_worker_death="fail", checkpoint_dir=None, checkpoint_every=0, resume=False,
-                 auth_key=None, max_frame_bytes=1 << 30, linger_ms=5000, join_timeout=60.0):
+                 keys=None, linger_ms=5000, join_timeout=60.0):
         if on_worker_death not in ("fail", "continue"):
             raise ValueError(f"on_worker_death must be 'fail' or 'continue', got {on_worker_death!r}")
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} not in [0, {num_shards})")
-        self.shard_id, self.num_shards = shard, num_shards
+        if keys is None and not auth.is_local(bind):
+            raise ValueError(f"refusing to bind {bind} without authentication: anyone who reaches "
+                             f"it could drive the servers; pass --keys DIR (python -m psrv.keys DIR "
+                             f"--workers N) or keys=ServerKeys, or bind 127.0.0.1")
+        self.shard_id, self.num_shards, self.keys = shard, num_shards, keys
         self.worker_timeout, self.on_worker_death = worker_timeout, on_worker_death
         self.join_timeout = max(join_timeout, worker_timeout)   # slow starters are not dead
-        self.joined = set()
-        self.auth_key, self.linger_ms = auth_key, linger_ms
+        self.linger_ms = linger_ms
         self.checkpoint_every, self.last_checkpoint = checkpoint_every, 0
         self.checkpoint_path = (os.path.join(checkpoint_dir, f"shard{shard}-of-{num_shards}.npz")
                                 if checkpoint_dir else None)
         self.store = Shard(shard)
         if resume and self.checkpoint_path and os.path.exists(self.checkpoint_path):
             self.store.load(self.checkpoint_path)
-            self.last_checkpoint = min((k.version for k in self.store.keys.values()), default=0)
-            log.info("shard %d resumed from %s at version %d", shard, self.checkpoint_path,
+            self.last_checkpoint = self.store.steps_done()
+            log.info("shard %d resumed from %s at step %d", shard, self.checkpoint_path,
                      self.last_checkpoint)
         self.pending = []          # (identity, op, request, worker, entries) held back
         self.last_seen = {}        # worker -> time of its last message
-        self.closed, self.dead = set(), set()
+        self.joined, self.closed, self.dead = set(), set(), set()
+        self.speaks_for = {}       # ROUTER identity -> the worker id it speaks for
+        self.owner = {}            # worker id -> its client key (with keys) or identity
+        self.owned = {}            # and back
         self.failure = None        # the error every request gets once a BSP run failed
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)   # libzmq refuses larger frames
-        self.sock.setsockopt(zmq.LINGER, linger_ms)             # let the last replies leave
+        self.stop_signal = None
+        self.ctx = zmq.Context()   # our own: the ZAP endpoint is one per context
+        self.zap = self.monitor = None
+        if keys is not None:       # the handler first: without one libzmq admits any key
+            self.zap = auth.ZapHandler(self.ctx, keys.clients, f"shard {shard}")
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)   # libzmq drops larger frames
+        self.sock.setsockopt(zmq.RCVHWM, HWM)
+        self.sock.setsockopt(zmq.SNDHWM, HWM)
+        self.sock.setsockopt(zmq.LINGER, linger_ms)               # let the last replies leave
+        if keys is not None:
+            auth.make_server(self.sock, keys)
+            self.monitor = auth.watch_handshakes(self.sock)
         host, _, port = bind.rpartition(":")
         if port in ("0", "*"):
             port = self.sock.bind_to_random_port(host)
@@ -77,32 +107,77 @@ class Server:
         else:
             self.sock.bind(bind)
         self.endpoint = bind
+        log.info("shard %d on %s: %s", shard, bind, f"CURVE, {len(keys.clients)} client keys"
+                 if keys else "no authentication (local only)")
 
     # -- the loop ----------------------------------------------------------------
     def serve(self):
         poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
+        for s in (self.sock, self.zap and self.zap.sock, self.monitor):
+            if s is not None:
+                poller.register(s, zmq.POLLIN)
         tick = min(0.1, self.worker_timeout / 4)
-        while not self.finished():
-            if poller.poll(tick * 1000):
-                frames = self.sock.recv_multipart(copy=False)
-                self.handle(frames[0].bytes, frames[1:])
-            self.check_workers()
-        self.sock.close()
+        restore = self._catch_signals()
+        try:
+            while not self.finished() and self.stop_signal is None:
+                for s, _ in poller.poll(tick * 1000):
+                    if s is self.sock:
+                        frames = self.sock.recv_multipart(copy=False)
+                        user = frames[1].get("User-Id") if self.keys and len(frames) > 1 else None
+                        self.handle(frames[0].bytes, frames[1:], user)
+                    elif self.zap is not None and s is self.zap.sock:
+                        self.zap.handle()
+                    else:
+                        failure = auth.handshake_failure(self.monitor)
+                        if failure:
+                            log.warning("shard %d: refused a connection: handshake failed: %s",
+                                        self.shard_id, failure)
+                self.check_workers()
+        finally:
+            restore()
+        if self.stop_signal is not None:
+            self.stop(signal.Signals(self.stop_signal).name)
+        self.close()
         log.info("shard %d done: workers closed %s, dead %s", self.shard_id,
                  sorted(self.closed), sorted(self.dead))
 
+    def _catch_signals(self):
+        """SIGINT/SIGTERM end the loop at its next turn (only the main thread may catch)."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        def note(signum, frame):
+            self.stop_signal = signum
+        old = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+        return lambda: [signal.signal(s, h) for s, h in old.items()]
+
+    def stop(self, why):
+        """Stopped from outside: save what there is, tell the waiting workers."""
+        path = self.checkpoint(force=True) if self.checkpoint_path and self.store.has_values else None
+        log.warning("shard %d: %s: %s", self.shard_id, why,
+                    f"final checkpoint {path}" if path else "nothing to checkpoint")
+        self.fail(f"shard {self.shard_id} was stopped by {why}")
+
+    def close(self):
+        for s in (self.monitor, self.zap):
+            if s is not None:
+                s.close()
+        self.sock.close()
+        self.ctx.term()
+
     def finished(self):
         s = self.store
-        return s.configured and self.last_seen and \
-            len(self.closed | self.dead) >= s.num_workers
+        gone = sum(1 for w in self.closed | self.dead if w < s.num_workers)
+        return s.configured and self.last_seen and gone >= s.num_workers
 
-    def handle(self, identity, frames):
+    def handle(self, identity, frames, user=None):
         request = P.peek_request(frames)
         try:
-            msg = P.decode(frames, self.auth_key)
+            msg = P.decode(frames)
             if msg.op not in WORKER_OPS:
                 raise P.ProtocolError(f"op {msg.op.name} is a reply, not a request")
+            if msg.op == P.Op.HEARTBEAT:     # never answered: nobody reads the heartbeat socket
+                return self.heartbeat(identity, user, msg.sender)
+            self.admit(identity, user, msg)
             self.dispatch(identity, msg)
         except (P.ProtocolError, ValueError) as e:
             log.warning("shard %d: refused a message (request %d): %s", self.shard_id, request, e)
@@ -111,25 +186,60 @@ class Server:
             log.exception("shard %d: internal error", self.shard_id)
             self.reply_error(identity, request, f"internal error: {type(e).__name__}: {e}")
 
-    def dispatch(self, identity, msg):
-        s, w, op = self.store, msg.sender, msg.op
-        if op == P.Op.HEARTBEAT:      # never answered: nobody reads the heartbeat socket
-            if s.configured and w < s.num_workers and w not in self.dead:
-                self.last_seen[w] = time.monotonic()
-                self.joined.add(w)
+    # -- who is speaking -------------------------------------------------------------
+    def bind_worker(self, identity, user, worker, register):
+        """A connection speaks for one worker; a worker id belongs to one client key (with
+        keys) or one request connection (without).  ValueError if this breaks either."""
+        bound = self.speaks_for.get(identity)
+        if bound is not None and bound != worker:
+            raise ValueError(f"this connection speaks for worker {bound}, not worker {worker}")
+        me = user if self.keys else (identity if register else None)
+        if me is not None:
+            owner = self.owner.get(worker)
+            if owner is not None and owner != me:
+                raise ValueError(f"worker {worker} is already registered by another "
+                                 f"{'client key' if self.keys else 'connection'}")
+            if self.owned.get(me, worker) != worker:
+                raise ValueError(f"this client is registered as worker {self.owned[me]}, "
+                                 f"not worker {worker}")
+            self.owner[worker], self.owned[me] = me, worker
+        self.speaks_for[identity] = worker
+
+    def heartbeat(self, identity, user, w):
+        s = self.store
+        if not s.configured or w >= s.num_workers or w in self.dead or w in self.closed:
             return
-        if op != P.Op.INIT and not s.configured:
-            raise ValueError(f"shard {self.shard_id} is not initialised: call init() first")
-        if w >= (s.num_workers if s.configured else MAX_WORKERS):
-            raise ValueError(f"sender {w} is not a worker id (W={s.num_workers})")
-        if w in self.dead:
-            raise ValueError(f"worker {w} was declared dead after {self.worker_timeout} s of silence")
+        try:
+            self.bind_worker(identity, user, w, register=False)
+        except ValueError as e:
+            log.warning("shard %d: ignored a heartbeat for worker %d: %s", self.shard_id, w, e)
+            return
         self.last_seen[w] = time.monotonic()
         self.joined.add(w)
-        if op == P.Op.BYE:
-            self.closed.add(w)
-            s.drop_worker(w)      # BSP steps no longer wait for it
-            self.release()
+
+    def admit(self, identity, user, msg):
+        s, w = self.store, msg.sender
+        if w >= (s.num_workers if s.configured else MAX_WORKERS):
+            raise ValueError(f"sender {w} is not a worker id (W={s.num_workers})")
+        self.bind_worker(identity, user, w, register=True)
+        if w in self.dead:
+            raise ValueError(f"worker {w} was declared dead after {self.worker_timeout} s of silence")
+        if w in self.closed and msg.op not in (P.Op.BYE, P.Op.ABORT):
+            raise ValueError(f"worker {w} has closed (it said BYE or ABORT): {msg.op.name} refused")
+        self.last_seen[w] = time.monotonic()
+        self.joined.add(w)
+
+    def dispatch(self, identity, msg):
+        s, w, op = self.store, msg.sender, msg.op
+        if op in (P.Op.BYE, P.Op.ABORT):
+            if w not in self.closed:
+                self.closed.add(w)
+                if op == P.Op.ABORT:
+                    text = bytes(msg.extras[0][:P.MAX_TEXT]).decode("utf-8", "replace")
+                    self.lose_worker(w, f"worker {w} exited with an error ({text})")
+                else:
+                    s.drop_worker(w)      # a clean finish: BSP steps no longer wait for it
+                    self.release()
             return self.send(identity, P.encode(P.Op.OK, self.shard_id, msg.request, extras=[b"bye"]))
         if self.failure:
             raise ValueError(self.failure)
@@ -143,6 +253,8 @@ class Server:
         if op == P.Op.INIT:
             self.init(msg)
         else:
+            if len({e.key for e in msg.entries}) != len(msg.entries):
+                raise ValueError(f"{op.name} names a key twice")
             for e in msg.entries:
                 s.check_entry(e, w, push=op != P.Op.PULL)
             if op in (P.Op.PUSH, P.Op.PUSH_PULL):
@@ -150,7 +262,8 @@ class Server:
                     if not frames:
                         raise ValueError(f"key {e.key}: {op.name} without a gradient")
                 for e, frames in msg.entry_frames():
-                    s.push(e.key, w, frames)
+                    s.push(e.key, w, e.step, frames)
+                s.note_pushes(w)
         if op == P.Op.PUSH:
             self.send(identity, P.encode(P.Op.OK, self.shard_id, msg.request, extras=[b"pushed"]))
         else:
@@ -195,14 +308,13 @@ class Server:
             k = self.store.keys[e.key]
             parts = P.chunks(k.value)
             out.append(P.Entry(e.key, k.offset, k.length, k.shape, nframes=len(parts),
-                               step=k.clock[worker], version=k.version,
-                               staleness=k.staleness[worker]))
+                               step=k.clock.get(worker, 0), version=k.version,
+                               staleness=k.staleness.get(worker, -1)))
             payload += parts
             held += [k] * len(parts)
             k.read[worker] = k.version
-        frames = P.encode(P.Op.VALUES, self.shard_id, request, out, payload=payload,
-                          auth_key=self.auth_key)
-        trackers = self.send(identity, frames)
+        trackers = self.send(identity, P.encode(P.Op.VALUES, self.shard_id, request, out,
+                                                payload=payload))
         for k, t in zip(held, trackers[1:]):
             k.trackers.append(t)
 
@@ -214,41 +326,48 @@ class Server:
                 for i, f in enumerate(frames)]
 
     def reply_error(self, identity, request, text):
-        self.send(identity, P.error_message(self.shard_id, request, text, self.auth_key))
+        self.send(identity, P.error_message(self.shard_id, request, text))
 
     # -- faults and checkpoints -----------------------------------------------------
     def check_workers(self):
-        s, now = self.store, time.monotonic()
+        now = time.monotonic()
         for w, seen in list(self.last_seen.items()):
             limit = self.worker_timeout if w in self.joined else self.join_timeout
             if w in self.closed or w in self.dead or now - seen <= limit:
                 continue
             self.dead.add(w)
-            why = (f"worker {w} sent nothing for {now - seen:.1f} s "
-                   f"({'worker' if w in self.joined else 'join'}_timeout {limit} s)")
-            log.warning("shard %d: %s", self.shard_id, why)
-            if self.on_worker_death == "fail" and s.consistency.mode != "asp":
-                self.failure = (f"{why}; shard {self.shard_id} fails the {s.consistency.mode} run "
-                                f"(on_worker_death='fail')")
-                for identity, _, request, _, _ in self.pending:
-                    self.reply_error(identity, request, self.failure)
-                self.pending = []
-            else:
-                s.drop_worker(w)
-                self.release()
+            self.lose_worker(w, f"worker {w} sent nothing for {now - seen:.1f} s "
+                                f"({'worker' if w in self.joined else 'join'}_timeout {limit} s)")
+
+    def lose_worker(self, w, why):
+        """A worker died or crashed: fail the run (BSP/SSP, policy 'fail') or go on without it."""
+        s = self.store
+        log.warning("shard %d: %s", self.shard_id, why)
+        if self.on_worker_death == "fail" and s.consistency and s.consistency.mode != "asp":
+            self.fail(f"{why}; shard {self.shard_id} fails the {s.consistency.mode} run "
+                      f"(on_worker_death='fail')")
+        else:
+            s.drop_worker(w)
+            self.release()
+
+    def fail(self, text):
+        """From now on every request gets `text`, the waiting ones at once."""
+        self.failure = self.failure or text
+        for identity, _, request, _, _ in self.pending:
+            self.reply_error(identity, request, self.failure)
+        self.pending = []
 
     def checkpoint(self, force=False):
         s = self.store
-        if not self.checkpoint_path or not s.has_values or not s.quiescent():
+        if not self.checkpoint_path or not s.has_values:
             if force:
-                raise ValueError("cannot checkpoint now: no checkpoint dir, no values, "
-                                 "or a BSP step is half pushed")
+                raise ValueError("cannot checkpoint now: no checkpoint dir or no values yet")
             return None
-        version = min(k.version for k in s.keys.values())
-        if force or (self.checkpoint_every and version >= self.last_checkpoint + self.checkpoint_every):
+        step = s.steps_done()
+        if force or (self.checkpoint_every and step >= self.last_checkpoint + self.checkpoint_every):
             s.save(self.checkpoint_path)
-            self.last_checkpoint = version
-            log.info("shard %d: checkpoint at version %d -> %s", self.shard_id, version,
+            self.last_checkpoint = step
+            log.info("shard %d: checkpoint at step %d -> %s", self.shard_id, step,
                      self.checkpoint_path)
         return self.checkpoint_path
 
@@ -258,26 +377,28 @@ def main(argv=None):
     ap.add_argument("--shard", type=int, default=0)
     ap.add_argument("--num-shards", type=int, default=1)
     ap.add_argument("--bind", default="tcp://127.0.0.1:0", help="loopback unless told otherwise")
+    ap.add_argument("--keys", help="directory from python -m psrv.keys: CURVE keypair of the "
+                    "servers and the workers' public keys (required off loopback)")
     ap.add_argument("--worker-timeout", type=float, default=10.0)
     ap.add_argument("--join-timeout", type=float, default=60.0,
                     help="seconds a worker may take to send its first message")
     ap.add_argument("--on-worker-death", choices=("fail", "continue"), default="fail")
     ap.add_argument("--checkpoint-dir")
-    ap.add_argument("--checkpoint-every", type=int, default=0, help="versions between checkpoints")
+    ap.add_argument("--checkpoint-every", type=int, default=0,
+                    help="steps between checkpoints (steps every worker has pushed)")
     ap.add_argument("--resume", action="store_true", help="load the checkpoint if there is one")
-    ap.add_argument("--auth-key-env", help="name of an environment variable holding the HMAC key")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    key = os.environ[a.auth_key_env].encode() if a.auth_key_env else None
-    server = Server(a.bind, a.shard, a.num_shards, a.worker_timeout, a.on_worker_death,
-                    a.checkpoint_dir, a.checkpoint_every, a.resume, key,
-                    join_timeout=a.join_timeout)
-    print(f"psrv.server shard {a.shard} listening on {server.endpoint}", flush=True)
     try:
-        server.serve()
-    except KeyboardInterrupt:
-        server.sock.close(linger=0)
+        keys = load_server_keys(a.keys) if a.keys else None
+        server = Server(a.bind, a.shard, a.num_shards, a.worker_timeout, a.on_worker_death,
+                        a.checkpoint_dir, a.checkpoint_every, a.resume, keys,
+                        join_timeout=a.join_timeout)
+    except (ValueError, zmq.ZMQError) as e:
+        ap.exit(2, f"psrv.server: {e}\n")
+    print(f"psrv.server shard {a.shard} listening on {server.endpoint}", flush=True)
+    server.serve()
 
 
 if __name__ == "__main__":

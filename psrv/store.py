@@ -8,10 +8,17 @@ Per key (one slice of one parameter) the shard keeps
     read[w]                     the version last sent to worker w
     acc, arrived                BSP only: sum of this step's gradients, who sent them
 
+Per-worker fields are dicts filled when a worker first touches the key (absent
+means 0, or -1 for staleness), so an INIT costs a bounded amount per key
+whatever W it declares, and W x keys is capped (MAX_KEY_WORKERS).
+
 and the three consistency models reduce to one question each:
 
     on a push          bsp: add to acc; when every live worker has pushed, apply acc / n
                        ssp, asp: apply grad / W at once
+    which push?        the worker's next step: step == clock[w]; under bsp also only
+                       while that step is open (step == version): an early push for
+                       step t+1 is refused, it would be summed into step t
     may w read key?    bsp: version >= clock[w]           (its own step is applied)
                        ssp: min_j clock[j] >= clock[w] - s (nobody is more than s behind)
                        asp: always
@@ -22,8 +29,13 @@ key took between the read the gradient was computed from and this update
 
 Checkpoints are one .npz per shard (arrays only, loaded with allow_pickle=False),
 written to a temporary name and renamed, so a crash leaves the old file or the
-new one, never half of one.  They are taken only when no BSP step is half
-pushed, so nothing in flight is lost.
+new one, never half of one.  A BSP step that is half pushed is saved as not
+pushed (the clocks of the workers that pushed it are saved one lower), so after
+a resume every worker pushes it again.  A resumed shard treats a push for a
+step below the saved clock as already applied: it is acknowledged and skipped,
+exactly once, which is what lets workers resume from the lowest clock of all
+keys when shards (or keys of one shard) were saved at different steps, as
+SSP and ASP do.
 """
 import json
 import os
@@ -34,16 +46,22 @@ import numpy as np
 from . import optim
 from .config import Consistency, OptimizerConfig
 
+MAX_KEY_WORKERS = 1 << 24        # keys x W of one shard: per-worker state is lazy, but bounded
+
 
 class Key:
-    def __init__(self, name, offset, length, shape, num_workers):
+    __slots__ = ("name", "offset", "length", "shape", "value", "state", "version", "clock",
+                 "read", "staleness", "resumed", "acc", "arrived", "trackers")
+
+    def __init__(self, name, offset, length, shape):
         self.name, self.offset, self.length, self.shape = name, offset, length, tuple(shape)
         self.value = None
         self.state = {}
         self.version = 0
-        self.clock = [0] * num_workers
-        self.read = [0] * num_workers
-        self.staleness = [-1] * num_workers      # of each worker's last applied update
+        self.clock = {}                          # w -> pushes (absent: 0)
+        self.read = {}                           # w -> version last sent (absent: 0)
+        self.staleness = {}                      # of each worker's last applied update
+        self.resumed = {}                        # w -> clock loaded from a checkpoint
         self.acc = None
         self.arrived = set()
         self.trackers = []                       # zmq sends that still reference value
@@ -68,6 +86,7 @@ class Shard:
         self.active = set()
         self.histogram = Counter()
         self.max_clock_gap = 0
+        self.completed = {}        # w -> lowest clock of w over this shard's keys
 
     @property
     def configured(self):
@@ -79,11 +98,15 @@ class Shard:
 
     # -- initialisation ------------------------------------------------------
     def configure(self, opt, consistency, num_workers, entries, names):
+        if num_workers * len(entries) > MAX_KEY_WORKERS:
+            raise ValueError(f"INIT declares {len(entries)} keys x W={num_workers} = "
+                             f"{num_workers * len(entries)} key-worker pairs on shard "
+                             f"{self.shard_id}, above the limit {MAX_KEY_WORKERS}")
         if not self.configured:
             self.opt, self.consistency, self.num_workers = opt, consistency, num_workers
             self.active = set(range(num_workers))
             for e, name in zip(entries, names):
-                self.keys[e.key] = Key(name, e.offset, e.length, e.shape, num_workers)
+                self.keys[e.key] = Key(name, e.offset, e.length, e.shape)
             return
         mine = (self.opt, self.consistency, self.num_workers)
         if mine != (opt, consistency, num_workers):
@@ -116,15 +139,27 @@ class Shard:
                              f"[{e.offset}:{e.offset + e.length}] of shape {e.shape}")
         if e.dtype != 0:
             raise ValueError(f"key {e.key}: dtype code {e.dtype}, servers hold float32 (code 0)")
-        if push and e.step != k.clock[worker]:
+        if not push:
+            return
+        clock = k.clock.get(worker, 0)
+        if e.step < k.resumed.get(worker, 0):
+            return                                    # applied before the checkpoint: skipped
+        if e.step != clock:
             raise ValueError(f"key {e.key}: worker {worker} pushed step {e.step}, "
-                             f"its next step is {k.clock[worker]}")
+                             f"its next step is {clock}")
+        if self.consistency.mode == "bsp" and worker in k.arrived:
+            waiting = sorted(self.active - k.arrived)
+            raise ValueError(f"key {e.key}: worker {worker} pushed step {e.step} while step "
+                             f"{k.version} is still open (waiting for workers {waiting}); "
+                             f"under bsp push step t+1 only after step t's values came back")
 
     # -- pushes ----------------------------------------------------------------
-    def push(self, key, worker, frames):
+    def push(self, key, worker, step, frames):
         """Record worker's gradient for key; apply it if the consistency model says so."""
         k = self.keys[key]
-        k.clock[worker] += 1
+        if step < k.clock.get(worker, 0):            # check_entry: applied before a resume
+            return
+        k.clock[worker] = step + 1
         if self.consistency.mode != "bsp":
             self._apply(k, frames, 1.0 / self.num_workers, [worker])
             return
@@ -155,7 +190,7 @@ class Shard:
 
     def _apply(self, k, frames, scale, workers):
         for w in workers:
-            k.staleness[w] = k.version - k.read[w]
+            k.staleness[w] = k.version - k.read.get(w, 0)
             self.histogram[k.staleness[w]] += 1
         value = k.writable()
         t = k.version + 1
@@ -175,9 +210,9 @@ class Shard:
         k = self.keys[key]
         mode = self.consistency.mode
         if mode == "bsp":
-            return k.version >= k.clock[worker]
+            return k.version >= k.clock.get(worker, 0)
         if mode == "ssp" and self.active:
-            gap = k.clock[worker] - min(k.clock[j] for j in self.active)
+            gap = k.clock.get(worker, 0) - min(k.clock.get(j, 0) for j in self.active)
             if gap > self.consistency.staleness:
                 return False
             self.max_clock_gap = max(self.max_clock_gap, gap)
@@ -190,22 +225,32 @@ class Shard:
             for k in self.keys.values():
                 self.try_complete(k)
 
+    def note_pushes(self, worker):
+        """After a push message of worker: its lowest clock over the keys, O(keys)."""
+        self.completed[worker] = min((k.clock.get(worker, 0) for k in self.keys.values()),
+                                     default=0)
+
+    def steps_done(self):
+        """Steps every live worker has pushed to every key here (BSP: the version)."""
+        return min((self.completed.get(w, 0) for w in self.active),
+                   default=min(self.completed.values(), default=0))
+
     def stats(self):
         """int64 array [max_clock_gap, n, s_1, c_1, ..., s_n, c_n] (the STATS_REPLY frame)."""
         pairs = sorted(self.histogram.items())
         return np.array([self.max_clock_gap, len(pairs)] + [x for p in pairs for x in p], np.int64)
 
     # -- checkpoints -----------------------------------------------------------
-    def quiescent(self):
-        return all(not k.arrived for k in self.keys.values())
-
     def save(self, path):
+        def clocks(k):        # a half-pushed BSP step is saved as not pushed
+            return {str(w): c - (w in k.arrived) for w, c in k.clock.items()}
         meta = {"shard": self.shard_id, "num_workers": self.num_workers,
                 "opt": {**vars(self.opt), "betas": list(self.opt.betas)},
                 "consistency": vars(self.consistency),
                 "keys": {str(key): {"name": k.name, "offset": k.offset, "length": k.length,
                                     "shape": list(k.shape), "version": k.version,
-                                    "clock": k.clock, "read": k.read}
+                                    "clock": clocks(k),
+                                    "read": {str(w): v for w, v in k.read.items()}}
                          for key, k in self.keys.items()},
                 "histogram": sorted(self.histogram.items())}
         arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8)}
@@ -229,9 +274,18 @@ class Shard:
             self.active = set(range(self.num_workers))
             self.histogram = Counter({s: c for s, c in meta["histogram"]})
             for key, d in meta["keys"].items():
-                k = Key(d["name"], d["offset"], d["length"], d["shape"], self.num_workers)
-                k.version, k.clock, k.read = d["version"], d["clock"], d["read"]
+                k = Key(d["name"], d["offset"], d["length"], d["shape"])
+                k.version, k.clock, k.read = d["version"], _per_worker(d["clock"]), _per_worker(d["read"])
+                k.resumed = dict(k.clock)
                 k.value = z[f"value_{key}"].astype(np.float32)
                 k.state = {n: z[f"{n}_{key}"].astype(np.float32)
                            for n in optim.new_state(self.opt, 0)}
                 self.keys[int(key)] = k
+        for w in {w for k in self.keys.values() for w in k.clock}:
+            self.note_pushes(w)
+
+
+def _per_worker(saved):
+    """{"w": n} (or the older [n, ...] list) -> {w: n}."""
+    items = enumerate(saved) if isinstance(saved, list) else ((int(w), n) for w, n in saved.items())
+    return {w: int(n) for w, n in items if n}

@@ -34,7 +34,8 @@ class PSSync(GradientSync):
             worker_id=role.worker_id if worker_id is None else worker_id,
             num_workers=ctx.dp_size if num_workers is None else num_workers,
             timeout=cfg.timeout,
-            consistency=psrv.Consistency(mode=cfg.consistency, staleness=cfg.staleness))
+            consistency=psrv.Consistency(mode=cfg.consistency, staleness=cfg.staleness),
+            keys=role.keys)             # CURVE keys when the servers listen off loopback
         self.optimizer_config = psrv.OptimizerConfig(
             name=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum, betas=(0.9, 0.999),
             eps=1e-8, weight_decay=cfg.weight_decay)

@@ -5,6 +5,9 @@ ZeroMQ keeps one connection's messages in order, so every reply before the STATS
 reply answers the bad message: it must be a well-formed ERROR (or a valid reply,
 if the garbling happened to produce a valid request).  Nothing is waited for
 that may never come.
+
+A connection speaks for one worker id (the server ties them together), so the
+raw sockets speak for workers 1 and 2 of W=3; the real client is worker 0.
 """
 import struct
 
@@ -19,48 +22,58 @@ from psrv import protocol as P
 SHAPES = {"w": (40, 30), "b": (30,)}
 
 
+W = 3
+FUZZER, PROBER = 1, 2          # the worker ids the two raw sockets speak for
+
+
 @pytest.fixture(scope="module")
 def live():
-    # W=2 with a long worker timeout: worker 1 never shows up, so a garbled BYE
-    # from worker 0 cannot end the server, and nobody is declared dead
+    # W=3 with a long worker timeout: workers 1 and 2 are raw sockets, so a garbled
+    # BYE cannot end the server, and nobody is declared dead
     with psrv.launch.start_local_servers(1, worker_timeout=600) as servers:
-        client = psrv.Client(servers.endpoints, 0, 2, timeout=10,
+        client = psrv.Client(servers.endpoints, 0, W, timeout=10,
                              consistency=psrv.Consistency("asp"))
         params = {n: np.arange(np.prod(s), dtype=np.float32).reshape(s) for n, s in SHAPES.items()}
         client.init(params, psrv.OptimizerConfig("sgd", lr=0.1))
         ctx = zmq.Context()
-        raw = ctx.socket(zmq.DEALER)
-        raw.setsockopt(zmq.LINGER, 0)
-        raw.connect(servers.endpoints[0])
-        yield servers, client, raw, params
+        raws = {}
+        for worker in (FUZZER, PROBER):
+            raw = raws[worker] = ctx.socket(zmq.DEALER)
+            raw.setsockopt(zmq.LINGER, 0)
+            raw.connect(servers.endpoints[0])
+            exchange(raw, [], worker)        # a first STATS ties the connection to its worker
+        yield servers, client, raws, params
         client.close()
-        raw.close()
+        for raw in raws.values():
+            raw.close()
         ctx.term()
 
 
-def valid_messages(client, params):
-    """A valid INIT, PULL and PUSH_PULL from worker 0, as frame lists of bytes."""
+def valid_messages(client, params, worker=FUZZER):
+    """A valid INIT, PULL and PUSH_PULL from worker, as frame lists of bytes."""
     from psrv.config import pack_config
     sl = client.placement.slices
     entries, payload = client._entries(sl, params, step=0)
     grads = client._entries(sl, params, step=10**6)
-    cfg = pack_config(psrv.OptimizerConfig("sgd", lr=0.1), psrv.Consistency("asp"), 2)
+    cfg = pack_config(psrv.OptimizerConfig("sgd", lr=0.1), psrv.Consistency("asp"), W)
     names = "\n".join(s.name for s in sl).encode()
-    msgs = [P.encode(P.Op.INIT, 0, 9, entries, [cfg, names], payload),
-            P.encode(P.Op.PULL, 0, 9, client._entries(sl, {}, 0)[0]),
-            P.encode(P.Op.PUSH_PULL, 0, 9, *grads[:1], payload=grads[1])]
+    msgs = [P.encode(P.Op.INIT, worker, 9, entries, [cfg, names], payload),
+            P.encode(P.Op.PULL, worker, 9, client._entries(sl, {}, 0)[0]),
+            P.encode(P.Op.PUSH_PULL, worker, 9, *grads[:1], payload=grads[1])]
     return [[bytes(memoryview(f).cast("B")) for f in m] for m in msgs]
 
 
-def exchange(raw, frames, timeout_ms=10_000):
-    """Send frames, then STATS; return the decoded replies that came before STATS_REPLY."""
-    raw.send_multipart(frames)
-    raw.send_multipart(P.encode(P.Op.STATS, 0, 424242))
+def exchange(raw, frames, worker, timeout_ms=10_000):
+    """Send frames, then STATS; return the decoded replies that came before the STATS reply
+    (which is an ERROR once a garbled BYE closed the worker)."""
+    if frames:
+        raw.send_multipart(frames)
+    raw.send_multipart(P.encode(P.Op.STATS, worker, 424242))
     replies = []
     while True:
         assert raw.poll(timeout_ms), "server stopped answering"
         msg = P.decode(raw.recv_multipart())          # must be well-formed
-        if msg.op == P.Op.STATS_REPLY and msg.request == 424242:
+        if msg.request == 424242 and msg.op in (P.Op.STATS_REPLY, P.Op.ERROR):
             return replies
         replies.append(msg)
 
@@ -69,7 +82,7 @@ def exchange(raw, frames, timeout_ms=10_000):
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_garbled_frames_never_crash_the_server(live, data):
-    servers, client, raw, params = live
+    servers, client, raws, params = live
     kind = data.draw(st.sampled_from(["random", "flip", "truncate", "drop", "header"]))
     base = data.draw(st.sampled_from(valid_messages(client, params)))
     if kind == "random":
@@ -91,7 +104,7 @@ def test_garbled_frames_never_crash_the_server(live, data):
         struct.pack_into("<" + field[1], head, field[0],
                          data.draw(st.integers(0, 2 ** (8 * struct.calcsize(field[1])) - 1)))
         frames = [bytes(head)] + base[1:]
-    for msg in exchange(raw, frames):
+    for msg in exchange(raws[FUZZER], frames or [b""], FUZZER):
         assert msg.op in (P.Op.ERROR, P.Op.OK, P.Op.VALUES), msg
         if msg.op == P.Op.ERROR:
             assert bytes(msg.extras[0]).decode()       # names the problem
@@ -99,7 +112,8 @@ def test_garbled_frames_never_crash_the_server(live, data):
 
 @pytest.mark.timeout(60)
 def test_semantic_errors_are_named_and_others_still_served(live):
-    servers, client, raw, params = live
+    servers, client, raws, params = live
+    raw = raws[PROBER]
     sl = client.placement.slices[0]
     good = P.Entry(sl.key, sl.offset, sl.length, sl.shape)
     cases = [
@@ -108,11 +122,13 @@ def test_semantic_errors_are_named_and_others_still_served(live):
         (P.Entry(sl.key, 0, 1, sl.shape), "message says"),
     ]
     for entry, words in cases:
-        (reply,) = exchange(raw, P.encode(P.Op.PULL, 0, 5, [entry]))
+        (reply,) = exchange(raw, P.encode(P.Op.PULL, PROBER, 5, [entry]), PROBER)
         assert reply.op == P.Op.ERROR and words in bytes(reply.extras[0]).decode()
-    (reply,) = exchange(raw, P.encode(P.Op.PULL, 7, 5, [good]))
+    (reply,) = exchange(raw, P.encode(P.Op.PULL, 7, 5, [good]), PROBER)
     assert "not a worker id" in bytes(reply.extras[0]).decode()
-    (reply,) = exchange(raw, P.encode(P.Op.OK, 0, 5, extras=[b"hello"]))
+    (reply,) = exchange(raw, P.encode(P.Op.PULL, 0, 5, [good]), PROBER)   # worker 0's id
+    assert "speaks for worker 2, not worker 0" in bytes(reply.extras[0]).decode()
+    (reply,) = exchange(raw, P.encode(P.Op.OK, PROBER, 5, extras=[b"hello"]), PROBER)
     assert "reply, not a request" in bytes(reply.extras[0]).decode()
     # the server logged the refusals and still serves the real worker
     out = {n: np.empty(s, np.float32) for n, s in SHAPES.items()}

@@ -1,5 +1,6 @@
 """Tier (c): psrv from the command line: the launcher under a real `mpiexec -n 3` (ranks 0, 1
-train, rank 2 serves), the benchmark, and the standalone launch on a network address."""
+train, rank 2 serves), on loopback and authenticated off it, the benchmark, the standalone
+launch on a network address, and the README's multi-host command (with keys) on one host."""
 import json
 import os
 import subprocess
@@ -14,12 +15,16 @@ MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec next to the python")
-@pytest.mark.parametrize("mode", ["bsp", "ssp"])
-def test_example_under_mpiexec_one_server_two_workers(mode):
+@pytest.mark.parametrize("mode,bind_host", [("bsp", "127.0.0.1"), ("ssp", "127.0.0.1"),
+                                            ("bsp", "0.0.0.0")])
+def test_example_under_mpiexec_one_server_two_workers(mode, bind_host):
+    """Off loopback the ranks exchange CURVE public keys by themselves (launch.mpi_roles)."""
     cmd = [MPIEXEC, "-n", "3", sys.executable, "-m", "mpi4py", "-m", "psrv.example",
-           "--servers", "1", "--steps", "20", "--mode", mode, "--staleness", "1", "--timeout", "20"]
+           "--servers", "1", "--steps", "20", "--mode", mode, "--staleness", "1", "--timeout", "20",
+           "--bind-host", bind_host]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=100)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert ("CURVE, 2 client keys" in run.stderr) == (bind_host == "0.0.0.0"), run.stderr[-3000:]
     (line,) = [l for l in run.stdout.splitlines() if l.startswith("{")]
     result = json.loads(line)
     assert result["losses"][-1] < result["losses"][0] / 10
@@ -56,17 +61,24 @@ def host_address():
             return None
 
 
+def make_keys(directory, workers):
+    run = subprocess.run([sys.executable, "-m", "psrv.keys", str(directory), "--workers",
+                          str(workers)], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+
+
 @pytest.mark.timeout(120)
 def test_standalone_server_on_a_network_interface(tmp_path):
     """The across-hosts launch, on one host: a server bound to the host's network
-    address (not loopback) and a worker given --ps, as two unrelated processes."""
+    address (not loopback, so with keys) and a worker given --ps, as two unrelated processes."""
     address = host_address()
     if not address or address.startswith("127."):
         pytest.skip("this host has no network interface besides loopback")
+    make_keys(tmp_path / "keys", 1)
     log = open(tmp_path / "server.log", "w")      # a file: a pipe nobody reads could fill up
     server = subprocess.Popen([sys.executable, "-m", "psrv.server", "--shard", "0",
                                "--num-shards", "1", "--bind", f"tcp://{address}:0",
-                               "--worker-timeout", "20"],
+                               "--worker-timeout", "20", "--keys", str(tmp_path / "keys")],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         line = server.stdout.readline()
@@ -74,7 +86,7 @@ def test_standalone_server_on_a_network_interface(tmp_path):
         assert endpoint.startswith(f"tcp://{address}:"), line
         run = subprocess.run([sys.executable, "-m", "psrv.example", "--ps", endpoint,
                               "--worker-id", "0", "--num-workers", "1", "--steps", "20",
-                              "--timeout", "20"],
+                              "--timeout", "20", "--keys", str(tmp_path / "keys")],
                              cwd=ROOT, capture_output=True, text=True, timeout=100)
         assert run.returncode == 0, run.stderr[-3000:] + (tmp_path / "server.log").read_text()
         (result,) = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
@@ -86,3 +98,45 @@ def test_standalone_server_on_a_network_interface(tmp_path):
         server.wait(10)
         server.stdout.close()
         log.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec next to the python")
+def test_readme_multi_host_command_with_keys(tmp_path):
+    """The README's across-hosts launch as written, on this host: keys, two servers on
+    0.0.0.0 with --keys, then `mpiexec -f hostfile -n P ... psrv.example --ps A,B --keys`.
+    Every rank must be its own worker (rank of size), so BSP on P workers equals serial
+    SGD on the global batch; the servers exit once all P said BYE."""
+    keys, workers = tmp_path / "keys", 3
+    make_keys(keys, workers)
+    (tmp_path / "hostfile").write_text(f"localhost:{workers}\n")
+    servers, logs = [], []
+    try:
+        for shard in range(2):
+            logs.append(open(tmp_path / f"server{shard}.log", "w"))
+            servers.append(subprocess.Popen(
+                [sys.executable, "-m", "psrv.server", "--shard", str(shard), "--num-shards", "2",
+                 "--bind", "tcp://0.0.0.0:0", "--keys", str(keys), "--worker-timeout", "20"],
+                cwd=ROOT, stdout=subprocess.PIPE, stderr=logs[-1], text=True))
+        ports = [s.stdout.readline().split(":")[-1].strip() for s in servers]
+        ps = ",".join(f"tcp://127.0.0.1:{p}" for p in ports)
+        cmd = [MPIEXEC, "-f", str(tmp_path / "hostfile"), "-n", str(workers), sys.executable,
+               "-m", "mpi4py", "-m", "psrv.example", "--ps", ps, "--keys", str(keys),
+               "--steps", "20", "--timeout", "20"]
+        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        server_logs = "".join((tmp_path / f"server{i}.log").read_text() for i in range(2))
+        assert run.returncode == 0, run.stderr[-3000:] + server_logs[-3000:]
+        (result,) = [json.loads(l) for l in run.stdout.splitlines() if l.startswith("{")]
+        assert result["worker"] == 0
+        assert result["max_abs_diff_vs_serial"] < 1e-5       # all 3 ranks, each its own shard
+        assert [s.wait(30) for s in servers] == [0, 0]
+        assert "CURVE, 3 client keys" in server_logs
+    finally:
+        for s in servers:
+            if s.poll() is None:
+                s.kill()
+            s.wait(10)
+            s.stdout.close()
+        for f in logs:
+            f.close()
