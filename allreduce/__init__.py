@@ -24,7 +24,8 @@ TEXTBOOK = ("ring", "tree", "halving_doubling")
 ALGORITHMS = TEXTBOOK + ("hierarchical", "mpi", "torch")
 
 __all__ = ["create", "make", "make_transport", "host_staged", "shard_bounds", "shard_of",
-           "ALGORITHMS", "Collective", "CollectiveError", "CollectiveTimeout", "Transport", "TransportTimeout"]
+           "ALGORITHMS", "Collective", "CollectiveError", "CollectiveTimeout", "Transport",
+           "TransportTimeout"]
 
 
 def make_transport(kind="mpi", comm=None, timeout=None):

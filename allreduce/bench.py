@@ -4,6 +4,10 @@
     mpiexec -n 4 python -m mpi4py -m allreduce.bench --min-bytes 4K --max-bytes 64M --factor 4 \\
         --algos ring,tree,halving_doubling,hierarchical,mpi,torch --jsonl results/bench.jsonl
     mpiexec -f hostfile -n 16 python -m mpi4py -m allreduce.bench ...      # several hosts
+    mpiexec -n 2 python -m mpi4py -m allreduce.bench --device cuda --algos ring,mpi,torch
+        # one GPU a rank; MPI moves CUDA buffers through pinned host memory
+        # (allreduce.host_staged), NCCL directly; NCCL's own all-reduce (torch)
+        # is always a row: the bar the others are measured against
 
 For every (size, collective) the algorithms take turns iteration by iteration
 (A B C A B C ...), each call after a barrier, so a machine that changes speed
@@ -21,12 +25,13 @@ import time
 
 import numpy as np
 
-from . import ALGORITHMS, create, shard_bounds
+from . import ALGORITHMS, create, host_staged, shard_bounds
 from .records import append_jsonl
 from .theory import bus_factor, bytes_sent
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 DTYPES = ("float32", "float64", "int32", "int64", "float16", "bfloat16")
+DEFAULT_ALGOS = {"cpu": "ring,mpi", "cuda": "ring,torch"}
 
 
 def parse_size(text):
@@ -45,7 +50,8 @@ def human(nbytes):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m allreduce.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--algos", default="ring,mpi", help=f"comma list of {','.join(ALGORITHMS)}")
+    p.add_argument("--algos", default=None, help=f"comma list of {','.join(ALGORITHMS)} "
+                                                 "(default: ring,mpi; on cuda ring,torch)")
     p.add_argument("--ops", default="allreduce", help=f"comma list of {','.join(COLLECTIVES)}")
     p.add_argument("--sizes", default=None, help="comma list of message sizes, e.g. 4K,1M,64M")
     p.add_argument("--min-bytes", default="4K")
@@ -56,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--transport", default="mpi", choices=("mpi", "torch"),
                    help="transport of the textbook algorithms")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the buffers live (cuda: one GPU per rank on its host)")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="hierarchical: emulate nodes of this many ranks (default: host names)")
     p.add_argument("--inner", default="ring", help="hierarchical: algorithm inside a node")
@@ -66,12 +74,15 @@ def parse_args(argv=None):
                    help="emulate a slower network: bandwidth of each rank's link")
     p.add_argument("--jsonl", default=None, help="append one JSON record per row to this file")
     args = p.parse_args(argv)
-    args.algos = [a for a in args.algos.split(",") if a]
+    args.algos = [a for a in (args.algos or DEFAULT_ALGOS[args.device]).split(",") if a]
+    emulated = args.link_latency_us or args.link_gbps
+    if args.device == "cuda" and "torch" not in args.algos and not emulated:
+        args.algos.append("torch")                 # NCCL's own all-reduce: the baseline row
     args.ops = [o for o in args.ops.split(",") if o]
     for a in args.algos:
         if a not in ALGORITHMS:
             p.error(f"unknown algorithm {a!r}; choose from {', '.join(ALGORITHMS)}")
-    if args.link_latency_us or args.link_gbps:
+    if emulated:
         native = [a for a in args.algos if a in ("mpi", "torch")]
         if native:
             p.error(f"link emulation slows the textbook algorithms only, not {', '.join(native)}")
@@ -89,16 +100,19 @@ def parse_args(argv=None):
     return args
 
 
-def make_input(rank, n, dtype):
-    """Rank- and position-dependent values that every rank can recompute for any rank."""
+def make_input(rank, n, dtype, device="cpu"):
+    """Rank- and position-dependent values that every rank can recompute for any rank;
+    numpy arrays on the host (bfloat16: a tensor), tensors on a GPU."""
     import torch
     i = np.arange(n)
     if dtype in ("int32", "int64"):
-        return np.asarray((i % 1000) + 1000 * rank, dtype=dtype)
-    values = (i % 61) * 0.125 - 3 + 0.5 * rank       # exact in every float dtype
+        values = np.asarray((i % 1000) + 1000 * rank, dtype=dtype)
+    else:
+        values = (i % 61) * 0.125 - 3 + 0.5 * rank   # exact in every float dtype
     if dtype == "bfloat16":
-        return torch.from_numpy(values.astype(np.float32)).to(torch.bfloat16)
-    return values.astype(dtype)
+        return torch.from_numpy(values.astype(np.float32)).to(torch.bfloat16).to(device)
+    values = values.astype(dtype)
+    return values if device == "cpu" else torch.from_numpy(values).to(device)
 
 
 def reference(collective, rank, P, n, dtype, root=0):
@@ -117,7 +131,31 @@ def reference(collective, rank, P, n, dtype, root=0):
 
 
 def as_float64(x):
-    return x.double().numpy() if hasattr(x, "double") else np.asarray(x, dtype=np.float64)
+    return x.double().cpu().numpy() if hasattr(x, "double") else np.asarray(x, dtype=np.float64)
+
+
+def settle(device):
+    """Wait for the GPU's queued kernels (asynchronous), so that a time covers them."""
+    if device.type == "cuda":
+        import torch
+        torch.cuda.synchronize(device)
+
+
+def use_device(args, comm):
+    """torch.device for --device, or exit 2 on every rank with the reason (no GPU)."""
+    import torch
+    if args.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        sys.stderr.write(f"allreduce.bench rank {comm.rank}: error: --device cuda but torch "
+                         f"sees no GPU (torch {torch.__version__}); use --device cpu\n")
+        sys.stderr.flush()
+        comm.Barrier()                               # every rank has said it before any exits
+        sys.exit(2)
+    from .torch_transport import local_rank
+    device = torch.device("cuda", local_rank(comm) % torch.cuda.device_count())
+    torch.cuda.set_device(device)                    # NCCL and the pinned copies use it
+    return device
 
 
 def provenance():
@@ -138,6 +176,7 @@ def main(argv=None):
     args = parse_args(argv)
     comm = MPI.COMM_WORLD
     rank, P = comm.rank, comm.size
+    device = use_device(args, comm)
     colls = {}
     for algo in args.algos:
         options = {}
@@ -149,6 +188,8 @@ def main(argv=None):
                              link_gbps=args.link_gbps, **options)
         # The benchmark checks results itself; time and count the collective alone.
         colls[algo].check = False
+        if device.type == "cuda":
+            colls[algo] = host_staged(colls[algo])
     itemsize = 2 if args.dtype in ("float16", "bfloat16") else np.dtype(args.dtype).itemsize
     meta = provenance() if rank == 0 else {}
     header = (f"{'algo':>16} {'collective':>14} {'size':>8} {'time_us':>10} {'algbw':>7} "
@@ -156,7 +197,8 @@ def main(argv=None):
     if rank == 0:
         link = (f" link={args.link_latency_us:g}us/{args.link_gbps or 'inf'}GB/s"
                 if args.link_latency_us or args.link_gbps else "")
-        print(f"# P={P} dtype={args.dtype} iters={args.iters} transport={args.transport}{link}  "
+        print(f"# P={P} dtype={args.dtype} iters={args.iters} transport={args.transport}{link} "
+              f"device={args.device}  "
               f"(bandwidth in GB/s; {meta['mpi']})")
         print(header)
         sys.stdout.flush()
@@ -164,7 +206,7 @@ def main(argv=None):
     for nbytes in args.sizes:
         n = nbytes // itemsize
         for collective in args.ops:
-            pristine = make_input(rank, n, args.dtype)
+            pristine = make_input(rank, n, args.dtype, device)
             if collective == "allgather":
                 pristine = pristine[slice(*shard_bounds(n, P)[rank])]
             work = {a: pristine.clone() if hasattr(pristine, "clone") else pristine.copy()
@@ -175,6 +217,7 @@ def main(argv=None):
             def call(algo):
                 coll, x = colls[algo], work[algo]
                 x[:] = pristine
+                settle(device)
                 comm.Barrier()
                 start = time.perf_counter()
                 if collective == "allreduce":
@@ -185,6 +228,7 @@ def main(argv=None):
                     result = coll.allgather(x, n)
                 else:
                     result = coll.broadcast(x, root=0)
+                settle(device)
                 return time.perf_counter() - start, result
 
             for algo in colls:                 # checked call, also a warm-up
@@ -220,6 +264,7 @@ def main(argv=None):
                               "sent_bytes": None if native else most_sent,
                               "theory_bytes": theory, "wrong": n_wrong,
                               "transport": "torch" if algo == "torch" else args.transport,
+                              "device": args.device,
                               "link_latency_us": args.link_latency_us,
                               "link_gbps": args.link_gbps,
                               **meta}

@@ -279,7 +279,8 @@ class TorchTransport(Transport):
             except RuntimeError as e:
                 peer = self.world_rank(h.peer)
                 if "imed out" in str(e) or "imeout" in str(e):
-                    raise TransportTimeout(self.world_rank(self.rank), [peer], self.timeout) from None
+                    raise TransportTimeout(self.world_rank(self.rank), [peer],
+                                           self.timeout) from None
                 raise RuntimeError(f"rank {self.world_rank(self.rank)}: torch.distributed failed "
                                    f"talking to rank {peer}: {e}") from None
 

@@ -46,7 +46,7 @@ class Bucket:
     the buffer every step plus autograd's read-add-write into it.
     """
 
-    def __init__(self, index, params, device, wire_dtype, stage_to_host):
+    def __init__(self, index, params, device, wire_dtype):
         self.index = index
         self.params = params
         n = sum(p.numel() for p in params)
@@ -54,8 +54,6 @@ class Bucket:
         self.flat = None if self.alone else torch.zeros(n, dtype=torch.float32, device=device)
         self.wire = None if wire_dtype == torch.float32 else \
             torch.empty(n, dtype=wire_dtype, device=device)
-        # MPI here is not CUDA-aware: a CUDA bucket travels through pinned host memory.
-        self.host = torch.empty(n, dtype=wire_dtype, pin_memory=True) if stage_to_host else None
         self.views = {}
         offset = 0
         for p in params if not self.alone else ():
@@ -106,15 +104,16 @@ def plan_buckets(params, cap_bytes):
 
 class GradBuckets:
     """Owns the gradients of `params`; `reduce(flat_tensor)` is the collective
-    (in place, averaging over the data-parallel ranks)."""
+    (in place, averaging over the data-parallel ranks).  It takes the buckets on
+    their device: for CUDA buckets over MPI it stages them through the host
+    itself (allreduce.host_staged), one staging for every user of a collective."""
 
-    def __init__(self, params, reduce, cap_bytes, compressor, overlap=True,
-                 stage_to_host=False):
+    def __init__(self, params, reduce, cap_bytes, compressor, overlap=True):
         params = [p for p in params if p.requires_grad]
         self.reduce, self.compressor, self.overlap = reduce, compressor, overlap
         device = params[0].device
         ordered = list(reversed(params))             # roughly the order backward makes them
-        self.buckets = [Bucket(i, group, device, compressor.wire_dtype, stage_to_host)
+        self.buckets = [Bucket(i, group, device, compressor.wire_dtype)
                         for i, group in enumerate(plan_buckets(ordered, cap_bytes))]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
@@ -175,12 +174,7 @@ class GradBuckets:
         if b.event is not None:
             b.event.synchronize()
         wire = self.compressor.compress(b.target, b.wire)
-        if b.host is not None:
-            b.host.copy_(wire)
-            self.reduce(b.host)
-            wire.copy_(b.host)
-        else:
-            self.reduce(wire)
+        self.reduce(wire)
         self.compressor.decompress(wire, b.target)
 
     def _comm_loop(self):

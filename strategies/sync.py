@@ -92,19 +92,21 @@ class AllReduceSync(GradientSync):
     def __init__(self, cfg, ctx, device, coll=None):
         super().__init__(cfg, ctx, device)
         self.name = cfg.sync
-        self.coll = coll or collective_for(cfg.sync, cfg, ctx.dp_comm)
+        coll = coll or collective_for(cfg.sync, cfg, ctx.dp_comm)
+        # On a GPU every collective of this sync (the broadcast of setup, the
+        # buckets) goes through one staging: NCCL moves CUDA tensors itself, the
+        # MPI transports (not CUDA-aware) get them through pinned host memory.
+        self.coll = allreduce.host_staged(coll) if device.type == "cuda" else coll
 
     def setup(self, model):
         super().setup(model)
         with torch.no_grad():                       # DDP does the same: rank 0's weights win
             for p in model.parameters():
                 self.coll.broadcast(p.data, root=0)
-        # The torch transport moves CUDA tensors itself (NCCL); the MPI ones stage via the host.
-        stage = self.device.type == "cuda" and self.cfg.sync != "torch"
         self.buckets = GradBuckets(list(model.parameters()),
                                    lambda flat: self.coll.allreduce(flat, op="avg"),
                                    int(self.cfg.bucket_mb * 2**20),
-                                   make_compressor(self.cfg.compress), self.cfg.overlap, stage)
+                                   make_compressor(self.cfg.compress), self.cfg.overlap)
 
     def before_backward(self):
         self.buckets.zero_()

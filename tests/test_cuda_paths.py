@@ -1,0 +1,129 @@
+"""The CUDA paths, checked where they can be on a machine without a GPU.
+
+Tier (a): the host staging that carries CUDA tensors to transports that move
+host memory only (allreduce.buffers.HostStaging, HostStaged).  Its copying is
+device-independent, so it is checked with CPU tensors: a HostStaged that
+stages every tensor (standing for a CUDA one) over a stand-in collective that
+records what it was handed and changes it the way a reduction over two ranks
+would.  The real thing, CUDA tensors through MPI, is in tests/gpu/.
+
+Tier (c): a run that asks for a GPU where torch sees none stops before
+training, with one line naming --device on every rank, and no traceback.
+"""
+import pytest
+import torch
+
+import allreduce
+from allreduce.buffers import CollectiveError, HostStaged, HostStaging
+from conftest import mpirun
+
+
+def test_host_copy_reuses_one_buffer_per_dtype_and_grows():
+    staging = HostStaging()
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4) * 1.5 - 4
+    host = staging.host_copy(x)
+    assert host.shape == (12,) and torch.equal(host, x.reshape(-1))
+    assert host.data_ptr() != x.data_ptr()                  # a copy, not a view
+    first = host.data_ptr()
+    small = staging.host_copy(torch.full((5,), 7.0))
+    assert small.data_ptr() == first and torch.equal(small, torch.full((5,), 7.0))
+    wide = staging.host_copy(torch.arange(40, dtype=torch.float64))   # another dtype
+    assert wide.dtype == torch.float64 and torch.equal(wide, torch.arange(40.0, dtype=torch.float64))
+    assert staging.host_copy(torch.ones(3)).data_ptr() == first    # float32's is still there
+    grown = staging.host_copy(torch.arange(100, dtype=torch.float32))
+    assert grown.numel() == 100 and torch.equal(grown, torch.arange(100, dtype=torch.float32))
+    empty = staging.host_copy(torch.empty(0, dtype=torch.bfloat16))
+    assert empty.numel() == 0 and empty.dtype == torch.bfloat16
+
+
+class StandIn:
+    """A collective of two ranks whose peer holds `peer_offset + ours`; records the
+    buffers it is handed (they must be staging buffers, never the caller's)."""
+    name, counts_traffic, rank, size = "stand-in", True, 0, 2
+
+    def __init__(self, takes_cuda=False, peer_offset=100):
+        self.transport = type("T", (), {"takes_cuda": takes_cuda})()
+        self.peer_offset, self.seen = peer_offset, []
+
+    def allreduce(self, x, op="sum"):
+        self.seen.append(x)
+        x.mul_(2).add_(self.peer_offset)
+        return x
+
+    def broadcast(self, x, root=0):
+        self.seen.append(x)
+        if root == 1:
+            x.add_(self.peer_offset)
+        return x
+
+    def reduce_scatter(self, x, op="sum"):
+        self.seen.append(x)
+        return (2 * x + self.peer_offset)[: (x.numel() + 1) // 2]
+
+    def allgather(self, shard, n=None):
+        self.seen.append(shard)
+        return torch.cat([shard, shard + self.peer_offset])
+
+    def barrier(self):
+        pass
+
+
+class StageEverything(HostStaged):
+    def needs_host(self, x):        # as a CUDA tensor would
+        return True
+
+
+def test_staged_collectives_move_values_through_the_host_and_back():
+    inner = StandIn()
+    coll = StageEverything(inner)
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert coll.allreduce(x) is x
+    assert torch.equal(x, torch.arange(6.0).reshape(2, 3) * 2 + 100)
+    y = torch.arange(5, dtype=torch.bfloat16)
+    coll.broadcast(y, root=1)
+    assert torch.equal(y, torch.arange(5, dtype=torch.bfloat16) + 100)
+    z = torch.arange(5, dtype=torch.float64)
+    shard = coll.reduce_scatter(z)
+    assert torch.equal(shard, torch.tensor([100.0, 102.0, 104.0], dtype=torch.float64))
+    assert torch.equal(z, torch.arange(5, dtype=torch.float64))           # input untouched
+    whole = coll.allgather(torch.tensor([1, 2], dtype=torch.int64))
+    assert torch.equal(whole, torch.tensor([1, 2, 101, 102]))
+    for given, seen in zip([x, y, z], inner.seen):
+        assert seen.data_ptr() != given.data_ptr() and seen.dim() == 1
+    assert coll.transport is inner.transport and coll.size == 2 and coll.name == "stand-in"
+
+
+def test_staged_collective_names_bad_input():
+    coll = StageEverything(StandIn())
+    with pytest.raises(CollectiveError, match="not contiguous"):
+        coll.allreduce(torch.zeros(4, 4).t())
+    with pytest.raises(CollectiveError, match="requires grad"):
+        coll.broadcast(torch.zeros(3, requires_grad=True))
+
+
+def test_host_buffers_pass_straight_through_and_nccl_is_not_staged():
+    inner = StandIn()
+    x = torch.ones(4)
+    allreduce.host_staged(inner).allreduce(x)
+    assert inner.seen[0] is x                               # a CPU tensor is not copied
+    nccl = StandIn(takes_cuda=True)
+    assert allreduce.host_staged(nccl) is nccl
+
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+
+
+@no_gpu
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("args", [
+    ["-m", "strategies.train", "--sync", "ring", "--steps", "1", "--no-progress"],
+    ["-m", "strategies.train", "--sync", "torch", "--steps", "1", "--no-progress"],
+    ["-m", "allreduce.bench", "--sizes", "4K", "--iters", "1"],
+], ids=["train-ring", "train-torch", "bench"])
+def test_cuda_without_a_gpu_stops_every_rank_before_any_work(args):
+    result = mpirun(2, args + ["--device", "cuda"], timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [ln for ln in result.stderr.splitlines() if "error: --device cuda" in ln]
+    assert sorted(ln.split(":")[0] for ln in lines) == [f"{args[1]} rank 0", f"{args[1]} rank 1"]
+    assert "Traceback" not in result.stderr
+    assert "loss" not in result.stdout and "algbw" not in result.stdout
