@@ -27,6 +27,13 @@ experiments.calibrate start their own processes) with a time limit; points
 already done are skipped, so an interrupted sweep resumes where it stopped; a
 point that crashes or times out is recorded as failed, with its log, and the
 sweep goes on.  The layout of the results directory is in experiments/records.py.
+
+Exit status: 0 when every point succeeded, 1 when any failed or timed out (the
+rest still ran), 2 when the file was rejected, 128 + the signal's number when
+SIGINT, SIGTERM or SIGHUP stopped the sweep.  A stopping signal kills the
+running point's whole process group (mpiexec and its ranks run in a session
+of their own, so the terminal's Ctrl-C never reaches them); the point is not
+recorded, and running the sweep again runs it.
 """
 import argparse
 import hashlib
@@ -91,8 +98,46 @@ def command_line(command, p, raw):
     return head + args + ["--no-progress", "--jsonl", raw]
 
 
-def run_point(argv, log_path, timeout):
-    """(status, returncode, wall seconds); the whole process group dies on timeout."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopper:
+    """The handler of the stopping signals: it kills the running point's process group
+    at once and remembers the signal; the loop then stops between points.
+
+    The handler kills rather than raising into the loop so that no moment is
+    unguarded: a signal during Popen (the child exists, its pid is not yet known)
+    is caught by the check right after Popen returns."""
+
+    def __init__(self):
+        self.signum = None
+        self.pgid = None
+
+    def __call__(self, signum, frame):
+        self.signum = signum
+        self.kill()
+
+    def kill(self):
+        if self.pgid is not None:
+            try:
+                os.killpg(self.pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def install(self):
+        """Handle the stopping signals; returns the previous handlers for `restore`."""
+        return {s: signal.signal(s, self) for s in STOP_SIGNALS}
+
+    @staticmethod
+    def restore(previous):
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def run_point(argv, log_path, timeout, stopper=None):
+    """(status, returncode, wall seconds); the whole process group dies on timeout or
+    when `stopper` caught a stopping signal (status "stopped")."""
+    stopper = stopper or Stopper()
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
            "PYTHONUNBUFFERED": "1", "TOPOLAB_TIMEOUT": str(max(10, int(timeout)))}
@@ -102,17 +147,26 @@ def run_point(argv, log_path, timeout):
         log.flush()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                 start_new_session=True)
+        stopper.pgid = proc.pid                 # its own session: pgid == pid
         try:
+            if stopper.signum is not None:      # the signal came while Popen ran
+                stopper.kill()
             rc = proc.wait(timeout)
             status = "ok" if rc == 0 else "failed"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            stopper.kill()
             rc, status = proc.wait(), "timeout"
             log.write(f"\n[sweep] killed after {timeout} s\n")
-        except BaseException:                   # Ctrl-C: no orphaned ranks left running
-            os.killpg(proc.pid, signal.SIGKILL)
+        except BaseException:                   # anything else: no orphaned ranks either
+            stopper.kill()
             proc.wait()
             raise
+        finally:
+            stopper.pgid = None
+        if stopper.signum is not None:
+            status = "stopped"
+            log.write(f"\n[sweep] killed by {signal.Signals(stopper.signum).name} "
+                      f"to the sweep\n")
     return status, rc, time.monotonic() - start
 
 
@@ -135,12 +189,24 @@ def main(argv=None):
         return 0
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     os.makedirs(os.path.join(out, "raw"), exist_ok=True)
+    stopper = Stopper()
+    previous = stopper.install()
+    try:
+        return run_points(settings, points, out, stopper)
+    finally:
+        Stopper.restore(previous)
+
+
+def run_points(settings, points, out, stopper):
+    """Run the points not done before; returns the exit status (see the module's doc)."""
     status_file = os.path.join(out, "points.jsonl")
     records_file = os.path.join(out, "records.jsonl")
     done = {s["point"] for s in read_jsonl(status_file) if s.get("status") == "ok"}
     meta = provenance()
     failed = 0
     for i, (command, params, timeout, label) in enumerate(points, 1):
+        if stopper.signum is not None:
+            break
         pid = point_id(command, params)
         shown = " ".join(f"{k}={v}" for k, v in params.items() if not isinstance(v, list))
         if pid in done:
@@ -152,7 +218,9 @@ def main(argv=None):
             os.unlink(raw)                      # a half-written earlier attempt
         argv_ = command_line(command, params, os.path.abspath(raw))
         meta["loadavg"] = [round(x, 2) for x in os.getloadavg()]
-        status, rc, wall = run_point(argv_, log, timeout)
+        status, rc, wall = run_point(argv_, log, timeout, stopper)
+        if status == "stopped":
+            break
         found = read_jsonl(raw)
         if status == "ok" and not found:
             status = "failed"                   # exited 0 but measured nothing
@@ -166,7 +234,18 @@ def main(argv=None):
                                     "wall_s": round(wall, 2), "argv": argv_, "log": log}])
         print(f"[{i}/{len(points)}] {command} {shown}: {status} in {wall:.1f} s"
               + ("" if status == "ok" else f" (log: {log})"), flush=True)
-    print(f"sweep {settings['name']}: {len(points)} points, {failed} failed; results in {out}")
+    if stopper.signum is not None:
+        name = signal.Signals(stopper.signum).name
+        print(f"sweep {settings['name']}: stopped by {name}; the running point was killed "
+              f"and not recorded; run the same command again to go on", file=sys.stderr,
+              flush=True)
+        return 128 + stopper.signum
+    print(f"sweep {settings['name']}: {len(points)} points, {failed} failed; results in {out}",
+          flush=True)
+    if failed:
+        print(f"sweep {settings['name']}: {failed} of {len(points)} points failed or timed "
+              f"out; their logs are in {os.path.join(out, 'logs')}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -54,8 +54,9 @@ def key_lines(text):
             lines[(table, counts[table], None)] = number
             continue
         assign = re.match(r'^"?([A-Za-z0-9_.-]+)"?\s*=', line)
-        if assign and table is not None:
-            lines.setdefault((table, counts[table], assign.group(1)), number)
+        if assign:                               # (None, 0, key): a key before any table
+            index = counts[table] if table is not None else 0
+            lines.setdefault((table, index, assign.group(1)), number)
     return lines
 
 
@@ -136,22 +137,45 @@ def load_sweep(path):
     problems = []
 
     def bad(table, index, key, reason):
-        line = lines.get((table, index, key)) or lines.get((table, index, None)) or 1
+        line = (lines.get((table, index, key)) or lines.get((table, index, None))
+                or lines.get((None, 0, table)) or 1)      # `run = ...` before any table
         problems.append(f"{path}:{line}: {reason}")
 
     for key in doc:
         if key not in ("sweep", "run"):
             bad(key, 0, None, f"unknown table [{key}]; a sweep file has [sweep] and [[run]]")
+    sweep, runs = doc.get("sweep", {}), doc.get("run", [])
+    if not isinstance(sweep, dict):
+        bad("sweep", 0, None, "[sweep] is one table: write [sweep], not [[sweep]] or sweep = ...")
+        sweep = {}
+    if not (isinstance(runs, list) and all(isinstance(r, dict) for r in runs)):
+        bad("run", 0, None, "[[run]] is an array of tables, one per command: write [[run]], "
+                            "not [run] or run = ...")
+        runs = []
     settings = {"name": os.path.splitext(os.path.basename(path))[0], "timeout_s": 300}
-    for key, value in doc.get("sweep", {}).items():
+    for key, value in sweep.items():
         if key not in settings:
             bad("sweep", 0, key, f"unknown key {key!r} in [sweep]; known: name, timeout_s")
         settings[key] = value
+    problem = name_problem(settings["name"])
+    if problem:
+        bad("sweep", 0, "name", problem)
+    problem = timeout_problem(settings["timeout_s"])
+    if problem:
+        bad("sweep", 0, "timeout_s", problem)
     points = []
-    for i, run in enumerate(doc.get("run", [])):
+    for i, run in enumerate(runs):
         command = run.get("command")
-        if command not in SCHEMA:
-            bad("run", i, "command", f"command {command!r} is not one of {', '.join(SCHEMA)}")
+        if not isinstance(command, str) or command not in SCHEMA:
+            bad("run", i, "command", "no command in this [[run]]" if command is None else
+                f"command {command!r} is not one of {', '.join(SCHEMA)}")
+            continue
+        problem = timeout_problem(run.get("timeout_s", settings["timeout_s"]))
+        if "timeout_s" in run and problem:
+            bad("run", i, "timeout_s", problem)
+            continue
+        if not isinstance(run.get("label", ""), str):
+            bad("run", i, "label", f"label must be a string, got {run['label']!r}")
             continue
         schema = schema_of(command)
         unknown = [k for k in run if k not in RUN_KEYS and k not in schema]
@@ -159,6 +183,11 @@ def load_sweep(path):
             bad("run", i, k, f"unknown key {k!r} for {command}; known: "
                              f"{', '.join(sorted(schema))}")
         if unknown:
+            continue
+        wrong = value_problems(run, schema, defaults_of(command))
+        for k, reason in wrong:
+            bad("run", i, k, reason)
+        if wrong:
             continue
         for k, kind in schema.items():
             if kind == "list" and k in run and not isinstance(run[k], list):
@@ -176,9 +205,63 @@ def load_sweep(path):
     return settings, points
 
 
-def full_config(command, params):
-    """The point's config with every default the command would use filled in
-    (what each record carries as "config"); the point's own keys win."""
+def name_problem(name):
+    """None, or why `name` cannot name a results directory: it becomes results/NAME,
+    so it must stay one plain folder name (no "/", no "..": nothing outside results/)."""
+    if not isinstance(name, str):
+        return f"name must be a string, got {name!r}"
+    if not name or name.startswith(".") or any(c in name for c in "/\\\0"):
+        return (f"name {name!r} must be a plain folder name (no '/', no leading '.'): "
+                f"the results go to results/NAME")
+    return None
+
+
+def timeout_problem(value):
+    """None, or why `value` is not a time limit in seconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        return f"timeout_s must be a number of seconds > 0, got {value!r}"
+    return None
+
+
+# The type of value a key takes where the command's default does not show it
+# (None, or no default kept here), or where the sweep means something else by the
+# key (`trace = true`: a switch; the sweep picks the file).
+TYPE_EXAMPLES = {"ranks_per_node": 0, "link_gbps": 0.0, "reps": 0, "ps": True, "trace": True}
+
+
+def type_problem(key, value, example):
+    """None, or why `value` cannot be the key's value, judged by an example value."""
+    if isinstance(example, bool):
+        ok, want = isinstance(value, bool), "true or false"
+    elif isinstance(example, int):
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "a whole number"
+    elif isinstance(example, float):
+        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif isinstance(example, str):
+        ok, want = isinstance(value, str), "a string"
+    else:
+        return None
+    return None if ok else f"{key} must be {want}, got {value!r}"
+
+
+def value_problems(run, schema, defaults):
+    """[(key, reason)] for the run's values of the wrong type; an axis's values one by one."""
+    problems = []
+    for key, value in run.items():
+        kind = schema.get(key)
+        if key in RUN_KEYS or kind in (None, "list"):
+            continue
+        example = TYPE_EXAMPLES.get(key, defaults.get(key))
+        for v in value if kind == "axis" and isinstance(value, list) else [value]:
+            problem = type_problem(key, v, example)
+            if problem:
+                problems.append((key, problem))
+                break
+    return problems
+
+
+def defaults_of(command):
+    """The values the command uses for the keys a point leaves out."""
     if command == "strategies.train":
         defaults = {k: v for k, v in train_fields().items() if k not in ("jsonl", "progress")}
     elif command == "allreduce.bench":
@@ -190,4 +273,10 @@ def full_config(command, params):
                     "sizes": ["4K", "64K", "1M", "16M", "64M"]}
     else:
         defaults = {}
-    return {**defaults, **params}
+    return defaults
+
+
+def full_config(command, params):
+    """The point's config with every default the command would use filled in
+    (what each record carries as "config"); the point's own keys win."""
+    return {**defaults_of(command), **params}

@@ -2,10 +2,13 @@
 sweeps that resume, and that record a crashed or timed-out point and go on."""
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
-from conftest import ROOT, check_ok, mpi_env, run
+from conftest import ROOT, mpi_env, run
 
 from experiments.records import read_jsonl
 from experiments.sweep import SweepError, command_line, load_sweep
@@ -116,7 +119,9 @@ sizes = ["8K"]
 def test_sweep_records_failures_goes_on_and_resumes(tmp_path):
     path, out = write(tmp_path, TINY), tmp_path / "out"
     cmd = [sys.executable, "-m", "experiments.sweep", path, "--out", str(out)]
-    first = check_ok(run(cmd, 120, mpi_env()))
+    first = run(cmd, 120, mpi_env())
+    assert first.returncode == 1, first.stderr         # points failed: the sweep says so
+    assert "2 of 4 points failed or timed out" in first.stderr
     status = {(s["label"], s["config"].get("world_size")): s
               for s in read_jsonl(out / "points.jsonl")}
     assert status[("", 1)]["status"] == "ok" and status[("", 2)]["status"] == "ok"
@@ -135,7 +140,75 @@ def test_sweep_records_failures_goes_on_and_resumes(tmp_path):
         assert len(prov["commit"] or "0" * 40) == 40
         assert r["config"]["algos"] == ["ring", "mpi"] and r["point"] and r["sweep"] == "tiny"
 
-    second = check_ok(run(cmd, 120, mpi_env()))
+    second = run(cmd, 120, mpi_env())
+    assert second.returncode == 1                      # the failed points ran again, failed again
     assert second.stdout.count("done before, skipped") == 2
     assert len(read_jsonl(out / "records.jsonl")) == len(records)     # nothing measured twice
     assert json.loads(open(out / "points.jsonl").readline())["status"] == "ok"
+
+
+SLEEPER = """
+[sweep]
+name = "sleeper"
+timeout_s = 120
+
+[[run]]
+command = "strategies.train"
+label = "sleeps 30 s a step"
+world_size = 1
+sync = "local"
+steps = 2
+straggler = "0:30"
+"""
+
+
+def alive_with(marker):
+    """Pids of the live processes (zombies are dead) whose command line holds `marker`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if marker in cmdline and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stopping_signal_kills_the_running_point_and_exits_non_zero(tmp_path, signum):
+    path, out = write(tmp_path, SLEEPER), tmp_path / "out"
+    marker = str(out / "raw")                       # in the point's --jsonl: its processes only
+    sweep = subprocess.Popen([sys.executable, "-m", "experiments.sweep", path, "--out", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=mpi_env(), cwd=ROOT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not any("strategies.train" in open(f"/proc/{p}/cmdline").read()
+                      for p in alive_with(marker) if os.path.exists(f"/proc/{p}")):
+            assert sweep.poll() is None, sweep.communicate()
+            assert time.monotonic() < deadline, "the point never started"
+            time.sleep(0.2)
+        point = alive_with(marker)                  # mpiexec, its proxy and the rank
+        sweep.send_signal(signum)                   # to the driver alone, as `kill PID` does
+        _, err = sweep.communicate(timeout=30)
+        deadline = time.monotonic() + 5             # SIGKILL is prompt; allow for the scheduler
+        while (left := [p for p in point if p in alive_with(marker)]) and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+        for pid in alive_with(marker):              # whatever the driver left: clean up
+            os.kill(pid, signal.SIGKILL)
+    assert point, "no process of the point was seen"
+    assert not left, f"orphaned point processes {left} of {point}"
+    assert sweep.returncode == 128 + signum, err
+    assert f"stopped by {signal.Signals(signum).name}" in err
+    statuses = read_jsonl(out / "points.jsonl")
+    assert statuses == []                           # not recorded: the next run runs it
