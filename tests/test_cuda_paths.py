@@ -28,7 +28,8 @@ def test_host_copy_reuses_one_buffer_per_dtype_and_grows():
     small = staging.host_copy(torch.full((5,), 7.0))
     assert small.data_ptr() == first and torch.equal(small, torch.full((5,), 7.0))
     wide = staging.host_copy(torch.arange(40, dtype=torch.float64))   # another dtype
-    assert wide.dtype == torch.float64 and torch.equal(wide, torch.arange(40.0, dtype=torch.float64))
+    assert wide.dtype == torch.float64
+    assert torch.equal(wide, torch.arange(40, dtype=torch.float64))
     assert staging.host_copy(torch.ones(3)).data_ptr() == first    # float32's is still there
     grown = staging.host_copy(torch.arange(100, dtype=torch.float32))
     assert grown.numel() == 100 and torch.equal(grown, torch.arange(100, dtype=torch.float32))
