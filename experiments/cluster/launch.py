@@ -33,7 +33,10 @@ from experiments.records import ROOT, mpiexec_path
 
 from .net import HOST_IF, ClusterError
 
-NETMOD_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": HOST_IF}
+NETMOD_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": HOST_IF,
+              # torch.distributed: gloo would advertise the address of the host name,
+              # which no namespace resolves (it falls back to 127.0.0.1)
+              "GLOO_SOCKET_IFNAME": HOST_IF, "NCCL_SOCKET_IFNAME": HOST_IF}
 GRACE_S = 5.0                    # after SIGTERM, before SIGKILL
 
 

@@ -1,0 +1,74 @@
+"""Tier (d): collectives and training across 2 emulated hosts x 2 ranks (one cluster
+for the module; see conftest.py).  Ranks on one host share memory; ranks on two
+hosts talk TCP over a link shaped to 2 Gbit/s."""
+import json
+
+import numpy as np
+import pytest
+
+from conftest import check_ok, mpirun
+from test_train_runs import TINY, assert_same_run, read_records
+
+ALGOS = "ring,tree,halving_doubling,hierarchical,mpi,torch"
+OPS = "allreduce,reduce_scatter,allgather,broadcast"
+
+
+def records(path, kind=None):
+    rows = [json.loads(line) for line in open(path)]
+    return [r for r in rows if r.get("kind") == kind]
+
+
+@pytest.mark.timeout(120)
+def test_every_algorithm_matches_the_reference_across_hosts(cluster, tmp_path):
+    # allreduce.bench checks every result against a reference each rank computes from
+    # rank- and position-dependent inputs; 4 bytes (one element) and an odd length.
+    out = tmp_path / "bench.jsonl"
+    cluster.job("allreduce.bench", "--algos", ALGOS, "--ops", OPS, "--sizes", "4,400012",
+                "--iters", 1, "--warmup", 0, "--jsonl", out)
+    rows = records(out)
+    assert len(rows) == 6 * 4 * 2
+    wrong = [(r["algo"], r["op"], r["bytes"], r["wrong"]) for r in rows if r["wrong"]]
+    assert not wrong
+    assert {r["host"] for r in records(out, "wire")} == {"tlt-h0", "tlt-h1"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algo", ["ring", "hierarchical"])
+def test_bytes_on_each_host_link_match_theory(cluster, tmp_path, algo):
+    # Hierarchical finds its nodes from MPI (shared memory = same host): had it
+    # taken all 4 ranks for one node, or each rank for a node of its own, its
+    # bytes across the links would be 0 or 1.5 n a host, not n.
+    out = tmp_path / "wire.jsonl"
+    cluster.job("allreduce.bench", "--algos", algo, "--sizes", "4M", "--iters", 2,
+                "--warmup", 0, "--jsonl", out)
+    wire = records(out, "wire")
+    assert len(wire) == 2
+    for r in wire:
+        # 3 all-reduces (the checked call + 2 timed): ring 1.5 n, hierarchical n a host
+        assert r["theory_tx_bytes"] == 3 * (1.5 if algo == "ring" else 1.0) * (4 << 20)
+        # what remains after the TCP/IP headers: the job's bytes and MPI's own, within 5%
+        assert r["theory_tx_bytes"] <= r["tx_payload_bytes"] <= 1.05 * r["theory_tx_bytes"], r
+        assert r["tx_bytes"] > r["tx_payload_bytes"]
+        assert r["latency_by"] == "none" and r["inter_gbps"] == 2
+
+
+@pytest.mark.timeout(200)
+def test_training_across_hosts_reproduces_one_process(cluster, tmp_path):
+    def argv(name, sync):
+        return [str(a) for a in TINY + ["--sync", sync, "--jsonl", tmp_path / f"{name}.jsonl",
+                                        "--params-out", tmp_path / f"{name}.npz"]]
+    check_ok(mpirun(1, ["-m", "strategies.train"] + argv("local", "local"), timeout=120))
+    cluster.job("tests/cluster/job.py", "train",
+                json.dumps([argv("ring", "ring"), argv("hierarchical", "hierarchical")]),
+                timeout=150)
+
+    def load(name):
+        return read_records(tmp_path / f"{name}.jsonl"), dict(np.load(tmp_path / f"{name}.npz"))
+    for sync in ("ring", "hierarchical"):
+        assert_same_run(load(sync), load("local"), 4)
+
+
+@pytest.mark.timeout(60)
+def test_the_tool_exits_with_the_jobs_code(cluster):
+    result = cluster.cli("run", "--", "tests/cluster/job.py", "exit", 3, timeout=50)
+    assert result.returncode == 3, result.stderr[-2000:]
