@@ -1,47 +1,78 @@
-"""The figures of issue 6, one function each; every one reads result records only.
+"""The figures of the report, one function each; every one reads result records only.
 
     records = experiments.records.load("results/demo")
     path = busbw_vs_size(records, "results/demo/plots")    # -> .../busbw_vs_size.png (+ .svg)
 
 Each function returns the PNG's path, or None when the records hold nothing
-for it (the report then says which sweep would produce it).  Figures:
+for it (the report then says which sweep would produce it).  A figure compares
+like with like: it picks, from everything in the records, the one group of runs
+that differ only in what the figure compares (the same model, size, batch, world
+and dtype), the group with the most variants, and names it in the title.  Figures:
   (a) busbw_vs_size          allreduce.bench: busbw per algorithm, memcpy as roofline
   (b) strategy_breakdown     strategies.train: throughput; compute / exposed comm / idle
   (c) scaling                allreduce.bench: time against ranks, measured and predicted
-  (d) zero_memory            memory per rank by ZeRO stage  (records of issue 5, not built yet)
-  (e) pipeline_gantt         a pipeline timeline, GPipe beside 1F1B  (issue 5, not built yet)
+  (d) zero_memory            strategies.train on dp alone: memory per rank by ZeRO stage
+  (e) pipeline_gantt         strategies.train --pp --trace: GPipe beside 1F1B
   (f) ps_consistency         loss against step and wall-clock for BSP/SSP/ASP, staleness
   (g) crossovers             experiments.simulate: predicted time against ranks, two levels
 """
+import json
 import os
+import statistics
 from collections import defaultdict
 
 import matplotlib
 
 matplotlib.use("Agg")                       # files only; no display on a cluster node
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.category import UnitData  # noqa: E402
+from matplotlib.container import BarContainer  # noqa: E402
 
 from . import fidelity  # noqa: E402
+from .records import (allreduce_rows, describe, labels_of, model_of,  # noqa: E402
+                      one_comparison)
 
 
 def save(fig, out_dir, name):
+    """NAME.png, NAME.svg and NAME.json: the numbers the figure draws (figure_data)."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name + ".png")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     fig.savefig(os.path.join(out_dir, name + ".svg"))
+    with open(os.path.join(out_dir, name + ".json"), "w") as f:
+        json.dump(figure_data(fig), f, indent=1)
     plt.close(fig)
     return path
+
+
+def figure_data(fig):
+    """Per panel: title, labels, each line's points and each bar's label, x (the category
+    for a bar chart), bottom and height.  A reader gets the value behind a bar without
+    measuring pixels; a test checks what was drawn, not what was meant."""
+    panels = []
+    for ax in fig.axes:
+        categories = isinstance(ax.xaxis.units, UnitData)      # bars over names, not numbers
+        ticks = dict(zip(ax.get_xticks(), (t.get_text() for t in ax.get_xticklabels())))
+
+        def where(patch):
+            centre = patch.get_x() + patch.get_width() / 2
+            return ticks.get(round(centre), centre) if categories else float(centre)
+        panels.append({
+            "title": ax.get_title(), "xlabel": ax.get_xlabel(), "ylabel": ax.get_ylabel(),
+            "lines": [{"label": line.get_label(), "x": [float(x) for x in line.get_xdata()],
+                       "y": [float(y) for y in line.get_ydata()]} for line in ax.get_lines()],
+            "bars": [{"label": c.get_label(), "x": [where(p) for p in c.patches],
+                      "bottom": [float(p.get_y()) for p in c.patches],
+                      "height": [float(p.get_height()) for p in c.patches],
+                      "width": [float(p.get_width()) for p in c.patches]}
+                     for c in ax.containers if isinstance(c, BarContainer)]})
+    return panels
 
 
 def emulated(r):
     c = r.get("config", {})
     return bool(c.get("link_latency_us") or c.get("link_gbps"))
-
-
-def allreduce_rows(records):
-    return [r for r in records if r.get("command") == "allreduce.bench"
-            and r.get("op") == "allreduce" and r.get("world_size", 1) > 1]
 
 
 def busbw_vs_size(records, out_dir, world_size=None):
@@ -51,20 +82,20 @@ def busbw_vs_size(records, out_dir, world_size=None):
     if not rows:
         return None
     P = world_size or min(r["world_size"] for r in rows)
-    by_algo = defaultdict(list)
+    by_variant = defaultdict(lambda: defaultdict(list))       # a size measured twice: median
     for r in rows:
         if r["world_size"] == P:
-            by_algo[r["algo"]].append((r["bytes"], r["busbw_gbps"]))
+            by_variant[r["variant"]][r["bytes"]].append(r["busbw_gbps"])
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for algo, pts in sorted(by_algo.items()):
-        pts.sort()
-        ax.plot([b for b, _ in pts], [g for _, g in pts], "o-", label=algo)
+    for variant, at in sorted(by_variant.items()):
+        sizes = sorted(at)
+        ax.plot(sizes, [statistics.median(at[b]) for b in sizes], "o-", label=variant)
     cals = [r for r in records if r.get("kind") == "calibration"]
     if cals:
         ax.axhline(cals[-1]["memcpy_gbps"], color="k", ls="--", lw=1,
                    label=f"memcpy {cals[-1]['memcpy_gbps']:.1f} GB/s (roofline)")
     ax.set(xscale="log", xlabel="message size (bytes)", ylabel="busbw (GB/s)",
-           title=f"all-reduce bus bandwidth, P={P}")
+           title=f"all-reduce bus bandwidth, P={P}, {rows[0]['dtype']}")
     ax.legend(fontsize=8)
     return save(fig, out_dir, "busbw_vs_size")
 
@@ -103,10 +134,13 @@ def strategy_breakdown(records, out_dir):
     # plain data-parallel runs only: grid runs (ZeRO, pipeline) have plots (d) and (e)
     runs = {k: v for k, v in train_steps(records).items()
             if "straggler" not in k[0] and not on_grid(v[0])}
+    runs = one_comparison(runs, model_of, lambda k, c: k[0])
     if not runs:
         return None
+    labels = labels_of(runs)
     names, compute, comm, idle, rate = [], [], [], [], []
-    for (name, _), steps in sorted(runs.items()):
+    for run_key, steps in sorted(runs.items(), key=lambda kv: labels[kv[0]]):
+        name = labels[run_key]
         timed = [s for s in steps if s["step"] > 0] or steps      # step 0 warms up
         mean = lambda key: sum(s[key] for s in timed) / len(timed)  # noqa: E731
         names.append(name)
@@ -120,7 +154,7 @@ def strategy_breakdown(records, out_dir):
         rate.append(batch * len(slowest) / sum(slowest.values()))
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.8))
     a1.bar(names, rate, color="tab:gray")
-    a1.set(ylabel="samples / s", title="throughput")
+    a1.set(ylabel="samples / s", title=f"throughput ({describe(steps[0]['config'])})")
     a2.bar(names, compute, label="compute")
     a2.bar(names, comm, bottom=compute, label="exposed comm")
     a2.bar(names, idle, bottom=[c + m for c, m in zip(compute, comm)], label="idle")
@@ -142,20 +176,19 @@ def scaling(records, out_dir, nbytes=None):
                       if len({r["world_size"] for r in rows if r["bytes"] == s}) >= 2)
     machine = fidelity.machine_of(records)
     fig, ax = plt.subplots(figsize=(8.4, 4.2))
-    for i, algo in enumerate(sorted({r["algo"] for r in rows})):
+    for i, variant in enumerate(sorted({r["variant"] for r in rows})):
         pts = sorted((r["world_size"], r["time_us"] / 1e3) for r in rows
-                     if r["algo"] == algo and r["bytes"] == n)
-        color = f"C{i}"
+                     if r["variant"] == variant and r["bytes"] == n)
+        first, color = next(r for r in rows if r["variant"] == variant), f"C{i}"
         ax.plot([p for p, _ in pts], [t for _, t in pts], "o", color=color,
-                label=f"{algo} measured")
-        if machine:
+                label=f"{variant} measured")
+        if machine and not variant.endswith(" over torch"):   # the model has MPI's alpha-beta
             ranks = sorted({p for p, _ in pts})
-            pred = [fidelity.predict({"command": "allreduce.bench", "op": "allreduce",
-                                      "algo": algo, "bytes": n, "world_size": p}, machine)
+            pred = [fidelity.predict({**first, "bytes": n, "world_size": p}, machine)
                     for p in ranks]
             if all(x is not None for x in pred):
                 ax.plot(ranks, [1e3 * x for x in pred], "-", color=color, alpha=0.6,
-                        label=f"{algo} predicted")
+                        label=f"{variant} predicted")
     ranks = sorted({r["world_size"] for r in rows})
     cores = machine.cores if machine else None
     if cores and ranks[-1] > cores:
@@ -172,28 +205,48 @@ def scaling(records, out_dir, nbytes=None):
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations")
 
 
+def zero_memory_data(records):
+    """(title, {stage: {part: bytes on the largest rank}}) of the ZeRO comparison, or None.
+    Only runs on data parallelism alone (pp = tp = 1: every rank holds the whole model,
+    so stage 0 holds 4Ψ bytes of fp32 parameters) of one model, world, optimizer and
+    micro-batching, that differ in the stage; a pipeline run is not a ZeRO-0 run."""
+    runs = defaultdict(list)
+    for r in records:
+        c = r.get("config", {})
+        if r.get("command") == "strategies.train" and r.get("kind") == "step" and \
+                isinstance(r.get("memory"), dict) and c.get("pp", 1) == 1 and c.get("tp", 1) == 1:
+            runs[r.get("point")].append(r)
+    runs = one_comparison(runs, lambda c: model_of(c, "optimizer", "micro_batches"),
+                          lambda k, c: c.get("zero", 0))
+    if not runs:
+        return None
+    by_stage = defaultdict(lambda: defaultdict(int))
+    for steps in runs.values():
+        for r in steps:
+            stage, memory = r["config"].get("zero", 0), r["memory"]
+            for part in MEMORY_PARTS:
+                value = memory.get(part, memory.get(f"{part}_peak", 0))
+                by_stage[stage][part] = max(by_stage[stage][part], value)
+    c = next(iter(runs.values()))[0]["config"]
+    return f"{describe(c)}, {c.get('optimizer', 'sgd')}", by_stage
+
+
 def zero_memory(records, out_dir):
     """(d) bytes per rank by ZeRO stage, stacked by part, from the `memory` dict that
     strategies.train writes in each step's record on the grid (--dp/--zero):
     params, grads, optimizer (measured from the tensors) and activations_peak."""
-    rows = [r for r in records if r.get("command") == "strategies.train"
-            and r.get("kind") == "step" and isinstance(r.get("memory"), dict)]
-    if not rows:
+    data = zero_memory_data(records)
+    if not data:
         return None
-    by_stage = defaultdict(lambda: defaultdict(list))
-    for r in rows:
-        stage = r.get("config", {}).get("zero", 0)
-        memory = r["memory"]
-        for part in MEMORY_PARTS:
-            by_stage[stage][part].append(memory.get(part, memory.get(f"{part}_peak", 0)))
+    title, by_stage = data
     stages = sorted(by_stage)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     bottom = [0.0] * len(stages)
     for part in MEMORY_PARTS:
-        mib = [max(by_stage[s][part] or [0]) / 2**20 for s in stages]
+        mib = [by_stage[s][part] / 2**20 for s in stages]
         ax.bar([f"ZeRO-{s}" for s in stages], mib, bottom=bottom, label=part)
         bottom = [b + m for b, m in zip(bottom, mib)]
-    ax.set(ylabel="MiB per rank (largest rank)", title="memory per rank by ZeRO stage")
+    ax.set(ylabel="MiB per rank (largest rank)", title=f"memory per rank by ZeRO stage\n{title}")
     ax.legend(fontsize=8)
     return save(fig, out_dir, "zero_memory")
 
@@ -247,10 +300,14 @@ def ps_consistency(records, out_dir):
     runs = {k: v for k, v in train_steps(records).items() if k[0].startswith(("ps/", "hybrid/"))}
     if any("straggler" in name for name, _ in runs):          # compare like with like
         runs = {k: v for k, v in runs.items() if "straggler" in k[0]}
+    runs = one_comparison(runs, lambda c: model_of(c, "straggler", "servers"),
+                          lambda k, c: k[0])
     if not runs:
         return None
+    labels = labels_of(runs)
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(13, 3.8))
-    for (name, _), steps in sorted(runs.items()):
+    for run_key, steps in sorted(runs.items(), key=lambda kv: labels[kv[0]]):
+        name = labels[run_key]
         by_step = defaultdict(list)
         for s in steps:
             by_step[s["step"]].append(s)
@@ -267,7 +324,8 @@ def ps_consistency(records, out_dir):
         stale = [s["staleness"] for s in steps if s.get("staleness") is not None]
         if stale:
             a3.hist(stale, bins=range(0, max(stale) + 2), alpha=0.5, label=name, align="left")
-    a1.set(xlabel="step", ylabel="global-batch loss", title="loss against step")
+    a1.set(xlabel="step", ylabel="global-batch loss",
+           title=f"loss against step ({describe(steps[0]['config'])})")
     a2.set(xlabel="wall-clock (s)", title="loss against time")
     a3.set(xlabel="staleness (steps)", ylabel="steps", title="staleness of pulled parameters")
     for ax in (a1, a2, a3):

@@ -17,7 +17,7 @@ import shutil
 from collections import Counter
 
 from . import fidelity, plots, simulate
-from .records import load, read_jsonl
+from .records import load, model_of, one_comparison, read_jsonl
 
 FIGURES = [  # (function, title, what produces its records)
     (plots.busbw_vs_size, "(a) all-reduce busbw against message size",
@@ -38,15 +38,21 @@ FIGURES = [  # (function, title, what produces its records)
 
 
 def pipeline_traces(d, points):
-    """{"gpipe, m=4": Chrome-trace events} of the points that ran with trace = true."""
+    """{"gpipe, m=4": Chrome-trace events} of the pipeline points (pp > 1) that ran with
+    trace = true: of one model, pipeline depth and batch, the group with the most
+    schedules.  A traced data-parallel run has forward and backward spans too, but
+    no stages: it is not a pipeline schedule."""
+    traced = {p.get("point"): [p] for p in points if p.get("status") == "ok"
+              and p.get("config", {}).get("trace") and p.get("config", {}).get("pp", 1) > 1
+              and os.path.exists(os.path.join(d, "raw", f"{p.get('point')}.trace.json"))}
+    chosen = one_comparison(traced, lambda c: model_of(c, "pp", "tp", "zero"),
+                            lambda k, c: (c.get("schedule"), c.get("micro_batches", 1)))
     traces = {}
-    for p in points:
-        cfg = p.get("config", {})
-        path = os.path.join(d, "raw", f"{p.get('point')}.trace.json")
-        if p.get("status") == "ok" and cfg.get("trace") and os.path.exists(path):
-            with open(path) as f:
-                events = json.load(f).get("traceEvents", [])
-            traces[f"{cfg.get('schedule', '?')}, m={cfg.get('micro_batches', 1)}"] = events
+    for point, (p,) in chosen.items():
+        cfg = p["config"]
+        with open(os.path.join(d, "raw", f"{point}.trace.json")) as f:
+            events = json.load(f).get("traceEvents", [])
+        traces[f"{cfg.get('schedule', '?')}, m={cfg.get('micro_batches', 1)}"] = events
     return traces
 
 

@@ -1,4 +1,5 @@
 """Plots and the report from the records of a real (tiny) sweep; the lab-2 check on them."""
+import json
 import os
 import sys
 
@@ -125,13 +126,14 @@ command = "strategies.train"
 world_size = 2
 sync = "ring"
 dp = 2
-zero = 3
+zero = [0, 3]
 model = "mlp"
-width = 64
+width = 16
 optimizer = "adam"
 lr = 0.01
 global_batch = 16
 steps = 2
+trace = true
 
 [[run]]
 command = "strategies.train"
@@ -161,3 +163,21 @@ def test_grid_runs_feed_the_zero_memory_and_pipeline_figures(tmp_path):
     md = open(out / "report.md").read()
     for name in ("zero_memory", "pipeline_gantt"):
         assert f"plots/{name}.png" in md and (out / "plots" / f"{name}.png").exists()
+    # The pipeline run (zero 0, a larger model, half of it per rank) is no ZeRO-0 run:
+    # the ZeRO-0 bar is the width-16 model's 4 bytes per parameter, exactly.
+    (panel,) = json.load(open(out / "plots" / "zero_memory.json"))
+    params = next(b for b in panel["bars"] if b["label"] == "params")
+    assert params["x"] == ["ZeRO-0", "ZeRO-3"]
+    psi = mlp_parameters(in_dim=32, width=16, depth=2, classes=10)
+    assert params["height"][0] * 2**20 == pytest.approx(4 * psi, rel=1e-9)
+    assert params["height"][1] * 2**20 < 4 * psi                  # ZeRO-3 keeps a shard
+    assert "mlp 2 x 16" in panel["title"]
+    # the traced ZeRO runs have forward and backward spans but no stages: not a schedule
+    gantt = json.load(open(out / "plots" / "pipeline_gantt.json"))
+    assert [panel["title"] for panel in gantt] == ["1f1b, m=2 (last step)"]
+
+
+def mlp_parameters(in_dim, width, depth, classes):
+    """Ψ of strategies.models.MLP: `depth` hidden Linear layers of `width`, then the head."""
+    dims = [in_dim] + [width] * depth + [classes]
+    return sum(a * b + b for a, b in zip(dims[:-1], dims[1:]))
