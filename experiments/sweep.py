@@ -19,7 +19,8 @@ A sweep file has a [sweep] table and one [[run]] table per command:
     iters = 10
 
 A list is an axis (the points are the product of all axes) except for the keys
-a command takes as one comma-separated list (experiments/sweepfile.py, SCHEMA).  Unknown keys and
+a command takes as one comma-separated list (experiments/sweepfile.py, SCHEMA).  Unknown keys,
+values of the wrong type, a name that is not a plain folder name, and
 impossible points (ranks that do not factor, a batch that does not split, link
 emulation of a baseline that cannot be slowed) are reported with their line
 and reason before anything runs.  Each point runs under mpiexec (psrv.bench and
