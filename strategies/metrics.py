@@ -5,6 +5,8 @@ Record kinds in --jsonl FILE (written by data-parallel rank 0 only):
     {"kind": "step", "step", "rank", "loss", "local_loss", "step_time_s", "compute_time_s",
      "comm_time_s", "bytes_sent", "bytes_received", "peak_mem_mb", "staleness"}   per rank
     {"kind": "summary", ...}
+Without --resume the file is emptied first (one run a file); with --resume the step
+records at or after the checkpoint's step are dropped (forget_steps_from), the rest kept.
 
 `loss` is the loss of the whole global batch: the mean of the ranks' local
 losses, each a mean over B/P samples, so it equals the one-process loss on B
