@@ -98,6 +98,11 @@ class TorchNative(Collective):
         from .torch_transport import TorchTransport
         if not isinstance(transport, TorchTransport):
             raise CollectiveError("the 'torch' baseline needs a torch transport")
+        if not transport.own_group:
+            raise CollectiveError(
+                f"the 'torch' baseline needs a transport with a process group of its own, not "
+                f"one split from another (ranks {transport.global_ranks}): make it with "
+                f"make_transport('torch', comm)")
         super().__init__(transport, **options)
         import torch.distributed as dist
         self.dist = dist

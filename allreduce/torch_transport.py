@@ -4,30 +4,34 @@ torch.distributed's world is always the whole launch: torchrun's ranks, or
 MPI.COMM_WORLD under mpiexec (world rank i is torch rank i).  Under torchrun the
 usual environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) initialises the
 process group.  Under mpiexec there is no such environment, so rank 0 picks a
-free port and tells the others over MPI: every rank of the launch must create
-the first torch transport (later ones only their members).
+free port and tells the others over MPI: every rank of the launch makes the
+first torch transport, as every rank makes each over part of the world.
 
 A transport over part of the world runs on a process group of its own:
 
     make_transport("torch")                   the whole world (the default group)
     make_transport("torch", comm)             an mpi4py communicator's ranks, in its rank order
-    make_transport("torch", [4, 6, 5])        these global ranks, in this order (torchrun:
-                                              every member passes the same list)
+    make_transport("torch", [4, 6, 5])        these global ranks, in this order (torchrun
+                                              without MPI: each rank passes its own group's list)
     make_transport("torch", process_group)    a torch ProcessGroup made elsewhere, as it is
 
-How a group is made (`group_of`).  torch's plain `new_group` must be entered by
+How groups are made (`make_groups`).  torch's `new_group` must be entered by
 every rank of the world, for every group, in the same order, members or not.
-The members of a communicator cannot ask that of the others: its parent may be
-COMM_WORLD (then every rank is splitting too) or only part of it (the workers
-of a parameter-server run, a node inside a hierarchical all-reduce on a
-sub-group), whose outsiders never call.  So groups are made with
-`use_local_synchronization=True`: only the members enter, and they meet in a
-rendezvous of their own, named after the member list.  That cannot deadlock
-here: the members enter right after a collective over exactly those members
-(or, for a communicator, right after making the transport, which all of them
-do at the same point), with nothing in between.  Each process makes a group
-once and keeps it by its member tuple, as torch keeps its groups: two
-transports over the same ranks share one group, so use them from one thread.
+So making the transport of a communicator is collective over the whole launch,
+as the communicators of a split are made together: every rank gathers every
+rank's member list over the world (gloo) and makes each distinct group, sorted,
+keeping it by its member tuple.  (`new_group(use_local_synchronization=True)`,
+entered by the members only, names a group after its ranks and the number of
+groups the process already has, which differs from member to member when they
+belong to different earlier groups: its rendezvous then never meets.)
+
+A transport split from another (`split`, as the hierarchical all-reduce does
+on its own ranks, whatever the rest of the world does) cannot make a group of
+its own.  It needs none: its messages travel on its parent's group, between
+global ranks, and its colours and barrier are exchanged with messages too.  It
+shares the parent's channel, so the two are used one after the other (as the
+hierarchical all-reduce does), not from two threads; the torch baseline's
+collectives need a transport with a group of its own.
 """
 import atexit
 import inspect
@@ -104,6 +108,7 @@ def init_torch_distributed(comm=None, backend=None, timeout=None):
     destroy_at_exit()
 
 
+SPLIT_TAG = 7927     # the colours of a split and a split's barrier (allreduce.check: 7919)
 _exit = {"registered": False, "crashed": False}
 
 
@@ -143,36 +148,43 @@ def local_rank(comm=None):
     return rank
 
 
-# member tuple (global ranks, in group-rank order) -> ProcessGroup; torch keeps
-# every group for the life of the process as well (see the module docstring)
+# member tuple (global ranks, in group-rank order) -> ProcessGroup: every rank
+# makes every group, so every rank holds the same keys (torch keeps them too)
 _groups = {}
 
 
-def group_of(members, timeout=None):
-    """The process group of `members` (global ranks, group rank i = members[i]);
-    None for the whole world in order.  Every member calls it, nobody else."""
-    members = tuple(int(r) for r in members)
+def make_groups(members, timeout=None):
+    """The process group of `members` (global ranks; group rank i is members[i]),
+    None for the whole world in order.  Collective over the world: every rank
+    passes its own group's list, and every distinct group is made."""
     world, me = dist.get_world_size(), dist.get_rank()
-    if members == tuple(range(world)):
-        return None
-    if len(set(members)) != len(members) or not all(0 <= r < world for r in members):
-        raise CollectiveError(f"a torch group needs distinct ranks of the world "
-                              f"(0..{world - 1}), got {list(members)}")
-    if me not in members:
-        raise CollectiveError(f"rank {me} asked for the group of ranks {list(members)}, "
-                              "which it is not one of: only members create a group")
-    if members not in _groups:
-        options = {}
-        if list(members) != sorted(members):      # keep the communicator's rank order
-            if "sort_ranks" not in inspect.signature(dist.new_group).parameters:
-                raise CollectiveError(
-                    f"ranks {list(members)} are not in world order, and this torch "
-                    f"({torch.__version__}) sorts a group's ranks: split with key=world rank")
-            options["sort_ranks"] = False
-        seconds = default_timeout() if timeout is None else float(timeout)
-        _groups[members] = dist.new_group(list(members), timeout=timedelta(seconds=seconds),
-                                          use_local_synchronization=True, **options)
-    return _groups[members]
+    seconds = default_timeout() if timeout is None else float(timeout)
+    row = torch.full((world,), -1, dtype=torch.int64)
+    row[:len(members)] = torch.tensor([int(r) for r in members][:world], dtype=torch.int64)
+    rows = [torch.empty_like(row) for _ in range(world)]
+    try:
+        dist.all_gather(rows, row, async_op=True).wait(timeout=timedelta(seconds=seconds))
+    except RuntimeError as e:
+        raise CollectiveError(
+            f"rank {me}: a torch transport over part of the world is made by all {world} "
+            f"ranks of the launch together; not all came within {seconds:g} s ({e})") from None
+    lists = [tuple(r for r in row.tolist() if r >= 0) for row in rows]
+    for rank, ranks in enumerate(lists):            # the same answer on every rank
+        if rank not in ranks or len(set(ranks)) != len(ranks) or len(ranks) > world:
+            raise CollectiveError(f"rank {rank} asked for a torch group of ranks {list(ranks)}: "
+                                  f"a group is distinct ranks of the world, its own among them")
+    for ranks in sorted(set(lists) - {tuple(range(world))}):
+        if ranks not in _groups:
+            options = {}
+            if list(ranks) != sorted(ranks):        # keep the communicator's rank order
+                if "sort_ranks" not in inspect.signature(dist.new_group).parameters:
+                    raise CollectiveError(
+                        f"ranks {list(ranks)} are not in world order, and this torch "
+                        f"({torch.__version__}) sorts a group's ranks: split with key=world rank")
+                options["sort_ranks"] = False
+            _groups[ranks] = dist.new_group(list(ranks), timeout=timedelta(seconds=seconds),
+                                            **options)
+    return _groups.get(lists[me])
 
 
 def group_for(where=None, timeout=None):
@@ -181,7 +193,7 @@ def group_for(where=None, timeout=None):
     if where is None or isinstance(where, dist.ProcessGroup):
         return where
     if isinstance(where, (list, tuple, range)):
-        return group_of(where, timeout)
+        return make_groups(where, timeout)
     from mpi4py import MPI
     if not isinstance(where, MPI.Comm):
         raise CollectiveError(f"a torch transport runs over None, an mpi4py communicator, a "
@@ -189,7 +201,7 @@ def group_for(where=None, timeout=None):
     # The communicator's ranks in COMM_WORLD (= torch's ranks), in its own rank order.
     members = MPI.Group.Translate_ranks(where.Get_group(), list(range(where.size)),
                                         MPI.COMM_WORLD.Get_group())
-    return group_of(members, timeout)
+    return make_groups(members, timeout)
 
 
 def _as_tensor(buf):
@@ -203,35 +215,49 @@ class _Done:
         return True
 
 
-class _Batched:
-    """A CUDA send or receive held until the next wait, then posted in one batch."""
+class _Batch:
+    """Held sends and receives, posted together (`TorchTransport.holds`).  Waiting
+    for one of them waits for the whole batch, once: gloo's receive, waited for a
+    second time, waits for another message."""
 
-    def __init__(self):
-        self.works = None
+    def __init__(self, works):
+        self.works = works
 
     def wait(self, timeout=None):
-        for work in self.works:
-            work.wait(timeout=timeout)
+        while self.works:
+            self.works[0].wait(timeout=timeout)
+            self.works.pop(0)
         return True
 
 
-class TorchTransport(Transport):
-    """torch.distributed point-to-point over a process group (None: the world)."""
+class _Held:
+    """The request of a held message: its batch, once posted."""
+    batch = None
 
-    def __init__(self, group=None, timeout=None, traffic=None):
+    def wait(self, timeout=None):
+        return self.batch.wait(timeout)
+
+
+class TorchTransport(Transport):
+    """torch.distributed point-to-point among `members` (global ranks, in rank
+    order; default: the group's own), over a process group (None: the world)."""
+
+    def __init__(self, group=None, timeout=None, traffic=None, members=None):
         super().__init__(timeout, traffic)
         self.group = group
-        self.rank = dist.get_rank(group)
-        if self.rank < 0:
+        if group is not None and dist.get_rank(group) < 0:
             raise CollectiveError(f"rank {dist.get_rank()} is not a member of the process "
                                   f"group it was given")
-        self.size = dist.get_world_size(group)
-        self.global_ranks = [dist.get_global_rank(group, r) if group is not None else r
-                             for r in range(self.size)]
+        group_ranks = [dist.get_global_rank(group, r) if group is not None else r
+                       for r in range(dist.get_world_size(group))]
+        self.global_ranks = group_ranks if members is None else [int(r) for r in members]
+        self.own_group = self.global_ranks == group_ranks    # False for a split: see above
+        self.rank = self.global_ranks.index(dist.get_rank())
+        self.size = len(self.global_ranks)
         # NCCL moves CUDA tensors; with gloo alone they must travel through host memory.
         self.takes_cuda = "nccl" in str(dist.get_backend(group)).lower()
         self._held = []
-        if self.takes_cuda:
+        if self.takes_cuda and self.own_group:
             # NCCL makes a group's communicator at its first CUDA call, which every
             # member must join; a batch of sends and receives need not involve all.
             warm = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
@@ -249,23 +275,27 @@ class TorchTransport(Transport):
         if nbytes(buf) == 0:  # gloo rejects empty messages; the peer skips them too
             return Handle(self, _Done(), peer)
         tensor = _as_tensor(buf)
-        if tensor.is_cuda:
-            # NCCL runs one pair's sends and receives in order on one stream: a
-            # receive posted before the matching send on both ranks deadlocks.
-            # Held and posted together in one group (batch_isend_irecv ->
-            # ncclGroupStart/End), they progress together.
-            request = _Batched()
+        if self.holds(tensor):
+            request = _Held()
             self._held.append((dist.P2POp(op, tensor, self.global_ranks[peer], self.group, tag),
                                request))
             return Handle(self, request, peer)
         return Handle(self, op(tensor, self.global_ranks[peer], group=self.group, tag=tag), peer)
 
+    def holds(self, tensor):
+        """Whether a message waits for the next wait, to be posted with the others
+        held by then in one batch.  CUDA ones do: NCCL runs one pair's sends and
+        receives in order on one stream, so a receive posted before the matching
+        send on both ranks deadlocks; posted together in one group
+        (batch_isend_irecv -> ncclGroupStart/End), they progress together."""
+        return tensor.is_cuda
+
     def _post_held(self):
         if self._held:
             held, self._held = self._held, []
-            works = dist.batch_isend_irecv([op for op, _ in held])
+            batch = _Batch(dist.batch_isend_irecv([op for op, _ in held]))
             for _, request in held:
-                request.works = works
+                request.batch = batch
 
     def _wait_all(self, handles):
         self._post_held()
@@ -285,17 +315,33 @@ class TorchTransport(Transport):
                                    f"talking to rank {peer}: {e}") from None
 
     def barrier(self):
+        if not self.own_group:
+            self._allgather_int(0)
+            return
         work = dist.barrier(group=self.group, async_op=True)
         self._wait_all([Handle(self, work, -1)])
 
     def split(self, color):
-        """A transport over this group's ranks of the same colour, in this group's order."""
-        colors = torch.zeros(self.size, dtype=torch.int64)
-        colors[self.rank] = color
-        self._wait_all([Handle(self, dist.all_reduce(colors, group=self.group, async_op=True),
-                               -1)])
+        """A transport over this transport's ranks of the same colour, in this order,
+        on the same group (see the module docstring): only these ranks call it."""
+        colors = self._allgather_int(color)
         members = [self.global_ranks[r] for r in range(self.size) if colors[r] == color]
-        return TorchTransport(group_of(members, self.timeout), self.timeout, self.traffic)
+        return type(self)(self.group, self.timeout, self.traffic, members)
+
+    def _allgather_int(self, value):
+        """Every rank's `value`, by messages (rank 0 gathers, then tells everyone), so
+        that it works among any members of a group; the bytes are not counted."""
+        table = np.zeros(self.size, dtype=np.int64)
+        table[self.rank] = value
+        before = self.traffic.sent, self.traffic.received
+        if self.rank == 0:
+            self.wait_all([self.irecv(table[r:r + 1], r, SPLIT_TAG) for r in range(1, self.size)])
+            self.wait_all([self.isend(table, r, SPLIT_TAG) for r in range(1, self.size)])
+        else:
+            self.send(table[self.rank:self.rank + 1], 0, SPLIT_TAG)
+            self.recv(table, 0, SPLIT_TAG)
+        self.traffic.sent, self.traffic.received = before
+        return table.tolist()
 
     def world_rank(self, rank):
         return self.global_ranks[rank] if rank >= 0 else rank

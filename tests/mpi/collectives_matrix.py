@@ -10,6 +10,9 @@ and tree over torch.distributed.  Two optional keys:
            "reversed"  all ranks in reverse order (rank r is world rank P-1-r)
   "device": "cuda"     torch inputs live on the GPU; an MPI transport moves them
                        through host memory (allreduce.host_staged), NCCL directly
+  "hold": true         (torch transport) every message is held until the next wait
+                       and posted in one batch, as CUDA ones are for NCCL: the
+                       holding checked on gloo, without a GPU
 
 Inputs depend on rank and position (sin(0.37 i + 1.3 r)), never all ones, so a
 chunk in the wrong place or from the wrong rank shows.  Every rank computes
@@ -29,6 +32,7 @@ from mpi4py import MPI
 
 import allreduce
 from allreduce.buffers import CollectiveError
+from allreduce.torch_transport import TorchTransport
 
 world = MPI.COMM_WORLD
 SPECS = [{"algo": "ring"}, {"algo": "tree"}, {"algo": "halving_doubling"},
@@ -161,6 +165,11 @@ def check_algorithm(coll, comm, quick=False, device="cpu"):
     expect_error(f"{name} list", lambda: coll.allreduce([1, 2, 3]), "numpy array or a torch tensor")
 
 
+class HoldEveryMessage(TorchTransport):
+    def holds(self, tensor):
+        return True
+
+
 def communicator(split):
     if split == "parity":
         return world.Split(world.rank % 2, world.rank)
@@ -172,11 +181,16 @@ def communicator(split):
 for spec in specs:
     comm = communicator(spec.get("split"))
     device = spec.get("device", "cpu")
-    coll = allreduce.create(spec["algo"], comm=comm, transport=spec.get("transport"),
+    transport = spec.get("transport")
+    if spec.get("hold"):
+        made = allreduce.make_transport("torch", comm)
+        transport = HoldEveryMessage(made.group, made.timeout)
+    coll = allreduce.create(spec["algo"], comm=comm, transport=transport,
                             **spec.get("options", {}))
     if device != "cpu":
         coll = allreduce.host_staged(coll)
     coll.label = spec["algo"] + (f"@{spec['transport']}" if spec.get("transport") else "") + (
+        " holding every message" if spec.get("hold") else "") + (
         f"{spec['options']}" if spec.get("options") else "") + (
         f" split={spec['split']} (world ranks {comm.allgather(world.rank)})"
         if spec.get("split") else "") + (f" on {device}" if device != "cpu" else "")
