@@ -78,7 +78,7 @@ def tear_down(prefix=None):
     removed = []
     for p in sorted(prefixes):
         removed += net.destroy(p)
-    for name in ("state.json", "hostfile", "launcher.sh"):
+    for name in ("state.json", "hostfile", "launcher.sh", "hosts"):
         try:
             os.remove(os.path.join(run_dir(), name))
         except FileNotFoundError:

@@ -8,11 +8,14 @@ each host it runs `LAUNCHER [ssh options] HOST COMMAND...`, as it would run ssh;
 the launcher drops the options and runs COMMAND (hydra's proxy, which starts
 that host's ranks) inside HOST's namespace with a hostname of its own:
 
-    ip netns exec HOST unshare --uts sh -c "hostname HOST; exec COMMAND"
+    ip netns exec HOST unshare --uts --mount sh -c \\
+        "mount --bind RUN_DIR/hosts /etc/hosts && hostname HOST && exec COMMAND"
 
 Two settings make the hosts real to MPICH:
   * a hostname per host (a UTS namespace): MPICH groups ranks into nodes by host
-    name, so without it every rank shares memory with every other one;
+    name, so without it every rank shares memory with every other one (and the
+    hosts file makes each name resolve to its host's address, as on a real
+    cluster: parameter servers advertise tcp://HOSTNAME:PORT);
   * MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp: UCX, MPICH's default network module,
     finds the other namespaces' ranks through shared memory and would bypass the
     links.  With libfabric's TCP provider, ranks on one host use shared memory
@@ -58,6 +61,12 @@ def write_files(run_dir, layout, ranks_per_node):
     hostfile = os.path.join(run_dir, "hostfile")
     with open(hostfile, "w") as f:
         f.writelines(f"{layout.host(i)}:{ranks_per_node}\n" for i in range(layout.nodes))
+    # Name resolution, as a real cluster has it: the hosts file is bound over
+    # /etc/hosts in each host's own mount namespace (nothing in /etc changes).
+    hosts_file = os.path.join(run_dir, "hosts")
+    with open(hosts_file, "w") as f:
+        f.write("127.0.0.1 localhost\n::1 localhost\n")
+        f.writelines(f"{layout.address(i)} {layout.host(i)}\n" for i in range(layout.nodes))
     hosts = "|".join(layout.host(i) for i in range(layout.nodes))
     exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in rank_env(layout).items())
     launcher = os.path.join(run_dir, "launcher.sh")
@@ -69,7 +78,8 @@ while [ $# -gt 0 ]; do
 done
 host=$1; shift
 case "$host" in {hosts}) ;; *) echo "launcher.sh: $host is not a host of this cluster" >&2; exit 2 ;; esac
-{exports}exec ip netns exec "$host" unshare --uts sh -c "hostname $host && exec $*"
+{exports}exec ip netns exec "$host" unshare --uts --mount sh -c \\
+    "mount --bind {shlex.quote(hosts_file)} /etc/hosts && hostname $host && exec $*"
 """)
     os.chmod(launcher, 0o755)
     return hostfile, launcher
