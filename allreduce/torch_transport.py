@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .buffers import CollectiveError, as_bytes, is_tensor, nbytes
+from .buffers import CollectiveError, as_bytes, nbytes
 from .transport import Handle, MPITransport, Transport, TransportTimeout, default_timeout
 
 
@@ -349,7 +349,3 @@ class TorchTransport(Transport):
     def node_id(self):
         """Equal on ranks that share a host."""
         return zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
-
-
-def is_cuda(x):
-    return is_tensor(x) and x.device.type == "cuda"

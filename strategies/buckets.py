@@ -104,9 +104,10 @@ def plan_buckets(params, cap_bytes):
 
 class GradBuckets:
     """Owns the gradients of `params`; `reduce(flat_tensor)` is the collective
-    (in place, averaging over the data-parallel ranks).  It takes the buckets on
-    their device: for CUDA buckets over MPI it stages them through the host
-    itself (allreduce.host_staged), one staging for every user of a collective."""
+    (in place, averaging over the data-parallel ranks).  `reduce` takes the
+    buckets on their device: AllReduceSync gives it a collective made with
+    allreduce.host_staged, which carries CUDA buckets through pinned host memory
+    where MPI moves them, the one staging of every user of a collective."""
 
     def __init__(self, params, reduce, cap_bytes, compressor, overlap=True):
         params = [p for p in params if p.requires_grad]
