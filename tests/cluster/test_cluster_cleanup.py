@@ -73,7 +73,8 @@ def test_kill_9_mid_job_then_down_or_up_leaves_nothing_stale(own_cluster, then):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)],
+                         ids=["SIGTERM", "SIGINT"])
 def test_sigterm_or_ctrl_c_ends_the_job_and_tears_down(own_cluster, signum, code):
     cluster, pid_dir = own_cluster
     tool, ranks, mpiexec = start_sleeping_job(cluster, pid_dir)

@@ -72,3 +72,13 @@ def test_training_across_hosts_reproduces_one_process(cluster, tmp_path):
 def test_the_tool_exits_with_the_jobs_code(cluster):
     result = cluster.cli("run", "--", "tests/cluster/job.py", "exit", 3, timeout=50)
     assert result.returncode == 3, result.stderr[-2000:]
+
+
+@pytest.mark.timeout(60)
+def test_host_names_resolve_to_their_hosts_addresses(cluster):
+    # as on a real cluster: parameter servers advertise tcp://HOSTNAME:PORT
+    out = cluster.job("tests/cluster/job.py", "resolve", "tlt-h0,tlt-h1", timeout=50).stdout
+    lines = [line for line in out.splitlines() if line.startswith("tlt-h")]
+    own = lines[2::3]                 # each rank's own name, ranks 0..3
+    assert lines[0::3] == ["tlt-h0 10.77.9.1"] * 4 and lines[1::3] == ["tlt-h1 10.77.9.2"] * 4
+    assert own == ["tlt-h0 10.77.9.1"] * 2 + ["tlt-h1 10.77.9.2"] * 2
