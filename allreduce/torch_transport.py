@@ -159,8 +159,10 @@ def make_groups(members, timeout=None):
     passes its own group's list, and every distinct group is made."""
     world, me = dist.get_world_size(), dist.get_rank()
     seconds = default_timeout() if timeout is None else float(timeout)
-    row = torch.full((world,), -1, dtype=torch.int64)
-    row[:len(members)] = torch.tensor([int(r) for r in members][:world], dtype=torch.int64)
+    members = [int(r) for r in members]
+    row = torch.full((world + 1,), -1, dtype=torch.int64)    # [count, ranks..., -1 ...]
+    row[0] = len(members)
+    row[1:1 + min(len(members), world)] = torch.tensor(members[:world], dtype=torch.int64)
     rows = [torch.empty_like(row) for _ in range(world)]
     try:
         dist.all_gather(rows, row, async_op=True).wait(timeout=timedelta(seconds=seconds))
@@ -168,11 +170,13 @@ def make_groups(members, timeout=None):
         raise CollectiveError(
             f"rank {me}: a torch transport over part of the world is made by all {world} "
             f"ranks of the launch together; not all came within {seconds:g} s ({e})") from None
-    lists = [tuple(r for r in row.tolist() if r >= 0) for row in rows]
-    for rank, ranks in enumerate(lists):            # the same answer on every rank
-        if rank not in ranks or len(set(ranks)) != len(ranks) or len(ranks) > world:
+    lists = [tuple(row[1:1 + int(row[0])].tolist()) for row in rows]
+    for rank, (ranks, row) in enumerate(zip(lists, rows)):    # the same answer on every rank
+        if int(row[0]) > world or rank not in ranks or len(set(ranks)) != len(ranks) or \
+                not all(0 <= r < world for r in ranks):
             raise CollectiveError(f"rank {rank} asked for a torch group of ranks {list(ranks)}: "
-                                  f"a group is distinct ranks of the world, its own among them")
+                                  f"a group is distinct ranks of the world (0..{world - 1}), "
+                                  f"its own among them")
     for ranks in sorted(set(lists) - {tuple(range(world))}):
         if ranks not in _groups:
             options = {}

@@ -84,8 +84,10 @@ def test_a_group_made_by_some_ranks_only_ends_in_an_error_not_a_hang():
 
 @pytest.mark.timeout(200)
 def test_groups_given_as_rank_lists_under_torchrun():
-    """No MPI: each rank passes its own group's global ranks ([2, 0] and [1])."""
+    """No MPI: each rank passes its own group's global ranks ([2, 0] and [1]); a
+    list naming a rank that does not exist is refused on every rank."""
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "3",
            "tests/mpi/torchrun_groups.py"]
     result = check_ok(run(cmd, 180, mpi_env(OMP_NUM_THREADS=1)))
     assert result.stdout.count(" ok in group ") == 3
+    assert result.stdout.count(" refused a bad group") == 3

@@ -6,7 +6,8 @@ global ranks, each rank passing its own group's list.
 Ranks 0 and 2 form the group [2, 0] (out of world order: group rank 0 is world
 rank 2), rank 1 the group [1].  The ring, the tree split from it (hierarchical,
 one rank a node) and the torch baseline all-reduce and broadcast over the
-group only, against a reference computed locally.
+group only, against a reference computed locally.  Then every rank asks for a
+group with a rank that does not exist: every rank must refuse, naming it.
 """
 import os
 
@@ -36,3 +37,10 @@ for coll in colls:
     coll.broadcast(x, root=0)                     # group rank 0: world rank members[0]
     assert np.array_equal(x.numpy(), values(members[0])), coll
 print(f"rank {rank} ok in group {members}", flush=True)
+
+try:
+    allreduce.make_transport("torch", [rank, P])      # P is not a rank of the world
+    print(f"rank {rank} made a group with rank {P}", flush=True)
+except allreduce.CollectiveError as e:
+    assert f"ranks [0, {P}]" in str(e) and "distinct ranks of the world" in str(e), e
+    print(f"rank {rank} refused a bad group", flush=True)
