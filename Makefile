@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 NP     ?= 3
 
-.PHONY: venv demo test test-fast bench clean
+.PHONY: venv demo test test-fast bench clean cluster-test
 
 venv: $(VENV)/.installed
 
@@ -27,6 +27,11 @@ demo: venv
 
 test: venv
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q tests
+
+# Collectives and training across emulated hosts (network namespaces, shaped links);
+# needs root, skipped without it.  About 90 s.
+cluster-test: venv
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q tests/cluster
 
 bench: venv
 	mkdir -p results

@@ -12,9 +12,11 @@ between nodes, so cross the slow links as little as possible:
 Only one rank per node talks across nodes, each moving 2 (N-1)/N n for N
 nodes; the other ranks stay on the fast links.
 
-Nodes are real (ranks sharing memory: MPI_COMM_TYPE_SHARED) or emulated on one machine with
-`ranks_per_node=k` (ranks 0..k-1 form node 0, and so on).  A node's ranks must
-be consecutive, as mpiexec's default block placement makes them.
+Nodes are real (ranks sharing memory: MPI_COMM_TYPE_SHARED, which MPICH decides by
+host name, so hosts emulated by `python -m experiments.cluster` count as nodes too)
+or, for teaching on one machine, declared with `ranks_per_node=k` (ranks 0..k-1
+form node 0, and so on).  A node's ranks must be consecutive, as mpiexec's
+default block placement makes them.
 """
 import numpy as np
 

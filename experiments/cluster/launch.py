@@ -77,7 +77,10 @@ while [ $# -gt 0 ]; do
     case "$1" in -x|-q|-T|-n|-t) shift ;; -o|-p|-l|-i) shift 2 ;; *) break ;; esac
 done
 host=$1; shift
-case "$host" in {hosts}) ;; *) echo "launcher.sh: $host is not a host of this cluster" >&2; exit 2 ;; esac
+case "$host" in
+    {hosts}) ;;
+    *) echo "launcher.sh: $host is not a host of this cluster" >&2; exit 2 ;;
+esac
 {exports}exec ip netns exec "$host" unshare --uts --mount sh -c \\
     "mount --bind {shlex.quote(hosts_file)} /etc/hosts && hostname $host && exec $*"
 """)
