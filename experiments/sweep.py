@@ -19,33 +19,54 @@ A sweep file has a [sweep] table and one [[run]] table per command:
     iters = 10
 
 A list is an axis (the points are the product of all axes) except for the keys
-a command takes as one comma-separated list (experiments/sweepfile.py, SCHEMA).  Unknown keys,
-values of the wrong type, a name that is not a plain folder name, and
-impossible points (ranks that do not factor, a batch that does not split, link
-emulation of a baseline that cannot be slowed) are reported with their line
-and reason before anything runs.  Each point runs under mpiexec (psrv.bench and
-experiments.calibrate start their own processes) with a time limit; points
-already done are skipped, so an interrupted sweep resumes where it stopped; a
-point that crashes or times out is recorded as failed, with its log, and the
-sweep goes on.  The layout of the results directory is in experiments/records.py.
+a command takes as one comma-separated list (experiments/sweepfile.py, SCHEMA).
+
+Where the points run (experiments/launchers.py), in [sweep] or per [[run]]:
+
+    launcher = "local"              # the default: mpiexec -n P on this host
+    launcher = "hostfile:hosts"     # mpiexec -f hosts -n P (relative: beside this file)
+    launcher = "slurm"              # srun -n P --mpi=pmi2 (salloc first outside a job)
+    cluster = [{nodes = 2, ranks_per_node = 2, inter_gbps = 1},     # an axis of emulated
+               {nodes = 4, ranks_per_node = 1, inter_gbps = 10}]    # clusters (root)
+
+A point on an emulated cluster runs through `python -m experiments.cluster run`
+on a cluster of its own (world size = nodes x ranks_per_node); the bytes that
+crossed each host's link come back as records of kind "wire".  Its namespaces
+are named --cluster-prefix* (default ts-) in --cluster-subnet; one sweep at a
+time uses a prefix (a lock), and nothing with it is left after a point.
+
+Unknown keys, values of the wrong type, a name that is not a plain folder name,
+and impossible points (ranks that do not factor, a batch that does not split,
+link emulation of a baseline that cannot be slowed, a world size its cluster
+does not have) are reported with their line and reason before anything runs,
+and so is a launcher this machine lacks (srun, root for namespaces).  Each
+point runs under its launcher (psrv.bench and experiments.calibrate start their
+own processes, on this host) with a time limit; points already done are
+skipped, so an interrupted sweep resumes where it stopped; a point that crashes
+or times out is recorded as failed, with its log, and the sweep goes on.  The
+layout of the results directory is in experiments/records.py.
 
 Exit status: 0 when every point succeeded, 1 when any failed or timed out (the
 rest still ran), 2 when the file was rejected, 128 + the signal's number when
 SIGINT, SIGTERM or SIGHUP stopped the sweep.  A stopping signal kills the
 running point's whole process group (mpiexec and its ranks run in a session
-of their own, so the terminal's Ctrl-C never reaches them); the point is not
+of their own, so the terminal's Ctrl-C never reaches them; the emulated
+cluster's tool and srun get SIGTERM first, to tear down); the point is not
 recorded, and running the sweep again runs it.
 """
 import argparse
 import hashlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
 
-from .records import ROOT, append_jsonl, mpiexec_path, provenance, read_jsonl
+from . import launchers
+from .launchers import LAUNCH_KEYS, ClusterLock, ClusterPlace, describe_cluster
+from .records import ROOT, append_jsonl, provenance, read_jsonl
 from .sweepfile import SweepError, full_config, load_sweep, train_fields
 
 __all__ = ["SweepError", "load_sweep", "command_line", "point_id", "main"]
@@ -65,8 +86,9 @@ def trace_path(raw):
     return raw[:-len(".jsonl")] + ".trace.json"
 
 
-def command_line(command, p, raw):
-    """The argv of one point; its records go to `raw`."""
+def command_line(command, p, raw, place=None):
+    """The argv of one point; its records go to `raw`.  `place`: where an emulated
+    cluster lives (launchers.ClusterPlace; the default one when None)."""
     py = sys.executable
     if command == "psrv.bench":
         return [py, "-m", "psrv.bench", "--workers", str(p.get("workers", 1)), "--servers",
@@ -76,8 +98,9 @@ def command_line(command, p, raw):
         return [py, "-m", "experiments.calibrate", "--jsonl", raw, "--reps",
                 str(p.get("reps", 15))] + ([] if p.get("ps", True) else ["--no-ps"]) + (
                     ["--verify", ",".join(p["verify"])] if "verify" in p else [])
-    head = [mpiexec_path(), "-n", str(p.get("world_size", 1)), py, "-m", "mpi4py", "-m", command]
+    head = launchers.head(command, p, place)
     args = []
+    p = {k: v for k, v in p.items() if k not in LAUNCH_KEYS}
     if command == "allreduce.bench":
         for k, v in p.items():
             if k == "world_size":
@@ -103,27 +126,39 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class Stopper:
-    """The handler of the stopping signals: it kills the running point's process group
+    """The handler of the stopping signals: it ends the running point's process group
     at once and remembers the signal; the loop then stops between points.
 
-    The handler kills rather than raising into the loop so that no moment is
+    The handler acts rather than raising into the loop so that no moment is
     unguarded: a signal during Popen (the child exists, its pid is not yet known)
-    is caught by the check right after Popen returns."""
+    is caught by the check right after Popen returns.  A point with `grace_s`
+    (the emulated cluster's tool, which must remove its namespaces) gets SIGTERM
+    first and SIGKILL when it is still there `grace_s` later; others get SIGKILL."""
 
     def __init__(self):
         self.signum = None
         self.pgid = None
+        self.grace_s = 0.0
+        self.asked_at = None                # when SIGTERM went, if it did
 
     def __call__(self, signum, frame):
         self.signum = signum
         self.kill()
 
-    def kill(self):
-        if self.pgid is not None:
-            try:
-                os.killpg(self.pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    def kill(self, force=False):
+        if self.pgid is None:
+            return
+        gentle = self.grace_s > 0 and self.asked_at is None and not force
+        try:
+            os.killpg(self.pgid, signal.SIGTERM if gentle else signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if gentle:
+            self.asked_at = time.monotonic()
+
+    def overdue(self):
+        """Whether SIGTERM went more than grace_s ago (time for SIGKILL)."""
+        return self.asked_at is not None and time.monotonic() - self.asked_at > self.grace_s
 
     def install(self):
         """Handle the stopping signals; returns the previous handlers for `restore`."""
@@ -135,31 +170,41 @@ class Stopper:
             signal.signal(s, handler)
 
 
-def run_point(argv, log_path, timeout, stopper=None):
+def run_point(argv, log_path, timeout, stopper=None, env=None, grace_s=0.0):
     """(status, returncode, wall seconds); the whole process group dies on timeout or
-    when `stopper` caught a stopping signal (status "stopped")."""
+    when `stopper` caught a stopping signal (status "stopped"); with grace_s, it is
+    asked to end (SIGTERM) that long first.  `env`: more environment for the point."""
     stopper = stopper or Stopper()
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
-           "PYTHONUNBUFFERED": "1", "TOPOLAB_TIMEOUT": str(max(10, int(timeout)))}
+           "PYTHONUNBUFFERED": "1", "TOPOLAB_TIMEOUT": str(max(10, int(timeout))),
+           **(env or {})}
     start = time.monotonic()
     with open(log_path, "w") as log:
-        log.write("$ " + " ".join(argv) + "\n")
+        log.write("$ " + shlex.join(argv) + "\n")
         log.flush()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                 start_new_session=True)
-        stopper.pgid = proc.pid                 # its own session: pgid == pid
+        stopper.pgid, stopper.grace_s, stopper.asked_at = proc.pid, grace_s, None  # pgid == pid
+        timed_out = False
         try:
             if stopper.signum is not None:      # the signal came while Popen ran
                 stopper.kill()
-            rc = proc.wait(timeout)
-            status = "ok" if rc == 0 else "failed"
-        except subprocess.TimeoutExpired:
-            stopper.kill()
-            rc, status = proc.wait(), "timeout"
-            log.write(f"\n[sweep] killed after {timeout} s\n")
+            while True:
+                try:
+                    rc = proc.wait(0.25)
+                    break
+                except subprocess.TimeoutExpired:
+                    if not timed_out and time.monotonic() - start > timeout:
+                        timed_out = True
+                        stopper.kill()
+                    elif stopper.overdue():
+                        stopper.kill(force=True)
+            status = "timeout" if timed_out else "ok" if rc == 0 else "failed"
+            if timed_out:
+                log.write(f"\n[sweep] killed after {timeout} s\n")
         except BaseException:                   # anything else: no orphaned ranks either
-            stopper.kill()
+            stopper.kill(force=True)
             proc.wait()
             raise
         finally:
@@ -176,7 +221,12 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("file")
     ap.add_argument("--out", default="", help="results directory (default results/NAME)")
-    ap.add_argument("--dry-run", action="store_true", help="check the file, list the points")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="check the file, list the points and their command lines")
+    ap.add_argument("--cluster-prefix", default=ClusterPlace.prefix,
+                    help="of the emulated clusters' namespaces and links (launcher emulated)")
+    ap.add_argument("--cluster-subnet", default=ClusterPlace.subnet,
+                    help="private range of the emulated clusters' hosts")
     a = ap.parse_args(argv)
     try:
         settings, points = load_sweep(a.file)
@@ -184,21 +234,48 @@ def main(argv=None):
         print(f"sweep rejected, nothing was run:\n{e}", file=sys.stderr)
         return 2
     out = a.out or os.path.join("results", settings["name"])
+    place = ClusterPlace(a.cluster_prefix, a.cluster_subnet)
     if a.dry_run:
         for command, params, timeout, _ in points:
-            print(point_id(command, params), command, json.dumps(params))
+            pid = point_id(command, params)
+            print(pid, command, json.dumps(params))
+            raw = os.path.abspath(os.path.join(out, "raw", pid + ".jsonl"))
+            print("    $ " + shlex.join(command_line(command, params, raw, place)))
         return 0
+    missing = launchers.needs(points)
+    if missing:
+        print("sweep rejected, nothing was run:\n" + "\n".join(missing), file=sys.stderr)
+        return 2
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     os.makedirs(os.path.join(out, "raw"), exist_ok=True)
     stopper = Stopper()
     previous = stopper.install()
     try:
-        return run_points(settings, points, out, stopper)
+        return run_points(settings, points, out, stopper, place)
     finally:
         Stopper.restore(previous)
 
 
-def run_points(settings, points, out, stopper):
+# The cluster tool's own teardown after SIGTERM: namespaces, links, mpiexec (GRACE 5 s).
+CLUSTER_GRACE_S = 20.0
+
+
+def run_launched(params, argv, log, timeout, stopper, place=None):
+    """run_point for the point's launcher.  An emulated cluster's point holds the
+    place's lock, lets the cluster tool tear down on a timeout or a stop, and
+    leaves no namespace behind; srun and salloc pass SIGTERM on to the ranks."""
+    kind = params.get("launcher", "local").split(":")[0]
+    if kind != "emulated":
+        return run_point(argv, log, timeout, stopper, grace_s=5.0 if kind == "slurm" else 0.0)
+    place = place or ClusterPlace()
+    with ClusterLock(place, lambda: stopper.signum is not None):
+        try:
+            return run_point(argv, log, timeout, stopper, place.env(), CLUSTER_GRACE_S)
+        finally:
+            launchers.tear_down(place, log)
+
+
+def run_points(settings, points, out, stopper, place=None):
     """Run the points not done before; returns the exit status (see the module's doc)."""
     status_file = os.path.join(out, "points.jsonl")
     records_file = os.path.join(out, "records.jsonl")
@@ -209,7 +286,8 @@ def run_points(settings, points, out, stopper):
         if stopper.signum is not None:
             break
         pid = point_id(command, params)
-        shown = " ".join(f"{k}={v}" for k, v in params.items() if not isinstance(v, list))
+        shown = " ".join(f"{k}={describe_cluster(v) if k == 'cluster' else v}"
+                         for k, v in params.items() if not isinstance(v, list))
         if pid in done:
             print(f"[{i}/{len(points)}] {command} {shown}: done before, skipped", flush=True)
             continue
@@ -217,9 +295,12 @@ def run_points(settings, points, out, stopper):
         log = os.path.join(out, "logs", pid + ".log")
         if os.path.exists(raw):
             os.unlink(raw)                      # a half-written earlier attempt
-        argv_ = command_line(command, params, os.path.abspath(raw))
+        argv_ = command_line(command, params, os.path.abspath(raw), place)
         meta["loadavg"] = [round(x, 2) for x in os.getloadavg()]
-        status, rc, wall = run_point(argv_, log, timeout, stopper)
+        try:
+            status, rc, wall = run_launched(params, argv_, log, timeout, stopper, place)
+        except InterruptedError:                # stopped while waiting for the cluster
+            break
         if status == "stopped":
             break
         found = read_jsonl(raw)

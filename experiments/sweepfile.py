@@ -21,6 +21,7 @@ import os
 import re
 import tomllib
 
+from .launchers import LAUNCH_KEYS, describe_cluster, launch_params, launch_problem, resolve
 
 
 def train_fields():
@@ -38,7 +39,7 @@ SCHEMA = {
     "experiments.calibrate": {"reps": "scalar", "ps": "scalar", "verify": "list"},
     "strategies.train": None,     # TrainConfig's fields and world_size: all axes
 }
-RUN_KEYS = ("command", "timeout_s", "label")
+RUN_KEYS = ("command", "timeout_s", "label") + LAUNCH_KEYS   # launchers.py: where it runs
 
 
 class SweepError(ValueError):
@@ -111,7 +112,8 @@ def check_point(command, p):
                 return key, f"{key} must be a whole number >= 1, got {p.get(key)!r}"
     elif command == "strategies.train":
         from strategies.config import ConfigError, TrainConfig, dp_size_of
-        fields = {k: v for k, v in p.items() if k != "world_size"}   # TrainConfig checks the rest
+        fields = {k: v for k, v in p.items()                    # TrainConfig checks the rest
+                  if k != "world_size" and k not in LAUNCH_KEYS}
         if fields.get("trace"):
             fields["trace"] = "trace.json"       # a switch here; the sweep picks the path
         try:
@@ -158,8 +160,9 @@ def load_sweep(path):
         runs = []
     settings = {"name": os.path.splitext(os.path.basename(path))[0], "timeout_s": 300}
     for key, value in sweep.items():
-        if key not in settings:
-            bad("sweep", 0, key, f"unknown key {key!r} in [sweep]; known: name, timeout_s")
+        if key not in ("name", "timeout_s") + LAUNCH_KEYS:
+            bad("sweep", 0, key, f"unknown key {key!r} in [sweep]; known: name, timeout_s, "
+                                 f"{', '.join(LAUNCH_KEYS)}")
         settings[key] = value
     problem = name_problem(settings["name"])
     if problem:
@@ -196,16 +199,36 @@ def load_sweep(path):
         for k, kind in schema.items():
             if kind == "list" and k in run and not isinstance(run[k], list):
                 run[k] = [run[k]]
+        # the launch: the run's own launcher and cluster, else the sweep's; a run on
+        # this host or a hostfile's hosts has no cluster, whatever [sweep] names
+        where = {k: ("run", i) if k in run else ("sweep", 0) for k in LAUNCH_KEYS}
+        launcher = run.get("launcher", settings.get("launcher"))
+        here = isinstance(launcher, str) and launcher.startswith(("local", "hostfile:"))
+        cluster = run["cluster"] if "cluster" in run else None if here else settings.get("cluster")
+        try:
+            launcher, clusters = resolve(launcher, cluster, os.path.dirname(os.path.abspath(path)))
+        except ValueError as e:
+            key, reason = e.args[0]
+            bad(*where[key], key, reason)
+            continue
         for params in expand(run, schema):
-            problem = check_point(command, params)
+            problem = None
+            for cluster in clusters:
+                point = launch_params(command, params, launcher, cluster)
+                problem = launch_problem(command, point) or check_point(command, point)
+                if problem:
+                    shown = ", ".join(f"{k}={describe_cluster(v) if k == 'cluster' else v}"
+                                      for k, v in point.items()
+                                      if schema.get(k) == "axis" or k == "cluster")
+                    bad(*where.get(problem[0], ("run", i)), problem[0],
+                        f"impossible point ({shown}): {problem[1]}")
+                    break
+                points.append((command, point, run.get("timeout_s", settings["timeout_s"]),
+                               run.get("label", "")))
             if problem:
-                shown = ", ".join(f"{k}={v}" for k, v in params.items() if schema.get(k) == "axis")
-                bad("run", i, problem[0], f"impossible point ({shown}): {problem[1]}")
                 break
-            points.append((command, params, run.get("timeout_s", settings["timeout_s"]),
-                           run.get("label", "")))
-    if problems:
-        raise SweepError("\n".join(problems))
+    if problems:       # a wrong [sweep] launcher is wrong for every run: said once
+        raise SweepError("\n".join(dict.fromkeys(problems)))
     return settings, points
 
 
