@@ -44,7 +44,7 @@ collectives' large messages from them is a real test of the model (costmodel.py)
 
 CACHES.  Writing a cache line that the other core holds means invalidating its
 copy first, and on this VM that costs far more when its two vCPUs sit apart (a
-mode that comes and goes every minute or two, shared/ENVIRONMENT.md).  There,
+mode that comes and goes every minute or two).  There,
 with 512 KiB chunks: an exchange into a buffer nobody reads took 125 us, into
 one the peer had just read 190 us (and np.copyto into such a buffer 110 us
 against 22 us).  MPICH's single-copy path (CMA) writes straight into the
@@ -98,8 +98,8 @@ def fit_alpha_beta(nbytes, seconds):
 def fit_two_regimes(nbytes, seconds, split=LARGE):
     """alpha from the messages below `split`, beta from those at or above it.
     Why not one fit: caches make a byte cost about twice as much at 16 MiB as at
-    4 MiB here, so one line through 4 KiB..32 MiB misses both ends; the 15 %
-    target of issue 6 is about messages >= 1 MiB, so beta is fitted there."""
+    4 MiB here, so one line through 4 KiB..32 MiB misses both ends; the model's
+    fidelity target is about messages >= 1 MiB, so beta is fitted there."""
     small = [(b, t) for b, t in zip(nbytes, seconds) if b < split]
     large = [(b, t) for b, t in zip(nbytes, seconds) if b >= split]
     alpha, _ = fit_alpha_beta(*zip(*small)) if len(small) >= 2 else (0.0, 0.0)
@@ -172,7 +172,7 @@ def mpi_part(reps, verify=()):
         return seconds
 
     # Round-robin: every probe and every verified all-reduce once per round, so a
-    # machine that changes speed mid-run (shared/ENVIRONMENT.md) slows all alike.
+    # machine that changes speed mid-run slows all alike.
     for rnd in range(reps + 1):
         for n, (send, scratch, pair) in steps.items():
             timed(("rs", n), lambda: t.sendrecv(send, peer, scratch, peer), n,

@@ -2,7 +2,7 @@
 
     machine = machine_of(records)                  # from the sweep's calibration record
     rows = compare(records, machine)               # one row per benchmark record it can predict
-    summary(rows, algos=("ring", "psrv"), min_bytes=1 << 20)   # the issue's 15 % check
+    summary(rows, algos=("ring", "psrv"), min_bytes=1 << 20)   # the 15 % fidelity check
 
 Two sources of measurements: the sweep's benchmarks (taken minutes away from
 the calibration) and calibrate --verify's (taken in the same rounds as its
@@ -20,7 +20,7 @@ import statistics
 
 from . import costmodel
 
-TARGET = 0.15      # issue 6: within 15 % for ring and PS at >= 1 MiB
+TARGET = 0.15      # the model's target: within 15 % for ring and PS at >= 1 MiB
 SOURCES = ("interleaved", "sweep", "sweep, P > cores")
 OVERSUBSCRIBED = SOURCES[2]
 

@@ -16,7 +16,7 @@ Read in this order:
     checkpoint.py  atomic checkpoints and --resume
     train.py       the loop
     bench.py       interleaved throughput benchmark
-  issue 5, the dp x pp x tp grid (train.py hands over with --dp/--pp/--tp/--zero):
+  the dp x pp x tp grid (train.py hands over with --dp/--pp/--tp/--zero):
     grid.py        ProcessGrid: arange(world).reshape(dp, pp, tp), a communicator per axis
     zero.py        ZeRO stages 0-3 over the dp axis, layer by layer
     tensor_parallel.py  Megatron's f and g, column/row-parallel linears, split heads

@@ -2,13 +2,13 @@
 
 Same model, same global batch, same P, one launch: every method builds its own
 replica, then rounds run the methods in turn (A B C A B C ...), because this
-VM's speed drifts minute to minute (shared/ENVIRONMENT.md); the table gives
+VM's speed drifts minute to minute; the table gives
 each method's median over rounds and its ratio to DDP measured in the same rounds.
 
 One process (nothing to synchronise; a sanity check of the harness):
     python -m strategies.bench --syncs local --width 256 --rounds 2
 
-Two processes, the communication-heavy MLP of issue 4 (~21M parameters, 84 MB of gradients):
+Two processes, the communication-heavy MLP (~21M parameters, 84 MB of gradients):
     mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.bench \\
         --syncs ring,ring:no-overlap,mpi,torch,ddp --model mlp --width 2048 --depth 6 \\
         --global-batch 32 --bucket-mb 25 --rounds 5 --steps-per-round 5 --jsonl bench.jsonl

@@ -1,4 +1,4 @@
-"""Fidelity figures of issue 5: ZeRO memory and traffic, pipeline bubbles, ZeRO-3 speed.
+"""Fidelity figures of the grid: ZeRO memory and traffic, pipeline bubbles, ZeRO-3 speed.
 
     mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.bench_parallel --part zero
     mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.bench_parallel --part pipeline
@@ -86,7 +86,7 @@ def zero_part(world, directory, rounds, n_steps):
         row["over_dp"] = row["median_step_s"] / base
         row["over_plain"] = row["median_step_s"] / plain
     print(f"ZeRO, fp32 Adam, Ψ = {psi:,.0f} parameters, N = {N} "
-          f"(plain = the issue-4 worker's bucketed, overlapped ring: "
+          f"(plain = the data-parallel worker's bucketed, overlapped ring: "
           f"{1000 * statistics.median(times['plain']):.1f} ms/step)")
     print(f"{'stage':>5} {'measured B':>12} {'formula B':>12} {'ratio':>6} {'sent B/step':>12} "
           f"{'theory B':>12} {'ratio':>6} {'gathered':>9} {'step ms':>8} {'/ stage 0':>9} "

@@ -121,7 +121,7 @@ def train(argv=None):
     """Train as the flags say; returns the run's summary on the writing rank, else None."""
     started = time.perf_counter()
     cfg, ctx, device, data, model, state = prepare(argv)
-    if cfg.on_grid:                                # ZeRO, pipeline, tensor parallel (issue 5)
+    if cfg.on_grid:                                # ZeRO, pipeline, tensor parallel
         return parallel.run(cfg, ctx, data, device)
     if cfg.sync in PS_SYNCS:
         role = ctx.attach_ps_role(cfg)

@@ -2,7 +2,7 @@
 
     python -m experiments.labs.check_answers grid my_grid.py
 
-The layout (the one torchtitan and Megatron-LM use, and issue 5 fixes):
+The layout (the one torchtitan and Megatron-LM use, and strategies/grid.py builds):
 
     grid = np.arange(world).reshape(dp, pp, tp)    # tp varies fastest
 
@@ -24,5 +24,5 @@ def coords_of(rank, dp, pp, tp):
 def group_of(rank, axis, dp, pp, tp):
     """The ranks that share every coordinate with `rank` except `axis`
     ('dp', 'pp' or 'tp'): the sub-communicator of that axis.  (Not checked;
-    compare with your neighbour's answer, then with issue 5's grid.)"""
+    compare with your neighbour's answer, then with strategies/grid.py.)"""
     raise NotImplementedError("TODO")
