@@ -84,6 +84,7 @@ class Client:
         # to the server, which ties a worker id to the connection that registered it
         self._socks = [self._socket(i, b"w" + os.urandom(15)) for i in range(len(self.endpoints))]
         self._monitors = [auth.watch_handshakes(s) for s in self._socks] if keys else None
+        self._refused = {}                                  # server -> why it refused us
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, args=(heartbeat_interval,), daemon=True)
         self._beat.start()
@@ -152,7 +153,12 @@ class Client:
         self.closed = True
         self._stop.set()
         op, extras = (P.Op.BYE, []) if error is None else (P.Op.ABORT, [str(error).encode()[:P.MAX_TEXT]])
-        byes = [self._send(s, op, [], [], extras, None) for s in range(len(self.endpoints))]
+        byes = []
+        for s in sorted(set(range(len(self.endpoints))) - set(self._refused)):
+            try:
+                byes.append(self._send(s, op, [], [], extras, None, zmq.NOBLOCK))
+            except PSError:
+                pass             # nothing queued to that server: it cannot be told
         deadline = time.monotonic() + min(self.timeout, 5.0)     # one deadline for all
         for server, request, op, _ in byes:
             try:
@@ -227,10 +233,17 @@ class Client:
             payload += parts
         return entries, payload
 
-    def _send(self, server, op, entries, payload, extras, out):
+    def _send(self, server, op, entries, payload, extras, out, flags=0):
         request = next(self._ids)
         frames = P.encode(op, self.worker_id, request, entries, extras, payload)
-        self._socks[server].send_multipart(frames, copy=False)
+        deadline = time.monotonic() + self.timeout
+        while True:     # never a blocking send: a DEALER with no peer (refused, dead) blocks
+            try:
+                self._socks[server].send_multipart(frames, zmq.NOBLOCK, copy=False)
+                break
+            except zmq.Again:
+                self._wait(server, zmq.POLLOUT, time.monotonic() if flags else deadline,
+                           f"took no {op.name}")
         self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
         return (server, request, op, out)
 
@@ -238,29 +251,37 @@ class Client:
         s, request, _, _ = self._send(server, op, [], [], [], None)
         return self._receive(s, request, time.monotonic() + (timeout or self.timeout), op)
 
+    def _wait(self, server, event, deadline, what):
+        """Until the socket is ready for event (POLLIN, POLLOUT); PSError at the deadline,
+        or at once when the server refused our CURVE handshake."""
+        sock, monitor = self._socks[server], self._monitors and self._monitors[server]
+        poller = zmq.Poller()
+        poller.register(sock, event)
+        if monitor:
+            poller.register(monitor, zmq.POLLIN)
+        name = f"worker {self.worker_id}: server {server} ({self.endpoints[server]})"
+        while True:
+            left = deadline - time.monotonic()
+            ready = dict(poller.poll(max(left, 0) * 1000))
+            if monitor in ready:
+                failure = auth.handshake_failure(monitor)
+                if failure:
+                    self._refused[server] = failure
+            if server in self._refused:
+                raise PSError(f"{name} refused the CURVE handshake: {self._refused[server]}: is "
+                              f"this worker's public key in the server's key set, and the "
+                              f"server's public key the right one?")
+            if sock in ready:
+                return
+            if left <= 0:
+                raise PSError(f"{name} {what} within {self.timeout:g} s: is it alive?")
+
     def _receive(self, server, request, deadline, op):
         """The reply to `request` from `server`, or PSError at the deadline."""
         sock, stash = self._socks[server], self._stash[server]
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        if self._monitors:
-            poller.register(self._monitors[server], zmq.POLLIN)
         while request not in stash:
-            left = deadline - time.monotonic()
-            ready = dict(poller.poll(left * 1000)) if left > 0 else {}
-            if self._monitors and self._monitors[server] in ready:
-                failure = auth.handshake_failure(self._monitors[server])
-                if failure:
-                    raise PSError(f"worker {self.worker_id}: server {server} "
-                                  f"({self.endpoints[server]}) refused the CURVE handshake: "
-                                  f"{failure}: is this worker's public key in the server's key "
-                                  f"set, and the server's public key the right one?")
-            if sock not in ready:
-                if left > 0 and ready:
-                    continue
-                raise PSError(f"worker {self.worker_id}: server {server} ({self.endpoints[server]}) "
-                              f"sent no reply to {op.name} (request {request}) within "
-                              f"{self.timeout:g} s: is it alive?")
+            self._wait(server, zmq.POLLIN, deadline,
+                       f"sent no reply to {op.name} (request {request})")
             frames = sock.recv_multipart(copy=False)
             self.bytes_received += sum(len(f.buffer) for f in frames)
             try:
@@ -301,7 +322,10 @@ class Client:
         try:
             while not self._stop.wait(interval):
                 for s in socks:
-                    s.send_multipart(P.encode(P.Op.HEARTBEAT, self.worker_id, 0))
+                    try:
+                        s.send_multipart(P.encode(P.Op.HEARTBEAT, self.worker_id, 0), zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass     # no peer or a full queue: a missed heartbeat is no harm
         finally:
             for s in socks:
                 s.close()

@@ -26,10 +26,12 @@ worthless; the server's allow-list is its ZAP handler (RFC 27, auth.py).
 import argparse
 import glob
 import os
+import struct
 from dataclasses import dataclass
 
 import zmq
 import zmq.auth
+import zmq.utils.z85
 
 KEY_LENGTH = 40                          # a Z85-encoded 32-byte Curve25519 key
 
@@ -44,7 +46,7 @@ def check_key(key, what):
                          f"{' characters' if isinstance(key, (bytes, str)) else ''}")
     try:
         zmq.utils.z85.decode(key)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, struct.error):
         raise ValueError(f"{what}: not a Z85 key") from None
     return key
 
