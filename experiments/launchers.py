@@ -114,7 +114,9 @@ def resolve(launcher, cluster, base_dir="."):
 
 def describe_cluster(c):
     """'2 hosts x 2 ranks, 1 Gbit/s' (+ latency when there is some); no link for Slurm's."""
-    text = f"{c['nodes']} hosts x {c['ranks_per_node']} ranks"
+    def count(n, what):
+        return f"{n} {what}" + ("s" if n != 1 else "")
+    text = f"{count(c['nodes'], 'host')} x {count(c['ranks_per_node'], 'rank')}"
     if "inter_gbps" in c:
         text += f", {c['inter_gbps']:g} Gbit/s"
     return text + (f", {c['inter_latency_us']:g} us" if c.get("inter_latency_us") else "")

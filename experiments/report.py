@@ -8,6 +8,10 @@ Reads RESULTS_DIR/records.jsonl and points.jsonl (experiments.sweep writes them)
 fits nothing itself: predictions come from the sweep's calibration record
 (experiments.calibrate) through the cost model, shown beside the measurements
 with their error.  Also writes the simulation records it plots (simulation.jsonl).
+Points that ran on a cluster (experiments/launchers.py) have a section of their
+own: a busbw figure per cluster setting, the bytes on each host's link beside
+theory, and training per setting; figures (a)-(f) and the cost model's
+comparison are drawn from this host's points only.
 """
 import argparse
 import html
@@ -16,7 +20,7 @@ import os
 import shutil
 from collections import Counter
 
-from . import fidelity, plots, simulate
+from . import cluster_figures, fidelity, plots, simulate
 from .records import load, model_of, one_comparison, read_jsonl
 
 FIGURES = [  # (function, title, what produces its records)
@@ -164,6 +168,41 @@ def fidelity_blocks(records):
     return blocks
 
 
+def cluster_blocks(records, d):
+    """(blocks, PNG paths) of the points that ran on a cluster; nothing when none did."""
+    settings = cluster_figures.cluster_settings(records)
+    if not settings:
+        return [], []
+    blocks = [("h", 2, "Points on a cluster"),
+              ("p", "Each point ran on a cluster of its own: launcher \"emulated\" is "
+                    "network namespaces on this machine, each host's link shaped by tc "
+                    "(experiments/cluster); the dotted line is that link's rate, which the "
+                    "ring's busbw cannot pass.")]
+    written = []
+    for setting in settings:
+        path = cluster_figures.busbw_on_cluster(records, os.path.join(d, "plots"), setting)
+        if path:
+            written.append(path)
+            blocks.append(("img", os.path.relpath(path, d),
+                           f"busbw, {cluster_figures.setting_name(setting)}"))
+    blocks.append(("h", 3, "Bytes on each host's link, measured and in theory"))
+    blocks.append(("p", "Measured: the kernel's counters of each host's link during the point, "
+                        "less 66 bytes of TCP/IP headers a packet; MPI's own messages and the "
+                        "launcher's control traffic are in it. Theory: "
+                        "allreduce.theory.host_link_bytes for every all-reduce the bench ran "
+                        "(checked call, warm-up, timed iterations); none for mpi (its "
+                        "schedule is the library's) or training."))
+    blocks.append(("table", *cluster_figures.wire_table(records)))
+    head, rows = cluster_figures.training_table(records)
+    if rows:
+        blocks += [("h", 3, "Training on the clusters"), ("table", head, rows)]
+    predicted = cluster_figures.predicted_table(records)
+    if predicted:
+        blocks += [("h", 3, "All-reduce time on the clusters, measured and predicted"),
+                   ("table", *predicted)]
+    return blocks, written
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -175,7 +214,8 @@ def main(argv=None):
                                                   "docs/gallery, the README's pictures)")
     a = ap.parse_args(argv)
     d = a.results_dir
-    records, points = load(d), read_jsonl(os.path.join(d, "points.jsonl"))
+    everything, points = load(d), read_jsonl(os.path.join(d, "points.jsonl"))
+    records = [r for r in everything if not cluster_figures.on_cluster(r)]     # this host's
     sim_args = ["--ranks-per-node", str(a.cluster_ranks_per_node), "--inter-gbps",
                 str(a.inter_gbps), "--inter-latency-us", str(a.inter_latency_us)]
     sim_file = os.path.join(d, "simulation.jsonl")
@@ -185,23 +225,31 @@ def main(argv=None):
     _, cross = simulate.main(sim_args + ["--jsonl", sim_file])
     sim_records = read_jsonl(sim_file)
     blocks = [("h", 1, f"topolab report: {os.path.abspath(d)}")]
-    blocks += provenance_block(records, points)
+    blocks += provenance_block(everything, points)
     blocks.append(("h", 2, "Cost model: predicted beside measured"))
     blocks += fidelity_blocks(records)
     blocks.append(("h", 2, "Figures"))
     written = []
     traces = pipeline_traces(d, points)
+    cluster_only = len(records) == 0 < len(everything)
+    if cluster_only:
+        blocks.append(("p", "Figures (a)-(f) need points run on this host (launcher \"local\"); "
+                            "this sweep ran on clusters only: see Points on a cluster."))
     for fn, title, needs in FIGURES:
-        blocks.append(("h", 3, title))
         data = {plots.crossovers: sim_records, plots.pipeline_gantt: traces}.get(fn, records)
         path = fn(data, os.path.join(d, "plots"))
+        if path or not cluster_only:
+            blocks.append(("h", 3, title))
         if path:
             rel = os.path.relpath(path, d)
             written.append(path)
             blocks.append(("img", rel, title))
             blocks.append(("p", f"SVG: {rel[:-4]}.svg"))
-        else:
+        elif not cluster_only:
             blocks.append(("p", f"No figure: the records hold no data for it. Needs: {needs}."))
+    more, paths = cluster_blocks(everything, d)
+    blocks += more
+    written += paths
     blocks.append(("h", 2, "Simulated crossovers (cost model, not measured)"))
     blocks.append(("p", f"{a.cluster_ranks_per_node} ranks a node, NVLink-like 150 GB/s and "
                         f"2 us inside, {a.inter_gbps} GB/s and {a.inter_latency_us} us between "
