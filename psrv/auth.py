@@ -1,4 +1,4 @@
-"""CURVE on psrv's sockets: the server's ZAP allow-list, the client's options, what is local.
+"""Who may talk to a server: CURVE, the ZAP allow-list, worker ids bound to keys, what is local.
 
 A server with keys is a CURVE server (RFC 26): before any message reaches its
 ROUTER, libzmq completes a handshake in which the client proves it holds the
@@ -20,6 +20,8 @@ import logging
 import zmq
 import zmq.utils.z85
 from zmq.utils.monitor import recv_monitor_message
+
+from . import protocol as P
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"          # fixed by RFC 27
 ZAP_DOMAIN = b"psrv"
@@ -67,6 +69,78 @@ class ZapHandler:
         self.sock.close()
 
 
+class Listener:
+    """A server's ROUTER with its limits; with keys also its ZAP handler and a monitor
+    that logs failed handshakes.  Its own context: there is one ZAP endpoint per context."""
+
+    def __init__(self, bind, keys, name, linger_ms, hwm):
+        self.name, self.ctx = name, zmq.Context()
+        self.zap = self.monitor = None
+        if keys is not None:       # the handler first: without one libzmq admits any key
+            self.zap = ZapHandler(self.ctx, keys.clients, name)
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)   # libzmq drops larger frames
+        self.sock.setsockopt(zmq.RCVHWM, hwm)
+        self.sock.setsockopt(zmq.SNDHWM, hwm)
+        self.sock.setsockopt(zmq.LINGER, linger_ms)               # let the last replies leave
+        if keys is not None:
+            make_server(self.sock, keys)
+            self.monitor = watch_handshakes(self.sock)
+        host, _, port = bind.rpartition(":")
+        if port in ("0", "*"):
+            bind = f"{host}:{self.sock.bind_to_random_port(host)}"
+        else:
+            self.sock.bind(bind)
+        self.endpoint = bind
+
+    def sockets(self):
+        return [s for s in (self.sock, self.zap and self.zap.sock, self.monitor) if s is not None]
+
+    def service(self, sock):
+        """A ZAP request or a monitor event is waiting on sock."""
+        if self.zap is not None and sock is self.zap.sock:
+            return self.zap.handle()
+        for failure in handshake_failures(self.monitor):
+            log.warning("%s: refused a connection: handshake failed: %s", self.name, failure)
+
+    def close(self):
+        for s in (self.monitor, self.zap):
+            if s is not None:
+                s.close()
+        self.sock.close()
+        self.ctx.term()
+
+
+class Members:
+    """Who speaks for which worker id.  A connection (ROUTER identity) speaks for one
+    worker; a worker id belongs to the first client key (with CURVE: a key is a person)
+    or else the first request connection that used it.  Heartbeats come on a socket of
+    their own, so without keys they bind their connection but claim nothing."""
+
+    def __init__(self, by_key):
+        self.by_key = by_key
+        self.speaks_for = {}       # ROUTER identity -> worker id
+        self.owner = {}            # worker id -> client key (by_key) or identity
+        self.owned = {}            # and back
+
+    def bind(self, identity, user, worker, register):
+        """ValueError naming the conflict if this message may not speak for worker."""
+        bound = self.speaks_for.get(identity)
+        if bound is not None and bound != worker:
+            raise ValueError(f"this connection speaks for worker {bound}, not worker {worker}")
+        me = user if self.by_key else (identity if register else None)
+        if me is not None:
+            owner = self.owner.get(worker)
+            if owner is not None and owner != me:
+                raise ValueError(f"worker {worker} is already registered by another "
+                                 f"{'client key' if self.by_key else 'connection'}")
+            if self.owned.get(me, worker) != worker:
+                raise ValueError(f"this client is registered as worker {self.owned[me]}, "
+                                 f"not worker {worker}")
+            self.owner[worker], self.owned[me] = me, worker
+        self.speaks_for[identity] = worker
+
+
 def make_server(sock, keys):
     """Make sock a CURVE server with keys (a keys.ServerKeys)."""
     sock.curve_secretkey = keys.secret
@@ -87,19 +161,17 @@ def watch_handshakes(sock):
     return sock.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
 
 
-def handshake_failure(monitor):
-    """Read the monitor's pending events; -> text of the last failed handshake, or None."""
-    failure = None
+def handshake_failures(monitor):
+    """Read the monitor's pending events; -> the texts of the failed handshakes among them."""
+    failures = []
     while monitor.poll(0):
         event = recv_monitor_message(monitor)
         if event["event"] & HANDSHAKE_FAILED:
-            name = zmq.Event(event["event"]).name.lower()
-            detail = event["value"]
-            failure = (f"{name} (status {int(detail)})" if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                       else f"{name} ({getattr(detail, 'name', detail)})")
-        elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            failure = None
-    return failure
+            name, detail = zmq.Event(event["event"]).name.lower(), event["value"]
+            failures.append(f"{name} (status {int(detail)})"        # the ZAP status code, 400
+                            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                            else f"{name} ({getattr(detail, 'name', detail)})")
+    return failures
 
 
 def stop_watching(sock, monitor):

@@ -264,8 +264,7 @@ class Client:
             left = deadline - time.monotonic()
             ready = dict(poller.poll(max(left, 0) * 1000))
             if monitor in ready:
-                failure = auth.handshake_failure(monitor)
-                if failure:
+                for failure in auth.handshake_failures(monitor):
                     self._refused[server] = failure
             if server in self._refused:
                 raise PSError(f"{name} refused the CURVE handshake: {self._refused[server]}: is "

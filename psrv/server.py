@@ -51,7 +51,8 @@ MAX_WORKERS = 4096
 WORKER_OPS = {P.Op.INIT, P.Op.PUSH, P.Op.PULL, P.Op.PUSH_PULL, P.Op.HEARTBEAT, P.Op.BYE,
               P.Op.STATS, P.Op.CHECKPOINT, P.Op.ABORT}
 # Queued messages per connection, each way (libzmq's default, stated): a worker sends
-# about (its bytes on this shard) / message_bytes messages a step and gets as many replies.
+# about (its bytes on this shard) / message_bytes messages a step and gets as many replies
+# (a ROUTER drops replies beyond it).  Frames are at most protocol.MAX_FRAME_BYTES.
 HWM = 1000
 
 
@@ -83,39 +84,19 @@ class Server:
         self.pending = []          # (identity, op, request, worker, entries) held back
         self.last_seen = {}        # worker -> time of its last message
         self.joined, self.closed, self.dead = set(), set(), set()
-        self.speaks_for = {}       # ROUTER identity -> the worker id it speaks for
-        self.owner = {}            # worker id -> its client key (with keys) or identity
-        self.owned = {}            # and back
+        self.members = auth.Members(by_key=keys is not None)
         self.failure = None        # the error every request gets once a BSP run failed
         self.stop_signal = None
-        self.ctx = zmq.Context()   # our own: the ZAP endpoint is one per context
-        self.zap = self.monitor = None
-        if keys is not None:       # the handler first: without one libzmq admits any key
-            self.zap = auth.ZapHandler(self.ctx, keys.clients, f"shard {shard}")
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)   # libzmq drops larger frames
-        self.sock.setsockopt(zmq.RCVHWM, HWM)
-        self.sock.setsockopt(zmq.SNDHWM, HWM)
-        self.sock.setsockopt(zmq.LINGER, linger_ms)               # let the last replies leave
-        if keys is not None:
-            auth.make_server(self.sock, keys)
-            self.monitor = auth.watch_handshakes(self.sock)
-        host, _, port = bind.rpartition(":")
-        if port in ("0", "*"):
-            port = self.sock.bind_to_random_port(host)
-            bind = f"{host}:{port}"
-        else:
-            self.sock.bind(bind)
-        self.endpoint = bind
-        log.info("shard %d on %s: %s", shard, bind, f"CURVE, {len(keys.clients)} client keys"
-                 if keys else "no authentication (local only)")
+        self.listener = auth.Listener(bind, keys, f"shard {shard}", linger_ms, HWM)
+        self.sock, self.endpoint = self.listener.sock, self.listener.endpoint
+        log.info("shard %d on %s: %s", shard, self.endpoint, f"CURVE, {len(keys.clients)} "
+                 f"client keys" if keys else "no authentication (local only)")
 
     # -- the loop ----------------------------------------------------------------
     def serve(self):
         poller = zmq.Poller()
-        for s in (self.sock, self.zap and self.zap.sock, self.monitor):
-            if s is not None:
-                poller.register(s, zmq.POLLIN)
+        for s in self.listener.sockets():
+            poller.register(s, zmq.POLLIN)
         tick = min(0.1, self.worker_timeout / 4)
         restore = self._catch_signals()
         try:
@@ -125,19 +106,14 @@ class Server:
                         frames = self.sock.recv_multipart(copy=False)
                         user = frames[1].get("User-Id") if self.keys and len(frames) > 1 else None
                         self.handle(frames[0].bytes, frames[1:], user)
-                    elif self.zap is not None and s is self.zap.sock:
-                        self.zap.handle()
                     else:
-                        failure = auth.handshake_failure(self.monitor)
-                        if failure:
-                            log.warning("shard %d: refused a connection: handshake failed: %s",
-                                        self.shard_id, failure)
+                        self.listener.service(s)
                 self.check_workers()
         finally:
             restore()
         if self.stop_signal is not None:
             self.stop(signal.Signals(self.stop_signal).name)
-        self.close()
+        self.listener.close()
         log.info("shard %d done: workers closed %s, dead %s", self.shard_id,
                  sorted(self.closed), sorted(self.dead))
 
@@ -156,13 +132,6 @@ class Server:
         log.warning("shard %d: %s: %s", self.shard_id, why,
                     f"final checkpoint {path}" if path else "nothing to checkpoint")
         self.fail(f"shard {self.shard_id} was stopped by {why}")
-
-    def close(self):
-        for s in (self.monitor, self.zap):
-            if s is not None:
-                s.close()
-        self.sock.close()
-        self.ctx.term()
 
     def finished(self):
         s = self.store
@@ -187,30 +156,12 @@ class Server:
             self.reply_error(identity, request, f"internal error: {type(e).__name__}: {e}")
 
     # -- who is speaking -------------------------------------------------------------
-    def bind_worker(self, identity, user, worker, register):
-        """A connection speaks for one worker; a worker id belongs to one client key (with
-        keys) or one request connection (without).  ValueError if this breaks either."""
-        bound = self.speaks_for.get(identity)
-        if bound is not None and bound != worker:
-            raise ValueError(f"this connection speaks for worker {bound}, not worker {worker}")
-        me = user if self.keys else (identity if register else None)
-        if me is not None:
-            owner = self.owner.get(worker)
-            if owner is not None and owner != me:
-                raise ValueError(f"worker {worker} is already registered by another "
-                                 f"{'client key' if self.keys else 'connection'}")
-            if self.owned.get(me, worker) != worker:
-                raise ValueError(f"this client is registered as worker {self.owned[me]}, "
-                                 f"not worker {worker}")
-            self.owner[worker], self.owned[me] = me, worker
-        self.speaks_for[identity] = worker
-
     def heartbeat(self, identity, user, w):
         s = self.store
         if not s.configured or w >= s.num_workers or w in self.dead or w in self.closed:
             return
         try:
-            self.bind_worker(identity, user, w, register=False)
+            self.members.bind(identity, user, w, register=False)
         except ValueError as e:
             log.warning("shard %d: ignored a heartbeat for worker %d: %s", self.shard_id, w, e)
             return
@@ -221,7 +172,7 @@ class Server:
         s, w = self.store, msg.sender
         if w >= (s.num_workers if s.configured else MAX_WORKERS):
             raise ValueError(f"sender {w} is not a worker id (W={s.num_workers})")
-        self.bind_worker(identity, user, w, register=True)
+        self.members.bind(identity, user, w, register=True)
         if w in self.dead:
             raise ValueError(f"worker {w} was declared dead after {self.worker_timeout} s of silence")
         if w in self.closed and msg.op not in (P.Op.BYE, P.Op.ABORT):

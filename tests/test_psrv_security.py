@@ -151,7 +151,7 @@ def test_no_key_or_an_unknown_key_gets_nothing(keydir):
             assert sum(c.stats()["histogram"].values()) == len(c.placement.slices)
         assert servers.wait(30) == [0]
         log = servers.log(0)
-        assert "handshake failed: handshake_failed_protocol" in log           # the plain peer
+        assert "refused a connection: handshake failed: handshake_failed_" in log   # plain peer
         assert f"client key {public.decode()} is not in the key set" in log   # the stranger
 
 
