@@ -29,8 +29,6 @@ import os
 import sys
 import time
 
-from allreduce.records import append_jsonl
-
 from . import launch, net, wire
 
 DEFAULT_DIR = "/tmp/topolab-cluster"
@@ -178,6 +176,7 @@ def run_on(state, job, jsonl):
     wire.print_table(records, theory)
     jsonl = jsonl or jsonl_of(job)
     if jsonl:
+        from allreduce.records import append_jsonl        # imports torch: only after a job
         from experiments.records import provenance
         meta = provenance()
         append_jsonl(jsonl, [{**r, "provenance": meta} for r in records])
@@ -192,6 +191,10 @@ def cmd_run(a, job):
     if state is None:
         raise net.ClusterError(f"no cluster is up ({state_path()} missing): give --nodes, "
                                f"--ranks-per-node and --inter-gbps, or run `up` first")
+    running = state.get("mpiexec_pid")
+    if not own and running and launch.is_our_mpiexec(running):
+        raise net.ClusterError(f"a job is running on this cluster (mpiexec pid {running}); "
+                               f"wait for it, or `down` ends it")
     try:
         return run_on(state, job, a.jsonl)
     finally:
@@ -273,7 +276,9 @@ def main(argv=None):
         print(f"removed {', '.join(removed)}" if removed else "nothing was up")
         return 0
     except launch.Interrupted as e:
-        print(f"topolab-cluster: interrupted by {e}; torn down", file=sys.stderr)
+        done = ("torn down" if a.command == "up" else "job ended, cluster torn down"
+                if a.nodes is not None else "job ended, the cluster stays up")
+        print(f"topolab-cluster: interrupted by {e}; {done}", file=sys.stderr)
         return 128 + e.signum
     except net.ClusterError as e:
         print(f"topolab-cluster: error: {e}", file=sys.stderr)

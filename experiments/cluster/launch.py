@@ -32,9 +32,10 @@ import subprocess
 import sys
 import time
 
-from experiments.records import ROOT, mpiexec_path
-
 from .net import HOST_IF, ClusterError
+
+# The checkout the ranks import from (experiments/cluster/ is two levels below it).
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 NETMOD_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": HOST_IF,
               # torch.distributed: gloo would advertise the address of the host name,
@@ -90,6 +91,7 @@ esac
 
 def job_command(layout, ranks_per_node, hostfile, launcher, job):
     """mpiexec across the hosts, R ranks each in blocks; `job` is MODULE ARGS or SCRIPT.py ARGS."""
+    from experiments.records import mpiexec_path     # imports torch: only when a job runs
     target = [job[0]] if job[0].endswith(".py") else ["-m", job[0]]
     return [mpiexec_path(), "-f", hostfile, "-n", str(layout.nodes * ranks_per_node),
             "-launcher", "ssh", "-launcher-exec", launcher, "-iface", layout.bridge,
@@ -107,6 +109,8 @@ def signals_raise():
     """Inside: SIGINT, SIGTERM and SIGHUP raise Interrupted, so `finally` blocks
     (ending the job, tearing the cluster down) run before the tool exits."""
     def interrupt(signum, frame):
+        for s in previous:                  # a second Ctrl-C must not cut the teardown short
+            signal.signal(s, signal.SIG_IGN)
         raise Interrupted(signum)
     previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM,
                                                          signal.SIGHUP)}

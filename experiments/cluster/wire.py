@@ -14,8 +14,6 @@ for an allreduce.bench job the number of all-reduces is known from its flags
 """
 import sys
 
-from allreduce.theory import host_link_bytes
-
 FRAME_HEADER_BYTES = 14 + 20 + 32
 
 
@@ -48,6 +46,7 @@ def bench_theory(job_args, nodes, ranks_per_node):
     """Bytes each host should send across its link during an allreduce.bench job
     with these flags; None when some row has no formula (mpi, torch, other collectives)."""
     from allreduce.bench import parse_args     # the bench's own flags and defaults
+    from allreduce.theory import host_link_bytes
     args = parse_args(job_args)
     itemsize = 2 if args.dtype in ("float16", "bfloat16") else \
         {"float32": 4, "float64": 8, "int32": 4, "int64": 8}[args.dtype]

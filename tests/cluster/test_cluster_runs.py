@@ -2,6 +2,10 @@
 for the module; see conftest.py).  Ranks on one host share memory; ranks on two
 hosts talk TCP over a link shaped to 2 Gbit/s."""
 import json
+import os
+import signal
+import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -82,3 +86,24 @@ def test_host_names_resolve_to_their_hosts_addresses(cluster):
     own = lines[2::3]                 # each rank's own name, ranks 0..3
     assert lines[0::3] == ["tlt-h0 10.77.9.1"] * 4 and lines[1::3] == ["tlt-h1 10.77.9.2"] * 4
     assert own == ["tlt-h0 10.77.9.1"] * 2 + ["tlt-h1 10.77.9.2"] * 2
+
+
+@pytest.mark.timeout(90)
+def test_one_job_at_a_time_and_ctrl_c_leaves_an_up_cluster_up(cluster, tmp_path):
+    first = subprocess.Popen(cluster.command("run", "--", "tests/cluster/job.py", "sleep",
+                                             tmp_path), env=cluster.env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while len(os.listdir(tmp_path)) < 4:
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0]
+        time.sleep(0.2)
+    second = cluster.cli("run", "--", "tests/cluster/job.py", "exit", 0, timeout=50)
+    assert second.returncode == 2 and "a job is running on this cluster" in second.stderr
+    first.send_signal(signal.SIGINT)
+    out, _ = first.communicate(timeout=30)
+    assert first.returncode == 130 and "the cluster stays up" in out
+    assert sorted(cluster.leftovers()) == ["tlt-br", "tlt-h0", "tlt-h1", "tlt-v0", "tlt-v1"]
+    for host in ("tlt-h0", "tlt-h1"):                                 # the ranks are gone
+        assert not subprocess.run(["ip", "netns", "pids", host], capture_output=True,
+                                  text=True, timeout=10).stdout.split()
+    cluster.job("tests/cluster/job.py", "exit", 0, timeout=50)      # and still works
