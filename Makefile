@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 NP     ?= 3
 
-.PHONY: venv demo test test-fast bench clean cluster-test
+.PHONY: venv demo cluster-demo test test-fast bench clean cluster-test
 
 venv: $(VENV)/.installed
 
@@ -24,6 +24,12 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 demo: venv
 	$(PY) -m experiments.sweep experiments/demo.toml
 	$(PY) -m experiments.report results/demo --gallery docs/gallery
+
+# The same on emulated clusters (2 and 4 hosts, 1 and 10 Gbit/s links): network
+# namespaces, so it needs root; about 10 minutes.  results/cluster-demo/report.html.
+cluster-demo: venv
+	$(PY) -m experiments.sweep experiments/cluster_demo.toml
+	$(PY) -m experiments.report results/cluster-demo
 
 test: venv
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q tests

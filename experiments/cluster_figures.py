@@ -79,7 +79,7 @@ def busbw_on_cluster(records, out_dir, setting):
     _, nodes, rpn, gbps, _ = setting
     if gbps:
         ax.axhline(gbps / 8, color="k", ls=":", lw=1, label=f"host link {gbps:g} Gbit/s")
-    ax.set(xscale="log", xlabel="message size (bytes)", ylabel="busbw (GB/s)",
+    ax.set(xscale="log", yscale="log", xlabel="message size (bytes)", ylabel="busbw (GB/s)",
            title=f"all-reduce busbw, {setting_name(setting)}, P={rows[0]['world_size']}")
     ax.legend(fontsize=7)
     name = f"busbw_cluster_{nodes}x{rpn}" + (f"_{gbps:g}gbps" if gbps else "") + (
@@ -92,10 +92,16 @@ def job_of(record):
     """What a point ran, in a few words: the bench's algorithms and sizes, or the sync."""
     c = record.get("config", {})
     if record.get("command") == "allreduce.bench":
-        return f"bench {','.join(c.get('algos', []))} {','.join(map(str, c.get('sizes', [])))}"
+        sizes = c.get("sizes") or ["?"]
+        return f"bench {','.join(c.get('algos', []))}, {sizes[0]}..{sizes[-1]}"
     if record.get("command") == "strategies.train":
-        return f"train {c.get('sync')}, {c.get('steps')} steps"
+        return f"train {sync_of(c)}, {c.get('steps')} steps"
     return record.get("command", "?")
+
+
+def sync_of(config):
+    sync = config.get("sync", "?")
+    return f"{sync} ({config.get('servers', 1)} servers)" if sync in ("ps", "hybrid") else sync
 
 
 def mb(x):
@@ -146,12 +152,12 @@ def training_table(records):
         cfg = of_point[0]["config"]
         per_step = (mb(statistics.mean(w["tx_payload_bytes"] for w in wires[point])
                        / len(slowest)) if wires[point] else "-")
-        rows.append((setting_of(of_point[0]), cfg.get("sync"), cfg.get("world_size"),
+        rows.append((setting_of(of_point[0]), sync_of(cfg), cfg.get("world_size"),
                      f"{cfg.get('global_batch', 64) * len(timed) / sum(timed):.0f}",
                      f"{1e3 * statistics.median(timed):.1f}", per_step))
     rows = [(setting_name(s), *rest) for s, *rest in sorted(rows)]
     return (["cluster", "sync", "ranks", "samples/s", "median step (ms)",
-             "sent MB a host a step"], rows)
+             "sent MB a host a step (setup included)"], rows)
 
 
 def predicted_table(records):
