@@ -51,8 +51,11 @@ def dtype_name(x):
     return DTYPE_NAMES[dtype_code(x)]
 
 
+INTEGER_CODES = (2, 3)
+
+
 def is_float(x):
-    return dtype_code(x) not in (2, 3)
+    return dtype_code(x) not in INTEGER_CODES
 
 
 def validate(x, what, writable=True):
@@ -80,23 +83,71 @@ def validate(x, what, writable=True):
     dtype_code(x)
 
 
+class Validator:
+    """`validate` once per kind of buffer, not on every call.
+
+    Whether a dtype is supported, and its code, depend on the kind of buffer
+    alone (numpy: the dtype; a tensor: its dtype and layout), so they are
+    looked up.  What can differ between two buffers of one kind, even of one
+    shape (contiguity, numpy's writeable flag, a tensor's requires_grad), is
+    read on every call: a few attribute reads, against a validation's dozen
+    checks and an isinstance through torch's metaclass.  A buffer that fails
+    any of them goes through `validate`, which names the problem."""
+
+    def __init__(self):
+        self._codes = {}
+
+    def check(self, x, writable, algorithm, collective):
+        """x's dtype code (DTYPE_NAMES); CollectiveError where `validate` raises."""
+        if type(x) is np.ndarray:
+            flags = x.flags
+            if flags.c_contiguous and (flags.writeable or not writable):
+                code = self._codes.get(x.dtype)
+                if code is not None:
+                    return code
+            key = x.dtype
+        elif is_tensor(x):
+            key = (x.dtype, x.layout)
+            code = self._codes.get(key)
+            if code is not None and x.is_contiguous() and not (
+                    writable and x.requires_grad and x.is_leaf):
+                return code
+        else:
+            key = None
+        validate(x, f"{algorithm} {collective}", writable)
+        code = dtype_code(x)
+        self._codes[key] = code       # a handful of keys: one per dtype in use
+        return code
+
+
 def flat(x):
-    """A 1-D view of x sharing its memory (x is contiguous)."""
-    return x.view(-1) if is_tensor(x) else x.reshape(-1)
+    """A 1-D view of x sharing its memory (x is contiguous); a plain ndarray for
+    a subclass of it (np.memmap), since the helpers below test the exact type."""
+    if type(x) is np.ndarray:
+        return x if x.ndim == 1 else x.reshape(-1)
+    if isinstance(x, np.ndarray):
+        return np.asarray(x).reshape(-1)
+    return x.view(-1)
 
 
+def is_numpy(x):
+    return type(x) is np.ndarray or isinstance(x, np.ndarray)
+
+
+# The helpers below ask `type(x) is np.ndarray` first: the numpy case is the
+# common one, and isinstance(x, torch.Tensor) costs more than the rest of a helper.
 def empty_like(x, n):
     """A new uninitialised flat buffer of n elements of x's dtype and device."""
-    if is_tensor(x):
-        return torch.empty(n, dtype=x.dtype, device=x.device)
-    return np.empty(n, dtype=x.dtype)
+    if is_numpy(x):
+        return np.empty(n, dtype=x.dtype)
+    return torch.empty(n, dtype=x.dtype, device=x.device)
 
 
 def copy_into(dst, src):
-    if is_tensor(dst):
-        dst.copy_(src)
-    else:
+    if is_numpy(dst):
         np.copyto(dst, src)
+    else:
+        dst.copy_(src)
 
 
 def reduce_into(dst, src, op):
@@ -119,10 +170,10 @@ def reduce_into(dst, src, op):
 
 def scale(x, divisor):
     """x /= divisor in place (the `avg` op of floating buffers)."""
-    if is_tensor(x):
-        x.div_(divisor)
-    else:
+    if is_numpy(x):
         np.divide(x, divisor, out=x)
+    else:
+        x.div_(divisor)
 
 
 def nbytes(x):
@@ -130,7 +181,7 @@ def nbytes(x):
 
 
 def numel(x):
-    return x.numel() if is_tensor(x) else x.size
+    return x.size if is_numpy(x) else x.numel()
 
 
 def as_bytes(x):

@@ -21,7 +21,7 @@ reduce-scatter still leaves rank r with shard r.
 """
 from .buffers import reduce_into
 from .collective import Collective
-from .shards import shard_bounds, span
+from .shards import span
 from .tree import Tree
 
 
@@ -61,7 +61,6 @@ class HalvingDoubling(Collective):
 
     # -------------------------------------------------- the power-of-two core
     def _halving(self, x, owned, v, op):
-        t = self.transport
         p2 = len(owned)
         lo, hi = 0, p2                       # the blocks this rank is still responsible for
         distance = p2 // 2
@@ -71,10 +70,9 @@ class HalvingDoubling(Collective):
             keep, give = ((lo, mid), (mid, hi)) if v < partner else ((mid, hi), (lo, mid))
             k0, k1 = owned[keep[0]][0], owned[keep[1] - 1][1]
             g0, g1 = owned[give[0]][0], owned[give[1] - 1][1]
-            incoming = self.scratch.get("incoming", x, k1 - k0)
             peer = real_rank(partner, self.size)
-            t.sendrecv(x[g0:g1], peer, incoming, peer)
-            reduce_into(x[k0:k1], incoming, op)
+            # the partner's half of what we keep comes in and is added to ours
+            self.sendrecv_reduce(x[g0:g1], peer, x[k0:k1], peer, op)
             lo, hi = keep
             distance //= 2
 
@@ -120,7 +118,7 @@ class HalvingDoubling(Collective):
         self._fold_in(x, op)
         v = virtual_rank(self.rank, self.size)
         if v is not None:
-            owned = blocks(shard_bounds(len(x), self.size), self.size)
+            owned = blocks(self.shard_bounds(len(x)), self.size)
             self._halving(x, owned, v, op)
             self._doubling(x, owned, v)
         self._fold_out(x)

@@ -15,7 +15,7 @@ _MPI_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
 
 def _numpy_view(x):
     """A numpy view of x's memory in x's own dtype; bfloat16 as uint16 bits."""
-    if not is_tensor(x):
+    if type(x) is np.ndarray:
         return x
     import torch
     if x.device.type != "cpu":
@@ -35,9 +35,15 @@ class MPINative(Collective):
         super().__init__(transport, **options)
         self.MPI = transport.MPI
         self.comm = transport.comm
-        self._user_ops = {}
+        self._ops = {}          # dtype -> {op name: MPI_Op}
 
     def _mpi_op(self, x, op):
+        ops = self._ops.get(x.dtype)
+        if ops is None:
+            ops = self._ops[x.dtype] = {name: self._make_op(x, name) for name in _MPI_OPS}
+        return ops[op]
+
+    def _make_op(self, x, op):
         """MPI has no bfloat16, and MPICH's float16 is an extension: reduce those
         with a user-defined MPI_Op that adds through torch or numpy."""
         if is_tensor(x):
@@ -47,28 +53,26 @@ class MPINative(Collective):
             half = x.dtype == np.float16
         if not half:
             return getattr(self.MPI, _MPI_OPS[op])
-        key = (str(x.dtype), op)
-        if key not in self._user_ops:
-            dtype = x.dtype
+        dtype = x.dtype
+        tensor = is_tensor(x)
 
-            def combine(inbuf, inoutbuf, datatype, dtype=dtype, op=op):
-                if is_tensor(x):
-                    import torch
-                    a = torch.frombuffer(bytearray(inbuf), dtype=dtype)
-                    b = torch.frombuffer(inoutbuf, dtype=dtype)
-                else:
-                    a = np.frombuffer(inbuf, dtype=dtype)
-                    b = np.frombuffer(inoutbuf, dtype=dtype)
-                reduce_into(b, a, op)
-            self._user_ops[key] = self.MPI.Op.Create(combine, commute=True)
-        return self._user_ops[key]
+        def combine(inbuf, inoutbuf, datatype, dtype=dtype, op=op):
+            if tensor:
+                import torch
+                a = torch.frombuffer(bytearray(inbuf), dtype=dtype)
+                b = torch.frombuffer(inoutbuf, dtype=dtype)
+            else:
+                a = np.frombuffer(inbuf, dtype=dtype)
+                b = np.frombuffer(inoutbuf, dtype=dtype)
+            reduce_into(b, a, op)
+        return self.MPI.Op.Create(combine, commute=True)
 
     def _wait(self, request):
-        self.transport._wait_all([Handle(self.transport, request, -1)])
+        self.transport._wait_all((Handle(self.transport, request, -1),))
 
     def _allreduce(self, x, op):
-        buf = _numpy_view(x)
-        self._wait(self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self._mpi_op(x, op)))
+        self._wait(self.comm.Iallreduce(self.MPI.IN_PLACE, _numpy_view(x),
+                                        op=self._mpi_op(x, op)))
 
     def _reduce_scatter(self, x, bounds, op):
         buf = _numpy_view(x)

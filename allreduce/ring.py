@@ -25,12 +25,11 @@ and receives chunk (r - s - 1) % P, which it stores as it is.
 Each rank sends 2 (P-1)/P n elements, whatever P: the bandwidth bound for
 all-reduce, which is why nccl-tests' busbw is algbw * 2 (P-1)/P.
 
-Pipelining: a chunk is sent in segments (SEGMENT_BYTES), and every segment's
-receive is posted at once, so adding segment k overlaps receiving segment k+1.
+Pipelining: a chunk longer than SEGMENT_BYTES is sent in segments, and every
+segment's receive is posted at once, so adding segment k overlaps receiving
+segment k+1 (Collective.sendrecv_reduce).
 """
-from .buffers import reduce_into
 from .collective import Collective
-from .shards import shard_bounds
 
 
 def reduce_scatter_chunks(rank, step, P):
@@ -47,27 +46,20 @@ class Ring(Collective):
     name = "ring"
 
     def _allreduce(self, x, op):
-        bounds = shard_bounds(len(x), self.size)
+        bounds = self.shard_bounds(len(x))
         self._reduce_scatter(x, bounds, op)
         self._allgather(x, bounds)
 
     def _reduce_scatter(self, x, bounds, op):
-        t, P, r = self.transport, self.size, self.rank
+        P, r = self.size, self.rank
         right, left = (r + 1) % P, (r - 1) % P
         for step in range(P - 1):
             send_chunk, recv_chunk = reduce_scatter_chunks(r, step, P)
             s0, s1 = bounds[send_chunk]
             r0, r1 = bounds[recv_chunk]
-            incoming = self.scratch.get("incoming", x, r1 - r0)
-            # Both ends cut a chunk into the same segments, since the right
-            # neighbour's recv_chunk is our send_chunk.
-            segments = self.segments(x, r1 - r0)
-            recvs = [t.irecv(incoming[a:b], left) for a, b in segments]
-            sends = [t.isend(x[s0 + a:s0 + b], right) for a, b in self.segments(x, s1 - s0)]
-            for (a, b), handle in zip(segments, recvs):
-                handle.wait()
-                reduce_into(x[r0 + a:r0 + b], incoming[a:b], op)
-            t.wait_all(sends)
+            # our partial sum of send_chunk goes right; the left neighbour's
+            # partial sum of recv_chunk is added into ours
+            self.sendrecv_reduce(x[s0:s1], right, x[r0:r1], left, op)
         start, stop = bounds[r]
         return x[start:stop]
 

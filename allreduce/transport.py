@@ -113,12 +113,13 @@ class Transport:
 
 class Handle:
     """A pending send or receive; wait() completes it or raises TransportTimeout."""
+    __slots__ = ("transport", "request", "peer")
 
     def __init__(self, transport, request, peer):
         self.transport, self.request, self.peer = transport, request, peer
 
     def wait(self):
-        self.transport._wait_all([self])
+        self.transport._wait_all((self,))
 
 
 class MPITransport(Transport):
@@ -141,6 +142,18 @@ class MPITransport(Transport):
         self.traffic.received += nbytes(buf)
         return Handle(self, self.comm.Irecv(self._message(buf), peer, tag), peer)
 
+    def sendrecv(self, sendbuf, dest, recvbuf, source, tag=0):
+        # The step of most algorithms, so without Handles.  MPI_Sendrecv itself
+        # would block past any timeout; this polls like every other wait.
+        traffic = self.traffic
+        traffic.sent += nbytes(sendbuf)
+        traffic.received += nbytes(recvbuf)
+        comm = self.comm
+        requests = [comm.Irecv(self._message(recvbuf), source, tag),
+                    comm.Isend(self._message(sendbuf), dest, tag)]
+        if not self.MPI.Request.Testall(requests):
+            self._poll(requests, (source, dest))
+
     def _message(self, buf):
         # A numpy array goes as it is (mpi4py reads its buffer and dtype: the
         # cheapest path for small messages); a tensor goes as its raw bytes.
@@ -154,10 +167,20 @@ class MPITransport(Transport):
         return [as_bytes(buf), self.MPI.BYTE]
 
     def _wait_all(self, handles):
-        requests = [h.request for h in handles]
+        if len(handles) == 1:
+            if handles[0].request.Test():
+                return
+            requests = [handles[0].request]
+        else:
+            requests = [h.request for h in handles]
+            if self.MPI.Request.Testall(requests):
+                return
+        self._poll(requests, [h.peer for h in handles])
+
+    def _poll(self, requests, peers):
+        """Wait for every request, or raise TransportTimeout naming the peers of
+        those still pending."""
         Testall = self.MPI.Request.Testall
-        if Testall(requests):
-            return
         start = time.perf_counter()
         deadline = start + self.timeout
         spins = 0
@@ -173,7 +196,7 @@ class MPITransport(Transport):
                 else:
                     os.sched_yield()
                 if now > deadline:
-                    pending = [h.peer for h in handles if not h.request.Test()]
+                    pending = [p for p, r in zip(peers, requests) if not r.Test()]
                     raise TransportTimeout(self.world_rank(self.rank),
                                            [self.world_rank(p) for p in pending], self.timeout)
 
