@@ -4,17 +4,20 @@
     placement.py  parameter names -> slices -> servers, byte-balanced (BytePS-style slicing)
     optim.py      torch's SGD and Adam formulas in float32 numpy
     store.py      one shard's keys, optimizer state, consistency rules, checkpoints
-    server.py     the ROUTER loop: validation, held-back replies, dead workers
+    server.py     the ROUTER loop: validation, held-back replies, dead and crashed workers
+    auth.py       who may talk to a server: CURVE, the ZAP allow-list, worker ids bound to keys
+    keys.py       CURVE key files (python -m psrv.keys DIR --workers N), keys made under mpiexec
     client.py     the worker's side: push, pull, push_pull, handles
     launch.py     roles under mpiexec, and local server processes for tests and benchmarks
     bench.py      push+pull throughput beside a raw pyzmq ping-pong
     example.py    a small training run that uses all of the above
 """
-from . import launch
+from . import keys, launch
 from .client import Client, Handle, PSError
 from .config import Consistency, OptimizerConfig
+from .keys import ClientKeys, ServerKeys
 from .placement import Placement
 from .protocol import ProtocolError
 
-__all__ = ["Client", "Handle", "PSError", "Consistency", "OptimizerConfig", "Placement",
-           "ProtocolError", "launch"]
+__all__ = ["Client", "ClientKeys", "Handle", "PSError", "Consistency", "OptimizerConfig",
+           "Placement", "ProtocolError", "ServerKeys", "keys", "launch"]

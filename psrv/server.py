@@ -214,7 +214,8 @@ class Server:
                         raise ValueError(f"key {e.key}: {op.name} without a gradient")
                 for e, frames in msg.entry_frames():
                     s.push(e.key, w, e.step, frames)
-                s.note_pushes(w)
+                if self.checkpoint_every:            # O(keys): only when it is needed
+                    s.note_pushes(w)
         if op == P.Op.PUSH:
             self.send(identity, P.encode(P.Op.OK, self.shard_id, msg.request, extras=[b"pushed"]))
         else:
