@@ -12,12 +12,13 @@
     bench.py      push+pull throughput beside a raw pyzmq ping-pong
     example.py    a small training run that uses all of the above
 """
-from . import keys, launch
+from . import launch
 from .client import Client, Handle, PSError
 from .config import Consistency, OptimizerConfig
-from .keys import ClientKeys, ServerKeys
 from .placement import Placement
 from .protocol import ProtocolError
 
-__all__ = ["Client", "ClientKeys", "Handle", "PSError", "Consistency", "OptimizerConfig",
-           "Placement", "ProtocolError", "ServerKeys", "keys", "launch"]
+# psrv.keys (ClientKeys, ServerKeys, load_*) is not imported here, so that
+# `python -m psrv.keys` runs it once, as launch keeps psrv.server out
+__all__ = ["Client", "Handle", "PSError", "Consistency", "OptimizerConfig", "Placement",
+           "ProtocolError", "launch"]
