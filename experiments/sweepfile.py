@@ -221,7 +221,7 @@ def load_sweep(path):
                                       for k, v in point.items()
                                       if schema.get(k) == "axis" or k == "cluster")
                     bad(*where.get(problem[0], ("run", i)), problem[0],
-                        f"impossible point ({shown}): {problem[1]}")
+                        f"impossible point{f' ({shown})' if shown else ''}: {problem[1]}")
                     break
                 points.append((command, point, run.get("timeout_s", settings["timeout_s"]),
                                run.get("label", "")))
