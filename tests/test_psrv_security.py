@@ -233,6 +233,8 @@ def test_replayed_bytes_get_nothing_done(keydir):
         for step in range(2):
             for c, p in zip(cs, ps):
                 c.push_pull(grads(step), p, step).wait()
+        cs[1].push("b", grads(2)["b"], 2)             # a PUSH and a PULL on the wire
+        cs[1].pull("w", np.empty(SHAPES["w"], np.float32))
         time.sleep(1.0)                               # a few heartbeats on the wire
         cs[1].close()                                 # its BYE is on the wire too
         before = cs[0].stats()["histogram"]
