@@ -98,3 +98,79 @@ def _allreduce_messages(algo, n, P):
             distance //= 2
         return fold + halving + halving[::-1] + [(b, a, m) for a, b, m in fold]
     raise ValueError(f"no textbook schedule for {algo!r}")
+
+
+class Step:
+    """One step of an all-reduce's schedule: messages that go at once.
+
+    messages  (sender, receiver, bytes) of world ranks
+    repeat    how many such steps follow one another (a ring's P - 1)
+    exchange  True where every rank sends and receives at once (a ring's or
+              halving-doubling's step), False where each message goes one way
+              (a tree's round, a fold, a gather, a chain)
+    reduces   the receivers add what arrived
+    hops      a pipelined chain pays one latency per hop before it streams
+    """
+    __slots__ = ("messages", "repeat", "exchange", "reduces", "hops")
+
+    def __init__(self, messages, repeat=1, exchange=True, reduces=False, hops=1):
+        self.messages, self.repeat, self.exchange = messages, repeat, exchange
+        self.reduces, self.hops = reduces, hops
+
+    def __repr__(self):
+        return (f"Step({len(self.messages)} messages x{self.repeat}, "
+                f"{'exchange' if self.exchange else 'one way'}"
+                f"{', reduces' if self.reduces else ''}{f', {self.hops} hops' if self.hops > 1 else ''})")
+
+
+def allreduce_steps(algo, n, P, ranks_per_node=None, outer="ring"):
+    """The schedule of one all-reduce of n bytes on P ranks, step by step, as
+    ring.py, tree.py, halving_doubling.py and hierarchical.py run it (their
+    messages add up to _allreduce_messages').  hierarchical: nodes of
+    ranks_per_node consecutive ranks, inner ring, `outer` between the leaders."""
+    if P == 1:
+        return []
+    if algo == "ring":
+        ring = [(r, (r + 1) % P, n / P) for r in range(P)]
+        return [Step(ring, P - 1, reduces=True), Step(ring, P - 1)]
+    if algo == "tree":
+        # round k: every rank whose lowest set bit is 2^k sends up (reduce), then down
+        rounds = [[(v, v - (1 << k), n) for v in range(1, P) if v & -v == 1 << k]
+                  for k in range((P - 1).bit_length())]
+        up = [Step(m, exchange=False, reduces=True) for m in rounds]
+        down = [Step([(b, a, m) for a, b, m in msgs], exchange=False) for msgs in rounds[::-1]]
+        return up + down
+    if algo == "halving_doubling":
+        p2 = 1 << (P.bit_length() - 1)
+        extra = P - p2
+
+        def real(v):
+            return 2 * v + 1 if v < extra else v + extra
+        fold = [(2 * i, 2 * i + 1, n) for i in range(extra)]
+        halving, distance = [], p2 // 2
+        while distance:
+            halving.append([(real(v), real(v ^ distance), n * distance / p2) for v in range(p2)])
+            distance //= 2
+        return ([Step(fold, exchange=False, reduces=True)] if extra else []) + \
+            [Step(m, reduces=True) for m in halving] + [Step(m) for m in halving[::-1]] + \
+            ([Step([(b, a, m) for a, b, m in fold], exchange=False)] if extra else [])
+    if algo == "hierarchical":
+        R = ranks_per_node or P
+        nodes = P // R
+        steps = []
+        if R > 1:
+            # 1. ring reduce-scatter inside every node at once, the leader gathers the shards
+            inner = [(h * R + i, h * R + (i + 1) % R, n / R) for h in range(nodes) for i in range(R)]
+            steps.append(Step(inner, R - 1, reduces=True))
+            steps += [Step([(h * R + i, h * R, n / R) for h in range(nodes)], exchange=False)
+                      for i in range(1, R)]
+        # 2. the leaders all-reduce across nodes
+        for s in allreduce_steps(outer, n, nodes):
+            steps.append(Step([(a * R, b * R, m) for a, b, m in s.messages], s.repeat,
+                              s.exchange, s.reduces, s.hops))
+        if R > 1:
+            # 3. a pipelined chain broadcast inside every node: leader -> 1 -> ... -> R-1
+            chain = [(h * R + i, h * R + i + 1, n) for h in range(nodes) for i in range(R - 1)]
+            steps.append(Step(chain, exchange=False, hops=R - 1))
+        return steps
+    raise ValueError(f"no textbook schedule for {algo!r}")
