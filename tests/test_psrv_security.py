@@ -9,7 +9,8 @@
                                  on a live server and on a fresh one with the same keys
     one worker, one owner        a second connection/key claiming a worker id is refused
     memory                       an INIT declaring W=4096 x 1,024 keys stays small; a larger
-                                 product is refused
+                                 product is refused; a frame above the largest legal one is
+                                 dropped by libzmq
 """
 import os
 import socket
@@ -325,4 +326,25 @@ def test_an_init_for_many_workers_and_keys_stays_small(tmp_path):
         grown = (rss_kib(pid) - before) / 1024
         assert grown < 8, f"the INIT grew the server by {grown:.1f} MiB"
         raw.close()
+        ctx.term()
+
+
+@pytest.mark.timeout(60)
+def test_a_frame_larger_than_any_legal_one_never_reaches_the_server():
+    """MAXMSGSIZE is protocol.MAX_FRAME_BYTES: libzmq drops the connection of a peer that
+    sends a larger frame before a byte of it is buffered for the server; others go on."""
+    with psrv.launch.start_local_servers(1, worker_timeout=30) as servers:
+        ctx = zmq.Context()
+        socks = [ctx.socket(zmq.DEALER) for _ in range(2)]
+        for s in socks:
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(servers.endpoints[0])
+        big, fine = socks
+        big.send(bytes(P.MAX_FRAME_BYTES + 1))         # would be an ERROR reply if it arrived
+        assert not big.poll(1500)
+        fine.send(bytes(P.MAX_FRAME_BYTES))            # the largest legal size still arrives
+        assert fine.poll(10_000)
+        assert "bad magic" in bytes(P.decode(fine.recv_multipart()).extras[0]).decode()
+        for s in socks:
+            s.close()
         ctx.term()
