@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .records import ROOT, mpiexec_path
 
@@ -164,13 +164,18 @@ def launch_problem(command, p):
 @dataclass(frozen=True)
 class ClusterPlace:
     """Where the sweep's emulated clusters live: the prefix of their namespace and link
-    names, their private subnet, and the cluster tool's state directory.  Each must
-    differ from those of any other cluster up on this machine (the cluster tool
-    removes whatever carries its prefix, and refuses a subnet in use)."""
+    names, their private subnet, and the cluster tool's state directory
+    ($TOPOLAB_CLUSTER_DIR, else one named after the prefix).  Each must differ from
+    those of any other cluster up on this machine: the cluster tool removes whatever
+    carries its prefix or is recorded in its directory, and refuses a subnet in use."""
     prefix: str = "ts-"
     subnet: str = "10.77.128.0/24"
-    run_dir: str = field(default_factory=lambda: os.environ.get("TOPOLAB_CLUSTER_DIR")
-                         or os.path.join(tempfile.gettempdir(), "topolab-sweep-cluster"))
+    run_dir: str = ""
+
+    def __post_init__(self):
+        if not self.run_dir:
+            default = os.path.join(tempfile.gettempdir(), f"topolab-sweep-{self.prefix}cluster")
+            object.__setattr__(self, "run_dir", os.environ.get("TOPOLAB_CLUSTER_DIR") or default)
 
     def env(self):
         return {"TOPOLAB_CLUSTER_DIR": self.run_dir}
@@ -207,14 +212,16 @@ def head(command, p, place=None):
     return [mpiexec_path(), "-n", P] + mpi_job
 
 
-def needs(points):
+def needs(points, place=None):
     """Problems (strings) that stop the sweep before its first point: what the launchers
-    of its points need and this machine lacks."""
+    of its points need and this machine lacks, or a place no cluster can have."""
     kinds = {p.get("launcher", "local").split(":")[0] for _, p, *_ in points}
     problems = []
     if "emulated" in kinds:
-        from experiments.cluster.net import ClusterError, require_privileges
+        from experiments.cluster.net import ClusterError, Layout, require_privileges
         try:
+            place = place or ClusterPlace()
+            Layout(1, place.prefix, place.subnet)           # names and range it would use
             require_privileges()
         except ClusterError as e:
             problems.append(f"launcher \"emulated\": {e}")

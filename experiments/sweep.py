@@ -242,7 +242,7 @@ def main(argv=None):
             raw = os.path.abspath(os.path.join(out, "raw", pid + ".jsonl"))
             print("    $ " + shlex.join(command_line(command, params, raw, place)))
         return 0
-    missing = launchers.needs(points)
+    missing = launchers.needs(points, place)
     if missing:
         print("sweep rejected, nothing was run:\n" + "\n".join(missing), file=sys.stderr)
         return 2

@@ -147,6 +147,19 @@ def test_dry_run_prints_the_slurm_command_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.timeout(30)
+def test_what_a_launcher_lacks_stops_the_sweep_before_its_first_point(tmp_path, monkeypatch):
+    from experiments.launchers import needs
+    _, points = load_sweep(write(tmp_path, '[sweep]\nlauncher = "slurm"\n' + BENCH))
+    monkeypatch.setenv("PATH", str(tmp_path))                 # no srun, no salloc
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert needs(points) == ['launcher "slurm": srun, salloc not on PATH (Slurm\'s client '
+                             'commands)']
+    _, points = load_sweep(write(tmp_path, '[sweep]\ncluster = {nodes = 2}\n' + BENCH))
+    (problem,) = needs(points, ClusterPlace("TX", SUBNET))
+    assert "prefix 'TX' must be 1-5 lowercase letters" in problem
+
+
 def sweep(tmp_path, text, timeout=60, **env):
     out = tmp_path / "out"
     result = run([sys.executable, "-m", "experiments.sweep", write(tmp_path, text), "--out",
