@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 NP     ?= 3
 
-.PHONY: venv demo cluster-demo test test-fast bench clean cluster-test
+.PHONY: venv demo gallery cluster-demo test test-fast bench clean cluster-test
 
 venv: $(VENV)/.installed
 
@@ -23,6 +23,11 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 # report with every plot: results/demo/report.html.  Points already done are skipped.
 demo: venv
 	$(PY) -m experiments.sweep experiments/demo.toml
+	$(PY) -m experiments.report results/demo
+
+# The README's gallery: the demo's figures copied into docs/gallery (tracked files,
+# so only this target writes them).
+gallery: demo
 	$(PY) -m experiments.report results/demo --gallery docs/gallery
 
 # The same on emulated clusters (2 and 4 hosts, 1 and 10 Gbit/s links): network
