@@ -10,10 +10,13 @@
     allreduce.create("hierarchical", inner="ring", outer="tree", ranks_per_node=2)
     allreduce.create("ring", transport="torch")   # over torch.distributed instead of MPI
     allreduce.create("ring", comm=sub, transport="torch")   # over a sub-communicator's ranks
+    allreduce.create("auto")                 # an algorithm per call from size, P, nodes;
+    allreduce.create("auto", calibration="cal.json")   # by the cost model (allreduce/auto.py)
     coll = allreduce.host_staged(coll)       # CUDA tensors through pinned host memory where
                                              # the transport is MPI (not CUDA-aware)
 
-Algorithms: ring, tree, halving_doubling, hierarchical; baselines: mpi, torch.
+Algorithms: ring, tree, halving_doubling, hierarchical; baselines: mpi, torch;
+auto picks one of them per call.
 """
 from .buffers import CollectiveError, HostStaged
 from .collective import Collective, CollectiveTimeout
@@ -21,7 +24,7 @@ from .shards import shard_bounds, shard_of
 from .transport import MPITransport, Transport, TransportTimeout
 
 TEXTBOOK = ("ring", "tree", "halving_doubling")
-ALGORITHMS = TEXTBOOK + ("hierarchical", "mpi", "torch")
+ALGORITHMS = TEXTBOOK + ("hierarchical", "mpi", "torch", "auto")
 
 __all__ = ["create", "make", "make_transport", "host_staged", "shard_bounds", "shard_of",
            "ALGORITHMS", "Collective", "CollectiveError", "CollectiveTimeout", "Transport",
@@ -55,6 +58,8 @@ def make(name, transport, **options):
         from .native import MPINative as cls
     elif name == "torch":
         from .native import TorchNative as cls
+    elif name == "auto":
+        from .auto import Auto as cls
     else:
         raise CollectiveError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
     try:

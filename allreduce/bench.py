@@ -12,9 +12,23 @@
 For every (size, collective) the algorithms take turns iteration by iteration
 (A B C A B C ...), each call after a barrier, so a machine that changes speed
 mid-run slows all of them alike.  A row reports the median time (the slowest
-rank's median), algbw = bytes / time, busbw = algbw * the nccl-tests factor,
-the bytes one rank sent against the textbook figure, and #wrong: elements that
-differ from a reference each rank computes on its own.
+rank's median), x_raw = time / the mpi-raw row's, algbw = bytes / time, busbw =
+algbw * the nccl-tests factor, the bytes one rank sent against the textbook
+figure, and #wrong: elements that differ from a reference each rank computes
+on its own.  `auto` rows name the algorithm it chose (auto→ring).
+
+mpi-raw is MPI's collective called through mpi4py with no topolab layer
+(comm.Allreduce(MPI.IN_PLACE, x)): the floor, in the default rows on a CPU.
+
+Timing.  By default every call starts after a barrier: the time of one
+collective from ranks that start together, what a training step's all-reduce
+costs.  --loop N times N calls back to back after one barrier instead, and
+reports the time per call, as the OSU benchmarks do: no barrier, no input
+reset between calls, so ranks drift apart by no more than one call.  At small
+sizes the per-call barrier (about 10 us here) and the wake-up after it are as
+large as the collective, so the overhead one layer adds over another (the
+x_raw column) is compared fairly in --loop mode; at 1 MiB and above the two
+modes agree within the noise.
 """
 import argparse
 import platform
@@ -26,12 +40,15 @@ import time
 import numpy as np
 
 from . import ALGORITHMS, create, host_staged, shard_bounds
+from .native import RAW, MPIRaw
 from .records import append_jsonl
 from .theory import bus_factor, bytes_sent
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 DTYPES = ("float32", "float64", "int32", "int64", "float16", "bfloat16")
-DEFAULT_ALGOS = {"cpu": "ring,mpi", "cuda": "ring,torch"}
+ROWS = ALGORITHMS + (RAW,)
+RAW_DTYPES = ("float32", "float64", "int32", "int64")    # MPI's own types, no user op
+DEFAULT_ALGOS = {"cpu": "mpi-raw,ring,mpi", "cuda": "ring,torch"}
 
 
 def parse_size(text):
@@ -50,8 +67,8 @@ def human(nbytes):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m allreduce.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--algos", default=None, help=f"comma list of {','.join(ALGORITHMS)} "
-                                                 "(default: ring,mpi; on cuda ring,torch)")
+    p.add_argument("--algos", default=None, help=f"comma list of {','.join(ROWS)} "
+                                                 "(default: mpi-raw,ring,mpi; on cuda ring,torch)")
     p.add_argument("--ops", default="allreduce", help=f"comma list of {','.join(COLLECTIVES)}")
     p.add_argument("--sizes", default=None, help="comma list of message sizes, e.g. 4K,1M,64M")
     p.add_argument("--min-bytes", default="4K")
@@ -60,6 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--iters", type=int, default=20, help="timed iterations per row")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--loop", type=int, default=0, metavar="N",
+                   help="time N back-to-back calls after one barrier, OSU style (default: "
+                        "a barrier before every call)")
     p.add_argument("--transport", default="mpi", choices=("mpi", "torch"),
                    help="transport of the textbook algorithms")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
@@ -80,10 +100,14 @@ def parse_args(argv=None):
         args.algos.append("torch")                 # NCCL's own all-reduce: the baseline row
     args.ops = [o for o in args.ops.split(",") if o]
     for a in args.algos:
-        if a not in ALGORITHMS:
-            p.error(f"unknown algorithm {a!r}; choose from {', '.join(ALGORITHMS)}")
+        if a not in ROWS:
+            p.error(f"unknown algorithm {a!r}; choose from {', '.join(ROWS)}")
+    if RAW in args.algos and (args.device != "cpu" or args.dtype not in RAW_DTYPES):
+        p.error(f"{RAW} takes host buffers of {', '.join(RAW_DTYPES)}")
+    if args.loop < 0:
+        p.error(f"--loop {args.loop}: give a number of calls >= 1, or 0 for a barrier per call")
     if emulated:
-        native = [a for a in args.algos if a in ("mpi", "torch")]
+        native = [a for a in args.algos if a in ("mpi", "torch", RAW)]
         if native:
             p.error(f"link emulation slows the textbook algorithms only, not {', '.join(native)}")
     for o in args.ops:
@@ -112,7 +136,8 @@ def make_input(rank, n, dtype, device="cpu"):
     if dtype == "bfloat16":
         return torch.from_numpy(values.astype(np.float32)).to(torch.bfloat16).to(device)
     values = values.astype(dtype)
-    return values if device == "cpu" else torch.from_numpy(values).to(device)
+    # torch.device("cpu") == "cpu" is False: compare the type
+    return values if torch.device(device).type == "cpu" else torch.from_numpy(values).to(device)
 
 
 def reference(collective, rank, P, n, dtype, root=0):
@@ -171,18 +196,37 @@ def provenance():
             "mpi": MPI.Get_library_version().splitlines()[0].strip(), "torch": torch.__version__}
 
 
-def main(argv=None):
-    from mpi4py import MPI
-    args = parse_args(argv)
-    comm = MPI.COMM_WORLD
-    rank, P = comm.rank, comm.size
-    device = use_device(args, comm)
+def runner(coll, collective, n):
+    """The call a row times, x -> result."""
+    if isinstance(coll, MPIRaw):
+        return coll.runner(collective, n)
+    if collective == "allreduce":
+        return coll.allreduce
+    if collective == "reduce_scatter":
+        return coll.reduce_scatter
+    if collective == "allgather":
+        return lambda x: coll.allgather(x, n)
+    return lambda x: coll.broadcast(x, root=0)
+
+
+def chosen(algo, coll, collective, nbytes):
+    """What ran: the row's algorithm, or for auto the one it chose."""
+    if algo != "auto":
+        return algo
+    return getattr(coll, "inner", coll).choice(collective, nbytes)
+
+
+def make_rows(args, comm, device):
     colls = {}
     for algo in args.algos:
+        if algo == RAW:
+            colls[algo] = MPIRaw(comm)
+            continue
         options = {}
+        if algo in ("hierarchical", "auto") and args.ranks_per_node:
+            options["ranks_per_node"] = args.ranks_per_node
         if algo == "hierarchical":
-            options = {"ranks_per_node": args.ranks_per_node, "inner": args.inner,
-                       "outer": args.outer}
+            options.update(inner=args.inner, outer=args.outer)
         transport = "torch" if algo == "torch" else args.transport
         colls[algo] = create(algo, transport=transport, link_latency_us=args.link_latency_us,
                              link_gbps=args.link_gbps, **options)
@@ -190,19 +234,32 @@ def main(argv=None):
         colls[algo].check = False
         if device.type == "cuda":
             colls[algo] = host_staged(colls[algo])
+    return colls
+
+
+def main(argv=None):
+    from mpi4py import MPI
+    args = parse_args(argv)
+    comm = MPI.COMM_WORLD
+    rank, P = comm.rank, comm.size
+    device = use_device(args, comm)
+    colls = make_rows(args, comm, device)
     itemsize = 2 if args.dtype in ("float16", "bfloat16") else np.dtype(args.dtype).itemsize
     meta = provenance() if rank == 0 else {}
-    header = (f"{'algo':>16} {'collective':>14} {'size':>8} {'time_us':>10} {'algbw':>7} "
-              f"{'busbw':>7} {'sent/rank':>10} {'theory':>10} {'#wrong':>6}")
+    width = 22 if "auto" in args.algos else 16         # auto→halving_doubling
+    header = (f"{'algo':>{width}} {'collective':>14} {'size':>8} {'time_us':>10} {'x_raw':>6} "
+              f"{'algbw':>7} {'busbw':>7} {'sent/rank':>10} {'theory':>10} {'#wrong':>6}")
+    timing = f"loop={args.loop}" if args.loop else "barrier per call"
     if rank == 0:
         link = (f" link={args.link_latency_us:g}us/{args.link_gbps or 'inf'}GB/s"
                 if args.link_latency_us or args.link_gbps else "")
         print(f"# P={P} dtype={args.dtype} iters={args.iters} transport={args.transport}{link} "
-              f"device={args.device}  "
+              f"device={args.device} timing: {timing}  "
               f"(bandwidth in GB/s; {meta['mpi']})")
         print(header)
         sys.stdout.flush()
     out = args.jsonl if rank == 0 else None
+    calls = max(1, args.loop)
     for nbytes in args.sizes:
         n = nbytes // itemsize
         for collective in args.ops:
@@ -211,30 +268,30 @@ def main(argv=None):
                 pristine = pristine[slice(*shard_bounds(n, P)[rank])]
             work = {a: pristine.clone() if hasattr(pristine, "clone") else pristine.copy()
                     for a in colls}
+            runs = {a: runner(colls[a], collective, n) for a in colls}
             times = {a: [] for a in colls}
             wrong, sent = {}, {}
 
             def call(algo):
-                coll, x = colls[algo], work[algo]
+                """One sample: `calls` calls after one barrier; seconds per call."""
+                run, x = runs[algo], work[algo]
                 x[:] = pristine
                 settle(device)
                 comm.Barrier()
                 start = time.perf_counter()
-                if collective == "allreduce":
-                    result = coll.allreduce(x)
-                elif collective == "reduce_scatter":
-                    result = coll.reduce_scatter(x)
-                elif collective == "allgather":
-                    result = coll.allgather(x, n)
-                else:
-                    result = coll.broadcast(x, root=0)
+                for _ in range(calls):
+                    result = run(x)
                 settle(device)
-                return time.perf_counter() - start, result
+                return (time.perf_counter() - start) / calls, result
 
             for algo in colls:                 # checked call, also a warm-up
-                before = colls[algo].transport.bytes_sent
-                _, result = call(algo)
-                sent[algo] = colls[algo].transport.bytes_sent - before
+                traffic = getattr(colls[algo], "transport", None)
+                before = traffic.bytes_sent if traffic else 0
+                x = work[algo]
+                x[:] = pristine
+                result = runs[algo](x)
+                settle(device)
+                sent[algo] = (traffic.bytes_sent if traffic else 0) - before
                 expect = reference(collective, rank, P, n, args.dtype)
                 wrong[algo] = int(np.count_nonzero(as_float64(result) != expect))
             for _ in range(args.warmup):
@@ -243,27 +300,35 @@ def main(argv=None):
             for _ in range(args.iters):
                 for algo in colls:             # interleaved: A B C A B C ...
                     times[algo].append(call(algo)[0])
+            medians = {a: comm.allreduce(float(np.median(times[a])), op=MPI.MAX) for a in colls}
             for algo in colls:
-                median = comm.reduce(float(np.median(times[algo])), op=MPI.MAX, root=0)
                 n_wrong = comm.reduce(wrong[algo], op=MPI.SUM, root=0)
                 most_sent = comm.reduce(sent[algo], op=MPI.MAX, root=0)
                 if rank != 0:
                     continue
-                theory = bytes_sent(algo, collective, n * itemsize, P)
+                median = medians[algo]
+                ran = chosen(algo, colls[algo], collective, n * itemsize)
+                label = algo if ran == algo else f"{algo}→{ran}"
+                vs_raw = median / medians[RAW] if RAW in medians and medians[RAW] > 0 else None
+                theory = bytes_sent(ran, collective, n * itemsize, P)
                 algbw = n * itemsize / median / 1e9 if median > 0 else 0.0
                 busbw = algbw * bus_factor(collective, P)
-                native = algo in ("mpi", "torch")
-                print(f"{algo:>16} {collective:>14} {human(nbytes):>8} {median * 1e6:10.1f} "
+                native = ran in ("mpi", "torch", RAW)
+                print(f"{label:>{width}} {collective:>14} {human(nbytes):>8} {median * 1e6:10.1f} "
+                      f"{'-' if vs_raw is None else f'{vs_raw:.2f}':>6} "
                       f"{algbw:7.2f} {busbw:7.2f} {('-' if native else human(most_sent)):>10} "
                       f"{('-' if theory is None else human(int(theory))):>10} {n_wrong:6d}")
                 sys.stdout.flush()
                 if out:
-                    record = {"algo": algo, "op": collective, "bytes": n * itemsize,
-                              "dtype": args.dtype, "world_size": P, "iters": args.iters,
-                              "time_us": median * 1e6, "algbw_gbps": algbw, "busbw_gbps": busbw,
+                    record = {"algo": label, "chosen": ran, "op": collective,
+                              "bytes": n * itemsize, "dtype": args.dtype, "world_size": P,
+                              "iters": args.iters, "loop": args.loop,
+                              "time_us": median * 1e6, "vs_raw": vs_raw,
+                              "algbw_gbps": algbw, "busbw_gbps": busbw,
                               "sent_bytes": None if native else most_sent,
                               "theory_bytes": theory, "wrong": n_wrong,
-                              "transport": "torch" if algo == "torch" else args.transport,
+                              "transport": ("mpi" if algo == RAW else
+                                            "torch" if algo == "torch" else args.transport),
                               "device": args.device,
                               "link_latency_us": args.link_latency_us,
                               "link_gbps": args.link_gbps,

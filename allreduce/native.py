@@ -1,6 +1,8 @@
 """The baselines: the MPI library's own collectives and torch.distributed's.
 
-These are what the textbook algorithms are measured against.  Both use the
+These are what the textbook algorithms are measured against; MPIRaw, MPI's
+collectives with no topolab layer at all, is what the baselines are measured
+against (allreduce.bench's mpi-raw row).  Both use the
 libraries' non-blocking calls (MPI_Iallreduce, `async_op=True`), which here
 run as fast as the blocking ones, so that the wait can have a timeout.
 """
@@ -8,9 +10,11 @@ import numpy as np
 
 from .buffers import CollectiveError, is_tensor, reduce_into
 from .collective import Collective
+from .shards import shard_bounds
 from .transport import Handle, MPITransport
 
 _MPI_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
+RAW = "mpi-raw"
 
 
 def _numpy_view(x):
@@ -68,7 +72,7 @@ class MPINative(Collective):
         return self.MPI.Op.Create(combine, commute=True)
 
     def _wait(self, request):
-        self.transport._wait_all((Handle(self.transport, request, -1),))
+        self.transport.wait_request(request)
 
     def _allreduce(self, x, op):
         self._wait(self.comm.Iallreduce(self.MPI.IN_PLACE, _numpy_view(x),
@@ -153,3 +157,39 @@ class TorchNative(Collective):
             src = self.transport.world_rank(root)
             self._wait(self.dist.broadcast(self._tensor(x), src=src, group=self.group,
                                            async_op=True))
+
+
+class MPIRaw:
+    """MPI's collectives called straight through mpi4py, no topolab layer: the
+    floor every row of allreduce.bench is measured against (the same buffers,
+    barrier and timing).  Outputs are allocated once per size, as the OSU
+    benchmarks do."""
+    name = RAW
+
+    def __init__(self, comm):
+        from mpi4py import MPI
+        self.comm, self.in_place = comm, MPI.IN_PLACE
+
+    def runner(self, collective, n):
+        """The call to time for n elements: x -> result."""
+        comm, in_place, rank = self.comm, self.in_place, self.comm.rank
+        bounds = shard_bounds(n, comm.size)
+        counts, displs = [b - a for a, b in bounds], [a for a, _ in bounds]
+        if collective == "allreduce":
+            return lambda x: comm.Allreduce(in_place, x) or x
+        if collective == "broadcast":
+            return lambda x: comm.Bcast(x, root=0) or x
+        out = []
+
+        def reduce_scatter(x):
+            if not out:
+                out.append(np.empty(counts[rank], dtype=x.dtype))
+            comm.Reduce_scatter(x, out[0], counts)
+            return out[0]
+
+        def allgather(x):
+            if not out:
+                out.append(np.empty(n, dtype=x.dtype))
+            comm.Allgatherv(x, [out[0], (counts, displs)])
+            return out[0]
+        return reduce_scatter if collective == "reduce_scatter" else allgather

@@ -166,6 +166,11 @@ class MPITransport(Transport):
                 "to stage them through host memory")
         return [as_bytes(buf), self.MPI.BYTE]
 
+    def wait_request(self, request, peer=-1):
+        """Complete one mpi4py request (a baseline's collective) under the timeout."""
+        if not request.Test():
+            self._poll([request], (peer,))
+
     def _wait_all(self, handles):
         if len(handles) == 1:
             if handles[0].request.Test():
