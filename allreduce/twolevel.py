@@ -1,0 +1,151 @@
+"""The cost model on two levels: N hosts of R ranks, shared memory inside a host, a link between.
+
+    intra = Machine.from_calibration(cal)      # inside a host: alpha, beta, gamma (costs.py)
+    link = link_from_calibration(cal)          # a host's link: inter_alpha_s, inter_beta_...
+    cluster_allreduce_time("ring", 16 << 20, 2, 2, intra, link)       # seconds, 2 hosts x 2 ranks
+    cluster_allreduce_time("ring", 16 << 20, 2, 2, intra, link_of_rate(1.0))    # nominal 1 Gbit/s
+
+Hockney's alpha-beta model (1994) at both levels, on the schedules of Thakur,
+Rabenseifner & Gropp (IJHPCA 2005) taken step by step as our algorithms run
+them (theory.allreduce_steps; ranks in blocks: host h holds ranks hR..hR+R-1).
+A step's messages go at once, so a step takes the longer of its two parts:
+
+  inside hosts   the busiest rank: alpha + (bytes it sends or receives there) beta
+                 + (bytes it adds) gamma, beta and gamma read at the step's
+                 message size (Machine.beta_at for an exchange, beta_one_way_at
+                 for a message sent one way) and stretched where a host's R
+                 ranks outnumber its cores (Machine.stretch)
+  across links   alpha_link + (bytes through the busiest link, one direction) beta_link
+
+    T = sum over steps of max(inside, across)
+
+Who crosses is theory.host_link_bytes' accounting message by message: only a
+message between ranks on different hosts.  A host's link is full duplex (what
+it sends and what it receives do not slow each other: a ring's step, which
+sends and receives n/P at once, takes as long as n/P one way), but it is one
+link: the ranks of a host that cross in the same step share it, so their bytes
+add (halving-doubling's first step on 2 hosts x R ranks puts R n/2 on each
+link).  Why a max and not a sum: ring.py and halving_doubling.py add a segment
+while the next one arrives (Collective.sendrecv_reduce), and the ranks that
+talk inside a host do so while others cross, so the slower part paces the step.
+
+With one host (N = 1) no message crosses and T is costs.py's one-level formula.
+When the link is the bottleneck, T is the busiest link's bytes times beta_link
+(plus alpha_link a step): what host_link_bytes counts, at the link's rate.
+"""
+import functools
+import json
+
+from .costs import Machine
+from .theory import allreduce_steps
+
+
+def link_of_rate(gbps, latency_s=0.0):
+    """A host's link at its nominal rate, gbps Gbit/s each way: 8 / (gbps 1e9) s a byte."""
+    return Machine(latency_s, 8 / (gbps * 1e9))
+
+
+def link_from_calibration(cal):
+    """A host's link as experiments/calibrate_link.py measured it: a Machine whose
+    alpha and beta are the link's, beta_at(x) and beta_one_way_at(x) read at x =
+    bytes through one direction of it in a step (the steps' message sizes play
+    the part they play inside a host: TCP's work per byte depends on them too)."""
+    def curve(key):
+        values = cal.get(key)
+        return tuple(zip(cal["inter_beta_bytes"], values)) if values else None
+    return Machine(cal["inter_alpha_s"], cal["inter_beta_s_per_byte"],
+                   beta_curve=curve("inter_beta_s_per_byte_at"),
+                   beta_one_way_curve=curve("inter_beta_one_way_s_per_byte_at"))
+
+
+@functools.lru_cache(maxsize=256)
+def _profile(algo, nodes, R, outer):
+    """Each step of the schedule, per byte of the vector: (repeat, hops, exchange,
+    {(bytes moved inside, largest message, bytes added, largest chunk added,
+    talks inside)} of its ranks, bytes through the busiest link one way).
+    Independent of n, so the simulator's thousands of ranks are walked once."""
+    profile = []
+    for step in allreduce_steps(algo, 1.0, nodes * R, R, outer):
+        sent, received, added, message, chunk = {}, {}, {}, {}, {}
+        up, down = [0.0] * nodes, [0.0] * nodes
+        for a, b, m in step.messages:
+            if a // R == b // R:
+                sent[a] = sent.get(a, 0.0) + m
+                received[b] = received.get(b, 0.0) + m
+                for r in (a, b):
+                    message[r] = max(message.get(r, 0.0), m)
+            else:
+                up[a // R] += m
+                down[b // R] += m
+            if step.reduces:
+                added[b] = added.get(b, 0.0) + m
+                chunk[b] = max(chunk.get(b, 0.0), m)
+        ranks = set(sent) | set(received) | set(added)
+        terms = frozenset((max(sent.get(r, 0.0), received.get(r, 0.0)), message.get(r, 0.0),
+                           added.get(r, 0.0), chunk.get(r, 0.0), r in message) for r in ranks)
+        profile.append((step.repeat, step.hops, step.exchange, terms, max(up + down)))
+    return tuple(profile)
+
+
+def cluster_allreduce_time(algo, n, nodes, ranks_per_node, intra, link=None, outer="ring"):
+    """Predicted seconds of one all-reduce of n bytes on nodes x ranks_per_node ranks;
+    None for algorithms without a textbook schedule (mpi, torch)."""
+    R = ranks_per_node
+    try:
+        profile = _profile(algo, nodes, R, outer)
+    except ValueError:
+        return None
+    if nodes > 1 and link is None:
+        raise ValueError(f"{nodes} hosts need a link between them")
+    s = intra.stretch(R)
+    total = 0.0
+    for repeat, hops, exchange, terms, link_bytes in profile:
+        inside = 0.0
+        for moved, message, added, chunk, talks in terms:
+            beta = intra.beta_at(message * n) if exchange else intra.beta_one_way_at(message * n)
+            t = (hops * intra.alpha if talks else 0.0) + moved * n * beta * s
+            if added:
+                t += added * n * intra.gamma_at(chunk * n) * s
+            inside = max(inside, t)
+        x = link_bytes * n
+        across = hops * link.alpha + x * (link.beta_at(x) if exchange else
+                                          link.beta_one_way_at(x)) if x else 0.0
+        total += repeat * max(inside, across)
+    return total
+
+
+def host_layout(comm):
+    """(hosts, ranks per host) of an mpi4py communicator, from MPI's shared-memory
+    split (one owner of node membership); ranks per host is None unless every
+    host has as many ranks, in blocks (the schedules assume it).  Collective."""
+    from mpi4py import MPI
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    size, first = node.size, comm.rank - node.rank
+    node.Free()
+    layout = comm.allgather((size, first))
+    hosts = len({f for _, f in layout})
+    blocks = all(f == (r // size) * size and s == size for r, (s, f) in enumerate(layout))
+    return hosts, size if blocks else None
+
+
+def predictor(path, comm, inner="ring", outer="ring", ranks_per_node=None, emulated=False):
+    """predict(algo, collective, nbytes) -> the model's microseconds or None, for
+    the layout of `comm` (collective: every rank calls it).  None where the model
+    has no formula: the libraries' own algorithms, collectives other than
+    all-reduce, hierarchical with an inner other than ring or nodes declared
+    apart from the hosts (ranks_per_node), links emulated in the transport, or
+    several hosts and a calibration without the link (inter_*)."""
+    hosts, R = host_layout(comm)
+    with open(path) as f:
+        cal = json.load(f)
+    intra = Machine.from_calibration(cal)
+    link = link_from_calibration(cal) if "inter_beta_s_per_byte" in cal else None
+
+    def predict(algo, collective, nbytes):
+        if collective != "allreduce" or R is None or emulated or (hosts > 1 and link is None):
+            return None
+        if algo == "hierarchical" and (inner != "ring" or ranks_per_node not in (None, R)):
+            return None
+        t = cluster_allreduce_time(algo, nbytes, hosts, R, intra, link, outer)
+        return None if t is None else t * 1e6
+    return predict
