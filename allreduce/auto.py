@@ -35,8 +35,9 @@ from .collective import Collective
 from .transport import MPITransport
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
-# Size class k holds the sizes [2^(k-1), 2^k) bytes (class 0: empty), up to 2^47.
-SIZE_CLASSES = 48
+# Size class k holds the sizes [2^(k-1), 2^k) bytes (class 0: empty): a size's
+# bit_length, which is below 64 for any buffer a machine can hold.
+SIZE_CLASSES = 64
 
 # The table's thresholds, powers of two so that each falls between two classes.
 # Below this the library's own collective wins here: a step of ours costs
@@ -181,6 +182,7 @@ class Auto(Collective):
                                                  if k != "ranks_per_node"}))
                  for name in chosen}
         self.table = [[built[names[i]] for i in row] for row in table]
+        self.allreduce_by_class = self.table[0]
         self.counts_traffic = native not in chosen
 
     def _find_layout(self, transport, ranks_per_node):
@@ -201,15 +203,14 @@ class Auto(Collective):
 
     def pick(self, collective, size):
         """The collective object that runs `collective` of `size` bytes."""
-        return self.table[COLLECTIVES.index(collective)][min(size.bit_length(),
-                                                              SIZE_CLASSES - 1)]
+        return self.table[COLLECTIVES.index(collective)][size.bit_length()]
 
     def choice(self, collective, size):
         """The name of the algorithm `collective` of `size` bytes runs (e.g. 'ring')."""
         return self.pick(collective, size).name
 
     def _allreduce(self, x, op):
-        self.table[0][min(nbytes(x).bit_length(), SIZE_CLASSES - 1)]._allreduce(x, op)
+        self.allreduce_by_class[nbytes(x).bit_length()]._allreduce(x, op)
 
     def _reduce_scatter(self, x, bounds, op):
         return self.pick("reduce_scatter", nbytes(x))._reduce_scatter(x, bounds, op)

@@ -214,7 +214,7 @@ class Scratch:
         else:
             key = (name, like.dtype, like.device)
         buf = self._buffers.get(key)
-        if buf is None or numel(buf) < n:
+        if buf is None or len(buf) < n:
             buf = empty_like(like, max(n, 1))
             self._buffers[key] = buf
         return buf[:n]

@@ -58,6 +58,16 @@ class HalvingDoubling(Collective):
     def __init__(self, transport, **options):
         super().__init__(transport, **options)
         self._tree = Tree(transport, **options)
+        self._owned = {}
+
+    def owned(self, n):
+        """blocks() of an n-element all-reduce, kept per n, as shard_bounds is."""
+        owned = self._owned.get(n)
+        if owned is None:
+            if len(self._owned) >= 64:
+                self._owned.clear()
+            owned = self._owned[n] = blocks(self.shard_bounds(n), self.size)
+        return owned
 
     # -------------------------------------------------- the power-of-two core
     def _halving(self, x, owned, v, op):
@@ -118,7 +128,7 @@ class HalvingDoubling(Collective):
         self._fold_in(x, op)
         v = virtual_rank(self.rank, self.size)
         if v is not None:
-            owned = blocks(self.shard_bounds(len(x)), self.size)
+            owned = self.owned(len(x))
             self._halving(x, owned, v, op)
             self._doubling(x, owned, v)
         self._fold_out(x)

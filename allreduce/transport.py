@@ -20,6 +20,7 @@ itself spins while it waits.
 A waiting rank naps between polls only where ranks outnumber cores on its host
 (TOPOLAB_NAP=1 or 0 overrides): see `may_nap`.
 """
+import functools
 import os
 import time
 
@@ -185,25 +186,26 @@ class MPITransport(Transport):
     def _poll(self, requests, peers):
         """Wait for every request, or raise TransportTimeout naming the peers of
         those still pending."""
-        Testall = self.MPI.Request.Testall
+        done = (requests[0].Test if len(requests) == 1 else
+                functools.partial(self.MPI.Request.Testall, requests))
+        # Spin first: the peer is usually microseconds away.  Then yield the core
+        # on every poll, since a thread or rank beside us may need it.  After
+        # SPIN_S, nap between polls where ranks outnumber cores (may_nap).
+        for _ in range(SPIN_POLLS):
+            if done():
+                return
         start = time.perf_counter()
         deadline = start + self.timeout
-        spins = 0
-        while not Testall(requests):
-            spins += 1
-            # Spin first: the peer is usually microseconds away.  Then yield the
-            # core on every poll, since a thread or rank beside us may need it.
-            # After SPIN_S, nap between polls where ranks outnumber cores (may_nap).
-            if spins > SPIN_POLLS:
-                now = time.perf_counter()
-                if self.nap and now - start >= SPIN_S:
-                    time.sleep(POLL_NAP_S)
-                else:
-                    os.sched_yield()
-                if now > deadline:
-                    pending = [p for p, r in zip(peers, requests) if not r.Test()]
-                    raise TransportTimeout(self.world_rank(self.rank),
-                                           [self.world_rank(p) for p in pending], self.timeout)
+        while not done():
+            now = time.perf_counter()
+            if self.nap and now - start >= SPIN_S:
+                time.sleep(POLL_NAP_S)
+            else:
+                os.sched_yield()
+            if now > deadline:
+                pending = [p for p, r in zip(peers, requests) if not r.Test()]
+                raise TransportTimeout(self.world_rank(self.rank),
+                                       [self.world_rank(p) for p in pending], self.timeout)
 
     def barrier(self):
         self._wait_all([Handle(self, self.comm.Ibarrier(), -1)])

@@ -50,32 +50,44 @@ def subtree(vrank, size):
 class Tree(Collective):
     name = "tree"
 
+    def __init__(self, transport, **options):
+        super().__init__(transport, **options)
+        self._families = {}
+
     def _real(self, vrank, root):
         return (vrank + root) % self.size
 
+    def family(self, root):
+        """(parent, children) of this rank in the tree rooted at `root`, as real
+        ranks, children smallest subtree first; kept per root."""
+        found = self._families.get(root)
+        if found is None:
+            v = (self.rank - root) % self.size
+            up = parent(v)
+            found = self._families[root] = (
+                None if up is None else self._real(up, root),
+                [self._real(c, root) for c in children(v, self.size)])
+        return found
+
     def _reduce(self, x, op, root):
-        t, P = self.transport, self.size
-        v = (self.rank - root) % P
-        kids = [self._real(c, root) for c in children(v, P)]
-        up = parent(v)
+        t = self.transport
+        up, kids = self.family(root)
         for a, b in self.segments(x, len(x)):
             incoming = self.scratch.get("incoming", x, b - a)
             for child in kids:
                 t.recv(incoming, child)
                 reduce_into(x[a:b], incoming, op)
             if up is not None:
-                t.send(x[a:b], self._real(up, root))
+                t.send(x[a:b], up)
 
     def _bcast(self, x, root):
-        t, P = self.transport, self.size
-        v = (self.rank - root) % P
-        kids = [self._real(c, root) for c in reversed(children(v, P))]  # largest subtree first
-        up = parent(v)
+        t = self.transport
+        up, kids = self.family(root)
         sends = []
         for a, b in self.segments(x, len(x)):
             if up is not None:
-                t.recv(x[a:b], self._real(up, root))
-            sends += [t.isend(x[a:b], child) for child in kids]
+                t.recv(x[a:b], up)
+            sends += [t.isend(x[a:b], child) for child in reversed(kids)]  # largest subtree first
         t.wait_all(sends)
 
     def _allreduce(self, x, op):
