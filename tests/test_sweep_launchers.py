@@ -202,12 +202,17 @@ def namespaces():
 @pytest.mark.timeout(90)
 def test_emulated_point_records_the_bytes_on_each_hosts_link(tmp_path, namespaces):
     place = ClusterPlace(PREFIX, SUBNET, str(tmp_path / "cluster"))
+    slow = ('\n[[run]]\ncommand = "allreduce.bench"\nlabel = "times out"\ntimeout_s = 4\n'
+            'cluster = {nodes = 2, inter_gbps = 0.05}\nsizes = ["64M"]\n')
     result, records, points = sweep(
-        tmp_path, '[sweep]\ncluster = {nodes = 2, inter_gbps = 2}\n\n' + BENCH, 80,
+        tmp_path, '[sweep]\ncluster = {nodes = 2, inter_gbps = 2}\n\n' + BENCH + slow, 80,
         TOPOLAB_CLUSTER_DIR=place.run_dir)
-    check_ok(result)
-    assert not leftovers(place)
-    (point,) = points
+    assert result.returncode == 1, result.stderr                # the slow point timed out
+    assert not leftovers(place) and not os.path.exists(place.run_dir)
+    point, timed_out = points
+    assert point["status"] == "ok" and timed_out["status"] == "timeout"
+    # SIGTERM first: the cluster tool ended its job and removed its hosts itself
+    assert "cluster torn down" in open(timed_out["log"]).read()
     bench = [r for r in records if r.get("kind") != "wire"]
     wire = [r for r in records if r.get("kind") == "wire"]
     assert len(bench) == 1 and bench[0]["world_size"] == 2 and bench[0]["wrong"] == 0
