@@ -101,6 +101,11 @@ class PSSync(GradientSync):
         if self.ctx.dp_rank == 0:
             self.client.checkpoint()
 
+    def abort(self, error):
+        """Close as a crash: the servers get ABORT with the error, not BYE, so that under
+        BSP/SSP they fail the run on every worker instead of going on without this one."""
+        self.client.close(error=f"{type(error).__name__}: {error}")
+
     def close(self):
         self.client.close()
 
@@ -194,6 +199,11 @@ class HybridSync(GradientSync):
     @property
     def staleness(self):
         return self.ps.staleness if self.ps else None
+
+    def abort(self, error):
+        """A crash: the leader tells the servers (PSSync.abort); close() still follows."""
+        if self.ps is not None:
+            self.ps.abort(error)
 
     def close(self):
         self.allreduce_part.close()

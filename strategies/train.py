@@ -151,6 +151,10 @@ def train(argv=None):
             if hasattr(sync, "save_state"):
                 sync.save_state()
             checkpoint.save(cfg, ctx, cfg.steps, model, optimizer)
+    except BaseException as e:
+        if hasattr(sync, "abort"):     # ps, hybrid: the servers hear of a crash, not a finish
+            sync.abort(e)
+        raise
     finally:
         sync.close()
     if cfg.params_out and ctx.dp_rank == 0:
