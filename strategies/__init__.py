@@ -1,5 +1,7 @@
 """The common training worker: one loop, one model, one data set, any synchronisation.
 
+    opt = strategies.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model,
+                                          sync="ring")   # your model, your loop (optimizer.py)
     python -m strategies.train --sync ring ...     (see train.py for launch commands)
     python -m strategies.bench --syncs ring,ddp    (throughput beside torch DDP)
     python -m strategies.train --sync ring --pp 2 --tp 2 --zero 1 ...   (under mpiexec -n 4)
@@ -12,6 +14,8 @@ Read in this order:
     buckets.py     flat gradient buckets, all-reduced during backward by a comm thread
     compress.py    none / fp16 / bf16 on the wire
     sync.py        GradientSync: local, all-reduce backends, parameter servers, hybrid
+    optimizer.py   DistributedOptimizer: the syncs for a model and loop of the user's own
+    example_user_model.py  a complete run of it on a small CNN of its own
     metrics.py     JSON Lines records, progress bar, summary
     checkpoint.py  atomic checkpoints and --resume
     train.py       the loop
@@ -26,3 +30,17 @@ Read in this order:
     parallel.py    the grid worker: builds the rank's share, runs the step, records
     bench_parallel.py  ZeRO memory and traffic, pipeline bubbles, ZeRO-3 speed
 """
+
+__all__ = ["DistributedOptimizer", "ps_roles", "SyncOptions"]
+
+
+def __getattr__(name):
+    # Imported on first use: `strategies.config` (read by the sweep tools) must not cost
+    # an `import torch`, which takes seconds.
+    if name in ("DistributedOptimizer", "ps_roles"):
+        from . import optimizer
+        return getattr(optimizer, name)
+    if name == "SyncOptions":
+        from .sync import SyncOptions
+        return SyncOptions
+    raise AttributeError(f"module 'strategies' has no attribute {name!r}")

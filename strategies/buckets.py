@@ -24,6 +24,12 @@ index order, waiting for a bucket even if a later one is ready first (DDP does
 the same).  mpi4py initialises MPI with MPI_THREAD_MULTIPLE, so the thread may
 call MPI while the main thread computes.  --no-overlap reduces the buckets on
 the main thread after backward, the same calls in the same order.
+
+One backward per step: a bucket is handed over once its parameters' gradients
+arrived, so a second backward before `wait` would add into buffers the thread
+may be sending; the hook refuses it.  `wait` re-arms the buckets, so the next
+backward works whoever cleared the gradients (a user loop may call
+model.zero_grad() or not clear them at all).
 """
 import os
 import queue
@@ -61,7 +67,12 @@ class Bucket:
             offset += p.numel()
         self.target = self.flat          # what is reduced this step
         self.pending = len(params)
+        self.arrived = set()             # parameters whose gradient came this step
         self.event = None
+
+    def rearm(self):
+        self.pending = len(self.params)
+        self.arrived.clear()
 
     def take(self, p):
         """p's fresh gradient joins the bucket (called from p's hook)."""
@@ -135,13 +146,18 @@ class GradBuckets:
     def zero_(self):
         """Before forward: no gradients yet (autograd then hands over fresh ones)."""
         for b in self.buckets:
-            b.pending = len(b.params)
+            b.rearm()
             for p in b.params:
                 p.grad = None
 
     def _on_grad_ready(self, p):
         # Runs inside backward, once p.grad holds this step's full gradient.
         b = self.bucket_of[p]
+        if b.pending < 0 or p in b.arrived:
+            raise RuntimeError("a second backward before the gradients of the first were "
+                               "synchronised: call step() after each backward (to accumulate "
+                               "micro-batches, add their losses and call backward once)")
+        b.arrived.add(p)
         b.take(p)
         b.pending -= 1
         if b.pending == 0:
@@ -166,6 +182,8 @@ class GradBuckets:
         else:
             for b in self.buckets:
                 self._reduce(b)
+        for b in self.buckets:                       # ready for the next backward
+            b.rearm()
         if self.error is not None:
             error, self.error = self.error, None
             raise error

@@ -14,7 +14,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-ALLREDUCE_SYNCS = ("ring", "tree", "halving_doubling", "hierarchical", "mpi", "torch")
+# auto: allreduce picks one of the others per call, from the size, P and the nodes
+ALLREDUCE_SYNCS = ("ring", "tree", "halving_doubling", "hierarchical", "mpi", "torch", "auto")
 PS_SYNCS = ("ps", "hybrid")
 SYNCS = ALLREDUCE_SYNCS + PS_SYNCS + ("local",)
 MODELS = ("mlp", "gpt")
@@ -52,7 +53,7 @@ class TrainConfig:
     servers: int = 1              # ps / hybrid: the last `servers` ranks serve
     consistency: str = "bsp"      # ps: bsp, ssp (bounded by --staleness) or asp
     staleness: int = 0
-    ranks_per_node: int = 0       # hierarchical / hybrid: 0 = ranks that share a host name
+    ranks_per_node: int = 0       # hierarchical / auto / hybrid: 0 = ranks that share a host name
     bucket_mb: float = 25.0       # gradient bucket cap (DDP's default is 25 MB as well)
     overlap: bool = True          # --no-overlap: all-reduce after backward, not during it
     compress: str = "none"        # gradients on the wire: none, fp16, bf16

@@ -1,6 +1,7 @@
 """GradientSync: the one interface between the training loop and every synchronisation.
 
-    sync = make_sync(cfg, ctx, device)
+    sync = make_sync(cfg, ctx, device)      # strategies.train; DistributedOptimizer builds
+                                            # AllReduceSync(SyncOptions(...), None, device, coll)
     sync.setup(model)                  # replicas start equal; hooks attached
     optimizer = sync.make_optimizer(model)   # None where the servers apply the update
     each step:
@@ -27,15 +28,65 @@ samples: exactly one process's update, up to the order of float additions.
 The model, the optimizer and the sync are separate objects on purpose, so that
 ZeRO (a sync that owns sharded optimizer state) and pipeline/tensor parallelism
 (a model split over a grid axis, with the sync on the dp axis) can plug in.
+
+A sync reads its settings from `cfg`: a TrainConfig in strategies.train, or a
+SyncOptions (the same fields, nothing about models, data or batches) where
+the user brings the model and the loop (optimizer.py).
 """
+from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
 import allreduce
+from allreduce.buffers import TORCH_DTYPES
 
 from .buckets import GradBuckets
 from .compress import make_compressor
-from .config import ALLREDUCE_SYNCS, EMULATED_SYNCS, ConfigError
+from .config import (ALLREDUCE_SYNCS, COMPRESSIONS, CONSISTENCIES, EMULATED_SYNCS, OPTIMIZERS,
+                     PS_SYNCS, ConfigError)
+
+
+@dataclass(frozen=True)
+class SyncOptions:
+    """The fields of TrainConfig that the syncs read, validated the same way."""
+    sync: str = "ring"
+    bucket_mb: float = 25.0       # gradient bucket cap
+    overlap: bool = True          # all-reduce buckets while backward runs
+    compress: str = "none"        # gradients on the wire: none, fp16, bf16
+    timeout: float = 60.0         # seconds a rank waits for a peer before giving up
+    ranks_per_node: int = 0       # hierarchical / auto / hybrid: 0 = ranks sharing a host
+    link_latency_us: float = 0.0  # emulated links (textbook algorithms only)
+    link_gbps: float = 0.0
+    # ps / hybrid: the servers run the optimizer, so they need its settings
+    consistency: str = "bsp"
+    staleness: int = 0
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+    def __post_init__(self):
+        syncs = ALLREDUCE_SYNCS + PS_SYNCS
+        for field, options in (("sync", syncs), ("compress", COMPRESSIONS),
+                               ("consistency", CONSISTENCIES), ("optimizer", OPTIMIZERS)):
+            if getattr(self, field) not in options:
+                raise ConfigError(f"{field}={getattr(self, field)!r} is not one of "
+                                  f"{', '.join(options)}")
+        if not isinstance(self.overlap, bool):
+            raise ConfigError(f"overlap={self.overlap!r} must be True or False")
+        for field in ("bucket_mb", "timeout", "lr"):
+            if not getattr(self, field) > 0:
+                raise ConfigError(f"{field} must be > 0, got {getattr(self, field)!r}")
+        for field in ("ranks_per_node", "staleness", "link_latency_us", "link_gbps",
+                      "momentum", "weight_decay"):
+            if not getattr(self, field) >= 0:
+                raise ConfigError(f"{field} must be >= 0, got {getattr(self, field)!r}")
+        if (self.link_latency_us or self.link_gbps) and self.sync not in EMULATED_SYNCS:
+            raise ConfigError(f"link emulation slows the textbook all-reduces "
+                              f"({', '.join(EMULATED_SYNCS)}), not sync={self.sync!r}")
+        if self.consistency == "bsp" and self.staleness:
+            raise ConfigError("staleness needs consistency='ssp' (bsp waits for every worker)")
 
 
 def make_optimizer(cfg, params):
@@ -78,17 +129,46 @@ class LocalSync(GradientSync):
     name = "local"
 
 
-def collective_for(name, cfg, comm):
-    """An allreduce/ collective over `comm` (None: COMM_WORLD, or torchrun's world)."""
+def collective_for(name, cfg, comm, transport=None):
+    """An allreduce/ collective over `comm` (None: COMM_WORLD, or torchrun's world);
+    transport None is allreduce's default for `name` (MPI, torch.distributed for torch)."""
     options = {}
-    if name == "hierarchical" and cfg.ranks_per_node:
+    if name in ("hierarchical", "auto") and cfg.ranks_per_node:
         options["ranks_per_node"] = cfg.ranks_per_node
     if name in EMULATED_SYNCS:                     # a slower network, if asked for
         options.update(link_latency_us=cfg.link_latency_us, link_gbps=cfg.link_gbps or None)
-    return allreduce.create(name, comm=comm, timeout=cfg.timeout, **options)
+    return allreduce.create(name, comm=comm, transport=transport, timeout=cfg.timeout,
+                            **options)
+
+
+def broadcast_tensor(coll, t, root=0):
+    """t (a tensor, no autograd) := root's t.  The collectives take a few dtypes and
+    contiguous memory only; anything else travels through a copy that they take
+    and exact for its values (int64 for bool and small integers, float64 for float8)."""
+    if t.numel() == 0:
+        return
+    if t.is_complex():
+        t = torch.view_as_real(t)                  # a view: its pairs of reals are t's memory
+    if t.dtype in TORCH_DTYPES and t.is_contiguous():
+        coll.broadcast(t, root=root)
+        return
+    wire = t.dtype if t.dtype in TORCH_DTYPES else \
+        torch.float64 if t.is_floating_point() else torch.int64
+    staged = t.to(wire).contiguous()
+    coll.broadcast(staged, root=root)
+    t.copy_(staged)
+
+
+def broadcast_module(coll, module, root=0):
+    """Rank root's parameters and buffers on every rank (DDP does the same at construction)."""
+    with torch.no_grad():
+        for t in chain(module.parameters(), module.buffers()):
+            broadcast_tensor(coll, t.data, root)
 
 
 class AllReduceSync(GradientSync):
+    """ctx is read only to make the collective (its dp_comm); with `coll` given it may be None."""
+
     def __init__(self, cfg, ctx, device, coll=None):
         super().__init__(cfg, ctx, device)
         self.name = cfg.sync
@@ -100,9 +180,7 @@ class AllReduceSync(GradientSync):
 
     def setup(self, model):
         super().setup(model)
-        with torch.no_grad():                       # DDP does the same: rank 0's weights win
-            for p in model.parameters():
-                self.coll.broadcast(p.data, root=0)
+        broadcast_module(self.coll, model)          # DDP does the same: rank 0's weights win
         self.buckets = GradBuckets(list(model.parameters()),
                                    lambda flat: self.coll.allreduce(flat, op="avg"),
                                    int(self.cfg.bucket_mb * 2**20),

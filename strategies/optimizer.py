@@ -1,0 +1,367 @@
+"""DistributedOptimizer: data-parallel training of your own model, in your own loop.
+
+    import strategies
+    opt = strategies.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                          model, sync="ring")      # every rank builds it
+    for x, y in my_shard:              # this rank's B/P samples: shard opt.rank of opt.size
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()   # gradient buckets are all-reduced meanwhile
+        opt.step()                     # waits for the averaged gradients, then steps
+    opt.close()                        # or: with strategies.DistributedOptimizer(...) as opt:
+
+The seam is the optimizer, as in Horovod (Sergeev & Del Balso, "Horovod: fast
+and easy distributed deep learning in TensorFlow", 2018) and BytePS: the loop
+keeps its four lines.  Underneath is the sync of strategies.train (sync.py):
+`setup` broadcasts rank 0's parameters and buffers and attaches the bucket
+hooks, `zero_grad` is its before_backward, `step` its synchronize and step.
+Each rank's loss is the mean over its shard and the gradients are averaged
+over the communicator, so with equal shards every rank takes the step of the
+mean loss over the global batch.
+
+    sync        ring, tree, halving_doubling, hierarchical, mpi, torch, auto;
+                an allreduce collective made by the caller (allreduce.create(...));
+                ps or hybrid with role=ps_roles(...) (below)
+    comm        an mpi4py communicator (default COMM_WORLD; under torchrun the whole
+                world); for the torch transport also a list of global ranks
+    bucket_mb, overlap, compress ("none", "fp16", "bf16"), ranks_per_node, timeout
+
+Gradient clipping sees averaged gradients after `opt.synchronize()`; `step`
+then does not wait again.  Under torchrun there is no MPI: sync="torch", or a
+textbook algorithm over torch.distributed (the transport chosen for you).
+
+Parameter servers: psrv.launch decides who serves; ask it first, and let the
+server ranks serve until every worker has closed its optimizer.
+
+    role = strategies.ps_roles(servers=1)          # collective over COMM_WORLD
+    if role.is_server:
+        role.serve()                               # returns when the workers are done
+    else:
+        with strategies.DistributedOptimizer(torch.optim.SGD(...), model, sync="ps",
+                                             role=role) as opt:
+            ...                                    # shard by opt.rank / opt.size (workers)
+
+The servers run the optimizer (psrv/optim.py: torch's SGD and Adam), so the
+wrapped optimizer only describes it: one parameter group, no schedule.
+
+ZeRO is not offered here: its stages own the optimizer's state per layer and
+gather parameters around each layer's forward (zero.py), which needs the
+model's layers and an optimizer it builds itself, not the caller's.
+"""
+import os
+import socket
+import sys
+import zlib
+
+import torch
+
+import allreduce
+
+from .config import ALLREDUCE_SYNCS, PS_SYNCS, ConfigError
+from .context import MPIControl, RunContext, require_psrv, under_torchrun
+from .sync import AllReduceSync, SyncOptions, broadcast_tensor, collective_for
+
+SYNC_NAMES = ALLREDUCE_SYNCS + PS_SYNCS
+
+
+def ps_roles(servers=1, comm=None):
+    """psrv.launch's roles over `comm` (default COMM_WORLD): the last `servers` ranks
+    serve, the others train.  Collective over comm."""
+    psrv = require_psrv()
+    if comm is None:
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+    check_comm(comm, "mpi")
+    # Servers listen on loopback when every rank shares this host, else on all interfaces
+    # (where psrv authenticates the workers with CURVE keys).
+    one_host = len(set(comm.allgather(socket.gethostname()))) == 1
+    return psrv.launch.mpi_roles(comm, num_servers=servers,
+                                 bind_host="127.0.0.1" if one_host else "0.0.0.0")
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps `optimizer` (over `model`'s parameters) so that its steps are data parallel.
+
+    A torch.optim.Optimizer for LR schedulers and checkpoints: param_groups, state,
+    state_dict and load_state_dict are the wrapped optimizer's own."""
+
+    def __init__(self, optimizer, model, sync="ring", comm=None, *, bucket_mb=25.0,
+                 overlap=True, compress="none", ranks_per_node=0, timeout=60.0,
+                 transport=None, role=None, consistency="bsp", staleness=0):
+        # No Optimizer.__init__: the wrapped optimizer owns the parameter groups and state.
+        params, device = check_model(optimizer, model)
+        if isinstance(sync, allreduce.Collective):
+            if comm is not None or transport is not None:
+                raise ConfigError("sync is a collective already: it has its communicator and "
+                                  "transport, so pass neither comm nor transport")
+            name, coll = sync.name, sync
+        elif sync in SYNC_NAMES:
+            name, coll = sync, None
+        else:
+            raise ConfigError(f"sync={sync!r} is not one of {', '.join(SYNC_NAMES)} "
+                              "(or a collective from allreduce.create)")
+        server_optimizer = {}
+        if name in PS_SYNCS:
+            server_optimizer = server_settings(optimizer)
+        elif role is not None:
+            raise ConfigError(f"role= is for sync='ps' or 'hybrid', not {name!r}")
+        options = SyncOptions(sync=name, bucket_mb=bucket_mb, overlap=overlap, compress=compress,
+                              timeout=timeout, ranks_per_node=ranks_per_node,
+                              consistency=consistency, staleness=staleness, **server_optimizer)
+        self.optimizer, self.model, self.options = optimizer, model, options
+        self._step, self._synchronized, self._closed = 0, False, True
+        if name in PS_SYNCS:
+            self.sync = self._parameter_server_sync(role, options, device, params)
+        else:
+            if coll is None:
+                transport = transport_for(name, transport)
+                check_comm(comm, transport)
+                coll = collective_for(name, options, comm, transport)
+            self.rank, self.size = coll.rank, coll.size
+            check_same_everywhere(lambda mine: gathered(coll, mine), params, options)
+            self.sync = AllReduceSync(options, None, device, coll)
+        self.sync.setup(model)             # rank 0's weights win; the bucket hooks attach
+        self._closed = False
+
+    def _parameter_server_sync(self, role, options, device, params):
+        if role is None:
+            raise ConfigError(f"sync={options.sync!r} needs role=strategies.ps_roles(servers=S), "
+                              "made on every rank before the optimizer (the server ranks serve "
+                              "instead), or run `python -m strategies.train --sync ps`")
+        if role.is_server:
+            raise ConfigError("this rank is a server (role.is_server): call role.serve() "
+                              "instead of building an optimizer")
+        from mpi4py import MPI
+        from .ps_sync import HybridSync, PSSync
+        workers = role.worker_comm
+        self.rank, self.size = workers.rank, workers.size
+        check_same_everywhere(workers.allgather, params, options)
+        local = workers.Split_type(MPI.COMM_TYPE_SHARED, key=workers.rank)
+        # The workers' view of the run: the servers are not part of the optimizer's world.
+        ctx = RunContext(workers.rank, workers.size, local.rank, local.size, workers.rank,
+                         workers.size, False, workers, workers, MPIControl(workers), role=role,
+                         host=socket.gethostname())
+        local.Free()
+        sync = (PSSync if options.sync == "ps" else HybridSync)(options, ctx, device)
+        # The servers hand out worker 0's parameters; the buffers are not theirs to keep.
+        coll = allreduce.create("mpi", comm=workers, timeout=options.timeout)
+        with torch.no_grad():
+            for b in self.model.buffers():
+                broadcast_tensor(coll, b.data)
+        return sync
+
+    # -------------------------------------------------------- the wrapped optimizer
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups):
+        self.optimizer.param_groups = groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, group):
+        raise ConfigError("DistributedOptimizer: parameters added after construction would "
+                          "not be synchronised; build the optimizer with all of them")
+
+    def __repr__(self):
+        return f"DistributedOptimizer({self.options.sync}, rank {self.rank} of {self.size}, " \
+               f"{type(self.optimizer).__name__})"
+
+    # ------------------------------------------------------------ the step
+    def zero_grad(self, set_to_none=True):
+        """Fresh gradients for the next backward (set to None, as torch's default;
+        the sync decides, as parameter servers keep them in buffers of their own)."""
+        self._require_open()
+        self.sync.before_backward()
+
+    def synchronize(self):
+        """Wait until every rank's gradients of this step are averaged into .grad
+        (ps/hybrid: until the servers' new parameters are in the model)."""
+        self._require_open()
+        if not self._synchronized:
+            self.sync.synchronize(self._step)
+            self._synchronized = True
+
+    def step(self, closure=None):
+        """synchronize(), then the wrapped optimizer's step (ps/hybrid: the servers' step
+        is done by then).  A closure runs once, before; LBFGS-style re-evaluation
+        inside step is not supported."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.options.sync in PS_SYNCS:
+            self._check_server_lr()
+        self.synchronize()
+        self.sync.step(self.optimizer)
+        self._synchronized = False
+        self._step += 1
+        return loss
+
+    def _check_server_lr(self):
+        lr = self.optimizer.param_groups[0]["lr"]
+        if lr != self.options.lr:
+            raise ConfigError(f"sync={self.options.sync!r}: the servers run the optimizer with "
+                              f"lr={self.options.lr}; a schedule cannot change it to {lr}")
+
+    def _require_open(self):
+        if self._closed:
+            raise RuntimeError("DistributedOptimizer is closed")
+
+    @property
+    def bytes_sent(self):
+        return self.sync.bytes_sent
+
+    @property
+    def bytes_received(self):
+        return self.sync.bytes_received
+
+    def close(self):
+        """Detach the hooks and stop the communication thread (ps: tell the servers
+        this worker is done).  Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.sync.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ------------------------------------------------------------------ checks
+def check_model(optimizer, model):
+    """The model's trainable parameters and their device, or an error naming the problem."""
+    if isinstance(optimizer, DistributedOptimizer):
+        raise ConfigError("the optimizer is a DistributedOptimizer already; wrap the plain one")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, not "
+                        f"{type(optimizer).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ConfigError("the model has no parameter that requires grad: nothing to synchronise")
+    owned = {id(p) for p in model.parameters()}
+    stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
+    if stray:
+        shapes = ", ".join(str(tuple(p.shape)) for p in stray[:3])
+        raise ConfigError(f"{len(stray)} of the optimizer's parameters are not the model's "
+                          f"(shapes {shapes}{', ...' if len(stray) > 3 else ''}): their gradients "
+                          "would never be averaged; build the optimizer from model.parameters()")
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:
+        raise ConfigError(f"the model's parameters are on several devices ({', '.join(devices)});"
+                          " data parallelism wants one device per rank: model.to(device)")
+    dtypes = sorted({str(p.dtype) for p in params} - {"torch.float32"})
+    if dtypes:
+        raise ConfigError(f"the gradient buckets are float32, the parameters {', '.join(dtypes)};"
+                          " keep float32 parameters (torch.autocast computes in 16 bits with them)")
+    return params, params[0].device
+
+
+# The optimizer settings psrv/optim.py implements, beyond lr, momentum and weight decay.
+SERVER_OPTIMIZERS = {
+    torch.optim.SGD: ("sgd", {"dampening": 0, "nesterov": False, "maximize": False}),
+    torch.optim.Adam: ("adam", {"betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False,
+                                "maximize": False, "decoupled_weight_decay": False}),
+}
+
+
+def server_settings(optimizer):
+    """The wrapped optimizer as the servers will run it (ps, hybrid)."""
+    if type(optimizer) not in SERVER_OPTIMIZERS:
+        raise ConfigError(f"sync='ps'/'hybrid': the servers run torch.optim.SGD or Adam, "
+                          f"not {type(optimizer).__name__}")
+    if len(optimizer.param_groups) != 1:
+        raise ConfigError(f"sync='ps'/'hybrid': the servers run one optimizer over all "
+                          f"parameters, not {len(optimizer.param_groups)} parameter groups")
+    name, fixed = SERVER_OPTIMIZERS[type(optimizer)]
+    group = optimizer.param_groups[0]
+    for key, value in fixed.items():
+        if key in group and group[key] != value:
+            raise ConfigError(f"sync='ps'/'hybrid': the servers run {name} with {key}={value},"
+                              f" this optimizer has {key}={group[key]}")
+    return {"optimizer": name, "lr": float(group["lr"]),
+            "momentum": float(group.get("momentum", 0.0)),
+            "weight_decay": float(group["weight_decay"])}
+
+
+def transport_for(name, transport):
+    """MPI under mpiexec; torch.distributed for sync='torch', and under torchrun, which
+    starts no MPI world (each process would be a world of its own)."""
+    torchrun = under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1
+    if transport is None:
+        transport = "torch" if name == "torch" or torchrun else "mpi"
+    if transport not in ("mpi", "torch"):
+        raise ConfigError(f"transport={transport!r} is not 'mpi' or 'torch'")
+    if name in ("mpi", "torch") and transport != name:
+        raise ConfigError(f"sync={name!r} is the {name} library's own all-reduce: it runs over "
+                          f"transport={name!r}, not {transport!r}")
+    if transport == "mpi" and torchrun:
+        raise ConfigError(f"under torchrun there is no MPI world: use sync='torch' (or "
+                          f"transport='torch' for sync={name!r}), or launch with mpiexec")
+    return transport
+
+
+def check_comm(comm, transport):
+    if comm is None:
+        return
+    if transport == "torch" and (isinstance(comm, (list, tuple, range)) or (
+            torch.distributed.is_available() and
+            isinstance(comm, torch.distributed.ProcessGroup))):
+        return
+    MPI = sys.modules.get("mpi4py.MPI")        # imported already wherever a communicator is
+    if MPI is not None and isinstance(comm, MPI.Comm):
+        if comm == MPI.COMM_NULL:
+            raise ConfigError("comm is MPI.COMM_NULL: this rank is not in the communicator "
+                              "(a Split with color MPI.UNDEFINED); build no optimizer here")
+        if not isinstance(comm, MPI.Intracomm):
+            raise TypeError(f"comm must be an intracommunicator, not an {type(comm).__name__}")
+        return
+    what = "an mpi4py communicator" + (", a list of global ranks or a torch ProcessGroup"
+                                       if transport == "torch" else "")
+    raise TypeError(f"comm must be {what} (e.g. MPI.COMM_WORLD.Split(color, key)), "
+                    f"not {type(comm).__name__}")
+
+
+def fingerprint(params, options):
+    shapes = ";".join(str(tuple(p.shape)) for p in params)
+    settings = f"{options.sync} {options.bucket_mb} {options.overlap} {options.compress}"
+    return [len(params), sum(p.numel() for p in params), zlib.crc32(shapes.encode()),
+            zlib.crc32(settings.encode())]
+
+
+def check_same_everywhere(gather, params, options):
+    """Every rank must bring the same model and settings, or the buckets differ and
+    the collectives would pair unrelated buffers (or wait for ever).  If any rank
+    differs, every rank sees a rank unlike itself, so every rank raises."""
+    mine = fingerprint(params, options)
+    for rank, theirs in enumerate(gather(mine)):
+        theirs = [int(v) for v in theirs]
+        if theirs != mine:
+            what = "settings (sync, bucket_mb, overlap, compress)" if theirs[:3] == mine[:3] \
+                else f"model ({theirs[0]} trainable tensors, {theirs[1]} elements, shapes " \
+                     f"checksum {theirs[2]:x}; here {mine[0]}, {mine[1]}, {mine[2]:x})"
+            raise ConfigError(f"rank {rank} of the communicator has another {what} than this "
+                              "rank: every rank must wrap the same model with the same settings")
+
+
+def gathered(coll, values):
+    """Every rank's list of ints, through the collective itself (MPI or torch)."""
+    mine = torch.tensor(values, dtype=torch.int64)
+    return coll.allgather(mine, len(values) * coll.size).view(coll.size, -1).tolist()

@@ -1,0 +1,220 @@
+"""strategies.DistributedOptimizer on a model that is not one of ours, against one process.
+
+    mpiexec -n 3 python -m mpi4py tests/mpi/distributed_optimizer.py equivalence
+    mpiexec -n 3 python -m mpi4py tests/mpi/distributed_optimizer.py subcomm
+    mpiexec -n 3 python -m mpi4py tests/mpi/distributed_optimizer.py errors
+    torchrun --standalone --nproc-per-node 2 tests/mpi/distributed_optimizer.py torchrun
+
+Every rank starts from its own random weights; the optimizer must broadcast
+rank 0's (parameters and buffers).  Each rank trains on its shard of every
+global batch, and the run must end where one process training on the whole
+batch ends (tests/test_distributed_optimizer.py states the tolerance).  Each
+rank also checks its shard's loss at every step against that process's.
+"""
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import strategies
+
+RTOL, ATOL = 1e-5, 1e-6
+B, STEPS, LR, MOMENTUM = 12, 4, 0.1, 0.9
+
+
+class UserNet(nn.Module):
+    """conv -> layer norm -> linear, and buffers of two dtypes (one that the
+    collectives do not take: bool)."""
+
+    def __init__(self, seed, width=3):
+        torch.manual_seed(seed)
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.norm = nn.LayerNorm([4, 6, 6])
+        self.head = nn.Linear(4 * 6 * 6, width)
+        self.register_buffer("shift", torch.randn(4, 1, 1))
+        self.register_buffer("keep", torch.rand(4 * 6 * 6) > 0.2)
+
+    def forward(self, x):
+        h = torch.relu(self.norm(self.conv(x) + self.shift))
+        return self.head(h.flatten(1) * self.keep)
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(B, 2, 6, 6, generator=g), torch.randint(0, 3, (B,), generator=g)
+
+
+def shard(x, rank, size):
+    n = B // size
+    return x[rank * n:(rank + 1) * n]
+
+
+def reference(seed, size, clip=None):
+    """One process on the whole batch: the final state, and the loss of every
+    shard of `size` at every step (what each rank must see)."""
+    model = UserNet(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        with torch.no_grad():
+            losses.append([F.cross_entropy(model(shard(x, r, size)), shard(y, r, size)).item()
+                           for r in range(size)])
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return model.state_dict(), losses
+
+
+def train(seed, rank, clip=None, rtol=RTOL, atol=ATOL, **kwargs):
+    """This rank's run with DistributedOptimizer(**kwargs); compares and returns the
+    largest absolute difference from one process."""
+    model = UserNet(seed + rank)
+    with strategies.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM), model,
+            **kwargs) as opt:
+        want_state, want_losses = reference(seed, opt.size, clip)
+        for step in range(STEPS):
+            x, y = batch(step)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(shard(x, opt.rank, opt.size)),
+                                   shard(y, opt.rank, opt.size))
+            loss.backward()
+            if clip:
+                opt.synchronize()                  # averaged gradients, then clip them
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            np.testing.assert_allclose(loss.item(), want_losses[step][opt.rank], rtol=rtol,
+                                       atol=atol, err_msg=f"loss at step {step}")
+    worst = 0.0
+    for name, value in model.state_dict().items():
+        np.testing.assert_allclose(value.numpy(), want_state[name].numpy(), rtol=rtol,
+                                   atol=atol, err_msg=f"{kwargs}: {name}")
+        worst = max(worst, (value.double() - want_state[name].double()).abs().max().item())
+    return worst
+
+
+def equivalence(world):
+    """Every all-reduce sync over COMM_WORLD, then ps and hybrid (rank P-1 serves)."""
+    from strategies.config import ALLREDUCE_SYNCS
+    rank = world.rank
+    runs = [(name, {"sync": name}) for name in ALLREDUCE_SYNCS if name != "hierarchical"]
+    runs += [("hierarchical", {"sync": "hierarchical", "ranks_per_node": 2}),   # nodes {0,1} {2}
+             ("ring no-overlap", {"sync": "ring", "overlap": False}),
+             ("tree one-bucket", {"sync": "tree", "bucket_mb": 25.0}),
+             ("ring clip", {"sync": "ring", "clip": 0.5}),
+             # 16 bits on the wire: the sums round to 11 significant bits (compress.py)
+             ("ring fp16", {"sync": "ring", "compress": "fp16", "rtol": 0, "atol": 2e-3}),
+             ("ring bf16", {"sync": "ring", "compress": "bf16", "rtol": 0, "atol": 2e-2})]
+    for label, kwargs in runs:
+        kwargs.setdefault("bucket_mb", 0.001)      # ~1 KB: five buckets of one or more tensors
+        worst = train(100, rank, **kwargs)
+        print(f"rank {rank} {label}: ok, max |diff| {worst:.1e}", flush=True)
+    for name, extra in (("ps", {}), ("hybrid", {"ranks_per_node": 1})):
+        role = strategies.ps_roles(servers=1, comm=world)
+        if role.is_server:
+            role.serve()                           # until both workers have closed
+            print(f"rank {rank} {name}: served", flush=True)
+        else:
+            worst = train(100, rank, sync=name, role=role, **extra)
+            print(f"rank {rank} {name}: ok, max |diff| {worst:.1e}", flush=True)
+
+
+def subcomm(world):
+    """Ranks {0, 1} and {2} train apart, each group from its first rank's weights."""
+    rank = world.rank
+    group = 0 if rank < 2 else 1
+    sub = world.Split(group, rank)
+    first = 0 if group == 0 else 2
+    for name in ("ring", "torch"):                 # torch: groups made over the whole world
+        worst = train(100 + first, rank - first, sync=name, comm=sub, bucket_mb=0.001)
+        print(f"rank {rank} subcomm {name} group of {sub.size}: ok, max |diff| {worst:.1e}",
+              flush=True)
+    # An LR schedule and a checkpoint go through to the wrapped optimizer.
+    model = UserNet(7)
+    with strategies.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
+                                                         momentum=0.9),
+                                         model, sync="tree", comm=sub) as opt:
+        schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.ones(2, 2, 6, 6)).sum().backward()
+            opt.step()
+            schedule.step()
+        assert opt.optimizer.param_groups[0]["lr"] == 0.025, opt.optimizer.param_groups
+        assert opt.state_dict()["param_groups"][0]["lr"] == 0.025
+        assert len(opt.state_dict()["state"]) == len(list(model.parameters()))
+    print(f"rank {rank} schedule: ok", flush=True)
+
+
+def errors(world):
+    """Each bad argument raises on every rank; one line per rank and case."""
+    from mpi4py import MPI
+    rank = world.rank
+    model = UserNet(0)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    split = nn.Linear(2, 2)
+    split.bias = nn.Parameter(torch.zeros(2, device="meta"))
+    cases = {
+        "unknown sync": lambda: strategies.DistributedOptimizer(sgd, model, sync="rign"),
+        "foreign parameters": lambda: strategies.DistributedOptimizer(
+            torch.optim.SGD(UserNet(0).parameters(), lr=0.1), model),
+        "not an optimizer": lambda: strategies.DistributedOptimizer(model, model),
+        "two devices": lambda: wrap(split),
+        "float64": lambda: wrap(nn.Linear(2, 2).double()),
+        "comm not a communicator": lambda: strategies.DistributedOptimizer(sgd, model,
+                                                                           comm="world"),
+        "comm null": lambda: strategies.DistributedOptimizer(sgd, model, comm=MPI.COMM_NULL),
+        "unknown compression": lambda: strategies.DistributedOptimizer(sgd, model,
+                                                                       compress="int8"),
+        "bucket size": lambda: strategies.DistributedOptimizer(sgd, model, bucket_mb=0),
+        "mpi over torch": lambda: strategies.DistributedOptimizer(sgd, model, sync="mpi",
+                                                                  transport="torch"),
+        "ps without role": lambda: strategies.DistributedOptimizer(sgd, model, sync="ps"),
+        "ps amsgrad": lambda: strategies.DistributedOptimizer(
+            torch.optim.Adam(model.parameters(), amsgrad=True), model, sync="ps"),
+        "models differ": lambda: wrap(model if rank else UserNet(0, width=4)),
+        "second backward": lambda: second_backward(model, sgd),
+    }
+    for case, make in cases.items():
+        try:
+            make()
+        except Exception as e:
+            print(f"rank {rank} error {case}: {type(e).__name__}: {e}", flush=True)
+        else:
+            print(f"rank {rank} error {case}: none raised", flush=True)
+
+
+def wrap(model):
+    return strategies.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+
+
+def second_backward(model, sgd):
+    """Two backwards with no step between them: refused before the buckets are mixed."""
+    with strategies.DistributedOptimizer(sgd, model, sync="ring", bucket_mb=0.001) as opt:
+        opt.zero_grad()
+        model(torch.ones(2, 2, 6, 6)).sum().backward()
+        model(torch.ones(2, 2, 6, 6)).sum().backward()
+
+
+def under_torchrun():
+    rank = int(os.environ["RANK"])
+    for name in ("torch", "ring"):                 # ring: over torch.distributed, no MPI
+        worst = train(100, rank, sync=name, bucket_mb=0.001)
+        print(f"rank {rank} torchrun {name}: ok, max |diff| {worst:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    mode = sys.argv[1]
+    if mode == "torchrun":
+        under_torchrun()
+    else:
+        from mpi4py import MPI
+        {"equivalence": equivalence, "subcomm": subcomm, "errors": errors}[mode](MPI.COMM_WORLD)
