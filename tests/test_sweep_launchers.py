@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, check_ok, mpi_env, run
+from conftest import check_ok, mpi_env, run
 
 from experiments.launchers import ClusterPlace, leftovers
 from experiments.records import read_jsonl
@@ -89,13 +89,15 @@ def test_a_cluster_axis_is_one_point_per_cluster(tmp_path):
     (tmp_path / "hosts").write_text("localhost:4\n")
     text = ('[sweep]\ncluster = [{nodes = 2, ranks_per_node = 2, inter_gbps = 1}, '
             '{nodes = 4, inter_gbps = 10}]\n\n' + BENCH +
-            '\n[[run]]\ncommand = "strategies.train"\nsync = ["ring", "ps"]\nsteps = 2\nglobal_batch = 48\n'
-            '\n[[run]]\ncommand = "psrv.bench"\nlauncher = "local"\n' +
-            '\n[[run]]\ncommand = "allreduce.bench"\nworld_size = 2\nlauncher = "hostfile:hosts"\n')
+            '\n[[run]]\ncommand = "strategies.train"\nsync = ["ring", "ps"]\nsteps = 2\n'
+            'global_batch = 48\n'
+            '\n[[run]]\ncommand = "psrv.bench"\nlauncher = "local"\n'
+            '\n[[run]]\ncommand = "allreduce.bench"\nworld_size = 2\n'
+            'launcher = "hostfile:hosts"\n')
     _, points = load_sweep(write(tmp_path, text))
     launched = [(c, p.get("launcher"), p.get("cluster", {}).get("nodes"), p.get("world_size"))
                 for c, p, *_ in points]
-    assert launched == [("allreduce.bench", "emulated", 2, 4), ("allreduce.bench", "emulated", 4, 4)] \
+    assert launched == [("allreduce.bench", "emulated", n, 4) for n in (2, 4)] \
         + [("strategies.train", "emulated", n, 4) for n in (2, 4)] * 2 \
         + [("psrv.bench", None, None, None),             # a run on this host: no cluster
            ("allreduce.bench", f"hostfile:{tmp_path / 'hosts'}", None, 2)]
