@@ -136,13 +136,17 @@ class HybridSync(GradientSync):
             raise ConfigError(f"--sync hybrid needs equally many workers per node, got node "
                               f"sizes {sorted(set(sizes))} (use --ranks-per-node)")
         nodes = comm.size // self.node.size
-        self.node_coll = collective_for("ring", cfg, self.node)
+        # One collective for the node, its buckets and its broadcasts alike; on a GPU
+        # AllReduceSync stages it through pinned host memory (allreduce.host_staged:
+        # the ring's MPI transport is not CUDA-aware), on a CPU it is the ring itself.
+        ring = collective_for("ring", cfg, self.node)
+        self.allreduce_part = AllReduceSync(cfg, ctx, device, ring)
+        self.node_coll = self.allreduce_part.coll
         self.ps = PSSync(cfg, ctx, device, worker_id=leaders.rank, num_workers=nodes) \
             if self.is_leader else None
 
     def setup(self, model):
         super().setup(model)
-        self.allreduce_part = AllReduceSync(self.cfg, self.ctx, self.device, self.node_coll)
         self.allreduce_part.setup(model)             # p.grad become views of its buckets
         if self.ps is not None:
             self.ps.setup(model, bind_grads=False)
@@ -150,10 +154,7 @@ class HybridSync(GradientSync):
         # servers' saved ones after --resume (without it, the same values anyway).
         with torch.no_grad():
             for p in model.parameters():
-                host = p.data.cpu() if p.is_cuda else p.data
-                self.node_coll.broadcast(host, root=0)
-                if p.is_cuda:
-                    p.copy_(host)
+                self.node_coll.broadcast(p.data, root=0)
         step = np.array([self.ps.start_step if self.ps is not None else 0], dtype=np.int64)
         self.node_coll.broadcast(step, root=0)
         self.start_step = int(step[0])
@@ -177,12 +178,7 @@ class HybridSync(GradientSync):
             self.ps.step(None)
         with torch.no_grad():                       # the leader's new parameters to its node
             for p in self.model.parameters():
-                if p.is_cuda:                       # UNVERIFIED: MPI here is not CUDA-aware
-                    host = p.data.cpu()
-                    self.node_coll.broadcast(host, root=0)
-                    p.copy_(host)
-                else:
-                    self.node_coll.broadcast(p.data, root=0)
+                self.node_coll.broadcast(p.data, root=0)
 
     def step(self, optimizer):
         pass
