@@ -104,6 +104,14 @@ def sync_of(config):
     return f"{sync} ({config.get('servers', 1)} servers)" if sync in ("ps", "hybrid") else sync
 
 
+def size(n):
+    """4096 -> '4K', 67108864 -> '64M': the bench's own way of writing sizes."""
+    for unit, shift in (("M", 20), ("K", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
 def mb(x):
     return f"{x / 1e6:.2f}"
 
@@ -166,7 +174,7 @@ def predicted_table(records):
             and r.get("command") == "allreduce.bench" and r.get("kind") != "wire"]
     if not rows:
         return None
-    return (["cluster", "algorithm", "bytes", "measured us", "predicted us", "error"],
-            [(setting_name(setting_of(r)), variant_of(r), r["bytes"], f"{r['time_us']:.0f}",
+    return (["cluster", "algorithm", "size", "measured us", "predicted us", "error"],
+            [(setting_name(setting_of(r)), variant_of(r), size(r["bytes"]), f"{r['time_us']:.0f}",
               f"{r['predicted_us']:.0f}", f"{r['predicted_us'] / r['time_us'] - 1:+.0%}")
              for r in sorted(rows, key=lambda r: (setting_of(r), variant_of(r), r["bytes"]))])

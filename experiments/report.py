@@ -177,7 +177,8 @@ def cluster_blocks(records, d):
               ("p", "Each point ran on a cluster of its own: launcher \"emulated\" is "
                     "network namespaces on this machine, each host's link shaped by tc "
                     "(experiments/cluster); the dotted line is that link's rate, which the "
-                    "ring's busbw cannot pass.")]
+                    "ring's busbw cannot pass; dashed lines, where the records carry "
+                    "predicted_us, are a cost model's predictions.")]
     written = []
     for setting in settings:
         path = cluster_figures.busbw_on_cluster(records, os.path.join(d, "plots"), setting)
