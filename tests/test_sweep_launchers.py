@@ -318,3 +318,35 @@ def test_slurm_runs_a_point_through_pmi(tmp_path, slurm):
     (r,) = records
     # two ranks of one MPI job, not two jobs of one rank: srun's PMI-2 joined them
     assert r["world_size"] == 2 and r["wrong"] == 0 and r["config"]["launcher"] == "slurm"
+
+
+@pytest.mark.timeout(30)
+def test_the_report_draws_each_cluster_and_its_link_bytes(tmp_path):
+    import json
+
+    from experiments import cluster_figures as cf
+    from experiments.report import main as report
+    cluster = {"nodes": 2, "ranks_per_node": 2, "inter_gbps": 1, "inter_latency_us": 0.0}
+    config = {"launcher": "emulated", "cluster": cluster, "world_size": 4, "algos": ["ring"],
+              "sizes": ["4K", "1M"]}
+    common = {"command": "allreduce.bench", "point": "p1", "config": config}
+    records = [{**common, "algo": "ring", "op": "allreduce", "bytes": n, "world_size": 4,
+                "dtype": "float32", "time_us": t, "busbw_gbps": 1.5 * n / t / 1e3,
+                "predicted_us": 0.9 * t} for n, t in ((4096, 100.0), (1 << 20, 9000.0))]
+    records += [{**common, "kind": "wire", "host": f"tx-h{i}", "tx_payload_bytes": 1010,
+                 "theory_tx_bytes": 1000.0} for i in range(2)]
+    records.append({**records[0], "config": {"world_size": 4}, "point": "here"})   # local
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (setting,) = cf.cluster_settings(records)
+    assert cf.setting_name(setting) == "2 hosts x 2 ranks, 1 Gbit/s"
+    head, rows = cf.wire_table(records)
+    assert rows == [("2 hosts x 2 ranks, 1 Gbit/s", "bench ring, 4K..1M", 2, "0.00", "0.00",
+                     "1.010..1.010")]
+    assert cf.predicted_table(records)[1][0][-1] == "-10%"
+    written = report([str(tmp_path)])
+    assert any(p.endswith("busbw_cluster_2x2_1gbps.png") for p in written)
+    drawn = json.load(open(tmp_path / "plots" / "busbw_cluster_2x2_1gbps.json"))[0]
+    assert [line["label"] for line in drawn["lines"]] == ["ring", "ring predicted",
+                                                           "host link 1 Gbit/s"]
+    text = (tmp_path / "report.md").read_text()
+    assert "## Points on a cluster" in text and "| 1.010..1.010 |" in text
