@@ -8,9 +8,9 @@
     ctx.grid                              # --dp/--pp/--tp/--zero: grid.GridComms, a
                                           #   communicator per axis (dp_comm is its dp axis)
 
-There is no global state: two contexts could live in one test.  Issue 5 adds
-pipeline and tensor axes; they belong here, as more (rank, size, comm) triples
-of a dp x pp x tp grid, while the gradient sync keeps talking to `dp_comm` only.
+There is no global state: two contexts could live in one test.  The pipeline
+and tensor axes live here too, as more (rank, size, comm) triples of a
+dp x pp x tp grid, while the gradient sync talks to `dp_comm` only.
 
 Control messages (a preflight error, a step's loss, metric records) are small
 Python objects, so they go through mpi4py's pickling calls or, under torchrun,
@@ -70,6 +70,8 @@ class RunContext:
     role: object = None      # psrv role (ps, hybrid)
     host: str = ""
     grid: object = None      # grid.GridComms of a dp x pp x tp run (cfg.on_grid)
+    host_visible_gpus: list = None   # --sync torch on CUDA: each local rank's
+                                     #   CUDA_VISIBLE_DEVICES (None: unset), in local order
 
     @classmethod
     def create(cls, cfg):
@@ -83,19 +85,22 @@ class RunContext:
         dp = dp_size_of(cfg, comm.size)
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
         local_rank, local_size = local.rank, local.size
+        visible = local.allgather(os.environ.get("CUDA_VISIBLE_DEVICES")) \
+            if cfg.device == "cuda" and cfg.sync == "torch" else None
         local.Free()
         if cfg.sync in PS_SYNCS:
             is_server = comm.rank >= dp   # psrv's convention: the last S ranks serve
             dp_comm = comm.Split(1 if is_server else 0, comm.rank)
             return cls(comm.rank, comm.size, local_rank, local_size,
                        -1 if is_server else dp_comm.rank, dp, is_server, comm, dp_comm,
-                       MPIControl(comm), host=host)
+                       MPIControl(comm), host=host, host_visible_gpus=visible)
         if cfg.on_grid:
             grid = ProcessGrid(comm.size, cfg.dp, cfg.pp, cfg.tp).split(comm)
             return cls(comm.rank, comm.size, local_rank, local_size, grid.dp_rank, dp, False,
-                       comm, grid.dp, MPIControl(comm), host=host, grid=grid)
+                       comm, grid.dp, MPIControl(comm), host=host, grid=grid,
+                       host_visible_gpus=visible)
         return cls(comm.rank, comm.size, local_rank, local_size, comm.rank, dp, False,
-                   comm, comm, MPIControl(comm), host=host)
+                   comm, comm, MPIControl(comm), host=host, host_visible_gpus=visible)
 
     @classmethod
     def _from_torchrun(cls, cfg, host):
@@ -142,10 +147,44 @@ class RunContext:
             # UNVERIFIED: no GPU on the machine this was written on.
             if not torch.cuda.is_available():
                 raise ConfigError("--device cuda but torch sees no GPU")
-            device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
+            gpus = torch.cuda.device_count()
+            if cfg.sync == "torch":                # torchrun gives its local ranks one env
+                visible = self.host_visible_gpus or \
+                    [os.environ.get("CUDA_VISIBLE_DEVICES")] * self.local_size
+                problem = nccl_gpu_conflict(self.host, gpus, visible)
+                if problem:
+                    raise ConfigError(problem)
+            device = torch.device("cuda", self.local_rank % gpus)
             torch.cuda.set_device(device)          # NCCL and pinned copies use the current GPU
             return device
         return torch.device("cpu")
+
+
+def nccl_gpu_conflict(host, gpus, visible):
+    """Why NCCL cannot run the ranks of this host, or None.
+
+    NCCL (--sync torch on CUDA) needs a GPU of its own per rank, and without one fails
+    only at its first collective, mid-run.  Local rank i takes the (i mod n)-th of the
+    n GPUs it sees (RunContext.device): `visible[i]` is its CUDA_VISIBLE_DEVICES, None
+    where unset (then it sees all `gpus`); ranks bound to a GPU each (Slurm's
+    --gpus-per-task, say) take different ones.  The MPI syncs stage CUDA tensors
+    through host memory, so their ranks may share a GPU."""
+    taken = {}
+    for i, names in enumerate(visible):
+        names = [str(g) for g in range(gpus)] if names is None else \
+            [n.strip() for n in names.split(",") if n.strip()]
+        if names:                          # none: that rank reports that it sees no GPU
+            taken.setdefault(names[i % len(names)], []).append(i)
+    shared = next(((gpu, ranks) for gpu, ranks in taken.items() if len(ranks) > 1), None)
+    if shared is None:
+        return None
+    gpu, ranks = shared
+    return (f"--sync torch --device cuda: {len(visible)} ranks on host {host or '?'} but "
+            f"{len(taken)} GPU{'s' if len(taken) != 1 else ''} for them (local ranks "
+            f"{', '.join(map(str, ranks))} would share GPU {gpu}); NCCL needs a GPU per rank "
+            f"and would fail at its first call.  Start at most {len(taken)} ranks per host, "
+            f"or use an MPI --sync (ring, tree, halving_doubling, hierarchical, mpi): it "
+            f"stages CUDA tensors through host memory, and ranks may share a GPU")
 
 
 def require_psrv():

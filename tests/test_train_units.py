@@ -11,6 +11,7 @@ import torch
 from strategies.buckets import GradBuckets, plan_buckets
 from strategies.compress import make_compressor
 from strategies.config import ConfigError, TrainConfig, dp_size_of, parse_args
+from strategies.context import RunContext, nccl_gpu_conflict
 from strategies.data import load_data
 from strategies.models import build_model
 
@@ -180,3 +181,42 @@ def test_comm_thread_error_reaches_the_main_thread():
             buckets.wait()
     finally:
         buckets.close()
+
+
+# -- NCCL and the GPUs of a host (no GPU here: the decision and the refusal) ----------
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("gpus, visible, refused", [
+    (2, [None] * 4, "4 ranks on host h0 but 2 GPUs for them (local ranks 0, 2 would share GPU 0)"),
+    (1, [None] * 2, "2 ranks on host h0 but 1 GPU for them (local ranks 0, 1 would share GPU 0)"),
+    (2, [None] * 2, None),
+    (8, [None] * 8, None),
+    (1, ["0", "1", "2", "3"], None),           # a GPU bound to each rank (Slurm, say)
+    (1, ["0", "0"], "2 ranks on host h0 but 1 GPU for them (local ranks 0, 1 would share GPU 0)"),
+    (2, ["0,1", "1,0"], "local ranks 0, 1 would share GPU 0"),   # rank i takes its i-th
+    (2, ["GPU-a", "GPU-b", None], None),       # names as CUDA_VISIBLE_DEVICES has them
+])
+def test_nccl_needs_a_gpu_per_rank_of_a_host(gpus, visible, refused):
+    problem = nccl_gpu_conflict("h0", gpus, visible)
+    if refused is None:
+        assert problem is None
+    else:
+        assert refused in problem and "use an MPI --sync (ring," in problem
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("sync", ["torch", "ring"])
+def test_sync_torch_with_more_ranks_than_gpus_is_refused_before_training(monkeypatch, sync):
+    # 4 ranks on a host that torch says has 2 GPUs; ring stages through host memory
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    cfg = parse_args(["--sync", sync, "--device", "cuda"])
+    ctx = RunContext(rank=3, world_size=4, local_rank=3, local_size=4, dp_rank=3, dp_size=4,
+                     is_server=False, comm=None, dp_comm=None, control=None, host="h0",
+                     host_visible_gpus=[None] * 4)
+    if sync == "ring":
+        assert ctx.device(cfg) == torch.device("cuda", 1)
+        return
+    with pytest.raises(ConfigError, match="--sync torch --device cuda: 4 ranks on host h0 "
+                                          "but 2 GPUs for them"):
+        ctx.device(cfg)
