@@ -17,12 +17,14 @@ way or exchanged, and why `cores` stretches them.
 
 Quick reference (n bytes, P ranks, lg = ceil(log2 P)):
     ring               2(P-1) alpha + 2(P-1)/P n beta + (P-1)/P n gamma
-    binomial tree      2 lg (alpha + n beta1) + lg n gamma    (reduce + broadcast; beta1 one way)
+    binomial tree      2 lg (S alpha + n beta1) + lg n gamma  (S segments of 1 MiB; beta1 one way)
     halving-doubling   2 log2 p alpha + 2(p-1)/p n beta + (p-1)/p n gamma  (+ a fold if P != p)
     hierarchical       ring inside k-rank nodes + ring over N nodes + broadcast inside
 """
 import math
 from dataclasses import dataclass
+
+from .collective import SEGMENT_BYTES
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,11 @@ def lg(P):
     return math.ceil(math.log2(P)) if P > 1 else 0
 
 
+def segments(n):
+    """How many segments a message of n bytes travels in (Collective.segments)."""
+    return max(1, math.ceil(n / SEGMENT_BYTES))
+
+
 def interpolate(curve, n):
     """The value of a measured ((size, value), ...) curve at size n: linear in
     log(value) against log(size) between measured sizes, flat past the ends.
@@ -146,9 +153,11 @@ def ring_allgather(n, P, m):
 def tree_allreduce(n, P, m):
     """Binomial-tree reduce to rank 0, then binomial broadcast (Thakur et al. 2005,
     4.4: MPICH's short-message allreduce): lg P rounds of the whole message each
-    way, so latency grows as log P but every round moves all n bytes."""
+    way, so latency grows as log P but every round moves all n bytes.  tree.py
+    sends a round segment by segment, each a blocking message: a latency each."""
     s = m.stretch(P)
-    return 2 * lg(P) * (m.alpha + n * m.beta_one_way_at(n) * s) + lg(P) * n * m.gamma_at(n) * s
+    return 2 * lg(P) * (segments(n) * m.alpha + n * m.beta_one_way_at(n) * s) + \
+        lg(P) * n * m.gamma_at(n) * s
 
 
 def halving_doubling_allreduce(n, P, m):
@@ -174,13 +183,14 @@ def hierarchical_allreduce(n, P, k, intra, inter):
     and of Horovod's hierarchical allreduce): k ranks per node, N = P / k nodes.
       1. ring reduce-scatter inside the node, the leader gathers the k shards
       2. the N leaders ring-allreduce n bytes over the inter-node links
-      3. the leader broadcasts inside the node (a pipelined chain: ~ n beta)
+      3. the leader broadcasts inside the node: a pipelined chain of segments, which
+         fills in k - 2 hops, then streams (one latency a segment, ~ n beta)
     The node's k ranks share its cores in all three steps (stretch(k), as in the ring)."""
     N, s = max(1, P // k), intra.stretch(k)
     t = ring_reduce_scatter(n, k, intra)
     if k > 1:
         t += (k - 1) * intra.alpha + (k - 1) / k * n * intra.beta_one_way_at(n / k) * s  # gather
-        t += (k - 1) * intra.alpha + n * intra.beta_one_way_at(n) * s               # broadcast
+        t += (segments(n) + k - 2) * intra.alpha + n * intra.beta_one_way_at(n) * s  # broadcast
     return t + ring_allreduce(n, N, inter)
 
 

@@ -103,24 +103,29 @@ def _allreduce_messages(algo, n, P):
 class Step:
     """One step of an all-reduce's schedule: messages that go at once.
 
-    messages  (sender, receiver, bytes) of world ranks
-    repeat    how many such steps follow one another (a ring's P - 1)
-    exchange  True where every rank sends and receives at once (a ring's or
-              halving-doubling's step), False where each message goes one way
-              (a tree's round, a fold, a gather, a chain)
-    reduces   the receivers add what arrived
-    hops      a pipelined chain pays one latency per hop before it streams
+    messages   (sender, receiver, bytes) of world ranks
+    repeat     how many such steps follow one another (a ring's P - 1)
+    exchange   True where every rank sends and receives at once (a ring's or
+               halving-doubling's step), False where each message goes one way
+               (a tree's round, a fold, a gather, a chain)
+    reduces    the receivers add what arrived
+    segmented  the messages go segment by segment, each waiting for the one
+               before (tree.py's rounds, the chain broadcast): one latency a
+               segment, where a ring's step posts all its segments at once
+    fill       hops a pipelined chain takes to fill before it streams
     """
-    __slots__ = ("messages", "repeat", "exchange", "reduces", "hops")
+    __slots__ = ("messages", "repeat", "exchange", "reduces", "segmented", "fill")
 
-    def __init__(self, messages, repeat=1, exchange=True, reduces=False, hops=1):
+    def __init__(self, messages, repeat=1, exchange=True, reduces=False, segmented=False,
+                 fill=0):
         self.messages, self.repeat, self.exchange = messages, repeat, exchange
-        self.reduces, self.hops = reduces, hops
+        self.reduces, self.segmented, self.fill = reduces, segmented, fill
 
     def __repr__(self):
         return (f"Step({len(self.messages)} messages x{self.repeat}, "
                 f"{'exchange' if self.exchange else 'one way'}"
-                f"{', reduces' if self.reduces else ''}{f', {self.hops} hops' if self.hops > 1 else ''})")
+                f"{', reduces' if self.reduces else ''}{', segmented' if self.segmented else ''}"
+                f"{f', fills in {self.fill} hops' if self.fill else ''})")
 
 
 def allreduce_steps(algo, n, P, ranks_per_node=None, outer="ring"):
@@ -137,8 +142,9 @@ def allreduce_steps(algo, n, P, ranks_per_node=None, outer="ring"):
         # round k: every rank whose lowest set bit is 2^k sends up (reduce), then down
         rounds = [[(v, v - (1 << k), n) for v in range(1, P) if v & -v == 1 << k]
                   for k in range((P - 1).bit_length())]
-        up = [Step(m, exchange=False, reduces=True) for m in rounds]
-        down = [Step([(b, a, m) for a, b, m in msgs], exchange=False) for msgs in rounds[::-1]]
+        up = [Step(m, exchange=False, reduces=True, segmented=True) for m in rounds]
+        down = [Step([(b, a, m) for a, b, m in msgs], exchange=False, segmented=True)
+                for msgs in rounds[::-1]]
         return up + down
     if algo == "halving_doubling":
         p2 = 1 << (P.bit_length() - 1)
@@ -167,10 +173,10 @@ def allreduce_steps(algo, n, P, ranks_per_node=None, outer="ring"):
         # 2. the leaders all-reduce across nodes
         for s in allreduce_steps(outer, n, nodes):
             steps.append(Step([(a * R, b * R, m) for a, b, m in s.messages], s.repeat,
-                              s.exchange, s.reduces, s.hops))
+                              s.exchange, s.reduces, s.segmented, s.fill))
         if R > 1:
             # 3. a pipelined chain broadcast inside every node: leader -> 1 -> ... -> R-1
             chain = [(h * R + i, h * R + i + 1, n) for h in range(nodes) for i in range(R - 1)]
-            steps.append(Step(chain, exchange=False, hops=R - 1))
+            steps.append(Step(chain, exchange=False, segmented=True, fill=R - 2))
         return steps
     raise ValueError(f"no textbook schedule for {algo!r}")

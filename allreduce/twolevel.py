@@ -36,7 +36,7 @@ When the link is the bottleneck, T is the busiest link's bytes times beta_link
 import functools
 import json
 
-from .costs import Machine
+from .costs import Machine, segments
 from .theory import allreduce_steps
 
 
@@ -60,10 +60,11 @@ def link_from_calibration(cal):
 
 @functools.lru_cache(maxsize=256)
 def _profile(algo, nodes, R, outer):
-    """Each step of the schedule, per byte of the vector: (repeat, hops, exchange,
-    {(bytes moved inside, largest message, bytes added, largest chunk added,
-    talks inside)} of its ranks, bytes through the busiest link one way).
-    Independent of n, so the simulator's thousands of ranks are walked once."""
+    """Each step of the schedule per byte of the vector: (repeat, exchange,
+    segmented, fill, largest message, {(bytes moved inside, largest message
+    there, bytes added, largest chunk added, talks inside)} of its ranks, bytes
+    through the busiest link one way).  The same for every n, so the
+    simulator's thousands of ranks are walked once."""
     profile = []
     for step in allreduce_steps(algo, 1.0, nodes * R, R, outer):
         sent, received, added, message, chunk = {}, {}, {}, {}, {}
@@ -83,7 +84,9 @@ def _profile(algo, nodes, R, outer):
         ranks = set(sent) | set(received) | set(added)
         terms = frozenset((max(sent.get(r, 0.0), received.get(r, 0.0)), message.get(r, 0.0),
                            added.get(r, 0.0), chunk.get(r, 0.0), r in message) for r in ranks)
-        profile.append((step.repeat, step.hops, step.exchange, terms, max(up + down)))
+        largest = max(m for _, _, m in step.messages)
+        profile.append((step.repeat, step.exchange, step.segmented, step.fill, largest, terms,
+                        max(up + down)))
     return tuple(profile)
 
 
@@ -99,17 +102,18 @@ def cluster_allreduce_time(algo, n, nodes, ranks_per_node, intra, link=None, out
         raise ValueError(f"{nodes} hosts need a link between them")
     s = intra.stretch(R)
     total = 0.0
-    for repeat, hops, exchange, terms, link_bytes in profile:
+    for repeat, exchange, segmented, fill, largest, terms, link_bytes in profile:
+        latencies = (segments(largest * n) if segmented else 1) + fill
         inside = 0.0
         for moved, message, added, chunk, talks in terms:
             beta = intra.beta_at(message * n) if exchange else intra.beta_one_way_at(message * n)
-            t = (hops * intra.alpha if talks else 0.0) + moved * n * beta * s
+            t = (latencies * intra.alpha if talks else 0.0) + moved * n * beta * s
             if added:
                 t += added * n * intra.gamma_at(chunk * n) * s
             inside = max(inside, t)
         x = link_bytes * n
-        across = hops * link.alpha + x * (link.beta_at(x) if exchange else
-                                          link.beta_one_way_at(x)) if x else 0.0
+        across = latencies * link.alpha + x * (link.beta_at(x) if exchange else
+                                               link.beta_one_way_at(x)) if x else 0.0
         total += repeat * max(inside, across)
     return total
 

@@ -2,8 +2,13 @@
 
     python -m experiments.calibrate --out results/calibration.json        # ~45 s
     python -m experiments.calibrate --no-ps --jsonl results/x/records.jsonl
-    (several hosts: mpiexec -f hosts.txt -n 2 -ppn 1 .venv/bin/python -m mpi4py \\
-         -m experiments.calibrate --mpi-part --out inter.json     # the inter-node link)
+    sudo .venv/bin/python -m experiments.cluster run --nodes 2 --ranks-per-node 2 \\
+        --inter-gbps 1 -- experiments.calibrate --reps 5 --out cal.json   # hosts and link
+    (real hosts: mpiexec -f hostfile -n 4 -ppn 2 .venv/bin/python -m mpi4py \\
+         -m experiments.calibrate --out cal.json)
+
+Started by mpiexec on several hosts it calibrates a host and the link between
+(experiments/calibrate_link.py).  What follows is the one-host part.
 
 Measurements, all but one of them point-to-point, so that predicting the
 collectives' large messages from them is a real test of the model (costmodel.py):
@@ -77,6 +82,7 @@ import time
 
 import numpy as np
 
+from . import calibrate_link
 from .records import append_jsonl, mpiexec_path, provenance
 
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
@@ -108,14 +114,14 @@ def fit_two_regimes(nbytes, seconds, split=LARGE):
     return alpha, beta
 
 
-def mpi_part(reps, verify=()):
-    """Under mpiexec -n 2: exchange times per size, gamma and memcpy, and (verify)
-    the named all-reduces timed in the same rounds; rank 0 returns them."""
+def mpi_part(reps, verify=(), comm=None):
+    """Under mpiexec -n 2 (or on a 2-rank `comm`): exchange times per size, gamma and
+    memcpy, and (verify) the named all-reduces timed in the same rounds; rank 0 returns them."""
     import allreduce
     from mpi4py import MPI
 
     from allreduce.transport import MPITransport
-    comm = MPI.COMM_WORLD
+    comm = comm or MPI.COMM_WORLD
     t = MPITransport(comm)
     if t.size != 2:
         raise SystemExit(f"the MPI part runs on exactly 2 ranks, not {t.size}")
@@ -127,9 +133,9 @@ def mpi_part(reps, verify=()):
                  [np.ones(n // 4, np.float32), np.ones(n // 4, np.float32)]) for n in SIZES}
     a, b = np.ones(16 << 18, np.float32), np.ones(16 << 18, np.float32)     # 16 MiB each
     adds = {n: (a[:n // 4], b[:n // 4]) for n in GAMMA_SIZES}
-    ring, tiny = allreduce.create("ring"), np.zeros(2, np.float32)
+    ring, tiny = allreduce.create("ring", comm=comm), np.zeros(2, np.float32)
     ring.check = False
-    colls = {name: allreduce.create(name) for name in verify}
+    colls = {name: allreduce.create(name, comm=comm) for name in verify}
     for c in colls.values():
         c.check = False
     work = {n: np.zeros(n // 4, np.float32) for n in VERIFY_SIZES}   # sums stay finite
@@ -306,6 +312,8 @@ def main(argv=None):
                    help="all-reduces timed in the same rounds as the probes ('' for none)")
     p.add_argument("--mpi-part", action="store_true", help="(internal) run under mpiexec -n 2")
     a = p.parse_args(argv)
+    if not a.mpi_part and calibrate_link.launched_on_hosts():
+        return calibrate_link.main(a)
     if a.mpi_part:
         result = mpi_part(a.reps, [v for v in a.verify.split(',') if v])
         from mpi4py import MPI

@@ -42,7 +42,7 @@ each rank gets C / P of a core for copying and adding, so the bandwidth terms
 
 Quick reference (n bytes, P ranks, lg = ceil(log2 P)):
     ring               2(P-1) alpha + 2(P-1)/P n beta + (P-1)/P n gamma
-    binomial tree      2 lg (alpha + n beta1) + lg n gamma    (reduce + broadcast; beta1 one way)
+    binomial tree      2 lg (S alpha + n beta1) + lg n gamma  (S segments of 1 MiB; beta1 one way)
     halving-doubling   2 log2 p alpha + 2(p-1)/p n beta + (p-1)/p n gamma  (+ a fold if P != p)
     hierarchical       ring inside k-rank nodes + ring over N nodes + broadcast inside
     parameter server   alpha + max(n beta_w, W n beta_s / S) per direction       (BytePS)

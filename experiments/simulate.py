@@ -4,25 +4,35 @@
     python -m experiments.simulate --ranks-per-node 4 --inter-gbps 3 --inter-latency-us 30 \\
         --sizes 1M,64M,1G --jsonl results/sim.jsonl
     python -m experiments.simulate --calibration results/calibration.json   # intra = this box
+    python -m experiments.simulate --ranks-per-node 2 --calibration cluster-cal.json
+        # intra and link as measured on the emulated cluster (experiments/calibrate_link.py)
 
 A cluster is N nodes of k ranks, ranks placed in blocks (node i holds ranks
-i*k .. i*k+k-1).  Links inside a node have (alpha_intra, beta_intra), links
-between nodes (alpha_inter, beta_inter); every link is full duplex and each
-node has one network port, as in a typical GPU cluster.  The formulas:
+i*k .. i*k+k-1).  Inside a node: (alpha_intra, beta_intra, gamma); between
+nodes each node has one full-duplex port (alpha_inter, beta_inter), as in a
+typical GPU cluster.  All-reduces take allreduce/twolevel.py's model: each
+step of the algorithm's schedule costs the longer of its part inside the nodes
+and its part on the busiest port, whose bytes add up over the node's ranks that
+cross in that step (halving-doubling's first steps put k messages on a port,
+the ring's steps one); a tree round goes segment by segment, a latency each.
 
-  ring          every step moves n/P over every link of the ring at once; the
-                slowest link (between nodes, once N > 1) sets the pace:
-                2 (P-1) (alpha_inter + n/P beta_inter) + (P-1)/P n gamma
+  ring          2 (P-1) steps; once N > 1 each paced by the port:
+                2 (P-1) (alpha_inter + n/P beta_inter)
   tree          binomial: rounds at distance 1, 2, 4, ...; those at distance >= k
-                cross nodes.  2 sum_rounds (alpha_d + n beta_d) + lg P n gamma
-  halving_doubling  distance P/2 first, sending n/2, then n/4, ...: 2 sum_i
-                (alpha_d + n / 2^i beta_d) + (P-1)/P n gamma
-  hierarchical  costmodel.hierarchical_allreduce (ring inside, ring of leaders)
+                cross nodes
+  halving_doubling  distance P/2 first, n/2 a rank; those at distance >= k cross,
+                k ranks of a node at once: k n / 2^i through its port
+  hierarchical  ring inside, ring of the node leaders, broadcast inside
   ps(S)         BytePS (Jiang et al., OSDI 2020): a node first reduces inside
                 (ring reduce-scatter + gather), pushes n and pulls n through its
                 port while S server machines each take N n / S:
                 max(n beta_inter, N n beta_inter / S) + alpha_inter, then an
                 intra-node broadcast
+
+--calibration FILE takes the intra-node figures from a calibration, and where
+it was taken on several hosts (experiments.calibrate under
+`experiments.cluster run`: inter_* fields) the inter-node port's too, in place
+of --inter-gbps and --inter-latency-us.
 """
 import argparse
 import json
@@ -30,8 +40,9 @@ import math
 from dataclasses import dataclass
 
 from allreduce.records import append_jsonl
+from allreduce.twolevel import cluster_allreduce_time, link_from_calibration
 
-from .costmodel import Machine, hierarchical_allreduce, lg, ring_reduce_scatter
+from .costmodel import Machine, ring_reduce_scatter
 
 RANKS = [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 
@@ -46,32 +57,31 @@ class Cluster:
         if self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
 
-    def link(self, distance):
-        """The link between ranks `distance` apart (block placement, powers of two)."""
-        return self.intra if distance < self.ranks_per_node else self.inter
+    def layout(self, P):
+        """(nodes, ranks per node) of P ranks in blocks."""
+        k = min(P, self.ranks_per_node)
+        return max(1, P // k), k
+
+
+def allreduce(algo, n, P, c):
+    nodes, k = c.layout(P)
+    return cluster_allreduce_time(algo, n, nodes, k, c.intra, c.inter)
 
 
 def ring(n, P, c):
-    if P == 1:
-        return 0.0
-    slow = c.inter if P > c.ranks_per_node else c.intra
-    return 2 * (P - 1) * (slow.alpha + n / P * slow.beta) + (P - 1) / P * n * slow.gamma
+    return allreduce("ring", n, P, c)
 
 
 def tree(n, P, c):
-    rounds = [1 << i for i in range(lg(P))]
-    return sum(2 * (c.link(d).alpha + n * c.link(d).beta) for d in rounds) + \
-        lg(P) * n * c.intra.gamma
+    return allreduce("tree", n, P, c)
 
 
 def halving_doubling(n, P, c):
-    steps = [(P >> (i + 1), n / 2 ** (i + 1)) for i in range(int(math.log2(P)))]
-    return sum(2 * (c.link(d).alpha + b * c.link(d).beta) for d, b in steps) + \
-        (P - 1) / P * n * c.intra.gamma
+    return allreduce("halving_doubling", n, P, c)
 
 
 def hierarchical(n, P, c):
-    return hierarchical_allreduce(n, P, min(P, c.ranks_per_node), c.intra, c.inter)
+    return allreduce("hierarchical", n, P, c)
 
 
 def ps(n, P, c, servers):
@@ -109,8 +119,9 @@ def crossovers(c, ranks=RANKS, n_large=256 << 20):
     out = []
     for P in ranks:
         nodes = max(1, P // c.ranks_per_node)
-        s_min = next((S for S in range(1, 4 * nodes + 1) if ps(n_large, P, c, S) <
-                      ring(n_large, P, c)), None)
+        ring_large = ring(n_large, P, c)
+        s_min = next((S for S in range(1, 4 * nodes + 1) if ps(n_large, P, c, S) < ring_large),
+                     None)
         tree_up_to = max((n for n in grid if tree(n, P, c) < ring(n, P, c)), default=None)
         hier_from = min((n for n in grid if hierarchical(n, P, c) < ring(n, P, c)), default=None)
         out.append({"kind": "crossover", "P": P, "nodes": nodes, "ps_servers_to_beat_ring":
@@ -129,11 +140,16 @@ def human(n):
 
 
 def cluster_from_args(a):
+    """The Cluster of the flags; a calibration replaces the intra-node figures, and
+    the inter-node ones where it measured a link (inter_*)."""
     intra = Machine(a.intra_latency_us * 1e-6, 1 / (a.intra_gbps * 1e9), 1 / (a.reduce_gbps * 1e9))
+    inter = Machine(a.inter_latency_us * 1e-6, 1 / (a.inter_gbps * 1e9))
     if a.calibration:
         with open(a.calibration) as f:
-            intra = Machine.from_calibration(json.load(f), cores=False)
-    inter = Machine(a.inter_latency_us * 1e-6, 1 / (a.inter_gbps * 1e9), intra.gamma)
+            cal = json.load(f)
+        intra = Machine.from_calibration(cal, cores=False)
+        if "inter_beta_s_per_byte" in cal:
+            inter = link_from_calibration(cal)
     return Cluster(a.ranks_per_node, intra, inter)
 
 
@@ -147,7 +163,8 @@ def main(argv=None):
     p.add_argument("--inter-gbps", type=float, default=12.5, help="GB/s (100 Gb/s network)")
     p.add_argument("--inter-latency-us", type=float, default=10.0)
     p.add_argument("--reduce-gbps", type=float, default=500.0, help="GB/s of summing on a GPU")
-    p.add_argument("--calibration", default="", help="take intra-node alpha/beta/gamma from it")
+    p.add_argument("--calibration", default="", help="take intra-node alpha/beta/gamma from it, "
+                   "and the inter-node link's where it has inter_* (calibrated on a cluster)")
     p.add_argument("--sizes", default="64K,16M,1G")
     p.add_argument("--jsonl", default="", help="append the simulation and crossover records")
     a = p.parse_args(argv)

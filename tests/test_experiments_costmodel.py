@@ -170,9 +170,9 @@ def test_simulator_crossovers():
     # thousands of ranks: latency makes the tree win small messages, the ring large ones
     assert simulate.tree(1 << 10, 4096, c) < simulate.ring(1 << 10, 4096, c)
     assert simulate.ring(1 << 30, 4096, c) < simulate.tree(1 << 30, 4096, c)
-    # ring over 16 nodes: every step paced by the inter-node link
-    assert simulate.ring(N, 128, c) == pytest.approx(254 * (1e-5 + N / 128 / 12.5e9) +
-                                                     127 / 128 * N * gamma)
+    # ring over 16 nodes: every step paced by the inter-node link; the adds inside a
+    # node hide under the transfer (allreduce/twolevel.py: a step takes the longer part)
+    assert simulate.ring(N, 128, c) == pytest.approx(254 * (1e-5 + N / 128 / 12.5e9))
     cross = {x["P"]: x for x in simulate.crossovers(c)}
     assert cross[8]["ps_servers_to_beat_ring"] is None
     s16 = cross[16]["ps_servers_to_beat_ring"]

@@ -1,0 +1,235 @@
+"""Calibrate both levels of a cluster in one job: shared memory inside a host, the link between.
+
+    sudo .venv/bin/python -m experiments.cluster run --nodes 2 --ranks-per-node 2 \\
+        --inter-gbps 1 -- experiments.calibrate --reps 5 --out results/cluster-cal.json
+    mpiexec -f hostfile -n 4 -ppn 2 .venv/bin/python -m mpi4py -m experiments.calibrate \\
+        --out cal.json                                                   # real hosts
+
+experiments.calibrate comes here when mpiexec started it on two hosts or more
+(MPI's shared-memory split tells the hosts apart).  allreduce/twolevel.py
+reads the record it writes; `allreduce.bench --predict FILE` too.
+
+  inside a host  the first two ranks of host 0 run calibrate.mpi_part's probes
+                 (alpha, beta one way and exchanged, gamma, per size) while every
+                 other rank waits in MPI, polling as it would in a collective: on
+                 the emulated cluster all hosts share this machine's cores, and
+                 the figures are taken with the job's ranks all there.  With one
+                 rank a host nothing is sent inside a host; only gamma is measured.
+  the link       a = host 0's first rank, b = host 1's (a2, b2 their second):
+     one way     a -> b, then b -> a, ...: b bytes through one direction of a link
+     exchange    a <-> b at once: b each way; a full-duplex link takes about as
+                 long as one way
+     shared      a -> b and a2 -> b2 at once (R >= 2), then back: 2b through one
+                 link, as when the ranks of a host cross in the same step
+                 (halving-doubling's first step); about twice one way's time
+     t = inter_alpha_s + (bytes through the busiest direction) inter_beta_s_per_byte,
+     fitted over the three kinds and every size (1/t weights: calibrate.fit_alpha_beta).
+     Per kind, the same fit gives inter_beta_<kind>_s_per_byte: equal betas for
+     the three say that the model's "bytes through a link add up, the two
+     directions do not" holds.
+  inter_gbps     the rate the link is shaped to, read from tc on the host's
+                 interface (FI_TCP_IFACE, which the cluster's launcher sets); None
+                 where it cannot be read (a real NIC: its speed is not a shaping).
+"""
+import json
+import os
+import platform
+import socket
+import subprocess
+import time
+
+import numpy as np
+
+LINK_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
+KINDS = ("one_way", "exchange", "shared")
+
+
+def launched_on_hosts():
+    """Whether mpiexec started this process with others (hydra's PMI_SIZE, Open MPI's)."""
+    size = os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or "1"
+    return int(size) > 1
+
+
+def layout(comm):
+    """(host index of every rank, ranks per host) from MPI's shared-memory split."""
+    from mpi4py import MPI
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    leader = comm.allgather(node.bcast(comm.rank, root=0))     # each rank's host's rank 0
+    R = node.size
+    node.Free()
+    if any(f != r - r % R for r, f in enumerate(leader)):
+        raise SystemExit(f"calibrate: every host must hold {R} consecutive ranks (block "
+                         f"placement); the hosts' first ranks are {sorted(set(leader))}")
+    return [f // R for f in leader], R
+
+
+def shaped_gbps():
+    """The tbf (or netem) rate on this host's interface, Gbit/s; None if there is none."""
+    iface = os.environ.get("FI_TCP_IFACE")
+    if not iface:
+        return None
+    try:
+        out = subprocess.run(["tc", "-j", "qdisc", "show", "dev", iface], capture_output=True,
+                             text=True, timeout=10)
+        for qdisc in json.loads(out.stdout or "[]"):
+            rate = qdisc.get("options", {}).get("rate")
+            if rate:
+                return rate * 8 / 1e9            # tc -j gives bytes per second
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        pass
+    return None
+
+
+def link_part(t, a, b, a2, b2, reps):
+    """Medians of the link probes, {(kind, bytes): seconds}, the slowest rank's.
+    Every probe starts at a barrier; ranks not in it wait there.  Kinds and sizes
+    take turns, round after round, so a machine that changes speed hits all alike."""
+    from mpi4py import MPI
+    me = t.rank
+    bufs = {n: (np.ones(n // 4, np.float32), np.empty(n // 4, np.float32)) for n in LINK_SIZES}
+    kinds = KINDS if a2 is not None else KINDS[:2]
+    times = {}
+    calls = 0
+
+    def one_way(pairs, send, recv):
+        """Each (sender, receiver) of pairs at once, directions alternating call by call."""
+        handles = []
+        for src, dst in pairs:
+            src, dst = (src, dst) if calls % 2 == 0 else (dst, src)
+            if me == src:
+                handles.append(t.isend(send, dst))
+            elif me == dst:
+                handles.append(t.irecv(recv, src))
+        t.wait_all(handles)
+
+    def probe(kind, n):
+        send, recv = bufs[n]
+        if kind == "one_way":
+            one_way([(a, b)], send, recv)
+        elif me in ((a, b) if kind == "exchange" else (a, b, a2, b2)):
+            peer = {a: b, b: a, a2: b2, b2: a2}[me]
+            t.sendrecv(send, peer, recv, peer)
+
+    for rnd in range(reps + 1):                      # round 0 warms up (connections)
+        for n in LINK_SIZES:
+            for kind in kinds:
+                for _ in range(1 if n >= 1 << 20 else 5):
+                    t.barrier()
+                    start = time.perf_counter()
+                    probe(kind, n)
+                    if rnd:
+                        times.setdefault((kind, n), []).append(time.perf_counter() - start)
+                    calls += 1
+    mine = {k: float(np.median(v)) for k, v in times.items()}
+    return {k: t.comm.allreduce(v, op=MPI.MAX) for k, v in sorted(mine.items())}
+
+
+def fit_link(medians, flows):
+    """inter_* fields from the probes' medians {(kind, bytes): s}.  x = bytes
+    through one direction of the busiest link (a shared probe puts `flows`
+    messages on it).  As calibrate does inside a host: alpha from the messages
+    below 1 MiB, then per size the seconds per byte past it, (t - alpha) / x, for
+    exchanges (beta_at: what a ring's step reads) and one way (beta_one_way_at),
+    and one beta per kind at >= 1 MiB with alpha fixed (1/t weights).  alpha is
+    the time of the smallest message, one way and exchanged (their mean): below
+    the token bucket's burst (net.BURST_S) the link's rate does not show, and a
+    line through two small sizes extrapolates their noise to anything from 0 up."""
+    from .calibrate import LARGE
+    large = [n for n in LINK_SIZES if n >= LARGE]
+    smallest = LINK_SIZES[0]
+    alpha = (medians[("one_way", smallest)] + medians[("exchange", smallest)]) / 2
+    out = {"inter_alpha_s": alpha, "inter_bytes": LINK_SIZES, "inter_beta_bytes": large}
+    for kind, through in (("one_way", 1), ("exchange", 1), ("shared", flows)):
+        if (kind, LARGE) not in medians:
+            continue
+        out[f"inter_{kind}_s"] = [medians[(kind, n)] for n in LINK_SIZES]
+        x = np.array([through * n for n in large], float)
+        t = np.array([medians[(kind, n)] for n in large])
+        out[f"inter_beta_{kind}_s_per_byte"] = float(np.sum((t - alpha) * x / t**2) /
+                                                     np.sum(x**2 / t**2))
+    out["inter_beta_s_per_byte"] = out["inter_beta_exchange_s_per_byte"]
+    out["inter_beta_s_per_byte_at"] = [max(0.0, medians[("exchange", n)] - alpha) / n
+                                       for n in large]
+    out["inter_beta_one_way_s_per_byte_at"] = [max(0.0, medians[("one_way", n)] - alpha) / n
+                                               for n in large]
+    return out
+
+
+def local_gamma():
+    """With one rank a host: gamma alone, np.add per byte at calibrate's sizes."""
+    from .calibrate import GAMMA_SIZES
+    x, y = np.ones(GAMMA_SIZES[-1] // 4, np.float32), np.ones(GAMMA_SIZES[-1] // 4, np.float32)
+    per_byte = []
+    for n in GAMMA_SIZES:
+        seconds = []
+        for _ in range(max(5, (64 << 20) // n)):
+            start = time.perf_counter()
+            np.add(x[:n // 4], y[:n // 4], out=x[:n // 4])
+            seconds.append(time.perf_counter() - start)
+        per_byte.append(float(np.median(seconds)) / n)
+    return {"alpha_s": 0.0, "beta_s_per_byte": 0.0, "gamma_s_per_byte": per_byte[-1],
+            "gamma_bytes": GAMMA_SIZES, "gamma_s_per_byte_at": per_byte}
+
+
+def calibrate_hosts(reps, verify):
+    """Under mpiexec on several hosts: both levels; rank 0 returns the record, others None."""
+    from mpi4py import MPI
+
+    from allreduce.transport import MPITransport
+    from .calibrate import mpi_part
+    comm = MPI.COMM_WORLD
+    host, R = layout(comm)
+    nodes = max(host) + 1
+    if nodes < 2:
+        raise SystemExit("calibrate: mpiexec started every rank on one host; for one host run "
+                         "`python -m experiments.calibrate` without mpiexec (it starts its own)")
+    t = MPITransport(comm)
+    # 1. inside host 0, while the other ranks wait in MPI
+    pair = comm.Split(0 if host[comm.rank] == 0 and comm.rank % R < 2 and R > 1
+                      else MPI.UNDEFINED, comm.rank)
+    intra = mpi_part(reps, verify, comm=pair) if pair != MPI.COMM_NULL else None
+    t.barrier()
+    if R == 1 and comm.rank == 0:
+        intra = local_gamma()
+    # 2. across the link between host 0 and host 1
+    a, b = host.index(0), host.index(1)                   # the hosts' first ranks
+    a2, b2 = (a + 1, b + 1) if R > 1 else (None, None)
+    medians = link_part(t, a, b, a2, b2, max(3, reps))
+    if comm.rank != 0:
+        return None
+    from .records import git_commit, tuning_env
+    return {**intra, **fit_link(medians, 2), "inter_gbps": shaped_gbps(),
+            "nodes": nodes, "ranks_per_node": R, "cores": os.cpu_count(),
+            "loadavg": os.getloadavg(),
+            "provenance": {"commit": git_commit(), "host": socket.gethostname(),
+                           "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+                           "python": platform.python_version(), "cores": os.cpu_count(),
+                           "env": tuning_env()}}
+
+
+def describe(cal):
+    """One line: the link's figures beside the rate it is shaped to."""
+    rate = 8 / cal["inter_beta_s_per_byte"] / 1e9
+    shaped = f" (shaped to {cal['inter_gbps']:g})" if cal.get("inter_gbps") else ""
+    kinds = ", ".join(f"{k.replace('_', ' ')} {8 / cal[f'inter_beta_{k}_s_per_byte'] / 1e9:.3f}"
+                      for k in KINDS if cal.get(f"inter_beta_{k}_s_per_byte"))
+    return (f"link: alpha {cal['inter_alpha_s'] * 1e3:.2f} ms, {rate:.3f} Gbit/s through a "
+            f"host's link{shaped}; per kind {kinds} Gbit/s; {cal['nodes']} hosts x "
+            f"{cal['ranks_per_node']} ranks")
+
+
+def main(a):
+    """experiments.calibrate started by mpiexec across hosts (its flags `a`): both levels;
+    rank 0 writes and prints."""
+    result = calibrate_hosts(a.reps, [v for v in a.verify.split(",") if v])
+    if result is None:
+        return None
+    print(describe(result), flush=True)
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if a.jsonl:
+        from .records import append_jsonl
+        append_jsonl(a.jsonl, [{"kind": "calibration", **result}])
+    return result
