@@ -166,7 +166,8 @@ def allreduce_steps(algo, n, P, ranks_per_node=None, outer="ring"):
         steps = []
         if R > 1:
             # 1. ring reduce-scatter inside every node at once, the leader gathers the shards
-            inner = [(h * R + i, h * R + (i + 1) % R, n / R) for h in range(nodes) for i in range(R)]
+            inner = [(h * R + i, h * R + (i + 1) % R, n / R)
+                     for h in range(nodes) for i in range(R)]
             steps.append(Step(inner, R - 1, reduces=True))
             steps += [Step([(h * R + i, h * R, n / R) for h in range(nodes)], exchange=False)
                       for i in range(1, R)]
