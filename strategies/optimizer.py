@@ -239,7 +239,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, error, traceback):
+        if error is not None and not self._closed:
+            self.sync.abort(error)        # ps: the servers fail the run instead of waiting
         self.close()
 
 
@@ -306,7 +308,7 @@ def transport_for(name, transport):
     starts no MPI world (each process would be a world of its own)."""
     torchrun = under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1
     if transport is None:
-        transport = "torch" if name == "torch" or torchrun else "mpi"
+        transport = name if name in ("mpi", "torch") else "torch" if torchrun else "mpi"
     if transport not in ("mpi", "torch"):
         raise ConfigError(f"transport={transport!r} is not 'mpi' or 'torch'")
     if name in ("mpi", "torch") and transport != name:

@@ -10,6 +10,7 @@
         sync.synchronize(step)         # afterwards every replica has the same gradients
         sync.step(optimizer)           # ... or, for ps, the same new parameters
     sync.bytes_sent, sync.bytes_received, sync.staleness
+    sync.abort(error)                  # if the loop failed; then
     sync.close()
 
 Implementations:
@@ -120,6 +121,10 @@ class GradientSync:
         optimizer.step()
 
     bytes_sent = bytes_received = 0
+
+    def abort(self, error):
+        """The loop failed with `error`; close() follows.  Parameter servers are told
+        of a crash here, so that they do not wait for this worker."""
 
     def close(self):
         pass

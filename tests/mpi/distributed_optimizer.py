@@ -43,6 +43,12 @@ class UserNet(nn.Module):
         return self.head(h.flatten(1) * self.keep)
 
 
+def say(line):
+    """One write per line, so that the ranks' lines do not interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def batch(step):
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randn(B, 2, 6, 6, generator=g), torch.randint(0, 3, (B,), generator=g)
@@ -115,15 +121,15 @@ def equivalence(world):
     for label, kwargs in runs:
         kwargs.setdefault("bucket_mb", 0.001)      # ~1 KB: five buckets of one or more tensors
         worst = train(100, rank, **kwargs)
-        print(f"rank {rank} {label}: ok, max |diff| {worst:.1e}", flush=True)
+        say(f"rank {rank} {label}: ok, max |diff| {worst:.1e}")
     for name, extra in (("ps", {}), ("hybrid", {"ranks_per_node": 1})):
         role = strategies.ps_roles(servers=1, comm=world)
         if role.is_server:
             role.serve()                           # until both workers have closed
-            print(f"rank {rank} {name}: served", flush=True)
+            say(f"rank {rank} {name}: served")
         else:
             worst = train(100, rank, sync=name, role=role, **extra)
-            print(f"rank {rank} {name}: ok, max |diff| {worst:.1e}", flush=True)
+            say(f"rank {rank} {name}: ok, max |diff| {worst:.1e}")
 
 
 def subcomm(world):
@@ -134,8 +140,7 @@ def subcomm(world):
     first = 0 if group == 0 else 2
     for name in ("ring", "torch"):                 # torch: groups made over the whole world
         worst = train(100 + first, rank - first, sync=name, comm=sub, bucket_mb=0.001)
-        print(f"rank {rank} subcomm {name} group of {sub.size}: ok, max |diff| {worst:.1e}",
-              flush=True)
+        say(f"rank {rank} subcomm {name} group of {sub.size}: ok, max |diff| {worst:.1e}")
     # An LR schedule and a checkpoint go through to the wrapped optimizer.
     model = UserNet(7)
     with strategies.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
@@ -150,7 +155,7 @@ def subcomm(world):
         assert opt.optimizer.param_groups[0]["lr"] == 0.025, opt.optimizer.param_groups
         assert opt.state_dict()["param_groups"][0]["lr"] == 0.025
         assert len(opt.state_dict()["state"]) == len(list(model.parameters()))
-    print(f"rank {rank} schedule: ok", flush=True)
+    say(f"rank {rank} schedule: ok")
 
 
 def errors(world):
@@ -186,9 +191,9 @@ def errors(world):
         try:
             make()
         except Exception as e:
-            print(f"rank {rank} error {case}: {type(e).__name__}: {e}", flush=True)
+            say(f"rank {rank} error {case}: {type(e).__name__}: {e}")
         else:
-            print(f"rank {rank} error {case}: none raised", flush=True)
+            say(f"rank {rank} error {case}: none raised")
 
 
 def wrap(model):
@@ -207,7 +212,7 @@ def under_torchrun():
     rank = int(os.environ["RANK"])
     for name in ("torch", "ring"):                 # ring: over torch.distributed, no MPI
         worst = train(100, rank, sync=name, bucket_mb=0.001)
-        print(f"rank {rank} torchrun {name}: ok, max |diff| {worst:.1e}", flush=True)
+        say(f"rank {rank} torchrun {name}: ok, max |diff| {worst:.1e}")
 
 
 if __name__ == "__main__":
