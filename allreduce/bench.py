@@ -43,6 +43,7 @@ from . import ALGORITHMS, create, host_staged, shard_bounds
 from .native import RAW, MPIRaw
 from .records import append_jsonl
 from .theory import bus_factor, bytes_sent
+from .twolevel import predictor
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 DTYPES = ("float32", "float64", "int32", "int64", "float16", "bfloat16")
@@ -93,6 +94,9 @@ def parse_args(argv=None):
     p.add_argument("--link-gbps", type=float, default=None,
                    help="emulate a slower network: bandwidth of each rank's link")
     p.add_argument("--jsonl", default=None, help="append one JSON record per row to this file")
+    p.add_argument("--predict", default=None, metavar="CAL.json",
+                   help="add the cost model's time of each all-reduce row (predicted_us; "
+                        "allreduce/twolevel.py) from this calibration (experiments.calibrate)")
     args = p.parse_args(argv)
     args.algos = [a for a in (args.algos or DEFAULT_ALGOS[args.device]).split(",") if a]
     emulated = args.link_latency_us or args.link_gbps
@@ -244,11 +248,15 @@ def main(argv=None):
     rank, P = comm.rank, comm.size
     device = use_device(args, comm)
     colls = make_rows(args, comm, device)
+    predict = predictor(args.predict, comm, args.inner, args.outer, args.ranks_per_node,
+                        emulated=bool(args.link_latency_us or args.link_gbps)) \
+        if args.predict else None                # on every rank: MPI tells the hosts apart
     itemsize = 2 if args.dtype in ("float16", "bfloat16") else np.dtype(args.dtype).itemsize
     meta = provenance() if rank == 0 else {}
     width = 22 if "auto" in args.algos else 16         # auto→halving_doubling
     header = (f"{'algo':>{width}} {'collective':>14} {'size':>8} {'time_us':>10} {'x_raw':>6} "
-              f"{'algbw':>7} {'busbw':>7} {'sent/rank':>10} {'theory':>10} {'#wrong':>6}")
+              f"{'algbw':>7} {'busbw':>7} {'sent/rank':>10} {'theory':>10} {'#wrong':>6}" +
+              (f" {'predicted':>10}" if predict else ""))
     timing = f"loop={args.loop}" if args.loop else "barrier per call"
     if rank == 0:
         link = (f" link={args.link_latency_us:g}us/{args.link_gbps or 'inf'}GB/s"
@@ -314,10 +322,13 @@ def main(argv=None):
                 algbw = n * itemsize / median / 1e9 if median > 0 else 0.0
                 busbw = algbw * bus_factor(collective, P)
                 native = ran in ("mpi", "torch", RAW)
+                predicted = predict(ran, collective, n * itemsize) if predict else None
                 print(f"{label:>{width}} {collective:>14} {human(nbytes):>8} {median * 1e6:10.1f} "
                       f"{'-' if vs_raw is None else f'{vs_raw:.2f}':>6} "
                       f"{algbw:7.2f} {busbw:7.2f} {('-' if native else human(most_sent)):>10} "
-                      f"{('-' if theory is None else human(int(theory))):>10} {n_wrong:6d}")
+                      f"{('-' if theory is None else human(int(theory))):>10} {n_wrong:6d}" +
+                      (f" {'-' if predicted is None else f'{predicted:.1f}':>10}" if predict
+                       else ""))
                 sys.stdout.flush()
                 if out:
                     record = {"algo": label, "chosen": ran, "op": collective,
@@ -332,6 +343,7 @@ def main(argv=None):
                               "device": args.device,
                               "link_latency_us": args.link_latency_us,
                               "link_gbps": args.link_gbps,
+                              **({"predicted_us": predicted} if predict else {}),
                               **meta}
                     append_jsonl(out, [record])
     comm.Barrier()
