@@ -115,14 +115,19 @@ def test_standalone_servers_across_hosts_admit_only_their_workers_keys(hosts, tm
         assert "listening on" in line, open(log.name).read()
         endpoint = line.split()[-1]
         worker = ["-m", "psrv.example", "--ps", endpoint, "--worker-id", 0,
-                  "--num-workers", WORKERS, "--steps", 3, "--timeout", 2]
+                  "--num-workers", WORKERS, "--steps", 3]
+        # a refused key is reported at once, whatever the timeout; no key only at the timeout
         refused = [on_host(f"{PREFIX}h0", *worker, *extra, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT) for extra in (["--keys", stranger], [])]
+                           stderr=subprocess.STDOUT)
+                   for extra in (["--keys", stranger, "--timeout", 20], ["--timeout", 1])]
         wrong_key, no_key = (p.communicate(timeout=30)[0] for p in refused)
         assert refused[0].returncode and "refused the CURVE handshake: handshake_failed_auth " \
             "(status 400): is this worker's public key in the server's key set" in wrong_key
-        # without keys the client cannot tell a refusal from a silent server: it times out
-        assert refused[1].returncode and "sent no reply to INIT (request 1) within 2 s" in no_key
+        # without keys the client cannot tell a refusal from a silent server: it times out,
+        # sending (no connection to queue on while the handshake fails) or awaiting a reply
+        no_answer = (f"server 0 \\({re.escape(endpoint)}\\) "
+                     f"(took no INIT|sent no reply to INIT \\(request 1\\)) within 1 s")
+        assert refused[1].returncode and re.search(no_answer, no_key), no_key
         # the workers on hosts 0 and 1; BSP must reproduce the serial run
         out = hosts.job(JOB, "psrv-workers", SERVER_HOST, "--ps", endpoint, "--keys", keydir,
                         "--steps", 10, timeout=90).stdout
