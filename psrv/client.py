@@ -67,6 +67,10 @@ class Client:
             raise ValueError(f"worker_id {worker_id} not in [0, num_workers={num_workers})")
         if not endpoints:
             raise ValueError("no server endpoints")
+        open_endpoints = [e for e in endpoints if not auth.is_local(e)]
+        if keys is None and open_endpoints:      # never send gradients in clear off this host
+            raise ValueError(f"server endpoints {', '.join(open_endpoints)} are off loopback: "
+                             f"pass keys (psrv.keys; --keys DIR on the command line)")
         self.endpoints, self.worker_id, self.num_workers = list(endpoints), worker_id, num_workers
         self.timeout, self.keys = timeout, keys
         if keys is not None and len(keys.servers) not in (1, len(self.endpoints)):

@@ -115,7 +115,11 @@ def main(argv=None):
             return
         endpoints, worker_id, num_workers = role.endpoints, role.worker_id, role.num_workers
         keys = role.keys
-    with Client(endpoints, worker_id, num_workers, timeout=a.timeout, keys=keys) as client:
+    try:
+        client = Client(endpoints, worker_id, num_workers, timeout=a.timeout, keys=keys)
+    except ValueError as e:
+        ap.error(str(e))                              # a bad launch: exit 2 with the reason
+    with client:
         result = train(client, worker_id, num_workers, a.steps, a.lr, consistency)
     if worker_id == 0:
         print(json.dumps(result), flush=True)

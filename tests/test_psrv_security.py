@@ -348,3 +348,10 @@ def test_a_frame_larger_than_any_legal_one_never_reaches_the_server():
         for s in socks:
             s.close()
         ctx.term()
+
+
+def test_a_client_without_keys_refuses_a_server_off_loopback():
+    """Gradients never travel in clear off this host: the client says what to pass."""
+    from psrv import Client
+    with pytest.raises(ValueError, match="off loopback: pass keys"):
+        Client(["tcp://127.0.0.1:5555", "tcp://192.0.2.1:5555"], 0, 1)
