@@ -51,6 +51,9 @@ LATENCY_BELOW = 1 << 20
 # From this size across several nodes, crossing the slow links once per node
 # (hierarchical) beats crossing them once per rank.
 HIERARCHICAL_FROM = 1 << 20
+# The cost model's tie-break: the library first, then the ring (the fewest bytes).
+TIE = 0.02
+PREFERENCE = ("ring", "halving_doubling", "hierarchical", "tree")
 
 
 class Layout:
@@ -134,7 +137,10 @@ def model_choice(collective, size, layout, native, cal):
                                                ranks_per_node=max(layout.node_sizes))
     if native and size < NATIVE_BELOW:
         times[native] = native_allreduce(size, P, m, cal.get("alpha_exchange_s") or m.alpha)
-    return min(times, key=lambda algo: (times[algo], algo))
+    # Predictions within TIE of the best are a tie (at P = 2 the ring and
+    # halving-doubling are one schedule), which PREFERENCE breaks.
+    best = min(times.values())
+    return next(a for a in (native,) + PREFERENCE if a in times and times[a] <= best * (1 + TIE))
 
 
 def read_calibration(source):

@@ -15,6 +15,7 @@ from .transport import Handle, MPITransport
 
 _MPI_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
 RAW = "mpi-raw"
+_USER_OPS = {}
 
 
 def _numpy_view(x):
@@ -55,26 +56,32 @@ class MPINative(Collective):
     def _make_op(self, x, op):
         """MPI has no bfloat16, and MPICH's float16 is an extension: reduce those
         with a user-defined MPI_Op that adds through torch or numpy."""
-        if is_tensor(x):
+        tensor = is_tensor(x)
+        if tensor:
             import torch
             half = x.dtype in (torch.float16, torch.bfloat16)
         else:
             half = x.dtype == np.float16
+        name = _MPI_OPS[op]
         if not half:
-            return getattr(self.MPI, _MPI_OPS[op])
-        dtype = x.dtype
-        tensor = is_tensor(x)
+            return getattr(self.MPI, name)
+        # One user op per (dtype, kind, reduction) for the whole process, shared
+        # by every baseline: mpi4py allows only a few dozen.
+        key = (str(x.dtype), tensor, name)
+        if key not in _USER_OPS:
+            dtype, reduction = x.dtype, name.lower()
 
-        def combine(inbuf, inoutbuf, datatype, dtype=dtype, op=op):
-            if tensor:
-                import torch
-                a = torch.frombuffer(bytearray(inbuf), dtype=dtype)
-                b = torch.frombuffer(inoutbuf, dtype=dtype)
-            else:
-                a = np.frombuffer(inbuf, dtype=dtype)
-                b = np.frombuffer(inoutbuf, dtype=dtype)
-            reduce_into(b, a, op)
-        return self.MPI.Op.Create(combine, commute=True)
+            def combine(inbuf, inoutbuf, datatype):
+                if tensor:
+                    import torch
+                    a = torch.frombuffer(bytearray(inbuf), dtype=dtype)
+                    b = torch.frombuffer(inoutbuf, dtype=dtype)
+                else:
+                    a = np.frombuffer(inbuf, dtype=dtype)
+                    b = np.frombuffer(inoutbuf, dtype=dtype)
+                reduce_into(b, a, reduction)
+            _USER_OPS[key] = self.MPI.Op.Create(combine, commute=True)
+        return _USER_OPS[key]
 
     def _wait(self, request):
         self.transport.wait_request(request)

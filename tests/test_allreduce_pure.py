@@ -147,3 +147,36 @@ def test_numpy_and_torch_views_agree(n, k):
     a = np.arange(n * k, dtype=np.float32)
     t = torch.from_numpy(a)
     assert bytes(as_bytes(a)) == bytes(as_bytes(t))
+
+
+class OneRank(allreduce.Transport):
+    """A transport of one rank: the collectives move nothing, their checks still run."""
+
+    def node_id(self):
+        return 0
+
+
+def test_validation_cache_still_checks_every_buffer():
+    coll = allreduce.make("ring", OneRank())
+    good = np.zeros((4, 4), np.float32)
+    coll.allreduce(good)                               # float32 is now known
+    read_only = np.zeros((4, 4), np.float32)
+    read_only.flags.writeable = False
+    with pytest.raises(CollectiveError, match="read-only"):
+        coll.allreduce(read_only)
+    with pytest.raises(CollectiveError, match="not C-contiguous"):
+        coll.allreduce(np.zeros((4, 8), np.float32)[:, ::2])   # same shape, strided
+    coll.reduce_scatter(read_only)                     # nothing is written into the input
+    coll.allreduce(np.zeros(4, np.int64))              # int64 is known too, for sums
+    with pytest.raises(CollectiveError, match="floating dtype"):
+        coll.allreduce(np.zeros(4, np.int64), op="avg")
+    with pytest.raises(CollectiveError, match="unsupported dtype complex64"):
+        coll.allreduce(np.zeros((4, 4), np.complex64))
+    coll.allreduce(torch.zeros(4, 4))
+    with pytest.raises(CollectiveError, match="requires grad"):
+        coll.allreduce(torch.zeros(4, 4, requires_grad=True))
+    with pytest.raises(CollectiveError, match="not contiguous"):
+        coll.allreduce(torch.zeros(4, 4).t())
+    with pytest.raises(CollectiveError, match="numpy array or a torch tensor"):
+        coll.allreduce([0.0] * 16)
+    coll.allreduce(good)                               # and the good one still passes

@@ -1,0 +1,94 @@
+"""allreduce's `auto`: its rules (tier a), one decision on every rank and bench
+records that name the choice (tier c)."""
+import json
+
+import pytest
+
+from allreduce.auto import (NATIVE_BELOW, Layout, model_choice, read_calibration,
+                            table_choice)
+from conftest import check_ok, mpirun
+
+ONE_NODE = Layout([4])
+TWO_NODES = Layout([2, 2])
+
+# A calibration in experiments.calibrate's format: 20 us a step of ours, 8 us a
+# bare exchange, 4 GB/s each way, adding at 10 GB/s.
+CALIBRATION = {"alpha_s": 20e-6, "alpha_exchange_s": 8e-6, "beta_s_per_byte": 2.5e-10,
+               "gamma_s_per_byte": 1e-10}
+
+
+def test_layout_from_node_ids():
+    assert Layout.from_node_ids([0, 0, 2, 2]).node_sizes == (2, 2)
+    assert Layout.from_node_ids([0, 0, 2, 2]).multi_node
+    assert not Layout.from_node_ids([0, 0, 0]).multi_node
+    assert not Layout.from_node_ids([0, 1, 2]).multi_node       # a rank a node: one level
+    mixed = Layout.from_node_ids([0, 1, 0, 1])                  # round-robin placement
+    assert not mixed.consecutive and not mixed.multi_node       # hierarchical needs blocks
+
+
+def test_table_takes_the_library_for_small_messages_and_the_ring_for_large():
+    assert table_choice("allreduce", 4 << 10, ONE_NODE, "mpi") == "mpi"
+    assert table_choice("allreduce", 4 << 10, ONE_NODE, None) == "halving_doubling"
+    assert table_choice("allreduce", NATIVE_BELOW, ONE_NODE, "mpi") == "halving_doubling"
+    assert table_choice("allreduce", 64 << 20, ONE_NODE, "mpi") == "ring"
+    assert table_choice("allreduce", 64 << 20, TWO_NODES, "mpi") == "hierarchical"
+    assert table_choice("reduce_scatter", 64 << 20, TWO_NODES, "mpi") == "ring"
+    assert table_choice("broadcast", 256 << 10, ONE_NODE, None) == "tree"
+    assert table_choice("allreduce", 64 << 20, Layout([1]), None) == "ring"
+
+
+def test_cost_model_picks_the_least_predicted_time():
+    # 4 ranks, 4 KiB: one bare exchange per round (the library) beats our steps
+    assert model_choice("allreduce", 4 << 10, ONE_NODE, "mpi", CALIBRATION) == "mpi"
+    # without the library, halving-doubling's 2 log P steps beat the ring's 2 (P - 1)
+    assert model_choice("allreduce", 4 << 10, ONE_NODE, None, CALIBRATION) == \
+        "halving_doubling"
+    # 64 MiB: the library is no candidate, and the ring's bytes are the fewest (at
+    # P = 4 halving-doubling's too, 2 alpha less: a tie, which goes to the ring)
+    assert model_choice("allreduce", 64 << 20, ONE_NODE, "mpi", CALIBRATION) == "ring"
+    assert model_choice("allreduce", 64 << 20, Layout([2]), "mpi", CALIBRATION) == "ring"
+    assert model_choice("allreduce", 64 << 20, Layout([3]), "mpi", CALIBRATION) == "ring"
+
+
+def test_calibration_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(CALIBRATION))
+    assert read_calibration(str(path)) == CALIBRATION
+    monkeypatch.setenv("TOPOLAB_CALIBRATION", str(path))
+    assert read_calibration(None) == CALIBRATION
+    monkeypatch.delenv("TOPOLAB_CALIBRATION")
+    assert read_calibration(None) is None
+    with pytest.raises(Exception, match="cannot read the calibration"):
+        read_calibration(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("P", [2, 3])
+def test_every_rank_takes_the_same_algorithm(P, tmp_path):
+    # Only rank 1 is given a calibration (one that favours other algorithms than
+    # the table does): rank 0 decides, so the tables agree all the same.
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(CALIBRATION))
+    result = check_ok(mpirun(P, ["tests/mpi/auto_agreement.py", path], timeout=100))
+    assert f"same on {P} ranks" in result.stdout, result.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(200)
+def test_bench_records_name_the_chosen_algorithm(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    result = check_ok(mpirun(2, ["-m", "allreduce.bench", "--algos", "mpi-raw,auto,ring",
+                                 "--ops", "allreduce,reduce_scatter", "--sizes", "4K,4M",
+                                 "--iters", "2", "--loop", "2", "--jsonl", out], timeout=180))
+    assert "auto→mpi" in result.stdout and "auto→ring" in result.stdout
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 3 * 2 * 2
+    by = {(r["algo"], r["op"], r["bytes"]): r for r in records}
+    assert by[("auto→mpi", "allreduce", 4096)]["chosen"] == "mpi"
+    ring = by[("auto→ring", "allreduce", 4 << 20)]
+    assert ring["chosen"] == "ring" and ring["sent_bytes"] == ring["theory_bytes"]
+    for r in records:
+        assert r["wrong"] == 0 and r["loop"] == 2, r
+        assert r["vs_raw"] == pytest.approx(r["time_us"] / by[("mpi-raw", r["op"], r["bytes"])][
+            "time_us"])
