@@ -9,20 +9,18 @@
         opt.step()                     # waits for the averaged gradients, then steps
     opt.close()                        # or: with strategies.DistributedOptimizer(...) as opt:
 
-The seam is the optimizer, as in Horovod (Sergeev & Del Balso, "Horovod: fast
-and easy distributed deep learning in TensorFlow", 2018) and BytePS: the loop
-keeps its four lines.  Underneath is the sync of strategies.train (sync.py):
-`setup` broadcasts rank 0's parameters and buffers and attaches the bucket
-hooks, `zero_grad` is its before_backward, `step` its synchronize and step.
-Each rank's loss is the mean over its shard and the gradients are averaged
-over the communicator, so with equal shards every rank takes the step of the
-mean loss over the global batch.
+The seam is the optimizer, as in Horovod (Sergeev & Del Balso, 2018) and
+BytePS: the loop keeps its four lines.  Underneath is the sync of
+strategies.train (sync.py): `setup` broadcasts rank 0's parameters and buffers
+and attaches the bucket hooks, `zero_grad` is its before_backward, `step` its
+synchronize and step.  Each rank's loss is the mean over its shard and the
+gradients are averaged over the communicator, so with equal shards every rank
+takes the step of the mean loss over the global batch.
 
-    sync        ring, tree, halving_doubling, hierarchical, mpi, torch, auto;
-                an allreduce collective made by the caller (allreduce.create(...));
-                ps or hybrid with role=ps_roles(...) (below)
-    comm        an mpi4py communicator (default COMM_WORLD; under torchrun the whole
-                world); for the torch transport also a list of global ranks
+    sync   ring, tree, halving_doubling, hierarchical, mpi, torch, auto; or a collective
+           of allreduce.create(...); or ps / hybrid with role=ps_roles(...) (below)
+    comm   an mpi4py communicator (default COMM_WORLD; under torchrun the whole world);
+           for the torch transport also a list of global ranks
     bucket_mb, overlap, compress ("none", "fp16", "bf16"), ranks_per_node, timeout
 
 Gradient clipping sees averaged gradients after `opt.synchronize()`; `step`
@@ -30,7 +28,9 @@ then does not wait again.  Under torchrun there is no MPI: sync="torch", or a
 textbook algorithm over torch.distributed (the transport chosen for you).
 
 Parameter servers: psrv.launch decides who serves; ask it first, and let the
-server ranks serve until every worker has closed its optimizer.
+server ranks serve until every worker has closed its optimizer.  The servers
+run the optimizer (torch's SGD or Adam, psrv/optim.py), so the wrapped one
+only describes it: one parameter group, no schedule.
 
     role = strategies.ps_roles(servers=1)          # collective over COMM_WORLD
     if role.is_server:
@@ -40,12 +40,8 @@ server ranks serve until every worker has closed its optimizer.
                                              role=role) as opt:
             ...                                    # shard by opt.rank / opt.size (workers)
 
-The servers run the optimizer (psrv/optim.py: torch's SGD and Adam), so the
-wrapped optimizer only describes it: one parameter group, no schedule.
-
-ZeRO is not offered here: its stages own the optimizer's state per layer and
-gather parameters around each layer's forward (zero.py), which needs the
-model's layers and an optimizer it builds itself, not the caller's.
+No ZeRO here: its stages shard the optimizer state per layer and gather each
+layer around its forward (zero.py), with an optimizer they build themselves.
 """
 import os
 import socket
@@ -154,10 +150,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def param_groups(self):
         return self.optimizer.param_groups
 
-    @param_groups.setter
-    def param_groups(self, groups):
-        self.optimizer.param_groups = groups
-
     @property
     def state(self):
         return self.optimizer.state
@@ -203,19 +195,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.options.sync in PS_SYNCS:
-            self._check_server_lr()
+        lr = self.optimizer.param_groups[0]["lr"]
+        if self.options.sync in PS_SYNCS and lr != self.options.lr:
+            raise ConfigError(f"sync={self.options.sync!r}: the servers run the optimizer with "
+                              f"lr={self.options.lr}; a schedule cannot change it to {lr}")
         self.synchronize()
         self.sync.step(self.optimizer)
         self._synchronized = False
         self._step += 1
         return loss
-
-    def _check_server_lr(self):
-        lr = self.optimizer.param_groups[0]["lr"]
-        if lr != self.options.lr:
-            raise ConfigError(f"sync={self.options.sync!r}: the servers run the optimizer with "
-                              f"lr={self.options.lr}; a schedule cannot change it to {lr}")
 
     def _require_open(self):
         if self._closed:
@@ -341,18 +329,14 @@ def check_comm(comm, transport):
                     f"not {type(comm).__name__}")
 
 
-def fingerprint(params, options):
-    shapes = ";".join(str(tuple(p.shape)) for p in params)
-    settings = f"{options.sync} {options.bucket_mb} {options.overlap} {options.compress}"
-    return [len(params), sum(p.numel() for p in params), zlib.crc32(shapes.encode()),
-            zlib.crc32(settings.encode())]
-
-
 def check_same_everywhere(gather, params, options):
     """Every rank must bring the same model and settings, or the buckets differ and
     the collectives would pair unrelated buffers (or wait for ever).  If any rank
     differs, every rank sees a rank unlike itself, so every rank raises."""
-    mine = fingerprint(params, options)
+    shapes = ";".join(str(tuple(p.shape)) for p in params)
+    settings = f"{options.sync} {options.bucket_mb} {options.overlap} {options.compress}"
+    mine = [len(params), sum(p.numel() for p in params), zlib.crc32(shapes.encode()),
+            zlib.crc32(settings.encode())]
     for rank, theirs in enumerate(gather(mine)):
         theirs = [int(v) for v in theirs]
         if theirs != mine:
