@@ -152,8 +152,7 @@ def train(argv=None):
                 sync.save_state()
             checkpoint.save(cfg, ctx, cfg.steps, model, optimizer)
     except BaseException as e:
-        if hasattr(sync, "abort"):     # ps, hybrid: the servers hear of a crash, not a finish
-            sync.abort(e)
+        sync.abort(e)                  # ps, hybrid: the servers hear of a crash, not a finish
         raise
     finally:
         sync.close()
