@@ -15,8 +15,8 @@
     coll = allreduce.host_staged(coll)       # CUDA tensors through pinned host memory where
                                              # the transport is MPI (not CUDA-aware)
 
-Algorithms: ring, tree, halving_doubling, hierarchical; baselines: mpi, torch;
-auto picks one of them per call.
+Algorithms: ring, tree, halving_doubling, hierarchical, shm (one node, buffers
+from coll.empty); baselines: mpi, torch; auto picks one of them per call.
 """
 from .buffers import CollectiveError, HostStaged
 from .collective import Collective, CollectiveTimeout
@@ -24,7 +24,7 @@ from .shards import shard_bounds, shard_of
 from .transport import MPITransport, Transport, TransportTimeout
 
 TEXTBOOK = ("ring", "tree", "halving_doubling")
-ALGORITHMS = TEXTBOOK + ("hierarchical", "mpi", "torch", "auto")
+ALGORITHMS = TEXTBOOK + ("hierarchical", "shm", "mpi", "torch", "auto")
 
 __all__ = ["create", "make", "make_transport", "host_staged", "shard_bounds", "shard_of",
            "ALGORITHMS", "Collective", "CollectiveError", "CollectiveTimeout", "Transport",
@@ -54,6 +54,8 @@ def make(name, transport, **options):
         from .halving_doubling import HalvingDoubling as cls
     elif name == "hierarchical":
         from .hierarchical import Hierarchical as cls
+    elif name == "shm":
+        from .shm import SharedMemory as cls
     elif name == "mpi":
         from .native import MPINative as cls
     elif name == "torch":

@@ -15,20 +15,21 @@ mid-run slows all of them alike.  A row reports the median time (the slowest
 rank's median), x_raw = time / the mpi-raw row's, algbw = bytes / time, busbw =
 algbw * the nccl-tests factor, the bytes one rank sent against the textbook
 figure, and #wrong: elements that differ from a reference each rank computes
-on its own.  `auto` rows name the algorithm it chose (auto→ring).
+on its own.  `auto` rows name the algorithm it chose (auto→ring).  A line per
+size gives memcpy's bandwidth on the same bytes, timed in the same rounds.
 
 mpi-raw is MPI's collective called through mpi4py with no topolab layer
 (comm.Allreduce(MPI.IN_PLACE, x)): the floor, in the default rows on a CPU.
+The shm row's buffers live in its shared-memory window (shm.py), where it
+reads its peers' directly; every other row's are private arrays.
 
-Timing.  By default every call starts after a barrier: the time of one
-collective from ranks that start together, what a training step's all-reduce
-costs.  --loop N times N calls back to back after one barrier instead, and
-reports the time per call, as the OSU benchmarks do: no barrier, no input
-reset between calls, so ranks drift apart by no more than one call.  At small
-sizes the per-call barrier (about 10 us here) and the wake-up after it are as
-large as the collective, so the overhead one layer adds over another (the
-x_raw column) is compared fairly in --loop mode; at 1 MiB and above the two
-modes agree within the noise.
+Timing.  By default every call starts after a barrier: one collective from
+ranks that start together, as a training step's all-reduce does.  --loop N
+times N calls back to back after one barrier, per call, as the OSU benchmarks
+do (no barrier, no input reset between calls).  At small sizes the barrier and
+the wake-up after it are as large as the collective itself, so the overhead
+one layer adds over another (x_raw) is compared fairly with --loop; from 1 MiB
+the two modes agree within the noise.
 """
 import argparse
 import platform
@@ -49,6 +50,7 @@ COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 DTYPES = ("float32", "float64", "int32", "int64", "float16", "bfloat16")
 ROWS = ALGORITHMS + (RAW,)
 RAW_DTYPES = ("float32", "float64", "int32", "int64")    # MPI's own types, no user op
+UNCOUNTED = ("mpi", "torch", RAW, "shm")       # their bytes move out of the transport's sight
 DEFAULT_ALGOS = {"cpu": "mpi-raw,ring,mpi", "cuda": "ring,torch"}
 
 
@@ -267,7 +269,9 @@ def main(argv=None):
         print(header)
         sys.stdout.flush()
     out = args.jsonl if rank == 0 else None
-    calls = max(1, args.loop)
+    window = None
+    if "shm" in colls and args.dtype != "bfloat16" and device.type == "cpu":
+        window = colls["shm"].empty(max(args.sizes) // itemsize, args.dtype)
     for nbytes in args.sizes:
         n = nbytes // itemsize
         for collective in args.ops:
@@ -276,11 +280,13 @@ def main(argv=None):
                 pristine = pristine[slice(*shard_bounds(n, P)[rank])]
             work = {a: pristine.clone() if hasattr(pristine, "clone") else pristine.copy()
                     for a in colls}
+            if window is not None:             # shm's saving needs its own buffers
+                work["shm"] = window[:len(pristine)]
             runs = {a: runner(colls[a], collective, n) for a in colls}
             times = {a: [] for a in colls}
             wrong, sent = {}, {}
 
-            def call(algo):
+            def call(algo, calls=max(1, args.loop)):
                 """One sample: `calls` calls after one barrier; seconds per call."""
                 run, x = runs[algo], work[algo]
                 x[:] = pristine
@@ -293,22 +299,25 @@ def main(argv=None):
                 return (time.perf_counter() - start) / calls, result
 
             for algo in colls:                 # checked call, also a warm-up
-                traffic = getattr(colls[algo], "transport", None)
-                before = traffic.bytes_sent if traffic else 0
-                x = work[algo]
-                x[:] = pristine
-                result = runs[algo](x)
-                settle(device)
-                sent[algo] = (traffic.bytes_sent if traffic else 0) - before
+                transport = getattr(colls[algo], "transport", None)      # none for mpi-raw
+                before = transport.bytes_sent if transport else 0
+                _, result = call(algo, calls=1)
+                sent[algo] = transport.bytes_sent - before if transport else 0
                 expect = reference(collective, rank, P, n, args.dtype)
                 wrong[algo] = int(np.count_nonzero(as_float64(result) != expect))
             for _ in range(args.warmup):
                 for algo in colls:
                     call(algo)
+            copies, spare = [], np.empty_like(pristine) if type(pristine) is np.ndarray else None
             for _ in range(args.iters):
                 for algo in colls:             # interleaved: A B C A B C ...
                     times[algo].append(call(algo)[0])
+                if spare is not None:          # the roofline: memcpy of the same bytes
+                    start = time.perf_counter()
+                    np.copyto(spare, pristine)
+                    copies.append(time.perf_counter() - start)
             medians = {a: comm.allreduce(float(np.median(times[a])), op=MPI.MAX) for a in colls}
+            memcpy = pristine.nbytes / np.median(copies) / 1e9 if copies else None
             for algo in colls:
                 n_wrong = comm.reduce(wrong[algo], op=MPI.SUM, root=0)
                 most_sent = comm.reduce(sent[algo], op=MPI.MAX, root=0)
@@ -321,7 +330,7 @@ def main(argv=None):
                 theory = bytes_sent(ran, collective, n * itemsize, P)
                 algbw = n * itemsize / median / 1e9 if median > 0 else 0.0
                 busbw = algbw * bus_factor(collective, P)
-                native = ran in ("mpi", "torch", RAW)
+                native = ran in UNCOUNTED
                 predicted = predict(ran, collective, n * itemsize) if predict else None
                 print(f"{label:>{width}} {collective:>14} {human(nbytes):>8} {median * 1e6:10.1f} "
                       f"{'-' if vs_raw is None else f'{vs_raw:.2f}':>6} "
@@ -333,19 +342,19 @@ def main(argv=None):
                 if out:
                     record = {"algo": label, "chosen": ran, "op": collective,
                               "bytes": n * itemsize, "dtype": args.dtype, "world_size": P,
-                              "iters": args.iters, "loop": args.loop,
-                              "time_us": median * 1e6, "vs_raw": vs_raw,
-                              "algbw_gbps": algbw, "busbw_gbps": busbw,
+                              "iters": args.iters, "loop": args.loop, "time_us": median * 1e6,
+                              "vs_raw": vs_raw, "algbw_gbps": algbw, "busbw_gbps": busbw,
                               "sent_bytes": None if native else most_sent,
-                              "theory_bytes": theory, "wrong": n_wrong,
+                              "theory_bytes": theory, "wrong": n_wrong, "device": args.device,
                               "transport": ("mpi" if algo == RAW else
                                             "torch" if algo == "torch" else args.transport),
-                              "device": args.device,
                               "link_latency_us": args.link_latency_us,
-                              "link_gbps": args.link_gbps,
-                              **({"predicted_us": predicted} if predict else {}),
-                              **meta}
+                              "link_gbps": args.link_gbps, "memcpy_gbps": memcpy,
+                              **({"predicted_us": predicted} if predict else {}), **meta}
                     append_jsonl(out, [record])
+            if rank == 0 and memcpy and collective == args.ops[-1]:
+                print(f"{'# memcpy':>{width}} {human(nbytes):>23} {memcpy:.2f} GB/s "
+                      f"(np.copyto on rank 0, in the same rounds)", flush=True)
     comm.Barrier()
 
 

@@ -17,6 +17,13 @@ def test_every_algorithm_matches_the_reference(P):
     assert f"OK P={P}" in result.stdout
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+def test_shm_reduces_window_buffers_in_place(P):
+    result = check_ok(mpirun(P, ["tests/mpi/shm_window.py"], timeout=170))
+    assert f"OK P={P}" in result.stdout
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case,words", [
     ("count", ["ranks disagree", "rank(s) 0, 1 called allreduce(count=10",

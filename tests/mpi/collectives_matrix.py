@@ -4,7 +4,7 @@
 
 Each spec is {"algo": name, "transport": "mpi"|"torch", "options": {...}}; the
 default list covers all algorithms, hierarchical in two shapes, the ring
-and tree over torch.distributed, and auto in two node layouts.  Two optional keys:
+and tree over torch.distributed, auto in two node layouts, and shm.  Two optional keys:
   "split": "parity"    the collective runs over a sub-communicator of COMM_WORLD:
                        world ranks of equal parity (sizes 2 and 1 at P = 3);
            "reversed"  all ranks in reverse order (rank r is world rank P-1-r)
@@ -42,7 +42,9 @@ SPECS = [{"algo": "ring"}, {"algo": "tree"}, {"algo": "halving_doubling"},
          {"algo": "ring", "transport": "torch"}, {"algo": "tree", "transport": "torch"},
          # auto: the library's below 128 KiB, then halving-doubling, the ring; two-node
          # layouts (ranks_per_node=2 at P = 3, 4) take the hierarchical one for BIG
-         {"algo": "auto"}, {"algo": "auto", "options": {"ranks_per_node": 2}}]
+         {"algo": "auto"}, {"algo": "auto", "options": {"ranks_per_node": 2}},
+         # shm with private buffers: by the ring (tests/mpi/shm_window.py: its own path)
+         {"algo": "shm"}]
 specs = json.loads(sys.argv[1]) if len(sys.argv) > 1 else SPECS
 
 EPS = {"float32": 1.2e-7, "float64": 2.3e-16, "float16": 9.8e-4, "bfloat16": 7.9e-3}
