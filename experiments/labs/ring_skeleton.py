@@ -1,20 +1,33 @@
-"""Lab 1: complete the ring all-reduce.  Copy this file, fill in the four TODOs, then
+"""Lab 1: complete the ring all-reduce.  Copy this file, fill in the five TODOs, then
 
-    python -m experiments.labs.check_ring my_ring.py
+    .venv/bin/python -m experiments.labs.check_ring my_ring.py
 
 The check runs your ring under mpiexec at 2, 3 and 4 ranks on awkward lengths,
-compares every element with the true sum, and times it at 16 MiB against the
-cost model's prediction.
+compares every element with the true sum, counts the bytes each rank sends
+(a ring sends 2(P-1)/P n), and times it at 16 MiB against the cost model's
+prediction.
 
           rank 0 ───▶ rank 1            each rank sends only to its right
             ▲            │              neighbour and receives only from
             │            ▼              its left one
           rank 3 ◀─── rank 2
 
-You may use only the transport `t`:
+The buffer is cut into P chunks c0 .. c(P-1).  Phase 1, reduce-scatter, leaves
+rank r holding the complete sum of chunk r; phase 2, all-gather, passes the
+completed chunks round the ring until every rank holds all of them.  Before you
+write code, fill in on paper, for P = 4, which chunk each rank sends at each step:
+
+    reduce-scatter   rank 0   rank 1   rank 2   rank 3
+      step 0           ?        ?        ?        ?
+      step 1           ?        ?        ?        ?
+      step 2           ?        ?        ?        ?      after it: rank r holds sum(c_r)
+
+The only thing you get is the transport `t` (no communicator, no collective):
     t.rank, t.size                           who I am, how many we are
-    t.sendrecv(sendbuf, dest, recvbuf, src)  send one array while receiving another
+    t.sendrecv(sendbuf, dest, recvbuf, src)  send one array to rank dest while
+                                             receiving another from rank src
 Arrays are numpy float64 (views like x[a:b] are fine: they are contiguous).
+The array you receive into must be exactly as long as the one its sender sends.
 """
 import numpy as np
 
@@ -53,7 +66,7 @@ def ring_allreduce(t, x):
     #    what arrives is stored as it is (no addition).
     for step in range(P - 1):
         send_chunk = None      # TODO: the chunk this rank completed most recently
-        recv_chunk = None      # TODO
+        recv_chunk = None      # TODO: the chunk that arrives from the left
         s0, s1 = bounds[send_chunk]
         r0, r1 = bounds[recv_chunk]
         t.sendrecv(x[s0:s1], right, x[r0:r1], left)
