@@ -31,8 +31,8 @@ gallery: demo
 	$(PY) -m experiments.report results/demo --gallery docs/gallery
 
 # The same on emulated clusters (2 and 4 hosts, 1 and 10 Gbit/s links): network
-# namespaces, so it needs root; 8-10 minutes on an idle 2-core machine.
-# results/cluster-demo/report.html.
+# namespaces, so it needs root; 21 minutes measured on 2 busy cores, 8-10 expected
+# on idle ones (experiments/cluster_demo.toml).  results/cluster-demo/report.html.
 cluster-demo: venv
 	$(PY) -m experiments.sweep experiments/cluster_demo.toml
 	$(PY) -m experiments.report results/cluster-demo
