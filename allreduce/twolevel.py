@@ -10,24 +10,32 @@ Rabenseifner & Gropp (IJHPCA 2005) taken step by step as our algorithms run
 them (theory.allreduce_steps; ranks in blocks: host h holds ranks hR..hR+R-1).
 A step's messages go at once, so a step takes the longer of its two parts:
 
-  inside hosts   the busiest rank: alpha + (bytes it sends or receives there) beta
-                 + (bytes it adds) gamma, beta and gamma read at the step's
+  inside hosts   the busiest rank: L alpha + (bytes it sends or receives there)
+                 beta + (bytes it adds) gamma, beta and gamma read at the step's
                  message size (Machine.beta_at for an exchange, beta_one_way_at
                  for a message sent one way) and stretched where a host's R
                  ranks outnumber its cores (Machine.stretch)
-  across links   alpha_link + (bytes through the busiest link, one direction) beta_link
+  across links   L alpha_link + x beta_link(x), x = bytes through the busiest
+                 link in one direction, beta_link read at x, exchanged or one way
 
     T = sum over steps of max(inside, across)
 
+L is the latencies a step pays one after another: 1, or one per 1 MiB segment
+where a round goes segment by segment, each a blocking message (tree.py; the
+chain broadcast inside hierarchical's nodes also fills in R - 2 hops).
+
 Who crosses is theory.host_link_bytes' accounting message by message: only a
-message between ranks on different hosts.  A host's link is full duplex (what
-it sends and what it receives do not slow each other: a ring's step, which
-sends and receives n/P at once, takes as long as n/P one way), but it is one
-link: the ranks of a host that cross in the same step share it, so their bytes
-add (halving-doubling's first step on 2 hosts x R ranks puts R n/2 on each
-link).  Why a max and not a sum: ring.py and halving_doubling.py add a segment
-while the next one arrives (Collective.sendrecv_reduce), and the ranks that
-talk inside a host do so while others cross, so the slower part paces the step.
+message between ranks on different hosts.  A host's link is full duplex: what
+it sends and what it receives do not halve each other (a ring's step sends and
+receives n/P at once); but it is one link: the ranks of a host that cross in
+the same step share it, so their bytes add (halving-doubling's first step on 2
+hosts x R ranks puts R n/2 on each link).  On the emulated cluster an exchange
+still costs more per byte than one way, 5-15 % at 1-16 MiB (TCP's work on both
+ends, on shared cores), so the link, like a host, has a beta for each: the
+calibration measures both (experiments/calibrate_link.py).  Why a max and not
+a sum: ring.py and halving_doubling.py add a segment while the next one
+arrives (Collective.sendrecv_reduce), and the ranks that talk inside a host do
+so while others cross, so the slower part paces the step.
 
 With one host (N = 1) no message crosses and T is costs.py's one-level formula.
 When the link is the bottleneck, T is the busiest link's bytes times beta_link

@@ -16,17 +16,20 @@ reads the record it writes; `allreduce.bench --predict FILE` too.
                  the figures are taken with the job's ranks all there.  With one
                  rank a host nothing is sent inside a host; only gamma is measured.
   the link       a = host 0's first rank, b = host 1's (a2, b2 their second):
+     ping_pong   a -> b -> a, 4 KiB, 10 round trips back to back: alpha is half a
+                 round trip (Hockney's latency)
      one way     a -> b, then b -> a, ...: b bytes through one direction of a link
-     exchange    a <-> b at once: b each way; a full-duplex link takes about as
-                 long as one way
-     shared      a -> b and a2 -> b2 at once (R >= 2), then back: 2b through one
+     exchange    a <-> b at once: b each way.  A full-duplex link does not halve
+                 the two directions, but TCP works at both ends of each, so an
+                 exchange costs a little more per byte than one way
+     shared      a <-> b and a2 <-> b2 at once (R >= 2): 2b each way through one
                  link, as when the ranks of a host cross in the same step
-                 (halving-doubling's first step); about twice one way's time
-     t = inter_alpha_s + (bytes through the busiest direction) inter_beta_s_per_byte,
-     fitted over the three kinds and every size (1/t weights: calibrate.fit_alpha_beta).
-     Per kind, the same fit gives inter_beta_<kind>_s_per_byte: equal betas for
-     the three say that the model's "bytes through a link add up, the two
-     directions do not" holds.
+                 (halving-doubling's first step): about twice an exchange's time
+     At 1 MiB and above, per size: inter_beta_s_per_byte_at = (t - alpha) / b
+     (exchanges) and inter_beta_one_way_s_per_byte_at (one way), the curves
+     allreduce/twolevel.py reads; per kind, one beta per byte through the link
+     (inter_beta_<kind>_s_per_byte, alpha fixed): shared close to exchange says
+     that the bytes of a host's ranks on one link add up.
   inter_gbps     the rate the link is shaped to, read from tc on the host's
                  interface (FI_TCP_IFACE, which the cluster's launcher sets); None
                  where it cannot be read (a real NIC: its speed is not a shaping).
@@ -42,6 +45,7 @@ import numpy as np
 
 LINK_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
 KINDS = ("one_way", "exchange", "shared")
+PING_PONGS = 10             # round trips a latency probe makes back to back
 
 
 def launched_on_hosts():
@@ -103,22 +107,36 @@ def link_part(t, a, b, a2, b2, reps):
         t.wait_all(handles)
 
     def probe(kind, n):
+        """One probe; returns how many messages its time covers one after another."""
         send, recv = bufs[n]
         if kind == "one_way":
             one_way([(a, b)], send, recv)
+        elif kind == "ping_pong":
+            # round trips a -> b -> a back to back: the latency of a message in a
+            # stream, without the skew of ranks leaving a barrier at different times
+            for _ in range(PING_PONGS):
+                if me == a:
+                    t.send(send, b)
+                    t.recv(recv, b)
+                elif me == b:
+                    t.recv(recv, a)
+                    t.send(send, a)
+            return 2 * PING_PONGS
         elif me in ((a, b) if kind == "exchange" else (a, b, a2, b2)):
             peer = {a: b, b: a, a2: b2, b2: a2}[me]
             t.sendrecv(send, peer, recv, peer)
+        return 1
 
     for rnd in range(reps + 1):                      # round 0 warms up (connections)
         for n in LINK_SIZES:
-            for kind in kinds:
+            for kind in kinds + (("ping_pong",) if n == LINK_SIZES[0] else ()):
                 for _ in range(1 if n >= 1 << 20 else 5):
                     t.barrier()
                     start = time.perf_counter()
-                    probe(kind, n)
+                    messages = probe(kind, n)
                     if rnd:
-                        times.setdefault((kind, n), []).append(time.perf_counter() - start)
+                        times.setdefault((kind, n), []).append(
+                            (time.perf_counter() - start) / messages)
                     calls += 1
     mine = {k: float(np.median(v)) for k, v in times.items()}
     return {k: t.comm.allreduce(v, op=MPI.MAX) for k, v in sorted(mine.items())}
@@ -131,13 +149,12 @@ def fit_link(medians, flows):
     below 1 MiB, then per size the seconds per byte past it, (t - alpha) / x, for
     exchanges (beta_at: what a ring's step reads) and one way (beta_one_way_at),
     and one beta per kind at >= 1 MiB with alpha fixed (1/t weights).  alpha is
-    the time of the smallest message, one way and exchanged (their mean): below
-    the token bucket's burst (net.BURST_S) the link's rate does not show, and a
-    line through two small sizes extrapolates their noise to anything from 0 up."""
+    Hockney's: half a ping-pong's round trip at the smallest size (below the
+    token bucket's burst, net.BURST_S, the link's rate does not show; a line
+    through two small sizes would extrapolate their noise to anything from 0 up)."""
     from .calibrate import LARGE
     large = [n for n in LINK_SIZES if n >= LARGE]
-    smallest = LINK_SIZES[0]
-    alpha = (medians[("one_way", smallest)] + medians[("exchange", smallest)]) / 2
+    alpha = medians[("ping_pong", LINK_SIZES[0])]
     out = {"inter_alpha_s": alpha, "inter_bytes": LINK_SIZES, "inter_beta_bytes": large}
     for kind, through in (("one_way", 1), ("exchange", 1), ("shared", flows)):
         if (kind, LARGE) not in medians:

@@ -126,18 +126,16 @@ def test_the_model_has_no_schedule_for_the_libraries_and_needs_a_link():
 @pytest.mark.timeout(10)
 def test_the_link_calibration_recovers_alpha_and_beta():
     alpha, beta_x, beta_1 = 0.5e-3, 9e-9, 8e-9          # exchanges cost more per byte here
-    medians = {}
+    medians = {("ping_pong", LINK_SIZES[0]): alpha}
     for n in LINK_SIZES:
         medians[("one_way", n)] = alpha + n * beta_1
         medians[("exchange", n)] = alpha + n * beta_x
         medians[("shared", n)] = alpha + 2 * n * beta_x   # two ranks of a host at once
     cal = fit_link(medians, flows=2)
-    smallest = LINK_SIZES[0]
-    assert cal["inter_alpha_s"] == pytest.approx(alpha + smallest * (beta_1 + beta_x) / 2)
-    # alpha includes the smallest message's bytes, so beta comes out a little low
-    assert cal["inter_beta_s_per_byte"] == pytest.approx(beta_x, rel=1e-2)
-    assert cal["inter_beta_one_way_s_per_byte"] == pytest.approx(beta_1, rel=1e-2)
-    assert cal["inter_beta_shared_s_per_byte"] == pytest.approx(beta_x, rel=1e-2)
+    assert cal["inter_alpha_s"] == alpha                    # half a ping-pong
+    assert cal["inter_beta_s_per_byte"] == pytest.approx(beta_x)
+    assert cal["inter_beta_one_way_s_per_byte"] == pytest.approx(beta_1)
+    assert cal["inter_beta_shared_s_per_byte"] == pytest.approx(beta_x)  # bytes on a link add
     link = twolevel.link_from_calibration({**cal, "inter_gbps": 1.0})
-    assert link.beta_at(4 * MiB) == pytest.approx(beta_x, rel=1e-2)
-    assert link.beta_one_way_at(4 * MiB) == pytest.approx(beta_1, rel=1e-2)
+    assert link.beta_at(4 * MiB) == pytest.approx(beta_x)
+    assert link.beta_one_way_at(4 * MiB) == pytest.approx(beta_1)
