@@ -66,15 +66,13 @@ def link_from_calibration(cal):
                    beta_one_way_curve=curve("inter_beta_one_way_s_per_byte_at"))
 
 
-@functools.lru_cache(maxsize=256)
-def _profile(algo, nodes, R, outer):
-    """Each step of the schedule per byte of the vector: (repeat, exchange,
-    segmented, fill, largest message, {(bytes moved inside, largest message
-    there, bytes added, largest chunk added, talks inside)} of its ranks, bytes
-    through the busiest link one way).  The same for every n, so the
-    simulator's thousands of ranks are walked once."""
-    profile = []
-    for step in allreduce_steps(algo, 1.0, nodes * R, R, outer):
+def profile(steps, nodes, R):
+    """What the model needs of each step (theory.Step) on nodes x R ranks in blocks:
+    (repeat, exchange, segmented, fill, largest message, {(bytes moved inside,
+    largest message there, bytes added, largest chunk added, talks inside)} of
+    its ranks, bytes through the busiest link one way)."""
+    out = []
+    for step in steps:
         sent, received, added, message, chunk = {}, {}, {}, {}, {}
         up, down = [0.0] * nodes, [0.0] * nodes
         for a, b, m in step.messages:
@@ -93,24 +91,24 @@ def _profile(algo, nodes, R, outer):
         terms = frozenset((max(sent.get(r, 0.0), received.get(r, 0.0)), message.get(r, 0.0),
                            added.get(r, 0.0), chunk.get(r, 0.0), r in message) for r in ranks)
         largest = max(m for _, _, m in step.messages)
-        profile.append((step.repeat, step.exchange, step.segmented, step.fill, largest, terms,
-                        max(up + down)))
-    return tuple(profile)
+        out.append((step.repeat, step.exchange, step.segmented, step.fill, largest, terms,
+                    max(up + down)))
+    return tuple(out)
 
 
-def cluster_allreduce_time(algo, n, nodes, ranks_per_node, intra, link=None, outer="ring"):
-    """Predicted seconds of one all-reduce of n bytes on nodes x ranks_per_node ranks;
-    None for algorithms without a textbook schedule (mpi, torch)."""
-    R = ranks_per_node
-    try:
-        profile = _profile(algo, nodes, R, outer)
-    except ValueError:
-        return None
-    if nodes > 1 and link is None:
-        raise ValueError(f"{nodes} hosts need a link between them")
+@functools.lru_cache(maxsize=256)
+def _allreduce_profile(algo, nodes, R, outer):
+    """An algorithm's profile per byte of the vector (n = 1): the same for every n,
+    so the simulator's thousands of ranks are walked once."""
+    return profile(allreduce_steps(algo, 1.0, nodes * R, R, outer), nodes, R)
+
+
+def profile_time(steps_profile, n, R, intra, link):
+    """Seconds of a profiled schedule, its bytes scaled by n: the sum over steps of
+    max(inside hosts, across the busiest link) (the module's docstring)."""
     s = intra.stretch(R)
     total = 0.0
-    for repeat, exchange, segmented, fill, largest, terms, link_bytes in profile:
+    for repeat, exchange, segmented, fill, largest, terms, link_bytes in steps_profile:
         latencies = (segments(largest * n) if segmented else 1) + fill
         inside = 0.0
         for moved, message, added, chunk, talks in terms:
@@ -124,6 +122,29 @@ def cluster_allreduce_time(algo, n, nodes, ranks_per_node, intra, link=None, out
                                                link.beta_one_way_at(x)) if x else 0.0
         total += repeat * max(inside, across)
     return total
+
+
+def steps_time(steps, nodes, ranks_per_node, intra, link=None):
+    """Predicted seconds of any schedule, a list of theory.Step with bytes in its
+    messages: your own collective's, for instance."""
+    _need_link(nodes, link)
+    return profile_time(profile(steps, nodes, ranks_per_node), 1.0, ranks_per_node, intra, link)
+
+
+def cluster_allreduce_time(algo, n, nodes, ranks_per_node, intra, link=None, outer="ring"):
+    """Predicted seconds of one all-reduce of n bytes on nodes x ranks_per_node ranks;
+    None for algorithms without a textbook schedule (mpi, torch)."""
+    try:
+        steps_profile = _allreduce_profile(algo, nodes, ranks_per_node, outer)
+    except ValueError:
+        return None
+    _need_link(nodes, link)
+    return profile_time(steps_profile, n, ranks_per_node, intra, link)
+
+
+def _need_link(nodes, link):
+    if nodes > 1 and link is None:
+        raise ValueError(f"{nodes} hosts need a link between them")
 
 
 def host_layout(comm):

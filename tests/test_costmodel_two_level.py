@@ -139,3 +139,17 @@ def test_the_link_calibration_recovers_alpha_and_beta():
     link = twolevel.link_from_calibration({**cal, "inter_gbps": 1.0})
     assert link.beta_at(4 * MiB) == pytest.approx(beta_x)
     assert link.beta_one_way_at(4 * MiB) == pytest.approx(beta_1)
+
+
+@pytest.mark.timeout(10)
+def test_any_schedule_can_be_priced():
+    from allreduce.theory import Step
+    n = 16 * MiB
+    # the textbook schedules priced as lists of steps: the same as by name
+    for algo in ALGOS:
+        steps = allreduce_steps(algo, n, 4, 2)
+        assert twolevel.steps_time(steps, 2, 2, HOST, GBIT) == pytest.approx(
+            twolevel.cluster_allreduce_time(algo, n, 2, 2, HOST, GBIT))
+    # a flat broadcast from rank 0 on 2 x 2: ranks 2 and 3 both take n through host 0's link
+    flat = [Step([(0, 1, n), (0, 2, n), (0, 3, n)], exchange=False)]
+    assert twolevel.steps_time(flat, 2, 2, FREE, GBIT) == pytest.approx(2 * n * 8e-9)
