@@ -1,32 +1,33 @@
 """Self-check of the pen-and-paper parts of labs 3, 4 and 5: your numbers against the formulas.
 
-    python -m experiments.labs.check_answers zero my_zero.toml
-    python -m experiments.labs.check_answers pipeline my_pipeline.toml
-    python -m experiments.labs.check_answers grid my_grid.py
+    .venv/bin/python -m experiments.labs.check_answers zero my_zero.toml
+    .venv/bin/python -m experiments.labs.check_answers pipeline my_pipeline.toml
+    .venv/bin/python -m experiments.labs.check_answers grid my_grid.py
 
 Answer files (templates in the lab sheets):
 
     # my_zero.toml: bytes per rank of params + grads + optimizer state, fp32 Adam
     params = 1_000_000        # psi
     ranks = 4                 # N
-    stage0 = 16_000_000
-    stage1 = ...
-    stage2 = ...
-    stage3 = ...
+    stage0 = 16_000_000       # a total, or a table of its parts:
+    [stage1]                  #   params, grads, optimizer (then each part is graded)
+    params = ...
+    grads = ...
+    optimizer = ...
 
     # my_pipeline.toml
     stages = 4
     [bubble]                  # idle fraction for m micro-batches
-    m1 = 0.75
-    m4 = ...
-    m8 = ...
+    m1 = ...
     [in_flight_first_stage]   # micro-batches whose activations stage 0 holds at once
-    gpipe_m8 = 8
-    1f1b_m8 = ...
+    gpipe_m8 = ...
 
-    # my_grid.py: def coords_of(rank, dp, pp, tp) -> (d, p, t), tp varying fastest
+    # my_grid.py: def coords_of(rank, dp, pp, tp) -> (d, p, t), tp varying fastest;
+    #             group_of(rank, axis, dp, pp, tp), if you wrote it, is checked too
 
-Each answer within 1 % of the formula passes (experiments/costmodel.py holds them).
+Each answer within 1 % of the formula (experiments/costmodel.py holds them)
+is `ok`.  A wrong one is `WRONG` with your figure, never the expected one: the
+check says which answer (and which part of it) to rework, not what it should be.
 """
 import argparse
 import importlib.util
@@ -40,14 +41,19 @@ from experiments import costmodel
 
 
 def close(got, want):
-    return got is not None and abs(got - want) <= 0.01 * max(abs(want), 1e-12)
+    return isinstance(got, (int, float)) and abs(got - want) <= 0.01 * max(abs(want), 1e-12)
 
 
 def check_zero(a):
     psi, N = a["params"], a["ranks"]
     for stage in range(4):
-        want = sum(costmodel.zero_memory(psi, N, stage).values())
-        yield f"stage{stage}", a.get(f"stage{stage}"), want
+        want = costmodel.zero_memory(psi, N, stage)
+        got = a.get(f"stage{stage}")
+        if isinstance(got, dict):           # graded part by part
+            for part in want:
+                yield f"stage{stage}.{part}", got.get(part), want[part]
+        else:
+            yield f"stage{stage}", got, sum(want.values())
 
 
 def check_pipeline(a):
@@ -61,19 +67,52 @@ def check_pipeline(a):
 
 
 def check_grid(path):
-    """coords_of against the layout the lab fixes: arange(world).reshape(dp, pp, tp)."""
+    """coords_of (and group_of, if written) against the layout the lab fixes:
+    arange(world).reshape(dp, pp, tp).  A wrong coords_of names the wrong
+    coordinates (d, p or t), not their values."""
     spec = importlib.util.spec_from_file_location("student_grid", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    with_groups = has_group_of(module)
     for dp, pp, tp in itertools.product((1, 2, 3), (1, 2, 4), (1, 2)):
         grid = np.arange(dp * pp * tp).reshape(dp, pp, tp)
         for d, p, t in itertools.product(range(dp), range(pp), range(tp)):
             rank = int(grid[d, p, t])
-            try:
-                got = tuple(module.coords_of(rank, dp, pp, tp))
-            except Exception as e:      # noqa: BLE001 - the student's code may raise anything
-                got = f"{type(e).__name__}: {e}"
-            yield f"coords_of({rank}, dp={dp}, pp={pp}, tp={tp})", got, (d, p, t)
+            got = attempt(module.coords_of, rank, dp, pp, tp)
+            name = f"coords_of({rank}, dp={dp}, pp={pp}, tp={tp})"
+            if isinstance(got, tuple) and len(got) == 3 and got != (d, p, t):
+                wrong = [axis for axis, g, w in zip("dpt", got, (d, p, t)) if g != w]
+                name += f" ({' and '.join(wrong)} wrong)"
+            yield name, got, (d, p, t)
+            if not with_groups:
+                continue
+            for axis, want in (("dp", grid[:, p, t]), ("pp", grid[d, :, t]), ("tp", grid[d, p, :])):
+                got = attempt(module.group_of, rank, axis, dp, pp, tp)
+                got = tuple(sorted(got)) if isinstance(got, tuple) else got
+                yield f"group_of({rank}, {axis!r}, dp={dp}, pp={pp}, tp={tp})", got, \
+                    tuple(sorted(int(w) for w in want))
+
+
+def attempt(fn, *args):
+    """fn(*args) as a tuple, or the exception it raised, as text."""
+    try:
+        out = fn(*args)
+        return tuple(int(v) for v in out)
+    except Exception as e:              # noqa: BLE001 - the student's code may raise anything
+        return f"{type(e).__name__}: {e}"
+
+
+def has_group_of(module):
+    """Whether the student wrote group_of (the skeleton's raises NotImplementedError)."""
+    if not hasattr(module, "group_of"):
+        return False
+    try:
+        module.group_of(0, "tp", 1, 1, 1)
+    except NotImplementedError:
+        return False
+    except Exception:                   # noqa: BLE001 - written, but wrong: check it
+        return True
+    return True
 
 
 def main(argv=None):
@@ -89,12 +128,19 @@ def main(argv=None):
         with open(a.file, "rb") as f:
             answers = tomllib.load(f)
         checks = (check_zero if a.lab == "zero" else check_pipeline)(answers)
-    wrong = 0
+    wrong = total = 0
+    shown = 0
     for name, got, want in checks:
         ok = got == want if isinstance(want, tuple) else close(got, want)
+        total += 1
         wrong += not ok
-        if not ok or a.lab != "grid":
-            print(f"{'ok   ' if ok else 'WRONG'} {name}: yours {got}, expected {want}")
+        # grid: hundreds of checks, so only the first few wrong ones are listed
+        if a.lab != "grid" or (not ok and shown < 8):
+            shown += not ok
+            print(f"{'ok   ' if ok else 'WRONG'} {name}: yours {'missing' if got is None else got}")
+    if a.lab == "grid":
+        print(f"{total - wrong} of {total} right" + (f" (the first {shown} wrong ones above)"
+                                                        if wrong > shown else ""))
     print("PASS" if not wrong else f"FAIL: {wrong} wrong")
     return 0 if not wrong else 1
 

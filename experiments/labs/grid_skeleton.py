@@ -1,6 +1,6 @@
 """Lab 5: where does a rank sit in the dp x pp x tp grid?  Fill in coords_of, then
 
-    python -m experiments.labs.check_answers grid my_grid.py
+    .venv/bin/python -m experiments.labs.check_answers grid my_grid.py
 
 The layout (the one torchtitan and Megatron-LM use, and strategies/grid.py builds):
 
@@ -23,6 +23,6 @@ def coords_of(rank, dp, pp, tp):
 
 def group_of(rank, axis, dp, pp, tp):
     """The ranks that share every coordinate with `rank` except `axis`
-    ('dp', 'pp' or 'tp'): the sub-communicator of that axis.  (Not checked;
-    compare with your neighbour's answer, then with strategies/grid.py.)"""
+    ('dp', 'pp' or 'tp'): the sub-communicator of that axis, in any order.
+    (Checked once it no longer raises NotImplementedError.)"""
     raise NotImplementedError("TODO")

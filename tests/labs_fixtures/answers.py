@@ -59,3 +59,17 @@ def group_of(rank, axis, dp, pp, tp):
         return [(d * pp + i) * tp + t for i in range(pp)]
     return [(i * pp + p) * tp + t for i in range(dp)]
 """
+
+# Lab 2's predictions: psi = 1e6 fp32 parameters, W = 2 workers, S = 1 server, a ring of 3.
+PS = """params = 1_000_000
+workers = 2
+servers = 1
+ring_ranks = 3
+[bytes_per_step]
+ps_worker = 4_000_000
+ps_server = 8_000_000
+ring_rank = 5_333_333
+[staleness]
+bsp = 0
+ssp_straggler = 1
+"""
