@@ -213,8 +213,9 @@ def verdict(findings, n, P):
     heaviest = int(np.argmax(sent))
     if total > ring_total or sent[heaviest] > most:
         return [f"n={n}: the sums are right, but rank {heaviest} sent {sent[heaviest]} bytes and "
-                f"all ranks {total}; a ring sends 2(P-1)*n*8 = {ring_total} in all, chunks of about "
-                f"n/P (at most {most} from one rank): are whole vectors going round the ring?"]
+                f"all ranks {total}; a ring sends 2(P-1)*n*8 = {ring_total} in all, chunks of "
+                f"about n/P (at most {most} from one rank): are whole vectors going round the "
+                f"ring?"]
     return []
 
 
@@ -246,12 +247,12 @@ def timing(ring, comm, calibration):
     from experiments import costmodel   # imports torch: once, on rank 0
     if calibration:
         m = costmodel.Machine.from_calibration(calibration)
-        about = f"calibration, cores={m.cores} (bandwidth terms x {m.stretch(t.size):g})"
+        about = f"calibration: cores={m.cores}, bandwidth terms x {m.stretch(t.size):g}"
     else:
         beta = max(t_big - t_small, 1e-12) / (big.nbytes - small.nbytes)
         m = costmodel.Machine(max(t_small - small.nbytes * beta, 0.0), beta,
                               t_add / big.nbytes, None)
-        about = "probed now, no cores term"
+        about = "probed now: no cores term"
     return measured, costmodel.ring_allreduce(TIME_BYTES, t.size, m), about
 
 
