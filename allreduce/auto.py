@@ -166,30 +166,32 @@ class Auto(Collective):
         self.layout = self._find_layout(transport, ranks_per_node)
         names = TEXTBOOK + (("hierarchical",) if self.layout.multi_node else ()) + (
             (native,) if native else ())
-        # 1. rank 0 decides every size class, 2. the others take its table
-        table = np.zeros((len(COLLECTIVES), SIZE_CLASSES), dtype=np.int64)
-        self.rule = "table"
+        # 1. rank 0 decides every size class (and says by which rule, last entry)
+        decided = np.zeros(len(COLLECTIVES) * SIZE_CLASSES + 1, dtype=np.int64)
         if self.rank == 0:
             cal = read_calibration(calibration)
-            self.rule = "table" if cal is None else "cost model"
-            choose = table_choice if cal is None else (
-                lambda c, s, lay, nat: model_choice(c, s, lay, nat, cal))
             for i, collective in enumerate(COLLECTIVES):
                 for k in range(SIZE_CLASSES):
                     # the table at the class's smallest size (exact for its power-of-two
                     # thresholds), the model at the class's geometric middle
-                    size = 0 if k == 0 else 1 << (k - 1) if cal is None else int(2 ** (k - 0.5))
-                    table[i, k] = names.index(choose(collective, size, self.layout, native))
-        self._setup._broadcast(table.reshape(-1), 0)
-        chosen = sorted({names[i] for i in table.flat})
-        options = dict(options, ranks_per_node=ranks_per_node) if ranks_per_node else options
-        built = {name: make(name, transport, **(options if name == "hierarchical" else
-                                                {k: v for k, v in options.items()
-                                                 if k != "ranks_per_node"}))
-                 for name in chosen}
-        self.table = [[built[names[i]] for i in row] for row in table]
+                    if cal is None:
+                        name = table_choice(collective, (1 << k) >> 1, self.layout, native)
+                    else:
+                        name = model_choice(collective, int(2 ** (k - 0.5)), self.layout,
+                                            native, cal)
+                    decided[i * SIZE_CLASSES + k] = names.index(name)
+            decided[-1] = cal is not None
+        # 2. the others take its decisions
+        self._setup._broadcast(decided, 0)
+        self.rule = "cost model" if decided[-1] else "table"
+        built = {}
+        for name in sorted({names[i] for i in decided[:-1]}):
+            extra = {"ranks_per_node": ranks_per_node} if name == "hierarchical" else {}
+            built[name] = make(name, transport, **options, **extra)
+        self.table = [[built[names[i]] for i in decided[c * SIZE_CLASSES:(c + 1) * SIZE_CLASSES]]
+                      for c in range(len(COLLECTIVES))]
         self.allreduce_by_class = self.table[0]
-        self.counts_traffic = native not in chosen
+        self.counts_traffic = native not in built
 
     def _find_layout(self, transport, ranks_per_node):
         from .tree import Tree

@@ -19,6 +19,7 @@ coll = allreduce.create("auto", calibration=sys.argv[1] if world.rank == 1 else 
 choices = [coll.choice(c, (1 << k) - 1) for c in COLLECTIVES for k in range(SIZE_CLASSES)]
 tables = world.allgather(choices)
 assert all(t == tables[0] for t in tables), "ranks chose differently"
+assert set(world.allgather(coll.rule)) == {"table"}, "rank 0 used the table, so all did"
 for n in (1, 1000, 100_000, 1_000_003):
     x = np.arange(n, dtype=np.float64) + world.rank
     coll.allreduce(x)
