@@ -202,7 +202,7 @@ class Scratch:
 
     Allocating a fresh temporary on every call costs a page fault per 4 KiB on
     first touch; that is why native MPI_Allreduce falls off a cliff at 64 MiB
-    here (../shared/ENVIRONMENT.md).  We keep one buffer per name and grow it.
+    on our 2-core test machine (docs/collectives.md).  We keep one buffer per name and grow it.
     """
 
     def __init__(self):

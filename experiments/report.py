@@ -138,7 +138,7 @@ def fidelity_blocks(records):
     rows = fidelity.compare(records, machine)
     summ = fidelity.summary(rows)
     if summ:
-        blocks.append(("p", "Fidelity target of issue 6: ring and PS within "
+        blocks.append(("p", "Fidelity target: ring and PS within "
                             f"{fidelity.TARGET:.0%} at >= 1 MiB (no emulated link). "
                             "The fair test is the interleaved rows: calibrate --verify timed "
                             "them in the same rounds as its probes. The sweep's rows were "

@@ -69,7 +69,7 @@ class TrainConfig:
     heads: int = 4
     vocab: int = 32               # gpt, synthetic data (byte-level text always uses 256)
     seq_len: int = 32
-    # parallelism on a dp x pp x tp grid (issue 5: grid.py, parallel.py, zero.py, ...)
+    # parallelism on a dp x pp x tp grid (grid.py, parallel.py, zero.py, ...)
     dp: int = 0                   # data-parallel size; 0 = what is left, world / (pp * tp)
     pp: int = 1                   # pipeline stages
     tp: int = 1                   # tensor-parallel ranks (GPT)

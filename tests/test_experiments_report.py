@@ -67,7 +67,7 @@ def test_each_plot_from_real_records(results, tmp_path):
         path = fn(records, str(tmp_path))
         assert path and os.path.getsize(path) > 5000, fn.__name__
         assert os.path.exists(path[:-4] + ".svg")
-    # issue 5's records do not exist yet: no figure rather than a made-up one
+    # no grid records yet: no figure rather than a made-up one
     assert plots.zero_memory(records, str(tmp_path)) is None
     assert plots.pipeline_gantt({}, str(tmp_path)) is None
     assert plots.busbw_vs_size([], str(tmp_path)) is None

@@ -1,4 +1,4 @@
-"""Tier (c) for issue 5: ZeRO, tensor and pipeline parallelism under real mpiexec launches.
+"""Tier (c) for the grid: ZeRO, tensor and pipeline parallelism under real mpiexec launches.
 
 Equivalence: every split trains the same model on the same global batch as
 `--sync local` on one process, k = 3 steps; losses and final parameters

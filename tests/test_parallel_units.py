@@ -1,4 +1,4 @@
-"""Tier (a) for issue 5: grid arithmetic, stage cuts, schedules, memory counting; no processes."""
+"""Tier (a) for the grid: grid arithmetic, stage cuts, schedules, memory counting; no processes."""
 import pytest
 import torch
 
