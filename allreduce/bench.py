@@ -1,6 +1,7 @@
 """Collective benchmark in the manner of nccl-tests and the OSU micro-benchmarks.
 
-    mpiexec -n 2 python -m mpi4py -m allreduce.bench --algos ring,mpi --sizes 4K,16M,64M
+    mpiexec -n 2 python -m mpi4py -m allreduce.bench --algos mpi-raw,ring,auto --sizes 4K,16M,64M
+    mpiexec -n 2 python -m mpi4py -m allreduce.bench --sizes 4K --loop 20 --iters 200  # overhead
     mpiexec -n 4 python -m mpi4py -m allreduce.bench --min-bytes 4K --max-bytes 64M --factor 4 \\
         --algos ring,tree,halving_doubling,hierarchical,mpi,torch --jsonl results/bench.jsonl
     mpiexec -f hostfile -n 16 python -m mpi4py -m allreduce.bench ...      # several hosts
@@ -10,26 +11,20 @@
         # is always a row: the bar the others are measured against
 
 For every (size, collective) the algorithms take turns iteration by iteration
-(A B C A B C ...), each call after a barrier, so a machine that changes speed
-mid-run slows all of them alike.  A row reports the median time (the slowest
-rank's median), x_raw = time / the mpi-raw row's, algbw = bytes / time, busbw =
-algbw * the nccl-tests factor, the bytes one rank sent against the textbook
-figure, and #wrong: elements that differ from a reference each rank computes
-on its own.  `auto` rows name the algorithm it chose (auto→ring).  A line per
-size gives memcpy's bandwidth on the same bytes, timed in the same rounds.
+(A B C A B C ...), so a machine that changes speed mid-run slows all alike.  A
+row gives the median time (the slowest rank's), x_raw = time / mpi-raw's
+(MPI's collective through mpi4py, no topolab layer: the floor), algbw, busbw
+(nccl-tests' factors), the bytes one rank sent beside the textbook figure, and
+#wrong: elements that differ from a reference each rank computes itself.  auto
+rows name their choice (auto→ring); the shm row's buffers live in its window
+(shm.py).  From 1 MiB a line gives memcpy on the same bytes, same rounds.
 
-mpi-raw is MPI's collective called through mpi4py with no topolab layer
-(comm.Allreduce(MPI.IN_PLACE, x)): the floor, in the default rows on a CPU.
-The shm row's buffers live in its shared-memory window (shm.py), where it
-reads its peers' directly; every other row's are private arrays.
-
-Timing.  By default every call starts after a barrier: one collective from
-ranks that start together, as a training step's all-reduce does.  --loop N
-times N calls back to back after one barrier, per call, as the OSU benchmarks
-do (no barrier, no input reset between calls).  At small sizes the barrier and
-the wake-up after it are as large as the collective itself, so the overhead
-one layer adds over another (x_raw) is compared fairly with --loop; from 1 MiB
-the two modes agree within the noise.
+Timing.  By default each call starts after a barrier: one collective from ranks
+that start together, as in a training step.  --loop N times N calls back to
+back after one barrier, per call, as the OSU benchmarks do.  At small sizes the
+barrier and the wake-up after it are as large as the collective itself, so the
+overhead of one layer over another (x_raw) is compared fairly with --loop; from
+1 MiB the two modes agree within the noise.
 """
 import argparse
 import platform
@@ -308,11 +303,14 @@ def main(argv=None):
             for _ in range(args.warmup):
                 for algo in colls:
                     call(algo)
-            copies, spare = [], np.empty_like(pristine) if type(pristine) is np.ndarray else None
+            # the roofline of a bandwidth-bound size: memcpy of the same bytes, same rounds
+            copies = []
+            spare = (np.empty_like(pristine) if type(pristine) is np.ndarray and
+                     nbytes >= 1 << 20 else None)
             for _ in range(args.iters):
                 for algo in colls:             # interleaved: A B C A B C ...
                     times[algo].append(call(algo)[0])
-                if spare is not None:          # the roofline: memcpy of the same bytes
+                if spare is not None:
                     start = time.perf_counter()
                     np.copyto(spare, pristine)
                     copies.append(time.perf_counter() - start)
