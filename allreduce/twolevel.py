@@ -153,7 +153,7 @@ def host_layout(comm):
     host has as many ranks, in blocks (the schedules assume it).  Collective."""
     from mpi4py import MPI
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    size, first = node.size, comm.rank - node.rank
+    size, first = node.size, node.bcast(comm.rank, root=0)     # the host's lowest rank
     node.Free()
     layout = comm.allgather((size, first))
     hosts = len({f for _, f in layout})

@@ -54,19 +54,6 @@ def launched_on_hosts():
     return int(size) > 1
 
 
-def layout(comm):
-    """(host index of every rank, ranks per host) from MPI's shared-memory split."""
-    from mpi4py import MPI
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    leader = comm.allgather(node.bcast(comm.rank, root=0))     # each rank's host's rank 0
-    R = node.size
-    node.Free()
-    if any(f != r - r % R for r, f in enumerate(leader)):
-        raise SystemExit(f"calibrate: every host must hold {R} consecutive ranks (block "
-                         f"placement); the hosts' first ranks are {sorted(set(leader))}")
-    return [f // R for f in leader], R
-
-
 def shaped_gbps():
     """The tbf (or netem) rate on this host's interface, Gbit/s; None if there is none."""
     iface = os.environ.get("FI_TCP_IFACE")
@@ -193,10 +180,14 @@ def calibrate_hosts(reps, verify):
     from mpi4py import MPI
 
     from allreduce.transport import MPITransport
+    from allreduce.twolevel import host_layout
     from .calibrate import mpi_part
     comm = MPI.COMM_WORLD
-    host, R = layout(comm)
-    nodes = max(host) + 1
+    nodes, R = host_layout(comm)
+    if R is None:
+        raise SystemExit("calibrate: every host must hold as many ranks, consecutive ones "
+                         "(block placement), as the cost model's schedules assume")
+    host = [r // R for r in range(comm.size)]
     if nodes < 2:
         raise SystemExit("calibrate: mpiexec started every rank on one host; for one host run "
                          "`python -m experiments.calibrate` without mpiexec (it starts its own)")
