@@ -187,24 +187,24 @@ def calibrate_hosts(reps, verify):
     if R is None:
         raise SystemExit("calibrate: every host must hold as many ranks, consecutive ones "
                          "(block placement), as the cost model's schedules assume")
-    host = [r // R for r in range(comm.size)]
     if nodes < 2:
         raise SystemExit("calibrate: mpiexec started every rank on one host; for one host run "
                          "`python -m experiments.calibrate` without mpiexec (it starts its own)")
     t = MPITransport(comm)
-    # 1. inside host 0, while the other ranks wait in MPI
-    pair = comm.Split(0 if host[comm.rank] == 0 and comm.rank % R < 2 and R > 1
-                      else MPI.UNDEFINED, comm.rank)
+    # 1. inside host 0 (ranks 0 and 1), while the other ranks wait in MPI
+    pair = comm.Split(0 if R > 1 and comm.rank < 2 else MPI.UNDEFINED, comm.rank)
     intra = mpi_part(reps, verify, comm=pair) if pair != MPI.COMM_NULL else None
     t.barrier()
     if R == 1 and comm.rank == 0:
         intra = local_gamma()
-    # 2. across the link between host 0 and host 1
-    a, b = host.index(0), host.index(1)                   # the hosts' first ranks
+    # 2. across the link between host 0 (ranks 0..R-1) and host 1 (R..2R-1)
+    a, b = 0, R
     a2, b2 = (a + 1, b + 1) if R > 1 else (None, None)
     medians = link_part(t, a, b, a2, b2, max(3, reps))
     if comm.rank != 0:
         return None
+    # records.provenance() would ask a fresh `mpiexec -n 1` for the MPI version: not
+    # from inside a job's rank; this process knows it
     from .records import git_commit, tuning_env
     return {**intra, **fit_link(medians, 2), "inter_gbps": shaped_gbps(),
             "nodes": nodes, "ranks_per_node": R, "cores": os.cpu_count(),
