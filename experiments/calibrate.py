@@ -4,11 +4,9 @@
     python -m experiments.calibrate --no-ps --jsonl results/x/records.jsonl
     sudo .venv/bin/python -m experiments.cluster run --nodes 2 --ranks-per-node 2 \\
         --inter-gbps 1 -- experiments.calibrate --reps 5 --out cal.json   # hosts and link
-    (real hosts: mpiexec -f hostfile -n 4 -ppn 2 .venv/bin/python -m mpi4py \\
-         -m experiments.calibrate --out cal.json)
 
-Started by mpiexec on several hosts it calibrates a host and the link between
-(experiments/calibrate_link.py).  What follows is the one-host part.
+Started by mpiexec on several hosts (emulated, as above, or real) it calibrates a host
+and the link between (experiments/calibrate_link.py).  What follows is the one-host part.
 
 Measurements, all but one of them point-to-point, so that predicting the
 collectives' large messages from them is a real test of the model (costmodel.py):
