@@ -174,14 +174,14 @@ class Collective:
         the same segments, since what one sends is what its peer receives."""
         t = self.transport
         incoming = self.scratch.get("incoming", dst, len(dst))
-        segments = self.segments(dst, len(dst))
-        send_segments = self.segments(send, len(send))
-        if len(segments) == 1 and len(send_segments) == 1:    # the same test on both ends
+        per = self.segment_bytes // dst.itemsize
+        if len(dst) <= per and len(send) <= per:     # the same test on both ends
             t.sendrecv(send, dest, incoming, source)
             reduce_into(dst, incoming, op)
             return
+        segments = self.segments(dst, len(dst))
         recvs = [t.irecv(incoming[a:b], source) for a, b in segments]
-        sends = [t.isend(send[a:b], dest) for a, b in send_segments]
+        sends = [t.isend(send[a:b], dest) for a, b in self.segments(send, len(send))]
         for (a, b), handle in zip(segments, recvs):
             handle.wait()
             reduce_into(dst[a:b], incoming[a:b], op)

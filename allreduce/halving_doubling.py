@@ -59,6 +59,9 @@ class HalvingDoubling(Collective):
         super().__init__(transport, **options)
         self._tree = Tree(transport, **options)
         self._owned = {}
+        # fixed for the communicator: the fold, and this rank's place in it
+        self.p2, self.extra = fold(self.size)
+        self.v = virtual_rank(self.rank, self.size)
 
     def owned(self, n):
         """blocks() of an n-element all-reduce, kept per n, as shard_bounds is."""
@@ -105,8 +108,7 @@ class HalvingDoubling(Collective):
     def _fold_in(self, x, op):
         """Even ranks below 2*extra hand their whole vector to the odd rank above."""
         t, r = self.transport, self.rank
-        p2, extra = fold(self.size)
-        if r < 2 * extra:
+        if r < 2 * self.extra:
             if r % 2 == 0:
                 t.send(x, r + 1)
             else:
@@ -117,8 +119,7 @@ class HalvingDoubling(Collective):
     def _fold_out(self, x):
         """The odd ranks below 2*extra hand the whole result back."""
         t, r = self.transport, self.rank
-        p2, extra = fold(self.size)
-        if r < 2 * extra:
+        if r < 2 * self.extra:
             if r % 2 == 0:
                 t.recv(x, r + 1)
             else:
@@ -126,7 +127,7 @@ class HalvingDoubling(Collective):
 
     def _allreduce(self, x, op):
         self._fold_in(x, op)
-        v = virtual_rank(self.rank, self.size)
+        v = self.v
         if v is not None:
             owned = self.owned(len(x))
             self._halving(x, owned, v, op)

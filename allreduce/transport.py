@@ -146,18 +146,20 @@ class MPITransport(Transport):
     def sendrecv(self, sendbuf, dest, recvbuf, source, tag=0):
         # The step of most algorithms, so without Handles.  MPI_Sendrecv itself
         # would block past any timeout; this polls like every other wait.
+        if type(sendbuf) is not np.ndarray or type(recvbuf) is not np.ndarray:
+            sendbuf, recvbuf = self._message(sendbuf), self._message(recvbuf)
         traffic = self.traffic
         traffic.sent += nbytes(sendbuf)
         traffic.received += nbytes(recvbuf)
         comm = self.comm
-        requests = [comm.Irecv(self._message(recvbuf), source, tag),
-                    comm.Isend(self._message(sendbuf), dest, tag)]
+        requests = [comm.Irecv(recvbuf, source, tag), comm.Isend(sendbuf, dest, tag)]
         if not self.MPI.Request.Testall(requests):
             self._poll(requests, (source, dest))
 
     def _message(self, buf):
         # A numpy array goes as it is (mpi4py reads its buffer and dtype: the
-        # cheapest path for small messages); a tensor goes as its raw bytes.
+        # cheapest path for small messages); a tensor goes as its raw bytes, a
+        # uint8 array over its memory.
         if type(buf) is np.ndarray:
             return buf
         if buf.device.type != "cpu":
@@ -165,7 +167,7 @@ class MPITransport(Transport):
                 "the MPI transport takes CPU buffers (the MPI from PyPI is not CUDA-aware): "
                 "use transport='torch' (NCCL) for CUDA tensors, or allreduce.host_staged(coll) "
                 "to stage them through host memory")
-        return [as_bytes(buf), self.MPI.BYTE]
+        return as_bytes(buf)
 
     def wait_request(self, request, peer=-1):
         """Complete one mpi4py request (a baseline's collective) under the timeout."""
