@@ -26,9 +26,10 @@ def test_an_exception_in_the_loop_is_a_crash_the_servers_and_workers_hear_of():
     out, err = result.stdout.splitlines(), result.stderr
     crash = "worker 1 exited with an error (RuntimeError: injected fault at step 2)"
     for run, sync in enumerate(RUNS):
-        ended = {rank: next(line.split(": ", 1)[1] for line in out
-                            if line.startswith(f"rank {rank} run {run}: "))
+        ended = {rank: next((line.split(": ", 1)[1] for line in out
+                             if line.startswith(f"rank {rank} run {run}: ")), None)
                  for rank in range(3)}
+        assert None not in ended.values(), (sync, ended, "\n".join(out)[-2000:], err[-3000:])
         assert ended[1] == "raised RuntimeError: injected fault at step 2", (sync, ended)
         assert ended[0].startswith("raised PSError: worker 0: server 0") and \
             f"refused PUSH_PULL: {crash}; shard 0 fails the bsp run" in ended[0], (sync, ended)
