@@ -1,7 +1,7 @@
 """A small training run through psrv: linear regression, data sharded over the workers.
 
     mpiexec -n 3 python -m mpi4py -m psrv.example --servers 1        # 2 workers, 1 server
-    mpiexec -n 5 python -m mpi4py -m psrv.example --servers 2 --mode ssp --staleness 1
+    mpiexec -n 5 python -m mpi4py -m psrv.example --servers 2 --consistency ssp --staleness 1
 
     # standalone on one host: start the servers, then one worker per process
     python -m psrv.server --shard 0 --num-shards 1 --bind tcp://127.0.0.1:5555 &
@@ -92,11 +92,12 @@ def main(argv=None):
     ap.add_argument("--num-workers", type=int, help="default: the MPI size under mpiexec, else 1")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--mode", default="bsp", choices=("bsp", "ssp", "asp"))
+    ap.add_argument("--consistency", default="bsp", choices=("bsp", "ssp", "asp"),
+                    help="the servers' consistency model (config.Consistency)")
     ap.add_argument("--staleness", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=30.0)
     a = ap.parse_args(argv)
-    consistency = Consistency(a.mode, a.staleness)
+    consistency = Consistency(a.consistency, a.staleness)
     if a.ps:
         rank, size = mpi_rank_and_size()
         worker_id = rank if a.worker_id is None else a.worker_id

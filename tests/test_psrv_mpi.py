@@ -20,7 +20,7 @@ MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 def test_example_under_mpiexec_one_server_two_workers(mode, bind_host):
     """Off loopback the ranks exchange CURVE public keys by themselves (launch.mpi_roles)."""
     cmd = [MPIEXEC, "-n", "3", sys.executable, "-m", "mpi4py", "-m", "psrv.example",
-           "--servers", "1", "--steps", "20", "--mode", mode, "--staleness", "1", "--timeout", "20",
+           "--servers", "1", "--steps", "20", "--consistency", mode, "--staleness", "1", "--timeout", "20",
            "--bind-host", bind_host]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=100)
     assert run.returncode == 0, run.stderr[-3000:]
