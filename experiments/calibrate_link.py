@@ -36,8 +36,6 @@ reads the record it writes; `allreduce.bench --predict FILE` too.
 """
 import json
 import os
-import platform
-import socket
 import subprocess
 import time
 
@@ -203,16 +201,10 @@ def calibrate_hosts(reps, verify):
     medians = link_part(t, a, b, a2, b2, max(3, reps))
     if comm.rank != 0:
         return None
-    # records.provenance() would ask a fresh `mpiexec -n 1` for the MPI version: not
-    # from inside a job's rank; this process knows it
-    from .records import git_commit, tuning_env
+    from allreduce.records import provenance      # in a rank: asks this process's MPI
     return {**intra, **fit_link(medians, 2), "inter_gbps": shaped_gbps(),
             "nodes": nodes, "ranks_per_node": R, "cores": os.cpu_count(),
-            "loadavg": os.getloadavg(),
-            "provenance": {"commit": git_commit(), "host": socket.gethostname(),
-                           "mpi": MPI.Get_library_version().splitlines()[0].strip(),
-                           "python": platform.python_version(), "cores": os.cpu_count(),
-                           "env": tuning_env()}}
+            "loadavg": os.getloadavg(), "provenance": provenance()}
 
 
 def describe(cal):
@@ -239,5 +231,6 @@ def main(a):
             json.dump(result, f, indent=1)
     if a.jsonl:
         from .records import append_jsonl
-        append_jsonl(a.jsonl, [{"kind": "calibration", **result}])
+        # Its own kind: the report's one-host predictions read "calibration" records.
+        append_jsonl(a.jsonl, [{"kind": "link_calibration", **result}])
     return result

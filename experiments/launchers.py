@@ -20,8 +20,10 @@ asks for its nodes and ranks (`srun -N nodes --ntasks-per-node R`); its links
 are the machine's, so it takes no inter_gbps.  The world size is
 nodes x ranks_per_node; a point that says otherwise is refused.
 
-psrv.bench and experiments.calibrate start their own processes on this host:
-they run with the local launcher only.
+psrv.bench starts its own processes on this host: it runs with the local
+launcher only.  So does experiments.calibrate, except on a cluster of two hosts
+or more, where it runs across them and measures both levels, the link's alpha
+and beta among them (calibrate_link.py), for `predict = true` bench points.
 """
 import fcntl
 import os
@@ -131,8 +133,7 @@ def launch_params(command, params, launcher, cluster):
     out = dict(params, launcher=launcher)
     if cluster is not None:
         out["cluster"] = cluster
-        if command in MPI_COMMANDS:
-            out.setdefault("world_size", cluster["nodes"] * cluster["ranks_per_node"])
+        out.setdefault("world_size", cluster["nodes"] * cluster["ranks_per_node"])
     return out
 
 
@@ -140,9 +141,15 @@ def launch_problem(command, p):
     """None, or (key, reason) for a point its launcher cannot run."""
     launcher, cluster = p.get("launcher", "local"), p.get("cluster")
     kind = launcher.split(":")[0]
-    if kind != "local" and command not in MPI_COMMANDS:
+    if command == "experiments.calibrate" and cluster is not None and cluster["nodes"] >= 2:
+        pass                                     # the cross-host calibration
+    elif command == "experiments.calibrate" and cluster is not None:
+        return "cluster", ("experiments.calibrate on a cluster measures the link between "
+                           "hosts: it needs nodes >= 2")
+    elif kind != "local" and command not in MPI_COMMANDS:
         return "launcher", (f"{command} starts its own processes on this host: it runs with "
-                            f"launcher = \"local\" only, not {launcher!r}")
+                            f"launcher = \"local\" only, or on a cluster of 2 hosts or more "
+                            f"(experiments.calibrate), not {launcher!r}")
     if cluster is not None and kind in ("local", "hostfile"):
         return "cluster", (f"a cluster runs with launcher = \"emulated\" (or \"slurm\"), not "
                            f"{launcher!r}")

@@ -86,6 +86,16 @@ def trace_path(raw):
     return raw[:-len(".jsonl")] + ".trace.json"
 
 
+def calibration_path(raw, cluster):
+    """Where the calibration of `cluster` goes: RESULTS/calibration/2x2-1gbit-0us.json.
+    The experiments.calibrate point on that cluster writes it; the allreduce.bench
+    points with `predict = true` on the same cluster read it, so the calibrate
+    [[run]] comes first in the file."""
+    name = (f"{cluster['nodes']}x{cluster['ranks_per_node']}-{cluster['inter_gbps']:g}gbit-"
+            f"{cluster['inter_latency_us']:g}us.json")
+    return os.path.join(os.path.dirname(os.path.dirname(raw)), "calibration", name)
+
+
 def command_line(command, p, raw, place=None):
     """The argv of one point; its records go to `raw`.  `place`: where an emulated
     cluster lives (launchers.ClusterPlace; the default one when None)."""
@@ -95,15 +105,23 @@ def command_line(command, p, raw, place=None):
                 str(p.get("servers", 1)), "--reps", str(p.get("reps", 3)), "--jsonl", raw] + (
                     ["--sizes", ",".join(map(str, p["sizes"]))] if "sizes" in p else [])
     if command == "experiments.calibrate":
-        return [py, "-m", "experiments.calibrate", "--jsonl", raw, "--reps",
-                str(p.get("reps", 15))] + ([] if p.get("ps", True) else ["--no-ps"]) + (
-                    ["--verify", ",".join(p["verify"])] if "verify" in p else [])
+        tail = ["--jsonl", raw, "--reps", str(p.get("reps", 15))] + (
+            ["--verify", ",".join(p["verify"])] if "verify" in p else [])
+        if p.get("cluster"):                     # across the hosts: both levels, for --predict
+            return launchers.head(command, p, place) + tail + [
+                "--out", calibration_path(raw, p["cluster"])]
+        return [py, "-m", "experiments.calibrate"] + tail + ([] if p.get("ps", True) else
+                                                             ["--no-ps"])
     head = launchers.head(command, p, place)
+    cluster = p.get("cluster")
     args = []
     p = {k: v for k, v in p.items() if k not in LAUNCH_KEYS}
     if command == "allreduce.bench":
         for k, v in p.items():
             if k == "world_size":
+                continue
+            if k == "predict":                   # the model's time beside each measured row
+                args += ["--predict", calibration_path(raw, cluster)] if v else []
                 continue
             args += [flag(k), ",".join(map(str, v)) if isinstance(v, list) else str(v)]
         return head + args + ["--jsonl", raw]

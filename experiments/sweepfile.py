@@ -34,7 +34,8 @@ SCHEMA = {
     "allreduce.bench": {"world_size": "axis", "algos": "list", "ops": "list", "sizes": "list",
                         "dtype": "axis", "iters": "scalar", "warmup": "scalar",
                         "transport": "axis", "ranks_per_node": "axis", "inner": "axis",
-                        "outer": "axis", "link_latency_us": "axis", "link_gbps": "axis"},
+                        "outer": "axis", "link_latency_us": "axis", "link_gbps": "axis",
+                        "predict": "scalar"},
     "psrv.bench": {"workers": "axis", "servers": "axis", "sizes": "list", "reps": "scalar"},
     "experiments.calibrate": {"reps": "scalar", "ps": "scalar", "verify": "list"},
     "strategies.train": None,     # TrainConfig's fields and world_size: all axes
@@ -102,6 +103,9 @@ def check_point(command, p):
         if emulated and set(p.get("algos", ["ring", "mpi"])) & {"mpi", "torch"}:
             return "link_latency_us", ("link emulation slows the textbook algorithms only; "
                                        "drop mpi and torch from algos for this point")
+        if p.get("predict") and not p.get("cluster"):
+            return "predict", ("predict = true reads the calibration of the point's cluster; "
+                               "on this host the report predicts from the calibration record")
         k = p.get("ranks_per_node")
         if k and P % k:
             return "ranks_per_node", (f"world_size {P} does not factor into nodes of "

@@ -62,6 +62,14 @@ BAD = {
                        'cluster = {nodes = 2}\nlink_gbps = 1\n',
                        ":5: impossible point (link_gbps=1, cluster=2 hosts x 1 rank, 1 Gbit/s, "
                        "world_size=2): the emulated cluster shapes its own links"),
+    "calibrate on one host": ('[[run]]\ncommand = "experiments.calibrate"\n'
+                              'cluster = {nodes = 1, ranks_per_node = 2}\n',
+                              ":3: impossible point (cluster=1 host x 2 ranks, 1 Gbit/s): "
+                              "experiments.calibrate on a cluster measures the link between "
+                              "hosts: it needs nodes >= 2"),
+    "predict on this host": (BENCH + 'predict = true\n',
+                             ":7: impossible point: predict = true reads the calibration of the "
+                             "point's cluster"),
     "slurm shapes no link": ('[[run]]\ncommand = "allreduce.bench"\nlauncher = "slurm"\n'
                              'cluster = {nodes = 1, inter_gbps = 10}\n',
                              ":4: under Slurm the links are the machine's"),
@@ -122,6 +130,16 @@ def test_command_lines_of_each_launcher(tmp_path, monkeypatch):
     assert argv[argv.index("--nodes") + 1] == "2" and argv[argv.index("--prefix") + 1] == PREFIX
     assert argv[job + 1:] == ["allreduce.bench", "--algos", "ring", "--sizes", "4K",
                               "--jsonl", "/r.jsonl"]
+    # The cluster's calibration goes beside the results; its bench points read it.
+    argv = command_line("experiments.calibrate", {"reps": 5, "verify": [], "world_size": 4,
+                                                  "launcher": "emulated", "cluster": cluster},
+                        "/res/raw/c.jsonl", place)
+    job = argv.index("--")
+    assert argv[job + 1:] == ["experiments.calibrate", "--jsonl", "/res/raw/c.jsonl", "--reps",
+                              "5", "--verify", "", "--out", "/res/calibration/2x2-1gbit-0us.json"]
+    argv = command_line("allreduce.bench", {**params, "predict": True, "launcher": "emulated",
+                                            "cluster": cluster}, "/res/raw/b.jsonl", place)
+    assert argv[argv.index("--predict") + 1] == "/res/calibration/2x2-1gbit-0us.json"
     argv = command_line("allreduce.bench", {**params, "launcher": "hostfile:/h"}, "/r.jsonl")
     assert argv[1:5] == ["-f", "/h", "-n", "4"] and argv[5:9] == [sys.executable, "-m",
                                                                  "mpi4py", "-m"]
