@@ -17,18 +17,31 @@
 
 Algorithms: ring, tree, halving_doubling, hierarchical, shm (one node, buffers
 from coll.empty); baselines: mpi, torch; auto picks one of them per call.
-"""
-from .buffers import CollectiveError, HostStaged
-from .collective import Collective, CollectiveTimeout
-from .shards import shard_bounds, shard_of
-from .transport import MPITransport, Transport, TransportTimeout
+Errors (errors.py): TransportError from a transport, CollectiveError from a
+collective (a transport's error met during one comes back as a CollectiveError
+naming the algorithm and the collective); both are AllreduceErrors.
 
-TEXTBOOK = ("ring", "tree", "halving_doubling")
+Imports go one way, down: this factory -> auto -> hierarchical -> registry (the
+one-level algorithms by name) -> ring, tree, ... -> collective -> transport.
+"""
+from .auto import Auto
+from .buffers import HostStaged
+from .collective import Collective
+from .errors import (AllreduceError, CollectiveError, CollectiveTimeout, TransportError,
+                     TransportTimeout)
+from .hierarchical import Hierarchical
+from .registry import ONE_LEVEL, TEXTBOOK, build, one_level_class
+from .shards import shard_bounds, shard_of
+from .transport import MPITransport, Transport
+
+# The order is the one users see in messages and sweeps.
 ALGORITHMS = TEXTBOOK + ("hierarchical", "shm", "mpi", "torch", "auto")
+# Built on the one-level algorithms (registry.py), which they import themselves.
+COMPOSED = {"hierarchical": Hierarchical, "auto": Auto}
 
 __all__ = ["create", "make", "make_transport", "host_staged", "shard_bounds", "shard_of",
-           "ALGORITHMS", "Collective", "CollectiveError", "CollectiveTimeout", "Transport",
-           "TransportTimeout"]
+           "ALGORITHMS", "TEXTBOOK", "Collective", "Transport", "AllreduceError",
+           "CollectiveError", "CollectiveTimeout", "TransportError", "TransportTimeout"]
 
 
 def make_transport(kind="mpi", comm=None, timeout=None):
@@ -41,33 +54,18 @@ def make_transport(kind="mpi", comm=None, timeout=None):
         from .torch_transport import TorchTransport, group_for, init_torch_distributed
         init_torch_distributed(timeout=timeout)
         return TorchTransport(group_for(comm, timeout), timeout)
-    raise CollectiveError(f"unknown transport {kind!r}; choose 'mpi' or 'torch'")
+    raise TransportError(f"unknown transport {kind!r}; choose 'mpi' or 'torch'")
 
 
 def make(name, transport, **options):
     """The collective `name` over an existing transport."""
-    if name == "ring":
-        from .ring import Ring as cls
-    elif name == "tree":
-        from .tree import Tree as cls
-    elif name == "halving_doubling":
-        from .halving_doubling import HalvingDoubling as cls
-    elif name == "hierarchical":
-        from .hierarchical import Hierarchical as cls
-    elif name == "shm":
-        from .shm import SharedMemory as cls
-    elif name == "mpi":
-        from .native import MPINative as cls
-    elif name == "torch":
-        from .native import TorchNative as cls
-    elif name == "auto":
-        from .auto import Auto as cls
+    if name in COMPOSED:
+        cls = COMPOSED[name]
+    elif name in ONE_LEVEL:
+        cls = one_level_class(name)
     else:
         raise CollectiveError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
-    try:
-        return cls(transport, **options)
-    except TypeError as e:
-        raise CollectiveError(f"{name}: bad option ({e})") from None
+    return build(cls, name, transport, **options)
 
 
 def create(name, comm=None, transport=None, timeout=None, link_latency_us=None, link_gbps=None,

@@ -8,12 +8,18 @@ Open MPI's tuned component (coll_tuned_decision_fixed.c) picks recursive
 doubling, ring or segmented ring from the message size and communicator size.
 Here the candidates are this package's textbook algorithms, the hierarchical
 one where ranks sit on several nodes, and the library's own (`mpi`) where the
-transport is MPI.  The rule is one of two:
+transport is MPI.  The rule is one of three (`RULES`):
 
   the cost model   with a calibration (create("auto", calibration="cal.json")
-                   or TOPOLAB_CALIBRATION): the candidate of least predicted
-                   time (allreduce/costs.py's formulas, `native_allreduce` below)
-  a table          otherwise (`table_choice`), measured on a 2-core machine
+                   or TOPOLAB_CALIBRATION) on one host: the candidate of least
+                   predicted time (allreduce/costs.py's formulas, `native_allreduce`)
+  the two-level    on several hosts, with a calibration that measured the link
+  cost model       between them (experiments.calibrate run across hosts writes
+                   inter_*): the same, priced host by host and link by link
+                   (allreduce/twolevel.py), hierarchical among the candidates
+  a table          otherwise (`table_choice`), measured on a 2-core machine; also
+                   on several hosts with a calibration that has no link, since
+                   the one-level model would price the link as shared memory
 
 Every rank must run the same algorithm for the same call, or they deadlock.
 So a decision depends on nothing but what all ranks share (the size in bytes,
@@ -22,17 +28,24 @@ table when `auto` is created, one entry per collective and power of two of
 the size, and sends it to the others.  Ranks that read different calibration
 files, or none, still agree, and a call costs one list lookup.
 
-Node layout: ranks that share memory (MPI_COMM_TYPE_SHARED: `node_id`), or
-`ranks_per_node=k` to declare nodes of k consecutive ranks, as hierarchical.py.
+Node layout: ranks that share memory (MPI_COMM_TYPE_SHARED: `node_id`), which
+are hosts, or `ranks_per_node=k` to declare nodes of k consecutive ranks, as
+hierarchical.py does; declared nodes share one host, so no link is priced.
 """
 import json
 import os
 
 import numpy as np
 
-from .buffers import CollectiveError, nbytes
+from .buffers import nbytes
 from .collective import Collective
+from .costs import Machine, allreduce_time, lg
+from .errors import CollectiveError
+from .hierarchical import Hierarchical
+from .registry import TEXTBOOK, build, make_one_level
 from .transport import MPITransport
+from .tree import Tree
+from .twolevel import calibrated_link, cluster_allreduce_time
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 # Size class k holds the sizes [2^(k-1), 2^k) bytes (class 0: empty): a size's
@@ -54,17 +67,19 @@ HIERARCHICAL_FROM = 1 << 20
 # The cost model's tie-break: the library first, then the ring (the fewest bytes).
 TIE = 0.02
 PREFERENCE = ("ring", "halving_doubling", "hierarchical", "tree")
+RULES = ("table", "cost model", "two-level cost model")
 
 
 class Layout:
     """How the ranks sit on nodes: each node's rank count, in rank order."""
 
-    def __init__(self, node_sizes, consecutive=True):
+    def __init__(self, node_sizes, consecutive=True, hosts=True):
         self.node_sizes = tuple(int(s) for s in node_sizes)
         self.consecutive = consecutive      # hierarchical needs block placement
+        self.hosts = hosts                  # the nodes are hosts, not declared on one
 
     @classmethod
-    def from_node_ids(cls, ids):
+    def from_node_ids(cls, ids, hosts=True):
         """From every rank's node id (equal on ranks of one node), in rank order."""
         sizes, seen = [], []
         consecutive = True
@@ -75,7 +90,7 @@ class Layout:
             consecutive &= node not in seen
             seen.append(node)
             sizes.append(1)
-        return cls(sizes, consecutive)
+        return cls(sizes, consecutive, hosts)
 
     @property
     def P(self):
@@ -86,8 +101,19 @@ class Layout:
         """Several nodes with more than one rank somewhere: two levels to choose."""
         return len(self.node_sizes) > 1 and max(self.node_sizes) > 1 and self.consecutive
 
+    @property
+    def several_hosts(self):
+        return self.hosts and len(self.node_sizes) > 1
+
+    @property
+    def ranks_per_host(self):
+        """R where every host has R ranks in a block (the two-level model's
+        schedules assume it), else None."""
+        even = len(set(self.node_sizes)) == 1 and self.consecutive
+        return self.node_sizes[0] if even and self.hosts else None
+
     def __repr__(self):
-        return f"Layout(nodes={list(self.node_sizes)})"
+        return f"Layout(nodes={list(self.node_sizes)}{'' if self.hosts else ', declared'})"
 
 
 def table_choice(collective, size, layout, native):
@@ -111,32 +137,62 @@ def table_choice(collective, size, layout, native):
     return "ring"                      # reduce-scatter, all-gather: bandwidth-optimal
 
 
-def native_allreduce(n, P, m, alpha_exchange):
+def native_allreduce(n, P, m, alpha_exchange, hosts=1, link=None):
     """The MPI library's all-reduce of a short message: recursive doubling
     (MPICH below 2 KiB; Thakur et al. 2005, 4.4), lg P exchanges of the whole
     vector at the latency of a bare exchange (no Python around it), each
-    followed by an add.  Only its short-message path is modelled, and it is a
-    candidate only below NATIVE_BELOW (see there)."""
-    from .costs import lg
-    s = m.stretch(P)
-    return lg(P) * (alpha_exchange + n * (m.beta_at(n) + m.gamma_at(n)) * s) if P > 1 else 0.0
+    followed by an add.  On several hosts of R ranks in blocks, lg R of the
+    exchanges stay inside a host and lg(hosts) cross, each putting the vectors
+    of all R ranks of a host through its link, after the link's latency.  Only
+    its short-message path is modelled, and it is a candidate only below
+    NATIVE_BELOW (see there)."""
+    if P == 1:
+        return 0.0
+    R = P // hosts
+    s = m.stretch(R)
+    step = alpha_exchange + n * (m.beta_at(n) + m.gamma_at(n)) * s
+    if hosts == 1:
+        return lg(P) * step
+    x = R * n
+    across = alpha_exchange + link.alpha + x * link.beta_at(x) + n * m.gamma_at(n) * s
+    return lg(R) * step + lg(hosts) * across
+
+
+def model_rule(layout, cal):
+    """Which rule decides for `layout` (RULES): the cost model on one host or declared
+    nodes, the two-level one on several hosts with a link calibrated, else the table."""
+    if cal is None:
+        return "table"
+    if not layout.several_hosts:
+        return "cost model"
+    if layout.ranks_per_host is not None and calibrated_link(cal) is not None:
+        return "two-level cost model"
+    return "table"
 
 
 def model_choice(collective, size, layout, native, cal):
-    """The candidate of least predicted time, for an all-reduce; the table for
-    the other collectives (the model has formulas for all-reduces only)."""
-    if collective != "allreduce" or layout.P == 1:
+    """The candidate of least predicted time, for an all-reduce: by the one-level
+    model on one host, by the two-level one on several (`model_rule`); the table
+    for the other collectives (the model has formulas for all-reduces only)."""
+    rule = model_rule(layout, cal)
+    if collective != "allreduce" or layout.P == 1 or rule == "table":
         return table_choice(collective, size, layout, native)
-    from .costs import Machine, allreduce_time
     m = Machine.from_calibration(cal)
+    alpha_exchange = cal.get("alpha_exchange_s") or m.alpha
     P = layout.P
-    times = {algo: allreduce_time(algo, size, P, m) for algo in
-             ("ring", "tree", "halving_doubling")}
-    if layout.multi_node:
-        times["hierarchical"] = allreduce_time("hierarchical", size, P, m,
-                                               ranks_per_node=max(layout.node_sizes))
-    if native and size < NATIVE_BELOW:
-        times[native] = native_allreduce(size, P, m, cal.get("alpha_exchange_s") or m.alpha)
+    if rule == "cost model":
+        times = {algo: allreduce_time(algo, size, P, m) for algo in TEXTBOOK}
+        if layout.multi_node:
+            times["hierarchical"] = allreduce_time("hierarchical", size, P, m,
+                                                   ranks_per_node=max(layout.node_sizes))
+        if native and size < NATIVE_BELOW:
+            times[native] = native_allreduce(size, P, m, alpha_exchange)
+    else:
+        hosts, R, link = len(layout.node_sizes), layout.ranks_per_host, calibrated_link(cal)
+        times = {algo: cluster_allreduce_time(algo, size, hosts, R, m, link) for algo in
+                 TEXTBOOK + (("hierarchical",) if layout.multi_node else ())}
+        if native and size < NATIVE_BELOW:
+            times[native] = native_allreduce(size, P, m, alpha_exchange, hosts, link)
     # Predictions within TIE of the best are a tie (at P = 2 the ring and
     # halving-doubling are one schedule), which PREFERENCE breaks.
     best = min(times.values())
@@ -160,7 +216,6 @@ class Auto(Collective):
     name = "auto"
 
     def __init__(self, transport, calibration=None, ranks_per_node=None, **options):
-        from . import TEXTBOOK, make
         super().__init__(transport, **options)
         native = "mpi" if isinstance(transport, MPITransport) else None
         self.layout = self._find_layout(transport, ranks_per_node)
@@ -170,44 +225,45 @@ class Auto(Collective):
         decided = np.zeros(len(COLLECTIVES) * SIZE_CLASSES + 1, dtype=np.int64)
         if self.rank == 0:
             cal = read_calibration(calibration)
+            rule = model_rule(self.layout, cal)
             for i, collective in enumerate(COLLECTIVES):
                 for k in range(SIZE_CLASSES):
                     # the table at the class's smallest size (exact for its power-of-two
                     # thresholds), the model at the class's geometric middle
-                    if cal is None:
+                    if rule == "table":
                         name = table_choice(collective, (1 << k) >> 1, self.layout, native)
                     else:
                         name = model_choice(collective, int(2 ** (k - 0.5)), self.layout,
                                             native, cal)
                     decided[i * SIZE_CLASSES + k] = names.index(name)
-            decided[-1] = cal is not None
+            decided[-1] = RULES.index(rule)
         # 2. the others take its decisions
         self._setup._broadcast(decided, 0)
-        self.rule = "cost model" if decided[-1] else "table"
+        self.rule = RULES[decided[-1]]
         built = {}
         for name in sorted({names[i] for i in decided[:-1]}):
-            extra = {"ranks_per_node": ranks_per_node} if name == "hierarchical" else {}
-            built[name] = make(name, transport, **options, **extra)
+            if name == "hierarchical":
+                built[name] = build(Hierarchical, name, transport, ranks_per_node=ranks_per_node,
+                                    **options)
+            else:
+                built[name] = make_one_level(name, transport, **options)
         self.table = [[built[names[i]] for i in decided[c * SIZE_CLASSES:(c + 1) * SIZE_CLASSES]]
                       for c in range(len(COLLECTIVES))]
         self.allreduce_by_class = self.table[0]
         self.counts_traffic = native not in built
 
     def _find_layout(self, transport, ranks_per_node):
-        from .tree import Tree
         self._setup = Tree(transport)
         if ranks_per_node is not None:
             k = int(ranks_per_node)
             if k < 1:
                 raise CollectiveError(f"auto: ranks_per_node={ranks_per_node} must be >= 1")
-            ids = [r // k for r in range(transport.size)]
-        else:
-            mine = transport.node_id()
-            ids = np.zeros(transport.size, dtype=np.int64)
-            ids[transport.rank] = mine
-            self._setup._allgather(ids, [(r, r + 1) for r in range(transport.size)])
-            ids = [int(i) for i in ids]
-        return Layout.from_node_ids(ids)
+            return Layout.from_node_ids([r // k for r in range(transport.size)], hosts=False)
+        mine = transport.node_id()
+        ids = np.zeros(transport.size, dtype=np.int64)
+        ids[transport.rank] = mine
+        self._setup._allgather(ids, [(r, r + 1) for r in range(transport.size)])
+        return Layout.from_node_ids([int(i) for i in ids])
 
     def pick(self, collective, size):
         """The collective object that runs `collective` of `size` bytes."""

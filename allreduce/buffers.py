@@ -7,6 +7,8 @@ Transports see raw bytes (`as_bytes`), so nothing is ever pickled.
 """
 import numpy as np
 
+from .errors import CollectiveError
+
 try:  # torch is optional for the numpy-only user
     import torch
 except ImportError:  # pragma: no cover
@@ -22,10 +24,6 @@ TORCH_DTYPES = (
     if torch is None else
     (torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16))
 DTYPE_NAMES = ("float32", "float64", "int32", "int64", "float16", "bfloat16")
-
-
-class CollectiveError(RuntimeError):
-    """A collective was called wrongly, or ranks disagree about the call."""
 
 
 def is_tensor(x):

@@ -20,18 +20,14 @@ runs only when asked for.
 import numpy as np
 
 from . import check
-from .buffers import (INTEGER_CODES, OPS, CollectiveError, Scratch, Validator, copy_into,
-                      empty_like, flat, numel, reduce_into, scale)
+from .buffers import (INTEGER_CODES, OPS, Scratch, Validator, copy_into, empty_like, flat,
+                      numel, reduce_into, scale)
+from .errors import CollectiveError, CollectiveTimeout, TransportError, TransportTimeout
 from .shards import bounds_from_sizes, shard_bounds
-from .transport import TransportTimeout
 
 # Below this a message is sent whole; above it, in segments of this size so
 # that reducing (or forwarding) one segment overlaps receiving the next.
 SEGMENT_BYTES = 1 << 20
-
-
-class CollectiveTimeout(TimeoutError):
-    pass
 
 
 class Collective:
@@ -60,10 +56,10 @@ class Collective:
     # ----------------------------------------------------------- public API
     def allreduce(self, x, op="sum"):
         buf = self._begin("allreduce", x, op=op)
-        try:
+        try:                          # _guarded, inline: the call path of every step
             self._allreduce(buf, op)
-        except TransportTimeout as e:
-            raise CollectiveTimeout(f"{self.name} allreduce: {e}") from None
+        except TransportError as e:
+            raise self._named(e, "allreduce") from None
         if op == "avg":
             scale(x, self.size)
         return x
@@ -114,7 +110,7 @@ class Collective:
         return x
 
     def barrier(self):
-        self.transport.barrier()
+        self._guarded("barrier", self.transport.barrier)
 
     # ------------------------------------------------------------ plumbing
     def _begin(self, collective, x, op=None, root=-1, count=None, writable=True):
@@ -144,8 +140,13 @@ class Collective:
     def _guarded(self, collective, fn, *args):
         try:
             return fn(*args)
-        except TransportTimeout as e:
-            raise CollectiveTimeout(f"{self.name} {collective}: {e}") from None
+        except TransportError as e:
+            raise self._named(e, collective) from None
+
+    def _named(self, error, collective):
+        """The collective layer's error for a transport's, naming who met it."""
+        cls = CollectiveTimeout if isinstance(error, TransportTimeout) else CollectiveError
+        return cls(f"{self.name} {collective}: {error}")
 
     def segments(self, x, n):
         """[start, stop) segments of a run of n elements of x, SEGMENT_BYTES each."""

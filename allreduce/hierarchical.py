@@ -20,21 +20,26 @@ default block placement makes them.
 """
 import numpy as np
 
-from .buffers import CollectiveError
 from .collective import Collective
+from .errors import CollectiveError
+from .registry import TEXTBOOK, make_one_level
 from .shards import shard_bounds, span
+
+# What may run inside a node and between the leaders: algorithms over a split of the
+# transport (the torch baseline needs a process group of its own, which a split has not;
+# shm gains only on buffers in its own window, which the leaders' buffer is not).
+LEVELS = TEXTBOOK + ("mpi",)
 
 
 class Hierarchical(Collective):
     name = "hierarchical"
 
     def __init__(self, transport, inner="ring", outer="ring", ranks_per_node=None, **options):
-        from . import TEXTBOOK, make
         super().__init__(transport, **options)
         for role, algo in (("inner", inner), ("outer", outer)):
-            if algo not in TEXTBOOK + ("mpi",):
+            if algo not in LEVELS:
                 raise CollectiveError(f"hierarchical: {role}={algo!r} is not one of "
-                                      f"{', '.join(TEXTBOOK + ('mpi',))}")
+                                      f"{', '.join(LEVELS)}")
         if ranks_per_node is not None:
             if int(ranks_per_node) < 1:
                 raise CollectiveError(f"hierarchical: ranks_per_node={ranks_per_node} must be >= 1")
@@ -44,8 +49,8 @@ class Hierarchical(Collective):
         self.node = transport.split(node_id)            # my node's ranks
         self.is_leader = self.node.rank == 0
         leaders = transport.split(0 if self.is_leader else 1)
-        self.inner = make(inner, self.node, **options)
-        self.outer = make(outer, leaders, **options) if self.is_leader else None
+        self.inner = make_one_level(inner, self.node, **options)
+        self.outer = make_one_level(outer, leaders, **options) if self.is_leader else None
         self.node_sizes = self._exchange_node_sizes()
         self.description = f"hierarchical(inner={inner}, outer={outer}, nodes={self.node_sizes})"
 

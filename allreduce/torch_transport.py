@@ -46,8 +46,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .buffers import CollectiveError, as_bytes, nbytes
-from .transport import Handle, MPITransport, Transport, TransportTimeout, default_timeout
+from .buffers import as_bytes, nbytes
+from .errors import TransportError, TransportTimeout
+from .transport import Handle, MPITransport, Transport, default_timeout
 
 
 def under_torchrun():
@@ -74,7 +75,7 @@ def init_torch_distributed(comm=None, backend=None, timeout=None):
     from mpi4py import MPI
     world = MPI.COMM_WORLD
     if comm is not None and comm.size != world.size:
-        raise CollectiveError(
+        raise TransportError(
             f"torch.distributed spans the whole launch ({world.size} ranks), not a "
             f"communicator of {comm.size}: initialise it over MPI.COMM_WORLD and pass the "
             f"communicator to make_transport('torch', comm)")
@@ -167,14 +168,14 @@ def make_groups(members, timeout=None):
     try:
         dist.all_gather(rows, row, async_op=True).wait(timeout=timedelta(seconds=seconds))
     except RuntimeError as e:
-        raise CollectiveError(
+        raise TransportError(
             f"rank {me}: a torch transport over part of the world is made by all {world} "
             f"ranks of the launch together; not all came within {seconds:g} s ({e})") from None
     lists = [tuple(row[1:1 + int(row[0])].tolist()) for row in rows]
     for rank, (ranks, row) in enumerate(zip(lists, rows)):    # the same answer on every rank
         if int(row[0]) > world or rank not in ranks or len(set(ranks)) != len(ranks) or \
                 not all(0 <= r < world for r in ranks):
-            raise CollectiveError(f"rank {rank} asked for a torch group of ranks {list(ranks)}: "
+            raise TransportError(f"rank {rank} asked for a torch group of ranks {list(ranks)}: "
                                   f"a group is distinct ranks of the world (0..{world - 1}), "
                                   f"its own among them")
     for ranks in sorted(set(lists) - {tuple(range(world))}):
@@ -182,7 +183,7 @@ def make_groups(members, timeout=None):
             options = {}
             if list(ranks) != sorted(ranks):        # keep the communicator's rank order
                 if "sort_ranks" not in inspect.signature(dist.new_group).parameters:
-                    raise CollectiveError(
+                    raise TransportError(
                         f"ranks {list(ranks)} are not in world order, and this torch "
                         f"({torch.__version__}) sorts a group's ranks: split with key=world rank")
                 options["sort_ranks"] = False
@@ -200,7 +201,7 @@ def group_for(where=None, timeout=None):
         return make_groups(where, timeout)
     from mpi4py import MPI
     if not isinstance(where, MPI.Comm):
-        raise CollectiveError(f"a torch transport runs over None, an mpi4py communicator, a "
+        raise TransportError(f"a torch transport runs over None, an mpi4py communicator, a "
                               f"list of ranks or a ProcessGroup, not {type(where).__name__}")
     # The communicator's ranks in COMM_WORLD (= torch's ranks), in its own rank order.
     members = MPI.Group.Translate_ranks(where.Get_group(), list(range(where.size)),
@@ -250,7 +251,7 @@ class TorchTransport(Transport):
         super().__init__(timeout, traffic)
         self.group = group
         if group is not None and dist.get_rank(group) < 0:
-            raise CollectiveError(f"rank {dist.get_rank()} is not a member of the process "
+            raise TransportError(f"rank {dist.get_rank()} is not a member of the process "
                                   f"group it was given")
         group_ranks = [dist.get_global_rank(group, r) if group is not None else r
                        for r in range(dist.get_world_size(group))]
@@ -315,7 +316,7 @@ class TorchTransport(Transport):
                 if "imed out" in str(e) or "imeout" in str(e):
                     raise TransportTimeout(self.world_rank(self.rank), [peer],
                                            self.timeout) from None
-                raise RuntimeError(f"rank {self.world_rank(self.rank)}: torch.distributed failed "
+                raise TransportError(f"rank {self.world_rank(self.rank)}: torch.distributed failed "
                                    f"talking to rank {peer}: {e}") from None
 
     def barrier(self):

@@ -15,7 +15,9 @@ as they are (`buffers.as_bytes`): never pickled, never copied on the way.
 Every wait polls with a deadline (TOPOLAB_TIMEOUT seconds, default 120), so a
 missing peer ends in a `TransportTimeout` naming the rank and the peer instead
 of a hang.  Polling costs nothing measurable against a blocking wait here: MPI
-itself spins while it waits.
+itself spins while it waits.  Whatever else goes wrong here (a buffer this
+transport cannot move, a failed transfer) is a `TransportError`; both are this
+layer's own classes (errors.py), which the collective layer names again.
 
 A waiting rank naps between polls only where ranks outnumber cores on its host
 (TOPOLAB_NAP=1 or 0 overrides): see `may_nap`.
@@ -26,7 +28,8 @@ import time
 
 import numpy as np
 
-from .buffers import CollectiveError, as_bytes, nbytes
+from .buffers import as_bytes, nbytes
+from .errors import TransportError, TransportTimeout
 
 DEFAULT_TIMEOUT_S = 120.0
 SPIN_POLLS = 100    # polls before a waiting rank starts yielding its core
@@ -56,15 +59,6 @@ def default_timeout():
         return float(value) if value else DEFAULT_TIMEOUT_S
     except ValueError:
         raise ValueError(f"TOPOLAB_TIMEOUT={value!r} is not a number of seconds") from None
-
-
-class TransportTimeout(TimeoutError):
-    """A wait ran past the transport's timeout."""
-
-    def __init__(self, rank, peers, timeout, what="wait"):
-        self.rank, self.peers, self.timeout = rank, peers, timeout
-        names = ", ".join(f"rank {p}" for p in peers) or "?"
-        super().__init__(f"rank {rank}: {what} timed out after {timeout:g} s waiting for {names}")
 
 
 class Traffic:
@@ -163,7 +157,7 @@ class MPITransport(Transport):
         if type(buf) is np.ndarray:
             return buf
         if buf.device.type != "cpu":
-            raise CollectiveError(
+            raise TransportError(
                 "the MPI transport takes CPU buffers (the MPI from PyPI is not CUDA-aware): "
                 "use transport='torch' (NCCL) for CUDA tensors, or allreduce.host_staged(coll) "
                 "to stage them through host memory")

@@ -2,6 +2,7 @@
 
     intra = Machine.from_calibration(cal)      # inside a host: alpha, beta, gamma (costs.py)
     link = link_from_calibration(cal)          # a host's link: inter_alpha_s, inter_beta_...
+                                               # (calibrated_link: None if cal has none)
     cluster_allreduce_time("ring", 16 << 20, 2, 2, intra, link)       # seconds, 2 hosts x 2 ranks
     cluster_allreduce_time("ring", 16 << 20, 2, 2, intra, link_of_rate(1.0))    # nominal 1 Gbit/s
 
@@ -64,6 +65,12 @@ def link_from_calibration(cal):
     return Machine(cal["inter_alpha_s"], cal["inter_beta_s_per_byte"],
                    beta_curve=curve("inter_beta_s_per_byte_at"),
                    beta_one_way_curve=curve("inter_beta_one_way_s_per_byte_at"))
+
+
+def calibrated_link(cal):
+    """The link of a calibration made across hosts (experiments.calibrate there
+    writes inter_*); None for one made on one host."""
+    return link_from_calibration(cal) if "inter_beta_s_per_byte" in cal else None
 
 
 def profile(steps, nodes, R):
@@ -172,7 +179,7 @@ def predictor(path, comm, inner="ring", outer="ring", ranks_per_node=None, emula
     with open(path) as f:
         cal = json.load(f)
     intra = Machine.from_calibration(cal)
-    link = link_from_calibration(cal) if "inter_beta_s_per_byte" in cal else None
+    link = calibrated_link(cal)
 
     def predict(algo, collective, nbytes):
         if collective != "allreduce" or R is None or emulated or (hosts > 1 and link is None):

@@ -1,11 +1,13 @@
 """allreduce's `auto`: its rules (tier a), one decision on every rank and bench
-records that name the choice (tier c)."""
+records that name the choice (tier c).  Across emulated hosts: tests/cluster/test_cluster_auto.py."""
 import json
 
 import pytest
 
-from allreduce.auto import (NATIVE_BELOW, Layout, model_choice, read_calibration,
+from allreduce.auto import (NATIVE_BELOW, Layout, model_choice, model_rule, read_calibration,
                             table_choice)
+from allreduce.costs import Machine
+from allreduce.twolevel import cluster_allreduce_time, link_of_rate
 from conftest import check_ok, mpirun
 
 ONE_NODE = Layout([4])
@@ -15,6 +17,9 @@ TWO_NODES = Layout([2, 2])
 # bare exchange, 4 GB/s each way, adding at 10 GB/s.
 CALIBRATION = {"alpha_s": 20e-6, "alpha_exchange_s": 8e-6, "beta_s_per_byte": 2.5e-10,
                "gamma_s_per_byte": 1e-10}
+# The same hosts joined by links of 1 Gbit/s (8 ns a byte), as experiments.calibrate
+# writes a link it measured across hosts (inter_*), here without latency or curves.
+ACROSS_1GBIT = {**CALIBRATION, "inter_alpha_s": 0.0, "inter_beta_s_per_byte": 8e-9}
 
 
 def test_layout_from_node_ids():
@@ -48,6 +53,40 @@ def test_cost_model_picks_the_least_predicted_time():
     assert model_choice("allreduce", 64 << 20, ONE_NODE, "mpi", CALIBRATION) == "ring"
     assert model_choice("allreduce", 64 << 20, Layout([2]), "mpi", CALIBRATION) == "ring"
     assert model_choice("allreduce", 64 << 20, Layout([3]), "mpi", CALIBRATION) == "ring"
+
+
+def test_on_several_hosts_the_two_level_model_decides():
+    n = 16 << 20
+    # The reference: the two-level model's own times on 2 hosts x 2 ranks at the
+    # link's nominal rate.  Hierarchical crosses each link with n bytes, the ring with
+    # 1.5 n: a clear win, not a tie.
+    intra = Machine.from_calibration(CALIBRATION)
+    times = {algo: cluster_allreduce_time(algo, n, 2, 2, intra, link_of_rate(1.0))
+             for algo in ("ring", "tree", "halving_doubling", "hierarchical")}
+    assert min(times, key=times.get) == "hierarchical"
+    assert times["hierarchical"] < 0.8 * min(t for a, t in times.items() if a != "hierarchical")
+    assert model_rule(TWO_NODES, ACROSS_1GBIT) == "two-level cost model"
+    assert model_choice("allreduce", n, TWO_NODES, "mpi", ACROSS_1GBIT) == "hierarchical"
+    # One host: the one-level choice, whatever the calibration says of a link.
+    assert model_rule(ONE_NODE, ACROSS_1GBIT) == "cost model"
+    assert model_choice("allreduce", n, ONE_NODE, "mpi", ACROSS_1GBIT) == \
+        model_choice("allreduce", n, ONE_NODE, "mpi", CALIBRATION) == "ring"
+    # Nodes declared on one host (ranks_per_node) have no link: the one-level model,
+    # which prices hierarchical's extra steps at shared memory's speed, keeps the ring.
+    declared = Layout([2, 2], hosts=False)
+    assert model_rule(declared, ACROSS_1GBIT) == "cost model"
+    assert model_choice("allreduce", n, declared, "mpi", ACROSS_1GBIT) == "ring"
+
+
+def test_several_hosts_without_a_calibrated_link_go_by_the_table():
+    # The one-level model would price the link as shared memory; the table knows better.
+    for layout in (TWO_NODES, Layout([3, 1])):
+        assert model_rule(layout, CALIBRATION) == "table"
+        assert model_choice("allreduce", 64 << 20, layout, "mpi", CALIBRATION) == \
+            table_choice("allreduce", 64 << 20, layout, "mpi")
+    # uneven hosts: the two-level schedules assume R ranks on every host
+    assert model_rule(Layout([3, 1]), ACROSS_1GBIT) == "table"
+    assert model_rule(TWO_NODES, None) == "table"
 
 
 def test_calibration_from_a_file_or_the_environment(tmp_path, monkeypatch):

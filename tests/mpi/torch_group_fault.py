@@ -4,7 +4,7 @@
 
 torch makes a group with every rank of the world, so the transport of a
 communicator is made by the whole launch together.  Here rank 1 never comes:
-rank 0 must stop with a CollectiveError saying so within the timeout, not hang
+rank 0 must stop with a TransportError saying so within the timeout, not hang
 (python -m mpi4py then aborts rank 1, which waits in a barrier).
 """
 from mpi4py import MPI

@@ -41,6 +41,6 @@ print(f"rank {rank} ok in group {members}", flush=True)
 try:
     allreduce.make_transport("torch", [rank, P])      # P is not a rank of the world
     print(f"rank {rank} made a group with rank {P}", flush=True)
-except allreduce.CollectiveError as e:
+except allreduce.TransportError as e:
     assert f"ranks [0, {P}]" in str(e) and "distinct ranks of the world" in str(e), e
     print(f"rank {rank} refused a bad group", flush=True)
