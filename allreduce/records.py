@@ -10,10 +10,22 @@ newline.  A plain `open(path, "a").write(line)` would glue the next record onto
 that fragment, and the reader would lose both.  So an append first looks at the
 file's last byte and starts on a fresh line when it is not a newline; the reader
 skips a line that does not parse (the torn fragment) and says how many it skipped.
+
+Provenance, too, has its home here: `provenance()` is what every record writer
+stamps on its records (commit, host, MPI, python, torch, ...), and
+`calibration_file` is how every reader of a calibration finds it.
 """
+import functools
 import json
 import os
+import platform
+import socket
+import subprocess
 import sys
+from importlib import metadata
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CALIBRATION = "calibration.json"    # what `experiments.calibrate --out DIR` writes in DIR
 
 
 def append_jsonl(path, records):
@@ -81,3 +93,94 @@ def read_jsonl(path, warn=True):
         print(f"warning: {path}: skipped {len(bad)} unreadable line(s) (line {shown}); "
               f"a writer was probably killed mid-write", file=sys.stderr)
     return records
+
+
+def git_commit(root=ROOT):
+    """HEAD's commit, read from .git itself (no git process needed); None outside a checkout."""
+    git = os.path.join(root, ".git")
+    try:
+        with open(os.path.join(git, "HEAD")) as f:
+            head = f.read().strip()
+        if not head.startswith("ref: "):
+            return head
+        ref = head[5:]
+        if os.path.exists(os.path.join(git, ref)):
+            with open(os.path.join(git, ref)) as f:
+                return f.read().strip()
+        with open(os.path.join(git, "packed-refs")) as f:
+            for line in f:
+                if line.strip().endswith(" " + ref):
+                    return line.split()[0]
+    except OSError:
+        pass
+    return None
+
+
+def mpiexec_path():
+    """The mpiexec beside this Python (the virtualenv's MPICH), else the one on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return here if os.path.exists(here) else "mpiexec"
+
+
+@functools.lru_cache(maxsize=1)
+def mpi_version():
+    """The MPI library's version line.  A process already in MPI (it imported
+    mpi4py.MPI, which initialises it) asks its own library; any other (a sweep's
+    driver) asks a one-rank job, so that it does not initialise MPI itself, and
+    no rank of a job starts an mpiexec of its own."""
+    if "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI
+        return MPI.Get_library_version().splitlines()[0].strip()
+    try:
+        out = subprocess.run([mpiexec_path(), "-n", "1", sys.executable, "-c",
+                              "from mpi4py import MPI; "
+                              "print(MPI.Get_library_version().splitlines()[0].strip())"],
+                             capture_output=True, text=True, timeout=60)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+# Settings that change what is measured without changing any command line:
+# MPICH's and Open MPI's tuning variables (e.g. MPIR_CVAR_CH4_CMA_ENABLE=0 turns
+# MPICH's single-copy path off) and our own switches.
+TUNING_PREFIXES = ("MPIR_CVAR_", "OMPI_MCA_", "TOPOLAB_", "OMP_NUM_THREADS")
+
+
+def tuning_env():
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(TUNING_PREFIXES)}
+
+
+def package_version(name):
+    """An installed package's version without importing it (torch takes seconds)."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def provenance():
+    """Where and on what a record was measured: the fields every record writer stamps."""
+    return {"commit": git_commit(), "host": socket.gethostname(), "mpi": mpi_version(),
+            "torch": package_version("torch"), "numpy": package_version("numpy"),
+            "mpi4py": package_version("mpi4py"), "python": platform.python_version(),
+            "cores": os.cpu_count(), "loadavg": [round(x, 2) for x in os.getloadavg()],
+            "env": tuning_env()}
+
+
+def calibration_file(path):
+    """The calibration that `path` names: the file itself, or DIR/calibration.json of
+    the directory `experiments.calibrate --out DIR` wrote; FileNotFoundError otherwise."""
+    file = os.path.join(path, CALIBRATION) if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        where = f"directory {path!r} has no {CALIBRATION}" if os.path.isdir(path) \
+            else f"{path!r} does not exist"
+        raise FileNotFoundError(f"calibration: {where}; write one with "
+                                f"`python -m experiments.calibrate --out DIR`")
+    return file
+
+
+def read_calibration(path):
+    """The calibration (a dict) of a file or of a directory holding calibration.json."""
+    with open(calibration_file(path)) as f:
+        return json.load(f)
