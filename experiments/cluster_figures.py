@@ -19,7 +19,7 @@ from collections import defaultdict
 import matplotlib.pyplot as plt
 
 from .launchers import describe_cluster
-from .plots import save
+from .palette import PREDICTED, errorbar, format_size, save, size_axis, styles_of
 from .records import variant_of
 
 
@@ -54,9 +54,10 @@ def bench_rows(records, setting):
 
 
 def busbw_on_cluster(records, out_dir, setting):
-    """busbw against message size on one cluster setting, one line per algorithm; the
-    host link's rate is the ceiling of the ring's busbw (each host sends 2(P-1)/P n
-    across it, like every rank); predicted_us, where present, dashed."""
+    """busbw against message size on one cluster setting, one line per algorithm (the
+    median over repeated points, bars min-max); the host link's rate is the ceiling of
+    the ring's busbw (each host sends 2(P-1)/P n across it, like every rank);
+    predicted_us, where present, dashed."""
     rows = bench_rows(records, setting)
     if not rows:
         return None
@@ -67,25 +68,30 @@ def busbw_on_cluster(records, out_dir, setting):
         if r.get("predicted_us"):
             predicted[variant_of(r)][r["bytes"]].append(
                 r["busbw_gbps"] * r["time_us"] / r["predicted_us"])
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for i, (variant, at) in enumerate(sorted(by_variant.items())):
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    styles = styles_of(by_variant)
+    for variant, at in sorted(by_variant.items()):
         sizes = sorted(at)
-        ax.plot(sizes, [statistics.median(at[b]) for b in sizes], "o-", color=f"C{i}",
-                label=variant)
+        errorbar(ax, sizes, [at[b] for b in sizes], variant, **styles[variant])
         if predicted[variant]:
             sizes = sorted(predicted[variant])
-            ax.plot(sizes, [statistics.median(predicted[variant][b]) for b in sizes], "--",
-                    color=f"C{i}", alpha=0.7, label=f"{variant} predicted")
+            ax.plot(sizes, [statistics.median(predicted[variant][b]) for b in sizes],
+                    color=styles[variant]["color"], label=f"{variant} predicted", **PREDICTED)
     _, nodes, rpn, gbps, _ = setting
     if gbps:
         ax.axhline(gbps / 8, color="k", ls=":", lw=1, label=f"host link {gbps:g} Gbit/s")
-    ax.set(xscale="log", yscale="log", xlabel="message size (bytes)", ylabel="busbw (GB/s)",
+    size_axis(ax.xaxis, [r["bytes"] for r in rows])
+    ax.set(yscale="log", xlabel="message size", ylabel="busbw (GB/s)",
            title=f"all-reduce busbw, {setting_name(setting)}, P={rows[0]['world_size']}")
     ax.legend(fontsize=7)
+    repeats = max(len(s) for at in by_variant.values() for s in at.values())
     name = f"busbw_cluster_{nodes}x{rpn}" + (f"_{gbps:g}gbps" if gbps else "") + (
         f"_{setting[4]:g}us" if setting[4] else "") + ("" if setting[0] == "emulated" else
                                                        f"_{setting[0]}")
-    return save(fig, out_dir, name.replace(".", "p"))
+    return save(fig, out_dir, name.replace(".", "p"), note=(
+        "solid with markers: measured, " + (f"the median of up to {repeats} repeated points; "
+                                            "bars min-max" if repeats > 1 else "one point each")
+        + "; dashed: predicted (the records' predicted_us)"))
 
 
 def job_of(record):
@@ -102,14 +108,6 @@ def job_of(record):
 def sync_of(config):
     sync = config.get("sync", "?")
     return f"{sync} ({config.get('servers', 1)} servers)" if sync in ("ps", "hybrid") else sync
-
-
-def size(n):
-    """4096 -> '4K', 67108864 -> '64M': the bench's own way of writing sizes."""
-    for unit, shift in (("M", 20), ("K", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift}{unit}"
-    return str(n)
 
 
 def mb(x):
@@ -175,6 +173,7 @@ def predicted_table(records):
     if not rows:
         return None
     return (["cluster", "algorithm", "size", "measured us", "predicted us", "error"],
-            [(setting_name(setting_of(r)), variant_of(r), size(r["bytes"]), f"{r['time_us']:.0f}",
+            [(setting_name(setting_of(r)), variant_of(r), format_size(r["bytes"]),
+              f"{r['time_us']:.0f}",
               f"{r['predicted_us']:.0f}", f"{r['predicted_us'] / r['time_us'] - 1:+.0%}")
              for r in sorted(rows, key=lambda r: (setting_of(r), variant_of(r), r["bytes"]))])

@@ -3,6 +3,8 @@
     python -m experiments.report results/demo        # -> results/demo/report.md, report.html,
                                                      #    results/demo/plots/*.png, *.svg
     python -m experiments.report results/demo --cluster-ranks-per-node 4 --inter-gbps 3
+    python -m experiments.report results/demo --gallery docs/gallery \
+        --screenshot docs/gallery/report.png         # the README's pictures (make gallery)
 
 Reads RESULTS_DIR/records.jsonl and points.jsonl (experiments.sweep writes them),
 fits nothing itself: predictions come from the sweep's calibration record
@@ -12,52 +14,75 @@ Points that ran on a cluster (experiments/launchers.py) have a section of their
 own: a busbw figure per cluster setting, the bytes on each host's link beside
 theory, and training per setting; figures (a)-(f) and the cost model's
 comparison are drawn from this host's points only.
+
+Every figure sits in report.html with a line saying what to look at.  --screenshot
+draws the page with a headless Chromium (Debian's `chromium` package) into a PNG;
+without one it says so and the report is written all the same.
 """
 import argparse
 import html
 import json
 import os
 import shutil
+import subprocess
 from collections import Counter
 
-from . import cluster_figures, fidelity, plots, simulate
-from .records import load, model_of, one_comparison, read_jsonl
+from matplotlib.colors import to_hex       # "tab:blue", "0.35" as CSS
 
-FIGURES = [  # (function, title, what produces its records)
+from . import cluster_figures, fidelity, plots, simulate
+from .palette import COLOURS, cores_of, format_size
+from .records import describe, load, model_of, one_comparison, read_jsonl
+
+FIGURES = [  # (function, title, what to look at, what produces its records)
     (plots.busbw_vs_size, "(a) all-reduce busbw against message size",
+     "Which algorithm leads below 64K, where latency rules, and which from 1M, where "
+     "bandwidth does; how close the best comes to memcpy's roofline.",
      "an allreduce.bench [[run]]"),
     (plots.strategy_breakdown, "(b) throughput and step-time breakdown per strategy",
+     "How much of each step is exposed communication or waiting, not compute: that share "
+     "is what a faster --sync can win back.",
      "strategies.train [[run]]s with several --sync"),
     (plots.scaling, "(c) scaling with ranks, measured and predicted",
+     "How far each measured line (solid) sits from its prediction (dashed), and how the "
+     "gap opens once ranks outnumber the cores (grey).",
      "allreduce.bench at two or more world sizes, and experiments.calibrate"),
     (plots.zero_memory, "(d) memory per rank by ZeRO stage",
+     "Each stage removes one part from the rank: optimizer state at ZeRO-1, gradients at "
+     "2, parameters at 3; activations stay.",
      "strategies.train [[run]]s on the grid (dp = 2) with zero = [0, 1, 2, 3]"),
     (plots.pipeline_gantt, "(e) pipeline Gantt chart, GPipe beside 1F1B",
+     "The hatched bubble is about as large in both schedules; 1F1B holds fewer "
+     "micro-batches' activations at once (the count on the right).",
      "strategies.train [[run]]s with pp = 2, schedule = [\"gpipe\", \"1f1b\"], trace = true"),
     (plots.ps_consistency, "(f) parameter-server consistency with a straggler",
+     "BSP's clocks move in lockstep with staleness 0; under SSP and ASP the fast worker "
+     "runs ahead and the straggler's pushes grow stale.",
      "strategies.train --sync ps with bsp/ssp/asp and a straggler"),
     (plots.crossovers, "(g) simulated crossovers on a two-level cluster",
+     "Where the curves cross: the P and size at which the fastest algorithm changes "
+     "(predicted, not measured).",
      "experiments.simulate (this report runs it)"),
 ]
 
 
 def pipeline_traces(d, points):
-    """{"gpipe, m=4": Chrome-trace events} of the pipeline points (pp > 1) that ran with
-    trace = true: of one model, pipeline depth and batch, the group with the most
-    schedules.  A traced data-parallel run has forward and backward spans too, but
-    no stages: it is not a pipeline schedule."""
+    """({"gpipe, m=4": Chrome-trace events}, a few words on the model) of the pipeline
+    points (pp > 1) that ran with trace = true: of one model, pipeline depth and batch,
+    the group with the most schedules.  A traced data-parallel run has forward and
+    backward spans too, but no stages: it is not a pipeline schedule."""
     traced = {p.get("point"): [p] for p in points if p.get("status") == "ok"
               and p.get("config", {}).get("trace") and p.get("config", {}).get("pp", 1) > 1
               and os.path.exists(os.path.join(d, "raw", f"{p.get('point')}.trace.json"))}
     chosen = one_comparison(traced, lambda c: model_of(c, "pp", "tp", "zero"),
                             lambda k, c: (c.get("schedule"), c.get("micro_batches", 1)))
-    traces = {}
+    traces, about = {}, ""
     for point, (p,) in chosen.items():
         cfg = p["config"]
         with open(os.path.join(d, "raw", f"{point}.trace.json")) as f:
             events = json.load(f).get("traceEvents", [])
         traces[f"{cfg.get('schedule', '?')}, m={cfg.get('micro_batches', 1)}"] = events
-    return traces
+        about = f"{describe(cfg)}{cores_of([p])}, p={cfg.get('pp')} stages"
+    return traces, about
 
 
 def render(blocks, fmt):
@@ -71,7 +96,15 @@ def render(blocks, fmt):
         elif kind == "img":
             out.append(f"![{a[1]}]({a[0]})\n" if fmt == "md" else
                        f'<p><a href="{a[0]}"><img src="{a[0]}" alt="{html.escape(a[1])}" '
-                       f'width="720"></a></p>')
+                       f'style="max-width:100%"></a></p>')
+        elif kind == "swatches":       # the colours every figure gives these names
+            out.append("Colours: " + ", ".join(f"{name} {colour}" for name, colour in a[0])
+                       + "\n" if fmt == "md" else "<p>Colours, the same in every figure: " +
+                       " ".join(f'<span style="white-space:nowrap"><span style="display:'
+                                f'inline-block;width:1em;height:1em;background:'
+                                f'{to_hex(colour)};vertical-align:middle"></span> '
+                                f'{html.escape(name)}</span>' for name, colour in a[0])
+                       + "</p>")
         elif kind == "table":
             head, rows = a
             if fmt == "md":
@@ -90,10 +123,6 @@ def render(blocks, fmt):
 
 def cells(row, tag):
     return "".join(f"<{tag}>{html.escape(str(c))}</{tag}>" for c in row)
-
-
-def fmt_size(n):
-    return simulate.human(n) + "B" if isinstance(n, int) else str(n)
 
 
 def provenance_block(records, points):
@@ -149,7 +178,7 @@ def fidelity_blocks(records):
         if spread:
             blocks.append(("p", "How far this machine moved by itself during the calibration: "
                                 "the ring's median per round took " + "; ".join(
-                                    f"{fmt_size(b)} {lo * 1e3:.2f}-{hi * 1e3:.2f} ms "
+                                    f"{format_size(b)} {lo * 1e3:.2f}-{hi * 1e3:.2f} ms "
                                     f"(slowest {hi / lo - 1:+.0%})" for b, lo, hi, _ in spread)
                            + f", over {spread[0][3]} rounds. A point measured minutes away "
                              "from the calibration cannot be predicted more closely than that."))
@@ -160,7 +189,7 @@ def fidelity_blocks(records):
     blocks.append(("table", ["algorithm", "P (or workers/servers)", "size", "measured",
                              "emulated link",
                              "measured ms", "predicted ms", "error"],
-                   [(r["what"], r["P"], fmt_size(r["bytes"]), r["source"],
+                   [(r["what"], r["P"], format_size(r["bytes"]), r["source"],
                      "yes" if r["emulated"] else "",
                      f"{r['measured_s'] * 1e3:.3f}", f"{r['predicted_s'] * 1e3:.3f}",
                      f"{r['error']:+.0%}") for r in sorted(rows, key=lambda r: (
@@ -186,6 +215,8 @@ def cluster_blocks(records, d):
             written.append(path)
             blocks.append(("img", os.path.relpath(path, d),
                            f"busbw, {cluster_figures.setting_name(setting)}"))
+            blocks.append(("p", "Look at where the ring's line meets the dotted link rate, "
+                                "and at the sizes where another algorithm beats it."))
     blocks.append(("h", 3, "Bytes on each host's link, measured and in theory"))
     blocks.append(("p", "Measured: the kernel's counters of each host's link during the point, "
                         "less 66 bytes of TCP/IP headers a packet; MPI's own messages and the "
@@ -211,8 +242,10 @@ def main(argv=None):
     ap.add_argument("--cluster-ranks-per-node", type=int, default=8)
     ap.add_argument("--inter-gbps", type=float, default=12.5)
     ap.add_argument("--inter-latency-us", type=float, default=10.0)
-    ap.add_argument("--gallery", default="", help="also copy every PNG here (make demo: "
+    ap.add_argument("--gallery", default="", help="also copy every PNG here (make gallery: "
                                                   "docs/gallery, the README's pictures)")
+    ap.add_argument("--screenshot", default="", metavar="FILE.png",
+                    help="also draw report.html into this PNG with a headless Chromium")
     a = ap.parse_args(argv)
     d = a.results_dir
     everything, points = load(d), read_jsonl(os.path.join(d, "points.jsonl"))
@@ -230,22 +263,27 @@ def main(argv=None):
     blocks.append(("h", 2, "Cost model: predicted beside measured"))
     blocks += fidelity_blocks(records)
     blocks.append(("h", 2, "Figures"))
+    blocks.append(("swatches", [(name, COLOURS[name]) for name in SWATCHES]))
     written = []
-    traces = pipeline_traces(d, points)
+    traces, about = pipeline_traces(d, points)
+    cluster = (f"{a.cluster_ranks_per_node} ranks a node, {a.inter_gbps:g} GB/s and "
+               f"{a.inter_latency_us:g} us between nodes")
     cluster_only = len(records) == 0 < len(everything)
     if cluster_only:
         blocks.append(("p", "Figures (a)-(f) need points run on this host (launcher \"local\"); "
                             "this sweep ran on clusters only: see Points on a cluster."))
-    for fn, title, needs in FIGURES:
-        data = {plots.crossovers: sim_records, plots.pipeline_gantt: traces}.get(fn, records)
-        path = fn(data, os.path.join(d, "plots"))
+    for fn, title, look, needs in FIGURES:
+        out = os.path.join(d, "plots")
+        path = (fn(sim_records, out, cluster=cluster) if fn is plots.crossovers else
+                fn(traces, out, about=about) if fn is plots.pipeline_gantt else fn(records, out))
         if path or not cluster_only:
             blocks.append(("h", 3, title))
         if path:
             rel = os.path.relpath(path, d)
             written.append(path)
             blocks.append(("img", rel, title))
-            blocks.append(("p", f"SVG: {rel[:-4]}.svg"))
+            blocks.append(("p", f"{look} (SVG: {rel[:-4]}.svg; the numbers drawn: "
+                                f"{rel[:-4]}.json)"))
         elif not cluster_only:
             blocks.append(("p", f"No figure: the records hold no data for it. Needs: {needs}."))
     more, paths = cluster_blocks(everything, d)
@@ -258,8 +296,8 @@ def main(argv=None):
     blocks.append(("table", ["P", "nodes", "PS servers to beat ring (256 MiB)",
                              "tree beats ring up to", "hierarchical beats ring from"],
                    [(x["P"], x["nodes"], x["ps_servers_to_beat_ring"] or "never",
-                     fmt_size(x["tree_beats_ring_up_to_bytes"]),
-                     fmt_size(x["hierarchical_beats_ring_from_bytes"])) for x in cross]))
+                     never_or_size(x["tree_beats_ring_up_to_bytes"]),
+                     never_or_size(x["hierarchical_beats_ring_from_bytes"])) for x in cross]))
     for fmt in ("md", "html"):
         with open(os.path.join(d, f"report.{fmt}"), "w") as f:
             f.write(render(blocks, fmt))
@@ -269,7 +307,41 @@ def main(argv=None):
             shutil.copyfile(path, os.path.join(a.gallery, os.path.basename(path)))
     print(f"wrote {len(written)} figures and {os.path.join(d, 'report.md')} (+ .html)"
           + (f"; copied the PNGs to {a.gallery}" if a.gallery else ""))
+    if a.screenshot:
+        print(screenshot(os.path.join(d, "report.html"), a.screenshot))
     return written
+
+
+def never_or_size(n):
+    return "never" if n is None else format_size(n)
+
+
+SWATCHES = ("ring", "tree", "halving_doubling", "hierarchical", "mpi", "torch", "ps/bsp",
+            "ps/ssp", "ps/asp")
+BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+
+
+def screenshot(page, png, size=(1280, 2400)):
+    """Draws `page` (an HTML file) into `png` with a headless Chromium; returns a line
+    saying what happened.  Never raises: a report without its picture is still a report."""
+    browser = next((b for b in map(shutil.which, BROWSERS) if b), None)
+    if browser is None:
+        return (f"no screenshot: none of {', '.join(BROWSERS)} is installed "
+                "(Debian: apt-get install chromium)")
+    png = os.path.abspath(png)
+    os.makedirs(os.path.dirname(png), exist_ok=True)
+    # --no-sandbox: Chromium refuses to run as root with its sandbox on (containers, CI)
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+           f"--screenshot={png}", f"--window-size={size[0]},{size[1]}",
+           "file://" + os.path.abspath(page)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"no screenshot: {browser} failed ({e})"
+    if done.returncode != 0 or not os.path.exists(png):
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return f"no screenshot: {browser} exited {done.returncode} ({tail[0]})"
+    return f"drew {page} into {png}"
 
 
 if __name__ == "__main__":

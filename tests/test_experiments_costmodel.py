@@ -201,5 +201,5 @@ def test_report_shows_the_machines_own_drift_from_the_calibration_rounds():
                        "round_us": [900.0]}]}
     assert fidelity.drift(cal) == [(1 << 20, pytest.approx(3e-4), pytest.approx(4.5e-4), 3)]
     text = " ".join(str(b[1]) for b in report.fidelity_blocks([cal]) if b[0] == "p")
-    assert "1MB 0.30-0.45 ms (slowest +50%)" in text and "over 3 rounds" in text
+    assert "1M 0.30-0.45 ms (slowest +50%)" in text and "over 3 rounds" in text
     assert fidelity.drift({"verify": [{"algo": "ring", "bytes": 1, "time_us": 1.0}]}) == []

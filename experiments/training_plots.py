@@ -1,0 +1,321 @@
+"""The training figures of the report: (b) strategies, (d) ZeRO memory, (e) the
+pipeline's timeline, (f) the parameter server's consistency models.  Each reads
+strategies.train's step records (or its Chrome traces) only; experiments/plots.py
+lists every figure.
+
+    records = experiments.records.load("results/demo")
+    strategy_breakdown(records, "results/demo/plots")     # -> .../strategy_breakdown.png
+"""
+import re
+from bisect import bisect_right
+from collections import defaultdict
+
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
+
+from .palette import PARTS, colour_of, cores_of, save, spread
+from .records import describe, labels_of, model_of, one_comparison
+
+
+def strategy_name(r):
+    c = r.get("config", {})
+    name = c.get("sync", "?")
+    if name in ("ps", "hybrid"):
+        name += f"/{c.get('consistency', 'bsp')}" + (
+            f"({c['staleness']})" if c.get("consistency") == "ssp" else "")
+    if c.get("straggler"):
+        name += " +straggler"
+    return name
+
+
+def on_grid(record):
+    """Whether a training record comes from the dp x pp x tp worker (--dp/--pp/--tp/--zero)."""
+    cfg = record.get("config", {})
+    return bool(cfg.get("dp") or cfg.get("zero") or cfg.get("pp", 1) > 1 or
+                cfg.get("tp", 1) > 1 or cfg.get("micro_batches", 1) > 1)
+
+
+def train_steps(records):
+    runs = defaultdict(list)
+    for r in records:
+        if r.get("command") == "strategies.train" and r.get("kind") == "step":
+            runs[(strategy_name(r), r.get("point"))].append(r)
+    return runs
+
+
+def strategy_breakdown(records, out_dir):
+    """(b) samples/s per strategy, and a rank's mean step split into compute, exposed
+    communication and idle: the time a rank's step ends before the slowest rank's
+    of the same step.  Waiting for a slower peer *inside* a collective cannot be
+    told apart from moving bytes in these records: it counts as exposed comm."""
+    # plain data-parallel runs only: grid runs (ZeRO, pipeline) have plots (d) and (e)
+    runs = {k: v for k, v in train_steps(records).items()
+            if "straggler" not in k[0] and not on_grid(v[0])}
+    runs = one_comparison(runs, model_of, lambda k, c: k[0])
+    if not runs:
+        return None
+    labels = labels_of(runs)
+    names, compute, comm, idle, rate = [], [], [], [], []
+    for run_key, steps in sorted(runs.items(), key=lambda kv: labels[kv[0]]):
+        name = labels[run_key]
+        timed = [s for s in steps if s["step"] > 0] or steps      # step 0 warms up
+        mean = lambda key: sum(s[key] for s in timed) / len(timed)  # noqa: E731
+        names.append(name)
+        compute.append(1e3 * mean("compute_time_s"))
+        comm.append(1e3 * mean("comm_time_s"))
+        slowest = defaultdict(float)                 # a step lasts as long as its slowest rank
+        for s in timed:
+            slowest[s["step"]] = max(slowest[s["step"]], s["step_time_s"])
+        idle.append(1e3 * sum(slowest[s["step"]] - s["step_time_s"] for s in timed) / len(timed))
+        batch = steps[0].get("config", {}).get("global_batch", 64)
+        rate.append(spread([batch / t for t in slowest.values() if t > 0], "iqr"))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4.2))
+    a1.bar(names, [m for m, _, _ in rate], color=[colour_of(n) for n in names],
+           yerr=[[m - lo for m, lo, _ in rate], [hi - m for m, _, hi in rate]], capsize=3)
+    a1.set(ylabel="samples / s",
+           title=f"throughput ({describe(steps[0]['config'])}{cores_of(steps)})")
+    a2.bar(names, compute, label="compute", color=PARTS["compute"])
+    a2.bar(names, comm, bottom=compute, label="exposed comm", color=PARTS["exposed comm"])
+    a2.bar(names, idle, bottom=[c + m for c, m in zip(compute, comm)], label="idle",
+           color=PARTS["idle"])
+    a2.set(ylabel="ms per step (mean over ranks)", title="step-time breakdown")
+    a2.legend(fontsize=8)
+    for ax in (a1, a2):
+        ax.tick_params(axis="x", rotation=20)
+    return save(fig, out_dir, "strategy_breakdown", note=(
+        "throughput: the median over steps (the first, a warm-up, left out) of samples/s, "
+        "a step as long as its slowest rank; bars: the interquartile range over steps.\n"
+        "breakdown: means over ranks and steps; idle is the time a rank waited for the "
+        "slowest rank's step to end."))
+
+
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations")
+
+
+def zero_memory_data(records):
+    """(title, {stage: {part: bytes on the largest rank}}) of the ZeRO comparison, or None.
+    Only runs on data parallelism alone (pp = tp = 1: every rank holds the whole model,
+    so stage 0 holds 4Ψ bytes of fp32 parameters) of one model, world, optimizer and
+    micro-batching, that differ in the stage; a pipeline run is not a ZeRO-0 run."""
+    runs = defaultdict(list)
+    for r in records:
+        c = r.get("config", {})
+        if r.get("command") == "strategies.train" and r.get("kind") == "step" and \
+                isinstance(r.get("memory"), dict) and c.get("pp", 1) == 1 and c.get("tp", 1) == 1:
+            runs[r.get("point")].append(r)
+    runs = one_comparison(runs, lambda c: model_of(c, "optimizer", "micro_batches"),
+                          lambda k, c: c.get("zero", 0))
+    if not runs:
+        return None
+    by_stage = defaultdict(lambda: defaultdict(int))
+    for steps in runs.values():
+        for r in steps:
+            stage, memory = r["config"].get("zero", 0), r["memory"]
+            for part in MEMORY_PARTS:
+                value = memory.get(part, memory.get(f"{part}_peak", 0))
+                by_stage[stage][part] = max(by_stage[stage][part], value)
+    first = next(iter(runs.values()))
+    c = first[0]["config"]
+    return f"{describe(c)}, {c.get('optimizer', 'sgd')}{cores_of(first)}", by_stage
+
+
+def zero_memory(records, out_dir):
+    """(d) bytes per rank by ZeRO stage, stacked by part, from the `memory` dict that
+    strategies.train writes in each step's record on the grid (--dp/--zero):
+    params, grads, optimizer (measured from the tensors) and activations_peak."""
+    data = zero_memory_data(records)
+    if not data:
+        return None
+    title, by_stage = data
+    stages = sorted(by_stage)
+    fig, ax = plt.subplots(figsize=(6.6, 4.4))
+    bottom = [0.0] * len(stages)
+    for part in MEMORY_PARTS:
+        mib = [by_stage[s][part] / 2**20 for s in stages]
+        ax.bar([f"ZeRO-{s}" for s in stages], mib, bottom=bottom, label=part, color=PARTS[part],
+               edgecolor="0.3", lw=0.5)
+        bottom = [b + m for b, m in zip(bottom, mib)]
+    ax.set(ylabel="MiB per rank (largest rank)", title=f"memory per rank by ZeRO stage\n{title}")
+    ax.legend(fontsize=8)
+    return save(fig, out_dir, "zero_memory", note=(
+        "measured from the tensors each rank holds; ZeRO-1 shards the optimizer's state,\n"
+        "ZeRO-2 also the gradients, ZeRO-3 also the parameters (each over the dp ranks)."))
+
+
+def last_step(events):
+    """The events of the trace's last step: from the earliest start, over the ranks,
+    of each rank's last "step" span (the first step carries one-time start-up costs)."""
+    steps = [e for e in events if e.get("ph") == "X" and e.get("cat") == "step"]
+    if not steps:
+        return events
+    last = {}
+    for e in steps:
+        last[e.get("pid", 0)] = max(last.get(e.get("pid", 0), 0), e["ts"])
+    start = min(last.values())
+    return [e for e in events if e.get("ts", 0) >= start]
+
+
+MICRO_BATCH = re.compile(r"mb ?(\d+)")          # strategies/pipeline.py: "forward mb3"
+
+
+def row_names(events):
+    """{pid: "stage 1"} from the trace's process names ("rank 1 (dp 0, pp 1, tp 0)")."""
+    names = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            stage = re.search(r"pp (\d+)", e.get("args", {}).get("name", ""))
+            names[e.get("pid", 0)] = f"stage {stage.group(1)}" if stage else f"rank {e['pid']}"
+    return names
+
+
+def bubble(events):
+    """The measured bubble: the share of (stages x the step's span) that no stage spent
+    in forward or backward.  GPipe's formula (p-1)/(m+p-1) assumes equal stages and
+    free hand-offs; this also holds the sends' waits and uneven stages."""
+    start = min(e["ts"] for e in events)
+    end = max(e["ts"] + e["dur"] for e in events)
+    stages = {e.get("pid", 0) for e in events}
+    return 1 - sum(e["dur"] for e in events) / (len(stages) * (end - start))
+
+
+def in_flight(events):
+    """The most micro-batches one stage held activations for at once: forwarded and not
+    yet back-propagated (GPipe: all m; 1F1B: at most p)."""
+    most = 0
+    for pid in {e.get("pid", 0) for e in events}:
+        held = 0
+        for e in sorted((e for e in events if e.get("pid", 0) == pid), key=lambda e: e["ts"]):
+            held += 1 if e["cat"] == "forward" else -1
+            most = max(most, held)
+    return most
+
+
+def pipeline_gantt(traces, out_dir, about=""):
+    """(e) one timeline per schedule, the last step of each: {schedule: Chrome-trace
+    events} (strategies.train --trace; experiments.report collects them by schedule and
+    says in `about` which model ran).  Forward and backward spans, each with its
+    micro-batch; the hatched rest of each row is the bubble, measured beside the formula."""
+    names = {k: row_names(v) for k, v in (traces or {}).items()}
+    traces = {k: [e for e in last_step(v) if e.get("ph") == "X"
+                  and e.get("cat") in ("forward", "backward")]
+              for k, v in (traces or {}).items()}
+    traces = {k: v for k, v in traces.items() if v}
+    if not traces:
+        return None
+    fig, axes = plt.subplots(len(traces), 1, figsize=(11, 1.2 + 1.6 * len(traces)),
+                             squeeze=False)
+    for ax, (schedule, events) in zip(axes[:, 0], sorted(traces.items())):
+        t0 = min(e["ts"] for e in events)
+        span = (max(e["ts"] + e["dur"] for e in events) - t0) / 1e3
+        stages = sorted({e.get("pid", 0) for e in events})
+        ax.barh(stages, [span] * len(stages), color="white", hatch="///", edgecolor="0.75",
+                lw=0, zorder=0, label="bubble")
+        for e in events:
+            left, width = (e["ts"] - t0) / 1e3, e["dur"] / 1e3
+            ax.barh(e.get("pid", 0), width, left=left, color=PARTS[e["cat"]], edgecolor="0.3",
+                    lw=0.5)
+            mb = MICRO_BATCH.search(e.get("name", ""))
+            if mb and width > span / 80:
+                ax.text(left + width / 2, e.get("pid", 0), mb.group(1), ha="center",
+                        va="center", fontsize=7)
+        p = len(stages)                  # p and m as the schedules' papers name them
+        m = len({mb.group(1) for e in events if (mb := MICRO_BATCH.search(e.get("name", "")))})
+        ax.set_yticks(stages, [names[schedule].get(s, f"rank {s}") for s in stages])
+        ax.set_xlim(0, span * 1.01)
+        ax.set_title(f"{schedule} (last step)", fontsize=10)
+        ax.set_title(f"bubble {bubble(events):.0%} measured, {(p - 1) / (m + p - 1):.0%} by "
+                     f"(p-1)/(m+p-1)", loc="left", fontsize=8)
+        ax.set_title(f"at most {in_flight(events)} micro-batches in flight", loc="right",
+                     fontsize=8)
+        ax.invert_yaxis()
+    axes[0, 0].legend(handles=[Patch(color=PARTS["forward"], label="forward"),
+                               Patch(color=PARTS["backward"], label="backward"),
+                               Patch(facecolor="white", hatch="///", edgecolor="0.75",
+                                     label="bubble (idle)")],
+                      fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    axes[-1, 0].set_xlabel("time (ms) since the step's first forward")
+    if about:
+        fig.suptitle(f"pipeline schedules: {about}", fontsize=10)
+    return save(fig, out_dir, "pipeline_gantt", note=(
+        "Numbers: each span's micro-batch.  Same bubble, less memory: GPipe runs all m "
+        "forwards before any backward, so a stage holds m micro-batches' activations;\n"
+        "1F1B starts micro-batch i's backward before forward i+p, so it holds at most p. "
+        "The measured bubble is higher than the formula's: stages are uneven and sends wait."))
+
+
+def server_updates(steps, mode):
+    """{(rank, step): the updates the server had applied when that rank ended that step}.
+    From the records' server_version where they carry it; otherwise counted from the
+    workers' step ends, each on its own clock from the run's start: under BSP one update
+    a step, once every worker's push is in; under SSP and ASP one update a push."""
+    if all(s.get("server_version") is not None for s in steps):
+        return {(s["rank"], s["step"]): s["server_version"] for s in steps}
+    ends, clock = {}, defaultdict(float)
+    for s in sorted(steps, key=lambda s: s["step"]):
+        clock[s["rank"]] += s["step_time_s"]
+        ends[(s["rank"], s["step"])] = clock[s["rank"]]
+    if mode == "bsp":
+        per_rank = {r: sorted(t for (q, _), t in ends.items() if q == r) for r in clock}
+        return {k: min(bisect_right(times, t) for times in per_rank.values())
+                for k, t in ends.items()}
+    times = sorted(ends.values())
+    return {k: bisect_right(times, t) for k, t in ends.items()}
+
+
+def ps_consistency(records, out_dir):
+    """(f) the consistency models with a straggler: the global loss against each worker's
+    clock (its step) and against wall-clock (a step ends when its slowest worker ends
+    it), each worker's clock against the server's update counter, and the staleness of
+    each push: the updates the server applied between the worker's pull and its push."""
+    runs = {k: v for k, v in train_steps(records).items() if k[0].startswith(("ps/", "hybrid/"))}
+    if any("straggler" in name for name, _ in runs):          # compare like with like
+        runs = {k: v for k, v in runs.items() if "straggler" in k[0]}
+    runs = one_comparison(runs, lambda c: model_of(c, "straggler", "servers"),
+                          lambda k, c: k[0])
+    if not runs:
+        return None
+    labels = labels_of(runs)
+    fig, ((a1, a2), (a3, a4)) = plt.subplots(2, 2, figsize=(11, 7.6))
+    counted = False
+    for run_key, steps in sorted(runs.items(), key=lambda kv: labels[kv[0]]):
+        name, colour, cfg = labels[run_key], colour_of(labels[run_key]), steps[0]["config"]
+        by_step = defaultdict(list)
+        for s in steps:
+            by_step[s["step"]].append(s)
+        order = sorted(by_step)
+        clocks = defaultdict(float)                     # each rank's own elapsed time
+        wall = []
+        for st in order:
+            for s in by_step[st]:
+                clocks[s["rank"]] += s["step_time_s"]
+            wall.append(max(clocks[s["rank"]] for s in by_step[st]))
+        loss = [by_step[st][0]["loss"] for st in order]
+        a1.plot(order, loss, label=name, color=colour)
+        a2.plot(wall, loss, label=name, color=colour)
+        updates = server_updates(steps, cfg.get("consistency", "bsp"))
+        counted |= not all(s.get("server_version") is not None for s in steps)
+        straggler = str(cfg.get("straggler", "")).split(":")[0]
+        for i, rank in enumerate(sorted({s["rank"] for s in steps})):
+            mine = sorted((s for s in steps if s["rank"] == rank), key=lambda s: s["step"])
+            who = f"{name}, rank {rank}" + (" (straggler)" if str(rank) == straggler else "")
+            style = {"color": colour, "linestyle": ("-", "--", ":", "-.")[i % 4], "lw": 1.2}
+            a3.plot([updates[(rank, s["step"])] for s in mine], [s["step"] + 1 for s in mine],
+                    label=who, **style)
+            stale = [(s["step"], s["staleness"]) for s in mine if s.get("staleness") is not None]
+            if stale:
+                a4.plot([t for t, _ in stale], [v for _, v in stale], label=who,
+                        drawstyle="steps-post", **style)
+    a1.set(xlabel="step (each worker's clock)", ylabel="global-batch loss",
+           title=f"loss against step ({describe(cfg)}{cores_of(steps)})")
+    a2.set(xlabel="wall-clock (s)", ylabel="global-batch loss", title="loss against time")
+    a3.set(xlabel="server updates applied" + (" (counted from the step ends)" if counted else ""),
+           ylabel="worker's clock (steps done)", title="each worker's clock against the server's")
+    a4.set(xlabel="step (the worker's clock)", ylabel="staleness (server updates)",
+           title="staleness of each push")
+    for ax in (a1, a2, a3, a4):
+        ax.legend(fontsize=6)
+    return save(fig, out_dir, "ps_consistency", note=(
+        "BSP keeps every worker's clock equal to the server's step (staleness 0); SSP lets "
+        "a worker run at most s steps ahead of the slowest; ASP never waits.\nA worker's "
+        "staleness: how many updates the server applied between its pull and its push "
+        "(psrv/store.py)."))
