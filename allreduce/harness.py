@@ -92,7 +92,7 @@ def time_sample(call, calls=1, barrier=None, settle=None):
 
 
 def interleaved(candidates, rounds, warmup=1, calls=1, comm=None, barrier=None, before=None,
-                settle=None, each_call=False):
+                settle=None, each_call=False, prime=0):
     """Time named candidates in interleaved rounds; returns Timings (the slowest rank's).
 
     candidates  {name: call}: a call takes no arguments; one call is what is timed.
@@ -106,6 +106,8 @@ def interleaved(candidates, rounds, warmup=1, calls=1, comm=None, barrier=None, 
     before      before(name), untimed, ahead of every sample (every call, each_call)
     settle      waits for queued device work (torch.cuda.synchronize) around the clock
     each_call   keep each of the calls as a sample (one barrier ahead of them all)
+    prime       untimed calls of a candidate right before each of its samples: its
+                caches as a repeated call leaves them, whatever ran before it
     """
     if rounds < 1 or warmup < 0:
         raise ValueError(f"interleaved: rounds must be >= 1 and warmup >= 0, "
@@ -118,6 +120,8 @@ def interleaved(candidates, rounds, warmup=1, calls=1, comm=None, barrier=None, 
     samples = {name: [] for name in candidates}
     for rnd in range(warmup + rounds):
         for name, call in candidates.items():           # interleaved: A B C A B C ...
+            for _ in range(prime):
+                call()
             if each_call:
                 seconds = each_call_samples(name, call, per_name[name], barrier, before, settle)
             else:

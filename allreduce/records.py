@@ -184,3 +184,17 @@ def read_calibration(path):
     """The calibration (a dict) of a file or of a directory holding calibration.json."""
     with open(calibration_file(path)) as f:
         return json.load(f)
+
+
+def write_calibration(directory, calibration):
+    """Write DIR/calibration.json (DIR created if missing), atomically; returns its path."""
+    if directory.endswith(".json"):
+        raise ValueError(f"--out {directory!r}: --out names a directory, into which "
+                         f"{CALIBRATION} is written; give e.g. --out results")
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, CALIBRATION)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(calibration, f, indent=1)
+    os.replace(tmp, path)
+    return path

@@ -1,9 +1,9 @@
 """Fit the cost model's alpha, beta, gamma on this machine with a short microbenchmark.
 
-    python -m experiments.calibrate --out results/calibration.json        # ~45 s
+    python -m experiments.calibrate --out results       # ~45 s: results/calibration.json
     python -m experiments.calibrate --no-ps --jsonl results/x/records.jsonl
     sudo .venv/bin/python -m experiments.cluster run --nodes 2 --ranks-per-node 2 \\
-        --inter-gbps 1 -- experiments.calibrate --reps 5 --out cal.json   # hosts and link
+        --inter-gbps 1 -- experiments.calibrate --reps 5 --out results/cluster-cal  # + link
 
 Started by mpiexec on several hosts (emulated, as above, or real) it calibrates a host
 and the link between (experiments/calibrate_link.py).  What follows is the one-host part.
@@ -65,8 +65,9 @@ each round (round_us) shows that drift: how far any prediction made minutes
 before a measurement can be trusted on this machine.
 
 The driver (no mpiexec) launches the MPI part under mpiexec -n 2, runs the
-psrv part itself, and writes one JSON object (and, with --jsonl, one record
-of kind "calibration" for the report).
+psrv part itself, and writes DIR/calibration.json (--out DIR; every reader of a
+calibration takes the file or DIR) and, with --jsonl, one record of kind
+"calibration" for the report.
 """
 import argparse
 import contextlib
@@ -76,12 +77,14 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
+from allreduce.cli import add_output_flags
+from allreduce.records import (CALIBRATION, append_jsonl, mpiexec_path, provenance,
+                               write_calibration)
+
 from . import calibrate_link
-from .records import append_jsonl, mpiexec_path, provenance
 
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
 PS_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
@@ -118,6 +121,7 @@ def mpi_part(reps, verify=(), comm=None):
     import allreduce
     from mpi4py import MPI
 
+    from allreduce.harness import interleaved
     from allreduce.transport import MPITransport
     comm = comm or MPI.COMM_WORLD
     t = MPITransport(comm)
@@ -137,9 +141,7 @@ def mpi_part(reps, verify=(), comm=None):
     for c in colls.values():
         c.check = False
     work = {n: np.zeros(n // 4, np.float32) for n in VERIFY_SIZES}   # sums stay finite
-    probes = {}
     one_way_calls = 0   # the one-way probes alternate the sender call by call
-    per_round = {}      # (algorithm, bytes) -> its median in each round: the machine's drift
 
     def allgather_step(pair):
         send, recv = pair
@@ -155,55 +157,45 @@ def mpi_part(reps, verify=(), comm=None):
             t.recv(recv, peer)
         one_way_calls += 1
 
-    def timed(key, fn, nbytes, before=None):
-        """One warm-up call, then k calls (k ~ 8 MiB / nbytes, 3 to 50), each timed:
-        caches as warm as in a benchmark that repeats one call, whatever the probe
-        before it touched.  Every call counts (the medians are taken in the end),
-        so that a call the hypervisor stalled for a millisecond, which this VM
-        does every few dozen calls, moves the result no more than any other.
-        before(), untimed, sets the caches up as a ring would leave them."""
-        k = min(50, max(3, (8 << 20) // max(nbytes, 1)))
-        fn()
-        t.barrier()
-        seconds = []
-        for _ in range(k):
-            if before:
-                before()
-            start = time.perf_counter()
-            fn()
-            seconds.append(time.perf_counter() - start)
-        probes.setdefault(key, []).extend(seconds)
-        return seconds
+    # Every probe and every verified all-reduce once per round (allreduce.harness), so
+    # a machine that changes speed mid-run slows all alike; before(), untimed, sets the
+    # caches up as a ring would leave them.
+    probes, before, nbytes = {}, {}, {}
 
-    # Round-robin: every probe and every verified all-reduce once per round, so a
-    # machine that changes speed mid-run slows all alike.
-    for rnd in range(reps + 1):
-        for n, (send, scratch, pair) in steps.items():
-            timed(("rs", n), lambda: t.sendrecv(send, peer, scratch, peer), n,
-                  before=lambda: send.fill(1.0))
-            timed(("ag", n), lambda: allgather_step(pair), n)
-            if n >= LARGE:
-                timed(("rs1", n), lambda: one_way(send, scratch), n,
-                      before=lambda: send.fill(1.0))
-                # what it sent last it now receives into: a chunk the peer just read
-                timed(("ag1", n), lambda: one_way(pair[0], pair[0]), n)
-        for n, (x, y) in adds.items():
-            timed(("add", n), lambda: np.add(x, y, out=x), n)
-        timed("copy", lambda: np.copyto(a, b), a.nbytes)
-        timed("step", lambda: ring.allreduce(tiny), 8)
-        for name, c in colls.items():
-            for n in VERIFY_SIZES:        # a fresh input each call, as in allreduce.bench
-                seconds = timed((name, n), lambda: c.allreduce(work[n]), n,
-                                before=lambda: work[n].fill(0.0))
-                if rnd:
-                    per_round.setdefault((name, n), []).append(float(np.median(seconds)))
-        if rnd == 0:
-            probes.clear()                     # warm-up round: page faults, connections
-    med = {k: comm.allreduce(float(np.median(v)), op=MPI.MAX) for k, v in probes.items()}
-    for key, medians in per_round.items():          # the slowest rank's, round by round
-        mine = np.array(medians)
-        per_round[key] = np.empty_like(mine)
-        comm.Allreduce(mine, per_round[key], op=MPI.MAX)
+    def probe(key, fn, n, reset=None):
+        probes[key], nbytes[key] = fn, n
+        if reset:
+            before[key] = reset
+
+    for n, (send, scratch, pair) in steps.items():
+        probe(("rs", n), lambda send=send, scratch=scratch: t.sendrecv(send, peer, scratch, peer),
+              n, reset=lambda send=send: send.fill(1.0))
+        probe(("ag", n), lambda pair=pair: allgather_step(pair), n)
+        if n >= LARGE:
+            probe(("rs1", n), lambda send=send, scratch=scratch: one_way(send, scratch), n,
+                  reset=lambda send=send: send.fill(1.0))
+            # what it sent last it now receives into: a chunk the peer just read
+            probe(("ag1", n), lambda pair=pair: one_way(pair[0], pair[0]), n)
+    for n, (x, y) in adds.items():
+        probe(("add", n), lambda x=x, y=y: np.add(x, y, out=x), n)
+    probe("copy", lambda: np.copyto(a, b), a.nbytes)
+    probe("step", lambda: ring.allreduce(tiny), 8)
+    for name, c in colls.items():
+        for n in VERIFY_SIZES:        # a fresh input each call, as in allreduce.bench
+            probe((name, n), lambda c=c, n=n: c.allreduce(work[n]), n,
+                  reset=lambda n=n: work[n].fill(0.0))
+    # k calls a probe a round (k ~ 8 MiB / nbytes, 3 to 50), each its own sample, so
+    # that a call the hypervisor stalled for a millisecond, which this VM does every
+    # few dozen calls, moves the median no more than any other; one untimed call
+    # first, so the caches are as warm as in a benchmark that repeats one call.
+    calls = {key: min(50, max(3, (8 << 20) // max(n, 1))) for key, n in nbytes.items()}
+    timings = interleaved(probes, rounds=reps, warmup=1, calls=calls, comm=comm,
+                          barrier=t.barrier, each_call=True, prime=1,
+                          before=lambda key: before[key]() if key in before else None)
+    med = timings.medians()                            # the slowest rank's samples
+    # the verified all-reduces' median in each round: the machine's drift
+    per_round = {key: np.median(np.reshape(timings.samples[key], (reps, calls[key])), axis=1)
+                 for key in timings.names if key[0] in colls}
     exchange = [(med[("rs", n)] + med[("ag", n)]) / 2 for n in SIZES]
     alpha, beta = fit_two_regimes(SIZES, exchange)
     large = [n for n in SIZES if n >= LARGE]
@@ -223,7 +215,7 @@ def mpi_part(reps, verify=(), comm=None):
             "exchange_scratch_s": [med[("rs", n)] for n in SIZES],
             "exchange_just_read_s": [med[("ag", n)] for n in SIZES],
             "verify": [{"algo": name, "bytes": n, "world_size": 2, "time_us": med[(name, n)] * 1e6,
-                        "round_us": [round(x * 1e6, 1) for x in per_round[(name, n)]]}
+                        "round_us": [round(float(x) * 1e6, 1) for x in per_round[(name, n)]]}
                        for name in colls for n in VERIFY_SIZES]}
 
 
@@ -233,7 +225,9 @@ PS_WORKERS = (1, 2, 3)        # W = 1 fits T1(n), W = 2 fits D(n), W = 3 checks 
 def ps_worker(w, endpoints, barrier, results, reps):
     """One process of the psrv probe: a client of every server set with more than
     w workers; every (size, W) block starts at a barrier, so blocks alternate
-    W = 1, 2, 3, 1, 2, 3, ... within seconds and the machine's drift hits all alike."""
+    W = 1, 2, 3, 1, 2, 3, ... within seconds and the machine's drift hits all alike.
+    Puts its samples {(W, n): [seconds per push+pull, a round each]} on `results`."""
+    from allreduce.harness import interleaved
     from psrv.client import Client
     from psrv.config import OptimizerConfig
     clients = {W: Client(eps, w, W, timeout=120.0) for W, eps in endpoints.items() if w < W}
@@ -242,20 +236,19 @@ def ps_worker(w, endpoints, barrier, results, reps):
     for c in clients.values():
         c.init(params, OptimizerConfig("sgd", lr=1e-9))
     step = {(W, k): 0 for W in clients for k in params}
-    for rep in range(reps + 1):                       # rep 0 warms up
-        for n in PS_SIZES:
-            name, iters = f"s{n}", max(5, min(100, int(8e7 / n)))
-            for W in endpoints:
-                barrier.wait(120)
-                if W not in clients:
-                    continue
-                start = time.perf_counter()
-                for _ in range(iters):
-                    clients[W].push_pull({name: params[name]}, {name: out[name]},
-                                         step[(W, name)]).wait()
-                    step[(W, name)] += 1
-                if rep:
-                    results.put((W, n, rep, (time.perf_counter() - start) / iters))
+
+    def push_pull(W, name):
+        if W not in clients:             # a set this worker is not in: it only keeps the barriers
+            return
+        clients[W].push_pull({name: params[name]}, {name: out[name]}, step[(W, name)]).wait()
+        step[(W, name)] += 1
+
+    blocks = {(W, n): (lambda W=W, name=f"s{n}": push_pull(W, name))
+              for n in PS_SIZES for W in endpoints}
+    calls = {(W, n): max(5, min(100, int(8e7 / n))) for W, n in blocks}
+    timings = interleaved(blocks, rounds=reps, warmup=1, calls=calls,
+                          barrier=lambda: barrier.wait(120))
+    results.put(timings.samples)
     for c in clients.values():
         c.close()
 
@@ -265,8 +258,9 @@ def ps_part(reps, verify=True):
     W = 1 gives ps_alpha and the round-trip curve T1(n); W = 2 what one more
     worker adds, D(n) (costmodel.psrv_time: t = T1 + (W - 1) D); W = 3 is then
     predicted, not fitted: ps_verify."""
-    from psrv.bench import collect
+    from allreduce.harness import Timings, slowest
     from psrv.launch import start_local_servers
+    from psrv.measure import collect
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     workers = PS_WORKERS if verify else PS_WORKERS[:2]
@@ -278,11 +272,12 @@ def ps_part(reps, verify=True):
                  for w in range(max(workers))]
         for p in procs:
             p.start()
-        times = {}
-        for W, n, rep, t in collect(results, reps * len(PS_SIZES) * sum(workers), procs):
-            times[(W, n, rep)] = max(times.get((W, n, rep), 0.0), t)   # the slowest worker
+        # the slowest worker, round by round (one outside a set adds nothing: it times 0)
+        timings = slowest(Timings(s) for s in collect(results, len(procs), procs))
         for p in procs:
             p.join(60)
+    times = {(W, n, r): timings.samples[(W, n)][r - 1] for W, n in timings.names
+             for r in range(1, reps + 1)}
     runs = range(1, reps + 1)
     seconds = [float(np.median([times[(1, n, r)] for r in runs])) for n in PS_SIZES]
     alpha, two_beta = fit_two_regimes(PS_SIZES, seconds)
@@ -299,32 +294,38 @@ def ps_part(reps, verify=True):
                           for (W, n), t in median.items() if W > 2]}
 
 
-def main(argv=None):
+def parser():
     p = argparse.ArgumentParser(prog="python -m experiments.calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="", help="write the fitted constants to this JSON file")
-    p.add_argument("--jsonl", default="", help="append a record of kind 'calibration'")
-    p.add_argument("--reps", type=int, default=15)
+    add_output_flags(p, out_what=f"{CALIBRATION} (the fitted constants)")
+    p.add_argument("--reps", type=int, default=15, help="timed rounds of every probe")
     p.add_argument("--no-ps", dest="ps", action="store_false", help="skip the psrv part")
     p.add_argument("--verify", default="ring,tree,halving_doubling",
                    help="all-reduces timed in the same rounds as the probes ('' for none)")
-    p.add_argument("--mpi-part", action="store_true", help="(internal) run under mpiexec -n 2")
-    a = p.parse_args(argv)
+    p.add_argument("--mpi-part", default="", metavar="FILE",
+                   help="(internal) run the MPI part under mpiexec -n 2, write it to FILE")
+    return p
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
+    if a.out.endswith(".json"):
+        parser().error(f"--out {a.out!r}: --out names a directory, into which {CALIBRATION} "
+                       f"is written (e.g. --out results)")
     if not a.mpi_part and calibrate_link.launched_on_hosts():
         return calibrate_link.main(a)
     if a.mpi_part:
         result = mpi_part(a.reps, [v for v in a.verify.split(',') if v])
         from mpi4py import MPI
-        if MPI.COMM_WORLD.rank == 0 and a.out:
-            with open(a.out, "w") as f:
+        if MPI.COMM_WORLD.rank == 0:
+            with open(a.mpi_part, "w") as f:
                 json.dump(result, f)
         return result
-    mpiexec = mpiexec_path()
     with tempfile.TemporaryDirectory() as tmp:
         part = os.path.join(tmp, "mpi.json")
-        subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "mpi4py", "-m",
-                        "experiments.calibrate", "--mpi-part", "--reps", str(a.reps),
-                        "--verify", a.verify, "--out", part], check=True, timeout=300)
+        subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-m", "mpi4py", "-m",
+                        "experiments.calibrate", "--mpi-part", part, "--reps", str(a.reps),
+                        "--verify", a.verify], check=True, timeout=300)
         with open(part) as f:
             result = json.load(f)
     if a.ps:
@@ -337,9 +338,7 @@ def main(argv=None):
               f"  ps_alpha {result['ps_alpha_s'] * 1e6:.0f} us  ps_beta "
               f"{1e-9 / result['ps_beta_s_per_byte']:.2f} GB/s" if a.ps else ""), flush=True)
     if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+        print(f"wrote {write_calibration(a.out, result)}", flush=True)
     if a.jsonl:
         append_jsonl(a.jsonl, [{"kind": "calibration", **result, "provenance": provenance()}])
     return result

@@ -1,13 +1,13 @@
 """Calibrate both levels of a cluster in one job: shared memory inside a host, the link between.
 
     sudo .venv/bin/python -m experiments.cluster run --nodes 2 --ranks-per-node 2 \\
-        --inter-gbps 1 -- experiments.calibrate --reps 5 --out results/cluster-cal.json
+        --inter-gbps 1 -- experiments.calibrate --reps 5 --out results/cluster-cal
     mpiexec -f hostfile -n 4 -ppn 2 .venv/bin/python -m mpi4py -m experiments.calibrate \\
-        --out cal.json                                                   # real hosts
+        --out results/hosts-cal                                          # real hosts
 
 experiments.calibrate comes here when mpiexec started it on two hosts or more
 (MPI's shared-memory split tells the hosts apart).  allreduce/twolevel.py
-reads the record it writes; `allreduce.bench --predict FILE` too.
+reads the calibration.json it writes; `allreduce.bench --predict DIR` too.
 
   inside a host  the first two ranks of host 0 run calibrate.mpi_part's probes
                  (alpha, beta one way and exchanged, gamma, per size) while every
@@ -40,6 +40,8 @@ import subprocess
 import time
 
 import numpy as np
+
+from allreduce.records import append_jsonl, provenance, write_calibration
 
 LINK_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
 KINDS = ("one_way", "exchange", "shared")
@@ -201,10 +203,10 @@ def calibrate_hosts(reps, verify):
     medians = link_part(t, a, b, a2, b2, max(3, reps))
     if comm.rank != 0:
         return None
-    from allreduce.records import provenance      # in a rank: asks this process's MPI
     return {**intra, **fit_link(medians, 2), "inter_gbps": shaped_gbps(),
             "nodes": nodes, "ranks_per_node": R, "cores": os.cpu_count(),
-            "loadavg": os.getloadavg(), "provenance": provenance()}
+            "loadavg": os.getloadavg(),
+            "provenance": provenance()}         # in a rank: asks this process's own MPI
 
 
 def describe(cal):
@@ -226,11 +228,8 @@ def main(a):
         return None
     print(describe(result), flush=True)
     if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+        print(f"wrote {write_calibration(a.out, result)}", flush=True)
     if a.jsonl:
-        from .records import append_jsonl
         # Its own kind: the report's one-host predictions read "calibration" records.
         append_jsonl(a.jsonl, [{"kind": "link_calibration", **result}])
     return result

@@ -3,8 +3,8 @@
     python -m experiments.simulate                            # 8 GPUs a node, NVLink + 100 Gb/s
     python -m experiments.simulate --ranks-per-node 4 --inter-gbps 3 --inter-latency-us 30 \\
         --sizes 1M,64M,1G --jsonl results/sim.jsonl
-    python -m experiments.simulate --calibration results/calibration.json   # intra = this box
-    python -m experiments.simulate --ranks-per-node 2 --calibration cluster-cal.json
+    python -m experiments.simulate --calibration results      # intra = this box's calibration
+    python -m experiments.simulate --ranks-per-node 2 --calibration results/cluster-cal
         # intra and link as measured on the emulated cluster (experiments/calibrate_link.py)
 
 A cluster is N nodes of k ranks, ranks placed in blocks (node i holds ranks
@@ -29,17 +29,17 @@ the ring's steps one); a tree round goes segment by segment, a latency each.
                 max(n beta_inter, N n beta_inter / S) + alpha_inter, then an
                 intra-node broadcast
 
---calibration FILE takes the intra-node figures from a calibration, and where
+--calibration FILE|DIR takes the intra-node figures from a calibration, and where
 it was taken on several hosts (experiments.calibrate under
 `experiments.cluster run`: inter_* fields) the inter-node port's too, in place
 of --inter-gbps and --inter-latency-us.
 """
 import argparse
-import json
-import math
 from dataclasses import dataclass
 
-from allreduce.records import append_jsonl
+from allreduce.cli import add_output_flags, size_list
+from allreduce.records import append_jsonl, read_calibration
+from allreduce.units import format_size
 from allreduce.twolevel import cluster_allreduce_time, link_from_calibration
 
 from .costmodel import Machine, ring_reduce_scatter
@@ -131,12 +131,8 @@ def crossovers(c, ranks=RANKS, n_large=256 << 20):
 
 
 def human(n):
-    if n is None:
-        return "never"
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:g}{unit}"
-    return str(n)
+    """A crossover's size, or "never" where there is none."""
+    return "never" if n is None else format_size(n)
 
 
 def cluster_from_args(a):
@@ -145,32 +141,38 @@ def cluster_from_args(a):
     intra = Machine(a.intra_latency_us * 1e-6, 1 / (a.intra_gbps * 1e9), 1 / (a.reduce_gbps * 1e9))
     inter = Machine(a.inter_latency_us * 1e-6, 1 / (a.inter_gbps * 1e9))
     if a.calibration:
-        with open(a.calibration) as f:
-            cal = json.load(f)
+        cal = read_calibration(a.calibration)
         intra = Machine.from_calibration(cal, cores=False)
         if "inter_beta_s_per_byte" in cal:
             inter = link_from_calibration(cal)
     return Cluster(a.ranks_per_node, intra, inter)
 
 
-def main(argv=None):
-    from allreduce.bench import parse_size
+def parser():
     p = argparse.ArgumentParser(prog="python -m experiments.simulate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--ranks-per-node", type=int, default=8, help="ranks (GPUs) a node")
     p.add_argument("--intra-gbps", type=float, default=150.0, help="GB/s per direction (NVLink)")
-    p.add_argument("--intra-latency-us", type=float, default=2.0)
+    p.add_argument("--intra-latency-us", type=float, default=2.0,
+                   help="latency of a message inside a node")
     p.add_argument("--inter-gbps", type=float, default=12.5, help="GB/s (100 Gb/s network)")
-    p.add_argument("--inter-latency-us", type=float, default=10.0)
+    p.add_argument("--inter-latency-us", type=float, default=10.0,
+                   help="latency of a message between nodes")
     p.add_argument("--reduce-gbps", type=float, default=500.0, help="GB/s of summing on a GPU")
-    p.add_argument("--calibration", default="", help="take intra-node alpha/beta/gamma from it, "
-                   "and the inter-node link's where it has inter_* (calibrated on a cluster)")
-    p.add_argument("--sizes", default="64K,16M,1G")
-    p.add_argument("--jsonl", default="", help="append the simulation and crossover records")
-    a = p.parse_args(argv)
+    p.add_argument("--calibration", default="", metavar="FILE|DIR",
+                   help="take intra-node alpha/beta/gamma from a calibration (its file, or the "
+                   "directory `experiments.calibrate --out DIR` wrote), and the inter-node "
+                   "link's where it has inter_* (calibrated on a cluster)")
+    p.add_argument("--sizes", type=size_list, default="64K,16M,1G",
+                   help="comma list of message sizes, e.g. 64K,16M,1G")
+    add_output_flags(p, out=False)
+    return p
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
     c = cluster_from_args(a)
-    sizes = [parse_size(s) for s in a.sizes.split(",")]
-    rows, cross = table(sizes, c), crossovers(c)
+    rows, cross = table(a.sizes, c), crossovers(c)
     print(f"{'P':>5} {'nodes':>5} {'PS servers to beat ring':>24} {'tree beats ring up to':>22} "
           f"{'hierarchical beats ring from':>29}")
     for x in cross:
