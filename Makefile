@@ -26,9 +26,11 @@ demo: venv
 	$(PY) -m experiments.report results/demo
 
 # The README's gallery: the demo's figures copied into docs/gallery (tracked files,
-# so only this target writes them).
+# so only this target writes them), and report.html drawn into docs/gallery/report.png
+# by a headless Chromium where one is installed (Debian: apt-get install chromium).
 gallery: demo
-	$(PY) -m experiments.report results/demo --gallery docs/gallery
+	$(PY) -m experiments.report results/demo --gallery docs/gallery \
+	    --screenshot docs/gallery/report.png
 
 # The same on emulated clusters (2 and 4 hosts, 1 and 10 Gbit/s links): network
 # namespaces, so it needs root; 21 minutes measured on 2 busy cores, 8-10 expected

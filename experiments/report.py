@@ -97,6 +97,12 @@ def render(blocks, fmt):
             out.append(f"![{a[1]}]({a[0]})\n" if fmt == "md" else
                        f'<p><a href="{a[0]}"><img src="{a[0]}" alt="{html.escape(a[1])}" '
                        f'style="max-width:100%"></a></p>')
+        elif kind == "figure":         # title, image, what to look at; two abreast in HTML
+            title, path, caption = a
+            out.append(f"### {title}\n\n![{title}]({path})\n\n{caption}\n" if fmt == "md" else
+                       f'<div class=fig><h3>{html.escape(title)}</h3><a href="{path}"><img '
+                       f'src="{path}" alt="{html.escape(title)}"></a><p>{html.escape(caption)}'
+                       f'</p></div>')
         elif kind == "swatches":       # the colours every figure gives these names
             out.append("Colours: " + ", ".join(f"{name} {colour}" for name, colour in a[0])
                        + "\n" if fmt == "md" else "<p>Colours, the same in every figure: " +
@@ -117,8 +123,14 @@ def render(blocks, fmt):
     body = "\n".join(out)
     if fmt == "html":
         body = f"<!doctype html><meta charset=utf-8><title>topolab report</title>" \
-               f"<body style='font-family:sans-serif;max-width:60em'>{body}</body>"
+               f"<style>{STYLE}</style><body>{body}</body>"
     return body
+
+
+STYLE = ("body{font-family:sans-serif;max-width:1240px;margin:1em auto}"
+         ".fig{display:inline-block;width:49%;vertical-align:top;margin-bottom:1em}"
+         ".fig img{max-width:98%}.fig h3{margin:.3em 0}.fig p{margin:.2em 1em 0 0}"
+         "table{border-collapse:collapse;font-size:90%}")
 
 
 def cells(row, tag):
@@ -260,8 +272,6 @@ def main(argv=None):
     sim_records = read_jsonl(sim_file)
     blocks = [("h", 1, f"topolab report: {os.path.abspath(d)}")]
     blocks += provenance_block(everything, points)
-    blocks.append(("h", 2, "Cost model: predicted beside measured"))
-    blocks += fidelity_blocks(records)
     blocks.append(("h", 2, "Figures"))
     blocks.append(("swatches", [(name, COLOURS[name]) for name in SWATCHES]))
     written = []
@@ -276,16 +286,16 @@ def main(argv=None):
         out = os.path.join(d, "plots")
         path = (fn(sim_records, out, cluster=cluster) if fn is plots.crossovers else
                 fn(traces, out, about=about) if fn is plots.pipeline_gantt else fn(records, out))
-        if path or not cluster_only:
-            blocks.append(("h", 3, title))
         if path:
             rel = os.path.relpath(path, d)
             written.append(path)
-            blocks.append(("img", rel, title))
-            blocks.append(("p", f"{look} (SVG: {rel[:-4]}.svg; the numbers drawn: "
-                                f"{rel[:-4]}.json)"))
+            blocks.append(("figure", title, rel, f"{look} (SVG: {rel[:-4]}.svg; the numbers "
+                                                 f"drawn: {rel[:-4]}.json)"))
         elif not cluster_only:
-            blocks.append(("p", f"No figure: the records hold no data for it. Needs: {needs}."))
+            blocks += [("h", 3, title),
+                       ("p", f"No figure: the records hold no data for it. Needs: {needs}.")]
+    blocks.append(("h", 2, "Cost model: predicted beside measured"))
+    blocks += fidelity_blocks(records)
     more, paths = cluster_blocks(everything, d)
     blocks += more
     written += paths
