@@ -87,12 +87,12 @@ def trace_path(raw):
 
 
 def calibration_path(raw, cluster):
-    """Where the calibration of `cluster` goes: RESULTS/calibration/2x2-1gbit-0us.json.
-    The experiments.calibrate point on that cluster writes it; the allreduce.bench
-    points with `predict = true` on the same cluster read it, so the calibrate
-    [[run]] comes first in the file."""
+    """The directory of the calibration of `cluster`: RESULTS/calibration/2x2-1gbit-0us/.
+    The experiments.calibrate point on that cluster writes calibration.json there
+    (--out); the allreduce.bench points with `predict = true` on the same cluster
+    read it (--predict), so the calibrate [[run]] comes first in the file."""
     name = (f"{cluster['nodes']}x{cluster['ranks_per_node']}-{cluster['inter_gbps']:g}gbit-"
-            f"{cluster['inter_latency_us']:g}us.json")
+            f"{cluster['inter_latency_us']:g}us")
     return os.path.join(os.path.dirname(os.path.dirname(raw)), "calibration", name)
 
 

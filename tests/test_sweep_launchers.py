@@ -136,10 +136,10 @@ def test_command_lines_of_each_launcher(tmp_path, monkeypatch):
                         "/res/raw/c.jsonl", place)
     job = argv.index("--")
     assert argv[job + 1:] == ["experiments.calibrate", "--jsonl", "/res/raw/c.jsonl", "--reps",
-                              "5", "--verify", "", "--out", "/res/calibration/2x2-1gbit-0us.json"]
+                              "5", "--verify", "", "--out", "/res/calibration/2x2-1gbit-0us"]
     argv = command_line("allreduce.bench", {**params, "predict": True, "launcher": "emulated",
                                             "cluster": cluster}, "/res/raw/b.jsonl", place)
-    assert argv[argv.index("--predict") + 1] == "/res/calibration/2x2-1gbit-0us.json"
+    assert argv[argv.index("--predict") + 1] == "/res/calibration/2x2-1gbit-0us"
     argv = command_line("allreduce.bench", {**params, "launcher": "hostfile:/h"}, "/r.jsonl")
     assert argv[1:5] == ["-f", "/h", "-n", "4"] and argv[5:9] == [sys.executable, "-m",
                                                                  "mpi4py", "-m"]
