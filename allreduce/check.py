@@ -14,7 +14,7 @@ import numpy as np
 from .buffers import DTYPE_NAMES, OPS, CollectiveError
 
 CHECK_TAG = 7919
-COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall")
 _FIELDS = 6  # collective, count, dtype, op, root, input error
 
 

@@ -4,12 +4,14 @@
     coll.reduce_scatter(x)          -> this rank's shard of the sum (x is left unchanged)
     coll.allgather(shard, n=None)   -> all shards concatenated in rank order
     coll.broadcast(x, root=0)       in place
+    coll.alltoall(x, out=None)      -> block j from rank j (alltoall.py; x is left unchanged)
 
 An algorithm subclasses `Collective` and writes four methods on flat buffers:
 `_allreduce(x, op)`, `_reduce_scatter(x, bounds, op)` (in place; x is a scratch
 copy), `_allgather(x, bounds)` (own shard already in place) and
 `_broadcast(x, root)`.  Shard boundaries always come from `shards.shard_bounds`
-(`self.shard_bounds(n)` keeps them per n).
+(`self.shard_bounds(n)` keeps them per n).  All-to-all is alltoall.py's, over the
+transport, for every algorithm; a baseline overrides `_alltoall(x, out, bounds)`.
 
 The call path is kept lean, since a small all-reduce costs about 8 us in MPI
 itself here and every microsecond of Python shows: a buffer is validated once
@@ -20,6 +22,7 @@ runs only when asked for.
 import numpy as np
 
 from . import check
+from .alltoall import alltoall as textbook_alltoall, check_out, received_bounds
 from .buffers import (INTEGER_CODES, OPS, Scratch, Validator, copy_into, empty_like, flat,
                       numel, reduce_into, scale)
 from .errors import CollectiveError, CollectiveTimeout, TransportError, TransportTimeout
@@ -109,13 +112,26 @@ class Collective:
         self._guarded("broadcast", self._broadcast, buf, root)
         return x
 
+    def alltoall(self, x, out=None):
+        """Rank r's block j (shard_bounds of x) goes to rank j; returns out, whose
+        block j is rank j's block r: P blocks of shard r's size (alltoall.py)."""
+        x_flat = self._begin("alltoall", x, writable=False, out=out)
+        bounds = self.shard_bounds(numel(x))
+        if out is None:
+            out = empty_like(x, received_bounds(bounds, self.rank)[-1][1])
+        self._guarded("alltoall", self._alltoall, x_flat, flat(out), bounds)
+        return out
+
+    def _alltoall(self, x, out, bounds):
+        textbook_alltoall(self.transport, x, out, bounds, self.scratch)
+
     def barrier(self):
         self._guarded("barrier", self.transport.barrier)
 
     # ------------------------------------------------------------ plumbing
-    def _begin(self, collective, x, op=None, root=-1, count=None, writable=True):
-        """Validate arguments before any message is sent; with TOPOLAB_CHECK, compare
-        ranks.  Returns x as a flat buffer."""
+    def _begin(self, collective, x, op=None, root=-1, count=None, writable=True, out=None):
+        """Validate arguments (`out`: an all-to-all's) before any message is sent;
+        with TOPOLAB_CHECK, compare ranks.  Returns x as a flat buffer."""
         problem = code = None
         try:
             if op is not None and op not in OPS:
@@ -123,6 +139,8 @@ class Collective:
             code = self.validator.check(x, writable, self.name, collective)
             if op == "avg" and code in INTEGER_CODES:
                 raise CollectiveError(f"op 'avg' needs a floating dtype, got {x.dtype}")
+            if out is not None:
+                check_out(x, out, self.rank, self.size, f"{self.name} {collective}")
         except CollectiveError as e:
             problem = e
         if self.check:
