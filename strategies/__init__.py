@@ -7,18 +7,21 @@
     python -m strategies.train --sync ring --pp 2 --tp 2 --zero 1 ...   (under mpiexec -n 4)
 
 Read in this order:
+    choices.py     ConfigError and the values of each choice flag (imports nothing)
     config.py      TrainConfig (frozen, validated) and the --key value command line
-    context.py     RunContext: ranks, data-parallel communicator, servers, device
+    context.py     RunContext: ranks, data-parallel communicator, servers (psrv decides), device
     data.py        synthetic teacher / Markov data, user .npz / text, global-batch sharding
     models.py      MLP and a small GPT
     buckets.py     flat gradient buckets, all-reduced during backward by a comm thread
     compress.py    none / fp16 / bf16 on the wire
-    sync.py        GradientSync: local, all-reduce backends, parameter servers, hybrid
-    optimizer.py   DistributedOptimizer: the syncs for a model and loop of the user's own
+    sync.py        the sync contract (GradientSync); local and the all-reduce backends
+    ps_sync.py     parameter servers, and hybrid (all-reduce in a node, servers between)
+    optimizer.py   DistributedOptimizer: builds every sync, for a loop of the user's own
     example_user_model.py  a complete run of it on a small CNN of its own
     metrics.py     JSON Lines records, progress bar, summary
     checkpoint.py  atomic checkpoints and --resume
-    train.py       the loop
+    loop.py        the training loop, once, over a step engine
+    train.py       the command line: preflight, the data-parallel engine
     bench.py       interleaved throughput benchmark
   the dp x pp x tp grid (train.py hands over with --dp/--pp/--tp/--zero):
     grid.py        ProcessGrid: arange(world).reshape(dp, pp, tp), a communicator per axis
@@ -27,7 +30,7 @@ Read in this order:
     pipeline.py    stages of blocks; GPipe and 1F1B over the point-to-point transport
     memory.py      params / grads / optimizer / saved-activation bytes, measured
     trace.py       Chrome trace (Perfetto) of forward, backward, comm and idle time
-    parallel.py    the grid worker: builds the rank's share, runs the step, records
+    parallel.py    the grid's step engine: builds the rank's share, runs the step
     bench_parallel.py  ZeRO memory and traffic, pipeline bubbles, ZeRO-3 speed
 """
 

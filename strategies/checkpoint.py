@@ -1,15 +1,17 @@
 """Checkpoints: every K steps and at the end; --resume continues the same trajectory.
 
-    save(cfg, ctx, step, model, optimizer)    # data-parallel rank 0 writes
+    save(cfg, ctx, step, model, optimizer, sync, run_id)   # data-parallel rank 0 writes
     state = read(cfg, ctx, model)              # every rank, before training; ConfigError
-    restore(state, model, optimizer)           #   if it belongs to another model or world
+    step = restore(state, model, optimizer, sync)   # if it belongs to another model or world
 
 What makes a resumed run reproduce the uninterrupted one: the parameters, the
 optimizer state (momentum, Adam moments and step count) and the step number.
-With --sync ps the parameters and optimizer state live on the servers, which
-write their own shards (psrv); this file then only records the step, model
-and world for the checks.  The data needs no state: step s's batch is a function of (seed, s) (data.py),
-and nothing else is random during training (no dropout).
+The sync adds its own part (sync.state_dict): with --sync ps the parameters
+and optimizer state live on the servers, which write their own shards (psrv),
+and the part says at which step they are, for the check on resuming.  The
+data needs no state: step s's batch is a function of (seed, s) (data.py), and
+nothing else is random during training (no dropout).  The run id goes on too,
+so that the resumed run's records in --jsonl belong to the run they continue.
 
 A checkpoint is written to a temporary file in the same directory, flushed to
 disk, then renamed over `checkpoint.pt`: rename is atomic, so a crash leaves
@@ -20,23 +22,25 @@ import os
 
 import torch
 
-from .config import ConfigError
+from .choices import ConfigError
 from .models import signature
 
 FILE = "checkpoint.pt"
-FORMAT = 1
+FORMAT = 2
 
 
 def path_of(cfg):
     return os.path.join(cfg.checkpoint_dir, FILE)
 
 
-def save(cfg, ctx, step, model, optimizer):
+def save(cfg, ctx, step, model, optimizer, sync, run_id):
     """`step` is the number of steps done: a resumed run starts at it."""
+    sync_state = sync.state_dict()  # every rank: a sync's state_dict may be collective
     if ctx.dp_rank != 0:
         return                      # every data-parallel replica holds the same state
     os.makedirs(cfg.checkpoint_dir, exist_ok=True)
-    payload = {"format": FORMAT, "step": step, "model_kind": cfg.model,
+    payload = {"format": FORMAT, "step": step, "run_id": run_id, "sync": sync_state,
+               "model_kind": cfg.model,
                "signature": signature(model), "dp_size": ctx.dp_size,
                "world_size": ctx.world_size, "config": cfg.as_dict(),
                "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
@@ -79,17 +83,12 @@ def read(cfg, ctx, model):
     return state
 
 
-def restore(state, model, optimizer, sync=None):
-    """Load a checked state; returns the step to continue from.  With --sync ps the
-    servers hold the state and have loaded it themselves (the file here only
-    names the model and world, for the checks of `read`)."""
-    if hasattr(sync, "start_step"):
-        if sync.start_step != state["step"]:
-            raise RuntimeError(f"--resume: the servers resumed at step {sync.start_step}, "
-                               f"the worker checkpoint is at step {state['step']}")
-        return sync.start_step
+def restore(state, model, optimizer, sync):
+    """Load a checked state after sync.setup; returns the step to continue from.  The
+    sync checks its own part (ps: that the servers resumed at the same step)."""
+    sync.load_state_dict(state["sync"])
     with torch.no_grad():
         model.load_state_dict(state["model"])
-    if optimizer is not None and state["optimizer"] is not None:
+    if state["optimizer"] is not None:
         optimizer.load_state_dict(state["optimizer"])
     return state["step"]

@@ -14,24 +14,14 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-# auto: allreduce picks one of the others per call, from the size, P and the nodes
-ALLREDUCE_SYNCS = ("ring", "tree", "halving_doubling", "hierarchical", "mpi", "torch", "auto")
-PS_SYNCS = ("ps", "hybrid")
-SYNCS = ALLREDUCE_SYNCS + PS_SYNCS + ("local",)
-MODELS = ("mlp", "gpt")
-OPTIMIZERS = ("sgd", "adam")
-COMPRESSIONS = ("none", "fp16", "bf16")
-CONSISTENCIES = ("bsp", "ssp", "asp")
-DEVICES = ("cpu", "cuda")
-SCHEDULES = ("gpipe", "1f1b")
-ZERO_STAGES = (0, 1, 2, 3)
+from allreduce.cli import dataclass_flags
 
+from .choices import (ALLREDUCE_SYNCS, COMPRESSIONS, CONSISTENCIES, DEVICES, EMULATED_SYNCS,
+                      MODELS, OPTIMIZERS, PS_SYNCS, SCHEDULES, SYNCS, ZERO_STAGES, ConfigError)
+from .grid import ProcessGrid
 
-EMULATED_SYNCS = ("ring", "tree", "halving_doubling", "hierarchical")
-
-
-class ConfigError(ValueError):
-    """A bad flag, a bad combination of flags, or bad input data: reported before training."""
+__all__ = ["ALLREDUCE_SYNCS", "PS_SYNCS", "SYNCS", "ConfigError", "TrainConfig", "dp_size_of",
+           "parse_args", "parse_straggler", "parser", "world_of"]
 
 
 def parse_straggler(text):
@@ -48,27 +38,28 @@ def parse_straggler(text):
 
 @dataclass(frozen=True)
 class TrainConfig:
-    # synchronisation
-    sync: str = "local"
-    servers: int = 1              # ps / hybrid: the last `servers` ranks serve
-    consistency: str = "bsp"      # ps: bsp, ssp (bounded by --staleness) or asp
-    staleness: int = 0
+    # synchronisation (each trailing comment is the flag's --help text)
+    sync: str = "local"           # gradient synchronisation: local (one process), ring, tree,
+                                  # halving_doubling, hierarchical, mpi, torch, auto, ps, hybrid
+    servers: int = 1              # ps / hybrid: the last SERVERS ranks serve
+    consistency: str = "bsp"      # ps / hybrid: bsp, ssp (bounded by --staleness) or asp
+    staleness: int = 0            # ssp: how many steps a worker may run ahead of the slowest
     ranks_per_node: int = 0       # hierarchical / auto / hybrid: 0 = ranks that share a host name
-    bucket_mb: float = 25.0       # gradient bucket cap (DDP's default is 25 MB as well)
-    overlap: bool = True          # --no-overlap: all-reduce after backward, not during it
+    bucket_mb: float = 25.0       # gradient bucket cap in MB (DDP's default is 25 MB as well)
+    overlap: bool = True          # all-reduce buckets during backward; --no-overlap: after it
     compress: str = "none"        # gradients on the wire: none, fp16, bf16
-    device: str = "cpu"
+    device: str = "cpu"           # cpu or cuda (one GPU per rank of a host)
     threads: int = 0              # torch intra-op threads per rank; 0 = cores / ranks on host
     timeout: float = 60.0         # seconds any rank waits for a peer before giving up
     # model
-    model: str = "mlp"
+    model: str = "mlp"            # mlp or gpt
     width: int = 128              # mlp hidden width
     depth: int = 2                # mlp hidden layers
     layers: int = 2               # gpt blocks
-    d_model: int = 64
-    heads: int = 4
+    d_model: int = 64             # gpt embedding width
+    heads: int = 4                # gpt attention heads (they divide --d-model)
     vocab: int = 32               # gpt, synthetic data (byte-level text always uses 256)
-    seq_len: int = 32
+    seq_len: int = 32             # gpt tokens per sample
     # parallelism on a dp x pp x tp grid (grid.py, parallel.py, zero.py, ...)
     dp: int = 0                   # data-parallel size; 0 = what is left, world / (pp * tp)
     pp: int = 1                   # pipeline stages
@@ -76,31 +67,31 @@ class TrainConfig:
     zero: int = 0                 # ZeRO stage over the dp axis: 0 (plain DP), 1, 2, 3
     micro_batches: int = 1        # per step and dp replica
     schedule: str = "1f1b"        # pipeline schedule: gpipe or 1f1b
-    trace: str = ""               # Chrome trace (Perfetto) of every rank's step
+    trace: str = ""               # write a Chrome trace (Perfetto) of every rank's steps to FILE
     # emulation (experiments): a slower network, a slow rank
     link_latency_us: float = 0.0  # per message, on the textbook all-reduce backends' links
     link_gbps: float = 0.0        # bandwidth of each rank's link; 0 = no cap
     straggler: str = ""           # RANK:SECONDS: that rank's forward pass sleeps every step
     # data
     data: str = ""                # "" = synthetic; .npz (x, y) for mlp, plain text for gpt
-    in_dim: int = 32              # synthetic mlp data: input features and classes
-    classes: int = 10
+    in_dim: int = 32              # synthetic mlp data: input features
+    classes: int = 10             # synthetic mlp data: classes
     dataset_size: int = 4096      # synthetic samples
     # optimisation
-    steps: int = 100
-    global_batch: int = 64        # split evenly across the data-parallel ranks
-    lr: float = 0.05
-    optimizer: str = "sgd"
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    seed: int = 0
+    steps: int = 100              # training steps (a resumed run ends at the same one)
+    global_batch: int = 64        # samples per step, split evenly across the data-parallel ranks
+    lr: float = 0.05              # learning rate
+    optimizer: str = "sgd"        # sgd or adam (torch's; under ps the servers run it)
+    momentum: float = 0.0         # sgd momentum
+    weight_decay: float = 0.0     # L2 penalty (torch's weight_decay)
+    seed: int = 0                 # model initialisation and data order
     # output
-    jsonl: str = ""
-    checkpoint_dir: str = ""
-    checkpoint_every: int = 0     # 0 = only at the end (when --checkpoint-dir is given)
-    resume: bool = False
+    jsonl: str = ""               # append the run's records (config, steps, summary) to FILE
+    checkpoint_dir: str = ""      # write checkpoints into DIR (ps: the servers write theirs too)
+    checkpoint_every: int = 0     # steps between checkpoints; 0 = only at the end
+    resume: bool = False          # go on from the checkpoint in --checkpoint-dir
     params_out: str = ""          # .npz of the final parameters (for equivalence checks)
-    progress: bool = True         # --no-progress: no tqdm bar on rank 0
+    progress: bool = True         # a tqdm bar on rank 0; --no-progress: none
 
     def __post_init__(self):
         def choose(field, options):
@@ -180,16 +171,23 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-def dp_size_of(cfg, world_size):
-    """The data-parallel size, after checking that the world and the batch fit it."""
-    servers = cfg.servers if cfg.sync in PS_SYNCS else 0
-    dp = world_size - servers
-    where = f"world {world_size} = dp({dp}) + servers({servers})" if servers else \
-        f"world {world_size} = dp({dp})"
+def world_of(cfg, world_size):
+    """(dp, how the world splits): `world 3 = dp(2) + servers(1)`, `dp(2) x pp(2) x tp(1) = 4`.
+    The parameter servers' launcher (psrv.launch) decides which ranks serve; here only
+    how many ranks are left to train."""
     if cfg.on_grid:                        # world = dp x pp x tp (grid.py names each factor)
-        from .grid import ProcessGrid
         grid = ProcessGrid(world_size, cfg.dp, cfg.pp, cfg.tp)
-        dp, where = grid.dp, grid.describe()
+        return grid.dp, grid.describe()
+    if cfg.sync in PS_SYNCS:
+        dp = world_size - cfg.servers
+        return dp, f"world {world_size} = dp({dp}) + servers({cfg.servers})"
+    return world_size, f"world {world_size} = dp({world_size})"
+
+
+def dp_size_of(cfg, world_size):
+    """The data-parallel size, after checking that the world and the batch fit it: the one
+    check of the global batch, for the plain loop and the grid alike."""
+    dp, where = world_of(cfg, world_size)
     if dp < 1:
         raise ConfigError(f"no worker left: {where}; use fewer --servers or more ranks")
     if cfg.straggler and cfg.straggler_rank >= world_size:
@@ -213,21 +211,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser():
-    p = _Parser(prog="python -m strategies.train", add_help=True,
+    """The trainer's command line: a flag per TrainConfig field, its help the field's comment."""
+    p = _Parser(prog="python -m strategies.train",
                 description="One training worker; --sync picks the gradient synchronisation.")
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in (bool, "bool"):
-            if f.default:
-                p.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name,
-                               action="store_false")
-            else:
-                p.add_argument(flag, dest=f.name, action="store_true")
-        else:
-            kind = {"int": int, "float": float, "str": str}.get(f.type, f.type)
-            p.add_argument(flag, dest=f.name, type=kind, default=f.default,
-                           metavar=f.name.upper())
-    return p
+    return dataclass_flags(p, TrainConfig)
 
 
 def parse_args(argv=None):

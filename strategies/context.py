@@ -2,8 +2,9 @@
 
     ctx = RunContext.create(cfg)         # collective: every rank calls it
     ctx.rank, ctx.world_size              # in the whole launch
-    ctx.is_server                         # ps / hybrid: one of the last --servers ranks
+    ctx.is_server                         # ps / hybrid: a server, as psrv.launch decided
     ctx.dp_rank, ctx.dp_size, ctx.dp_comm # the data-parallel workers (servers excluded)
+    ctx.workers                           # control over every rank that trains (records)
     ctx.control.allgather(obj)            # small control messages (errors, metrics)
     ctx.grid                              # --dp/--pp/--tp/--zero: grid.GridComms, a
                                           #   communicator per axis (dp_comm is its dp axis)
@@ -20,13 +21,17 @@ import os
 import socket
 from dataclasses import dataclass
 
-from .config import PS_SYNCS, ConfigError, dp_size_of
+from allreduce.torch_transport import init_torch_distributed, under_torchrun
+
+from .choices import PS_SYNCS, ConfigError
+from .config import dp_size_of
 from .grid import ProcessGrid
 
 
 class MPIControl:
     def __init__(self, comm):
         self.comm = comm
+        self.rank, self.size = comm.rank, comm.size
 
     def allgather(self, obj):
         return self.comm.allgather(obj)
@@ -41,6 +46,7 @@ class TorchControl:
     def __init__(self):
         import torch.distributed as dist
         self.dist = dist
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
 
     def allgather(self, obj):
         out = [None] * self.dist.get_world_size()
@@ -49,10 +55,6 @@ class TorchControl:
 
     def barrier(self):
         self.dist.barrier()
-
-
-def under_torchrun():
-    return all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"))
 
 
 @dataclass
@@ -66,8 +68,9 @@ class RunContext:
     is_server: bool
     comm: object             # mpi4py communicator of the whole launch (None under torchrun)
     dp_comm: object          # mpi4py communicator of the data-parallel workers
-    control: object
-    role: object = None      # psrv role (ps, hybrid)
+    control: object          # control messages over the whole launch
+    workers: object = None   # ... over the ranks that train (all but the servers)
+    role: object = None      # psrv.launch's Role (ps, hybrid)
     host: str = ""
     grid: object = None      # grid.GridComms of a dp x pp x tp run (cfg.on_grid)
     host_visible_gpus: list = None   # --sync torch on CUDA: each local rank's
@@ -88,19 +91,23 @@ class RunContext:
         visible = local.allgather(os.environ.get("CUDA_VISIBLE_DEVICES")) \
             if cfg.device == "cuda" and cfg.sync == "torch" else None
         local.Free()
-        if cfg.sync in PS_SYNCS:
-            is_server = comm.rank >= dp   # psrv's convention: the last S ranks serve
-            dp_comm = comm.Split(1 if is_server else 0, comm.rank)
+        if cfg.sync in PS_SYNCS:          # psrv.launch decides who serves; we ask it
+            role = ps_role(comm, cfg.servers, ps_checkpoint_options(cfg))
+            workers = role.worker_comm            # None on a server
             return cls(comm.rank, comm.size, local_rank, local_size,
-                       -1 if is_server else dp_comm.rank, dp, is_server, comm, dp_comm,
-                       MPIControl(comm), host=host, host_visible_gpus=visible)
+                       -1 if role.is_server else workers.rank, role.num_workers,
+                       role.is_server, comm, workers, MPIControl(comm),
+                       None if role.is_server else MPIControl(workers), role=role, host=host,
+                       host_visible_gpus=visible)
         if cfg.on_grid:
             grid = ProcessGrid(comm.size, cfg.dp, cfg.pp, cfg.tp).split(comm)
+            control = MPIControl(comm)
             return cls(comm.rank, comm.size, local_rank, local_size, grid.dp_rank, dp, False,
-                       comm, grid.dp, MPIControl(comm), host=host, grid=grid,
+                       comm, grid.dp, control, control, host=host, grid=grid,
                        host_visible_gpus=visible)
+        control = MPIControl(comm)
         return cls(comm.rank, comm.size, local_rank, local_size, comm.rank, dp, False,
-                   comm, comm, MPIControl(comm), host=host, host_visible_gpus=visible)
+                   comm, comm, control, control, host=host, host_visible_gpus=visible)
 
     @classmethod
     def _from_torchrun(cls, cfg, host):
@@ -111,35 +118,13 @@ class RunContext:
             raise ConfigError(f"under torchrun only --sync torch works (got --sync {cfg.sync}); "
                               "launch the others with mpiexec")
         import torch.distributed as dist
-        from allreduce.torch_transport import init_torch_distributed
         init_torch_distributed()
         rank, world = dist.get_rank(), dist.get_world_size()
         dp = dp_size_of(cfg, world)
+        control = TorchControl()
         return cls(rank, world, int(os.environ.get("LOCAL_RANK", 0)),
                    int(os.environ.get("LOCAL_WORLD_SIZE", 1)), rank, dp, False, None, None,
-                   TorchControl(), host=host)
-
-    def attach_ps_role(self, cfg):
-        """psrv's roles over the whole launch (ps and hybrid only)."""
-        psrv = require_psrv()
-        # Servers listen on loopback when every rank shares this host, else on all interfaces.
-        one_host = len(set(self.comm.allgather(self.host))) == 1
-        # With --checkpoint-dir the servers save their shards (parameters and
-        # optimizer state) under DIR/ps themselves, and --resume loads them.
-        saving = {"checkpoint_dir": os.path.join(cfg.checkpoint_dir, "ps"),
-                  "checkpoint_every": cfg.checkpoint_every, "resume": cfg.resume} \
-            if cfg.checkpoint_dir else {}
-        if saving and self.is_server:
-            os.makedirs(saving["checkpoint_dir"], exist_ok=True)   # psrv does not create it
-        self.role = psrv.launch.mpi_roles(self.comm, num_servers=cfg.servers,
-                                          bind_host="127.0.0.1" if one_host else "0.0.0.0",
-                                          **saving)
-        if bool(self.role.is_server) != self.is_server:
-            raise RuntimeError("psrv placed servers differently from strategies.context "
-                               "(expected the last --servers ranks)")
-        if not self.is_server:
-            self.dp_comm = self.role.worker_comm
-        return self.role
+                   control, control, host=host)
 
     def device(self, cfg):
         import torch
@@ -185,6 +170,29 @@ def nccl_gpu_conflict(host, gpus, visible):
             f"and would fail at its first call.  Start at most {len(taken)} ranks per host, "
             f"or use an MPI --sync (ring, tree, halving_doubling, hierarchical, mpi): it "
             f"stages CUDA tensors through host memory, and ranks may share a GPU")
+
+
+def ps_checkpoint_options(cfg):
+    """With --checkpoint-dir the servers save their shards (parameters and optimizer
+    state) under DIR/ps themselves, and --resume loads them."""
+    if not cfg.checkpoint_dir:
+        return {}
+    return {"checkpoint_dir": os.path.join(cfg.checkpoint_dir, "ps"),
+            "checkpoint_every": cfg.checkpoint_every, "resume": cfg.resume}
+
+
+def ps_role(comm, servers, server_options=None):
+    """psrv.launch's Role of this rank over `comm` (collective): psrv decides which ranks
+    serve, everyone here asks it.  Servers listen on loopback when every rank shares
+    this host, else on all interfaces (where psrv authenticates workers by CURVE keys)."""
+    psrv = require_psrv()
+    server_options = server_options or {}
+    one_host = len(set(comm.allgather(socket.gethostname()))) == 1
+    if server_options.get("checkpoint_dir"):
+        os.makedirs(server_options["checkpoint_dir"], exist_ok=True)   # psrv does not make it
+    return psrv.launch.mpi_roles(comm, num_servers=servers,
+                                 bind_host="127.0.0.1" if one_host else "0.0.0.0",
+                                 **server_options)
 
 
 def require_psrv():

@@ -29,7 +29,7 @@ import torch
 
 from allreduce import shard_bounds
 
-from .config import ConfigError
+from .choices import ConfigError
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ConfigError
+from .choices import ConfigError
 
 AXES = ("dp", "pp", "tp")
 

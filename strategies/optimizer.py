@@ -10,18 +10,20 @@
     opt.close()                        # or: with strategies.DistributedOptimizer(...) as opt:
 
 The seam is the optimizer, as in Horovod (Sergeev & Del Balso, 2018) and
-BytePS: the loop keeps its four lines.  Underneath is the sync of
-strategies.train (sync.py): `setup` broadcasts rank 0's parameters and buffers
-and attaches the bucket hooks, `zero_grad` is its before_backward, `step` its
-synchronize and step.  Each rank's loss is the mean over its shard and the
+BytePS: the loop keeps its four lines.  Underneath is a sync of the contract
+in sync.py, the one strategies.train drives too: `setup` broadcasts rank 0's
+parameters and buffers and attaches the bucket hooks, `zero_grad` is its
+before_backward, `step` its synchronize and step.  Each rank's loss is the mean over its shard and the
 gradients are averaged over the communicator, so with equal shards every rank
 takes the step of the mean loss over the global batch.
 
     sync   ring, tree, halving_doubling, hierarchical, mpi, torch, auto; or a collective
-           of allreduce.create(...); or ps / hybrid with role=ps_roles(...) (below)
+           of allreduce.create(...); or ps / hybrid with role=ps_roles(...) (below);
+           or local: one process, no communication (the reference for the others)
     comm   an mpi4py communicator (default COMM_WORLD; under torchrun the whole world);
            for the torch transport also a list of global ranks
-    bucket_mb, overlap, compress ("none", "fp16", "bf16"), ranks_per_node, timeout
+    bucket_mb, overlap, compress ("none", "fp16", "bf16"), ranks_per_node, timeout,
+    link_latency_us, link_gbps (slower emulated links for the textbook all-reduces)
 
 Gradient clipping sees averaged gradients after `opt.synchronize()`; `step`
 then does not wait again.  Under torchrun there is no MPI: sync="torch", or a
@@ -51,27 +53,21 @@ import zlib
 import torch
 
 import allreduce
+from allreduce.torch_transport import under_torchrun
 
-from .config import ALLREDUCE_SYNCS, PS_SYNCS, ConfigError
-from .context import MPIControl, RunContext, require_psrv, under_torchrun
-from .sync import AllReduceSync, SyncOptions, broadcast_tensor, collective_for
-
-SYNC_NAMES = ALLREDUCE_SYNCS + PS_SYNCS
-
+from .choices import PS_SYNCS, SYNCS, ConfigError
+from .context import MPIControl, RunContext, ps_role
+from .ps_sync import HybridSync, PSSync
+from .sync import AllReduceSync, LocalSync, SyncOptions, broadcast_tensor, collective_for
 
 def ps_roles(servers=1, comm=None):
-    """psrv.launch's roles over `comm` (default COMM_WORLD): the last `servers` ranks
-    serve, the others train.  Collective over comm."""
-    psrv = require_psrv()
+    """psrv.launch's roles over `comm` (default COMM_WORLD): psrv decides who serves (the
+    last `servers` ranks), the others train.  Collective over comm."""
     if comm is None:
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
     check_comm(comm, "mpi")
-    # Servers listen on loopback when every rank shares this host, else on all interfaces
-    # (where psrv authenticates the workers with CURVE keys).
-    one_host = len(set(comm.allgather(socket.gethostname()))) == 1
-    return psrv.launch.mpi_roles(comm, num_servers=servers,
-                                 bind_host="127.0.0.1" if one_host else "0.0.0.0")
+    return ps_role(comm, servers)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -82,7 +78,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer, model, sync="ring", comm=None, *, bucket_mb=25.0,
                  overlap=True, compress="none", ranks_per_node=0, timeout=60.0,
-                 transport=None, role=None, consistency="bsp", staleness=0):
+                 transport=None, role=None, consistency="bsp", staleness=0,
+                 link_latency_us=0.0, link_gbps=0.0):
         # No Optimizer.__init__: the wrapped optimizer owns the parameter groups and state.
         params, device = check_model(optimizer, model)
         if isinstance(sync, allreduce.Collective):
@@ -90,10 +87,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise ConfigError("sync is a collective already: it has its communicator and "
                                   "transport, so pass neither comm nor transport")
             name, coll = sync.name, sync
-        elif sync in SYNC_NAMES:
+        elif sync in SYNCS:
             name, coll = sync, None
         else:
-            raise ConfigError(f"sync={sync!r} is not one of {', '.join(SYNC_NAMES)} "
+            raise ConfigError(f"sync={sync!r} is not one of {', '.join(SYNCS)} "
                               "(or a collective from allreduce.create)")
         server_optimizer = {}
         if name in PS_SYNCS:
@@ -102,11 +99,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"role= is for sync='ps' or 'hybrid', not {name!r}")
         options = SyncOptions(sync=name, bucket_mb=bucket_mb, overlap=overlap, compress=compress,
                               timeout=timeout, ranks_per_node=ranks_per_node,
+                              link_latency_us=link_latency_us, link_gbps=link_gbps,
                               consistency=consistency, staleness=staleness, **server_optimizer)
         self.optimizer, self.model, self.options = optimizer, model, options
         self._step, self._synchronized, self._closed = 0, False, True
         if name in PS_SYNCS:
             self.sync = self._parameter_server_sync(role, options, device, params)
+        elif name == "local":              # one process: the reference the others reproduce
+            check_comm(comm, "mpi")
+            if comm is not None and comm.Get_size() != 1:
+                raise ConfigError(f"sync='local' trains one process alone, but comm has "
+                                  f"{comm.Get_size()} ranks: pick an all-reduce sync")
+            self.rank, self.size = 0, 1
+            self.sync = LocalSync(options, None, device)
         else:
             if coll is None:
                 transport = transport_for(name, transport)
@@ -116,6 +121,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             check_same_everywhere(lambda mine: gathered(coll, mine), params, options)
             self.sync = AllReduceSync(options, None, device, coll)
         self.sync.setup(model)             # rank 0's weights win; the bucket hooks attach
+        self._step = self.sync.start_step  # > 0 where parameter servers resumed a run
         self._closed = False
 
     def _parameter_server_sync(self, role, options, device, params):
@@ -127,7 +133,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError("this rank is a server (role.is_server): call role.serve() "
                               "instead of building an optimizer")
         from mpi4py import MPI
-        from .ps_sync import HybridSync, PSSync
         workers = role.worker_comm
         self.rank, self.size = workers.rank, workers.size
         check_same_everywhere(workers.allgather, params, options)
@@ -216,6 +221,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def bytes_received(self):
         return self.sync.bytes_received
+
+    @property
+    def staleness(self):
+        return self.sync.staleness
+
+    @property
+    def start_step(self):
+        """The step this run goes on from: 0, or where parameter servers resumed."""
+        return self.sync.start_step
 
     def close(self):
         """Detach the hooks and stop the communication thread (ps: tell the servers

@@ -8,12 +8,16 @@
 How the pieces meet in one step (every rank):
 
     x, y = this dp replica's part of the global batch            (data.py)
-    zero.before_backward()                                       (zero.py: dp axis)
-    pipeline.run(x, y): micro-batches through this rank's stage  (pipeline.py: pp axis)
+    zero.before_backward()                                       (zero.py: dp axis, a sync
+    pipeline.run(x, y): micro-batches through this rank's stage   of the contract in sync.py)
         each block's matrices split over the tp ranks            (tensor_parallel.py: tp axis)
         each layer's gradient reduced over dp as soon as backward finishes it
+    zero.synchronize(step)                                       (every layer's gradient came)
     zero.step(optimizer)                                         (update; stages 1-2 all-gather)
-    the step's record: loss, times, bytes, memory, bubble        (memory.py, trace.py)
+    the step's fields: times, memory, bubble                     (memory.py, trace.py)
+
+GridEngine is the step engine of the one training loop (loop.py): the records,
+banner, summary and the global-batch check are the plain loop's as well.
 
 Reference semantics: every choice of dp, pp, tp, zero, micro-batches and schedule
 trains the same model on the same global batch as `--sync local` on one
@@ -25,23 +29,24 @@ import time
 import numpy as np
 
 from allreduce import make_transport
-from allreduce.records import append_jsonl, truncate_jsonl
 
-from .config import ConfigError
+from .choices import ConfigError
+from .config import dp_size_of
 from .grid import ProcessGrid
+from .loop import StepEngine
 from .memory import ActivationMeter
-from .metrics import peak_memory_mb
-from .models import build_model
 from .pipeline import Pipeline, Stage, stage_layers
 from .sync import collective_for
 from .tensor_parallel import TensorParallel, parallelize_blocks
-from .trace import Tracer, busy_seconds, write_chrome_trace
+from .trace import Tracer, busy_seconds
 from .zero import ZeRO
 
 
 def check(cfg, world_size):
     """Every problem of the grid flags against the world and the model (ConfigError);
-    TrainConfig checked the flags alone (--zero with --sync ps, the schedule's name)."""
+    TrainConfig checked the flags alone (--zero with --sync ps, the schedule's name).
+    The global batch against dp is config.dp_size_of's, the one check of it."""
+    dp_size_of(cfg, world_size)
     grid = ProcessGrid(world_size, cfg.dp, cfg.pp, cfg.tp)
     blocks, what = (cfg.layers, "--layers") if cfg.model == "gpt" else (cfg.depth, "--depth")
     if blocks % grid.pp:
@@ -56,9 +61,6 @@ def check(cfg, world_size):
                               f"{cfg.heads} % {grid.tp} = {cfg.heads % grid.tp}")
         if cfg.d_model % grid.tp:
             raise ConfigError(f"--d-model {cfg.d_model} is not divisible by tp({grid.tp})")
-    if cfg.global_batch % grid.dp:
-        raise ConfigError(f"--global-batch {cfg.global_batch} is not divisible by dp({grid.dp}): "
-                          f"{cfg.global_batch} % {grid.dp} = {cfg.global_batch % grid.dp}")
     per_replica = cfg.global_batch // grid.dp
     if cfg.micro_batches > per_replica:
         raise ConfigError(f"--micro-batches {cfg.micro_batches} is more than the "
@@ -67,66 +69,86 @@ def check(cfg, world_size):
     return grid
 
 
-class GridWorker:
-    """This rank's share of the model, its optimizer, and the step."""
+class GridEngine(StepEngine):
+    """This rank's share of the model, its optimizer, and the step (loop.py's interface)."""
 
-    def __init__(self, cfg, comms, spec, device):
-        self.cfg, self.comms = cfg, comms
-        self.tracer = Tracer(comms.rank)
-        model = build_model(cfg, spec, device)      # the whole model, same seed on every rank
+    def __init__(self, cfg, ctx, device, data, model):
+        comms = ctx.grid
+        self.cfg, self.comms, self.data, self.device = cfg, comms, data, device
+        self.tracer = Tracer(comms.rank)             # always: the bubble is read off it
         self.criterion = model.criterion
         self.originals = list(model.parameters())   # alive: no new parameter may reuse an id
-        self.total_parameters = sum(p.numel() for p in self.originals)
+        self.parameters = sum(p.numel() for p in self.originals)
         self.names = {id(p): n for n, p in model.named_parameters()}
         layers = stage_layers(model, comms.pp_rank, comms.pp_size)
-        self.tp_coll = None
+        self.tp_coll, self.tp_pieces = None, {}
         if comms.tp_size > 1:                      # Megatron: split this stage's blocks
             self.tp_coll = collective_for(cfg.sync, cfg, comms.tp)
             tp = TensorParallel(self.tp_coll, comms.tp_rank, comms.tp_size, self.tracer)
             mine = [b for name, b in layers if name.startswith("blocks.")]
             parallelize_blocks(mine, tp)
+            self.tp_pieces = tp.pieces
             for name, block in layers:
                 for local, p in block.named_parameters():
                     self.names.setdefault(id(p), f"{name}.{local}")
-        self.module = Stage(layers)
+        self.model = Stage(layers)
         units = [(name, module, list(module.parameters())) for name, module in layers]
-        self.zero = ZeRO(cfg.zero, units, collective_for(cfg.sync, cfg, comms.dp), cfg,
+        self.sync = ZeRO(cfg.zero, units, collective_for(cfg.sync, cfg, comms.dp), cfg,
                          cfg.micro_batches, self.tracer)
-        self.optimizer = self.zero.make_optimizer()
-        self.meter = ActivationMeter(self.zero.param_storages,
-                                     [self.zero] if cfg.zero == 3 else [])
+        self.sync.setup(self.model)
+        self.optimizer = self.sync.make_optimizer()
+        self.meter = ActivationMeter(self.sync.param_storages,
+                                     [self.sync] if cfg.zero == 3 else [])
         self.p2p = make_transport("mpi", comms.pp, cfg.timeout)
         feature = (cfg.seq_len, cfg.d_model) if cfg.model == "gpt" else (cfg.width,)
-        self.pipeline = Pipeline(self.module, self.criterion, self.p2p, comms.pp_rank,
+        self.pipeline = Pipeline(self.model, self.criterion, self.p2p, comms.pp_rank,
                                  comms.pp_size, cfg.micro_batches, cfg.schedule,
                                  lambda n: (n, *feature), self.tracer, self.meter)
+        grid = comms.grid
+        self.layout = {"world_size": grid.world_size, "dp_size": grid.dp, "pp_size": grid.pp,
+                       "tp_size": grid.tp}
+        # the loss of a replica is on its last stage, the same on each of its tp ranks
+        self.reports = comms.is_last_stage and comms.tp_rank == 0
+
+    def describe(self):
+        return f", zero {self.cfg.zero}, {self.cfg.micro_batches} micro-batches " \
+               f"({self.cfg.schedule})"
+
+    def trace_label(self, rank):
+        d, p, t = self.comms.grid.coords_of(rank)
+        return f"rank {rank} (dp {d}, pp {p}, tp {t})"
 
     def transports(self):
-        colls = [self.zero.coll] + ([self.tp_coll] if self.tp_coll else [])
+        colls = [self.sync.coll] + ([self.tp_coll] if self.tp_coll else [])
         return [c.transport for c in colls] + [self.p2p]
 
     def traffic(self):
         ts = self.transports()
         return sum(t.bytes_sent for t in ts), sum(t.bytes_received for t in ts)
 
-    def step(self, x, y):
-        """One step; returns (this stage's loss or None, record fields)."""
+    def step(self, step):
+        """One step; returns (the replica's loss where this rank reports it, else None;
+        record fields)."""
+        comms = self.comms
+        x, y = self.data.batch(step, comms.dp_rank, comms.dp_size, self.cfg.global_batch,
+                               self.device)
         start = time.perf_counter()
         self.meter.reset_peak()
-        self.zero.before_backward()
+        self.sync.before_backward()
         loss = self.pipeline.run(x, y)
-        self.zero.after_backward()
+        self.sync.synchronize(step)
         pipeline_end = time.perf_counter()
         with self.tracer.span("optimizer", "optimizer"):
-            self.zero.step(self.optimizer)
+            self.sync.step(self.optimizer)
         end = time.perf_counter()
         self.tracer.add("step", "step", start, end)
         events = self.tracer.since(start)
         busy = busy_seconds(events)
-        memory = self.zero.state_bytes(self.optimizer)
+        memory = self.sync.state_bytes(self.optimizer)
         memory.update(activations_peak=self.meter.peak_bytes,
-                      gathered_peak=self.zero.peak_gathered_bytes)
-        return loss, {
+                      gathered_peak=self.sync.peak_gathered_bytes)
+        return loss if self.reports else None, {
+            "coords": [comms.dp_rank, comms.pp_rank, comms.tp_rank],
             "step_time_s": end - start, "compute_time_s": busy,
             "comm_time_s": busy_seconds(events, ("comm",)),
             "idle_time_s": busy_seconds(events, ("idle",)),
@@ -142,16 +164,23 @@ class GridWorker:
         spans = self.comms.pp.allgather((start, end))
         return max(e for _, e in spans) - min(s for s, _ in spans)
 
+    def parameters_npz(self):
+        """The whole model's parameters on world rank 0 (collective): the first replica's
+        pieces from every stage and tp rank, reassembled."""
+        mine = self.full_parameters()               # every rank: ZeRO-3 gathers on dp
+        gathered = self.comms.world.gather(mine if self.comms.dp_rank == 0 else [], root=0)
+        return assemble(gathered) if self.comms.rank == 0 else {}
+
     def full_parameters(self):
         """(full name, local array, tp pieces, full shape) of this rank's parameters;
         ZeRO-3 layers are gathered for it (a collective on the dp axis)."""
         out = []
-        for unit in self.zero.units:
+        for unit in self.sync.units:
             if self.cfg.zero == 3:
                 unit.gather("save")
             for p in unit.params:
-                out.append((self.names[id(p)], p.detach().cpu().numpy().copy(),
-                            getattr(p, "tp_pieces", None), getattr(p, "full_shape", None)))
+                pieces, shape = self.tp_pieces.get(id(p), (None, None))   # None: whole here
+                out.append((self.names[id(p)], p.detach().cpu().numpy().copy(), pieces, shape))
             if self.cfg.zero == 3:
                 unit.release()
         return out
@@ -169,67 +198,6 @@ def assemble(pieces_per_rank):
             for full_index, local_index in tp_pieces:
                 whole[full_index] = local[local_index]
     return full
-
-
-def run(cfg, ctx, data, device):
-    """Train on the grid; every rank calls it after the preflight checks passed."""
-    started = time.perf_counter()
-    grid = check(cfg, ctx.world_size)
-    comms = ctx.grid or grid.split(ctx.comm)
-    worker = GridWorker(cfg, comms, data.spec, device)
-    world = ctx.comm
-    writer = world.rank == 0
-    out = cfg.jsonl if writer else ""            # one run a file, as strategies.train
-    if writer:
-        n = worker.total_parameters
-        print(f"[{cfg.sync}] {cfg.model} with {n:,} parameters on {grid.describe()}, "
-              f"zero {cfg.zero}, {cfg.micro_batches} micro-batches ({cfg.schedule}), "
-              f"global batch {cfg.global_batch}", flush=True)
-        if out:
-            truncate_jsonl(out)
-            append_jsonl(out, [{"kind": "config", **cfg.as_dict(), "world_size": grid.world_size,
-                                "dp_size": grid.dp, "pp_size": grid.pp, "tp_size": grid.tp}])
-    reports = (comms.is_last_stage and comms.tp_rank == 0)
-    traffic = worker.traffic()
-    losses = []
-    try:
-        for step in range(cfg.steps):
-            x, y = data.batch(step, comms.dp_rank, grid.dp, cfg.global_batch, device)
-            local, fields = worker.step(x, y)
-            loss = world.allreduce(local if reports else 0.0) / grid.dp
-            sent, received = worker.traffic()
-            record = {"kind": "step", "step": step, "rank": world.rank,
-                      "coords": [comms.dp_rank, comms.pp_rank, comms.tp_rank], "loss": loss,
-                      "local_loss": local, **fields, "bytes_sent": sent - traffic[0],
-                      "bytes_received": received - traffic[1],
-                      "peak_mem_mb": round(peak_memory_mb(device), 1)}
-            traffic = (sent, received)
-            records = world.gather(record, root=0)
-            losses.append(loss)
-            if out:
-                append_jsonl(out, records)
-    finally:
-        worker.zero.close()
-    pieces = worker.full_parameters() if cfg.params_out else []
-    gathered = world.gather(pieces if comms.dp_rank == 0 else [], root=0)
-    if writer and cfg.params_out:
-        np.savez(cfg.params_out, **assemble(gathered))
-    if cfg.trace:
-        events = world.gather(worker.tracer.events, root=0)
-        if writer:
-            labels = [f"rank {r} (dp {c[0]}, pp {c[1]}, tp {c[2]})"
-                      for r, c in enumerate(grid.coords_of(r) for r in range(grid.world_size))]
-            write_chrome_trace(cfg.trace, events, labels)
-    if writer:
-        wall = time.perf_counter() - started
-        summary = {"kind": "summary", "first_loss": losses[0], "final_loss": losses[-1],
-                   "steps": cfg.steps, "wall_s": wall, "grid": grid.describe()}
-        print(f"[{cfg.sync}] {grid.describe()} zero {cfg.zero}: loss {losses[0]:.4f} -> "
-              f"{losses[-1]:.4f} in {cfg.steps} steps, wall {wall:.1f} s", flush=True)
-        if out:
-            append_jsonl(out, [summary])
-        return summary
-    return None
 
 
 if __name__ == "__main__":

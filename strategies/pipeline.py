@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from allreduce import shard_bounds
+from allreduce.transport import MPITransport
 
 from .models import GPT, MLP
 
@@ -112,6 +113,8 @@ class Pipeline:
         self.schedule, self.activation_shape = schedule, activation_shape
         self.tracer, self.meter = tracer, meter
         self.first, self.last = stage == 0, stage == stages - 1
+        # an MPI request can be tested without blocking; other transports' handles wait
+        self.spins = isinstance(transport, MPITransport)
         self.peak_in_flight = 0         # micro-batches forwarded but not yet backwarded
         self.micro_batch_bytes = 0      # saved activations of micro-batch 0, measured
 
@@ -145,8 +148,8 @@ class Pipeline:
         process that yields may sleep for a whole time slice (ms, as long as a micro-batch),
         which would add to every bubble.  The transport's own wait keeps the timeout."""
         handle = self.transport.irecv(buf, peer, tag)
-        request = getattr(handle, "request", None)
-        if request is not None:
+        if self.spins:
+            request = handle.request
             for _ in range(SPINS):
                 if request.Test():
                     return

@@ -1,10 +1,16 @@
-"""The parameter-server syncs of GradientSync (sync.py): ps and hybrid.
+"""The parameter-server syncs of the GradientSync contract (sync.py): ps and hybrid.
 
 The servers (psrv/) hold the parameters and the optimizer state; a worker
 pushes its gradients and pulls fresh parameters (`push_pull`).  Under BSP the
 servers wait for all W workers of a step, average their gradients and apply
 torch-identical SGD/Adam, so the result is the one-process step again; under
 SSP/ASP a worker may run ahead on stale parameters (psrv records the staleness).
+
+Against the contract: `synchronize` is the round trip (gradients out, the
+servers' new parameters back into buffers of the sync's own), `step` puts
+those parameters into the model.  So the model changes in `step` only, as with
+an all-reduce and a local optimizer, and whatever runs between the two (a
+gradient clip, a look at the parameters) sees the same state under every sync.
 """
 import socket
 import zlib
@@ -12,7 +18,7 @@ import zlib
 import numpy as np
 import torch
 
-from .config import ConfigError
+from .choices import ConfigError
 from .context import require_psrv
 from .sync import AllReduceSync, GradientSync, collective_for
 
@@ -22,13 +28,16 @@ class PSSync(GradientSync):
 
     Not overlapped with backward: the push starts after backward (the client's
     push_pull is itself asynchronous, but the next forward needs its result).
+    bind_grads: autograd accumulates straight into the buffers the client sends
+    from (CPU); off where another sync owns .grad (HybridSync's buckets).
     """
     name = "ps"
 
-    def __init__(self, cfg, ctx, device, worker_id=None, num_workers=None):
+    def __init__(self, cfg, ctx, device, worker_id=None, num_workers=None, bind_grads=True):
         super().__init__(cfg, ctx, device)
         psrv = require_psrv()
         role = ctx.role
+        self.bind_grads = bind_grads and device.type == "cpu"
         self.client = psrv.Client(
             endpoints=role.endpoints,
             worker_id=role.worker_id if worker_id is None else worker_id,
@@ -40,47 +49,54 @@ class PSSync(GradientSync):
             name=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum, betas=(0.9, 0.999),
             eps=1e-8, weight_decay=cfg.weight_decay)
 
-    def setup(self, model, bind_grads=True):
+    def setup(self, model):
         super().setup(model)
         self.named = dict(model.named_parameters())
-        # numpy views the client reads gradients from and writes parameters into;
-        # on a GPU they are pinned host copies (UNVERIFIED: no GPU here).
-        cuda = self.device.type == "cuda"
-        self.host_params = {n: (torch.empty(p.shape, pin_memory=True) if cuda else p.data)
-                            for n, p in self.named.items()}
-        self.host_grads = {n: torch.zeros(p.shape, pin_memory=cuda) for n, p in self.named.items()}
+        # Host buffers the client reads gradients from and writes parameters into
+        # (pinned on a GPU; UNVERIFIED: no GPU here), with numpy views of them.
+        pin = self.device.type == "cuda"
+        self.host_params = {n: torch.empty(p.shape, pin_memory=pin) for n, p in self.named.items()}
+        self.host_grads = {n: torch.zeros(p.shape, pin_memory=pin) for n, p in self.named.items()}
         for n, p in self.named.items():
             self.host_params[n].copy_(p.data)
-            if bind_grads and not cuda:
+            if self.bind_grads:
                 p.grad = self.host_grads[n]         # autograd adds into it in place
         self.params_np = {n: t.numpy() for n, t in self.host_params.items()}
         self.grads_np = {n: t.numpy() for n, t in self.host_grads.items()}
         # worker 0's values win; after --resume the servers' saved ones, at start_step
-        self.start_step = self.client.init(self.params_np, self.optimizer_config)
-        if cuda:
-            self.step(None)
-
-    def make_optimizer(self, model):
-        return None
+        self.start_step = self.next_step = self.client.init(self.params_np, self.optimizer_config)
+        self._install()
 
     def before_backward(self):
         for n, p in self.named.items():
-            if p.grad is None or p.grad.data_ptr() != self.host_grads[n].data_ptr():
-                p.grad = self.host_grads[n] if self.device.type == "cpu" else None
-            if p.grad is not None:
+            if self.bind_grads:
+                if p.grad is None or p.grad.data_ptr() != self.host_grads[n].data_ptr():
+                    p.grad = self.host_grads[n]
                 p.grad.zero_()
+            else:
+                p.grad = None
 
     def synchronize(self, step):
         for n, p in self.named.items():             # gradients not in our buffer: copy
             if p.grad is not None and p.grad.data_ptr() != self.host_grads[n].data_ptr():
                 self.host_grads[n].copy_(p.grad)
         self.client.push_pull(self.grads_np, self.params_np, step).wait()
+        self.next_step = step + 1
 
     def step(self, optimizer):
-        if self.device.type == "cuda":
-            with torch.no_grad():
-                for n, p in self.named.items():
-                    p.copy_(self.host_params[n], non_blocking=True)
+        self._install()
+
+    @property
+    def pulled(self):
+        """{name: host tensor}: the servers' parameters for the next step, filled by
+        synchronize and put into the model by step."""
+        return self.host_params
+
+    def _install(self):
+        """The parameters the servers sent, into the model."""
+        with torch.no_grad():
+            for n, p in self.named.items():
+                p.copy_(self.host_params[n], non_blocking=True)
 
     @property
     def bytes_sent(self):
@@ -92,14 +108,21 @@ class PSSync(GradientSync):
 
     @property
     def staleness(self):
-        log = getattr(self.client, "staleness_log", None)
+        log = self.client.staleness_log
         return log[-1] if log else None
 
-    def save_state(self):
-        """At the end of a run: the servers write their shards now (psrv saves only at
-        multiples of --checkpoint-every otherwise)."""
+    def state_dict(self):
+        """The servers hold parameters and optimizer state and write their own shards
+        (under --checkpoint-dir/ps): worker 0 asks them to do it now.  The checkpoint
+        keeps the step the servers' shards are at, for the check on resuming."""
         if self.ctx.dp_rank == 0:
             self.client.checkpoint()
+        return {"servers_step": self.next_step}
+
+    def load_state_dict(self, state):
+        if state.get("servers_step") != self.start_step:
+            raise RuntimeError(f"--resume: the servers resumed at step {self.start_step}, "
+                               f"the worker checkpoint is at step {state.get('servers_step')}")
 
     def abort(self, error):
         """Close as a crash: the servers get ABORT with the error, not BYE, so that under
@@ -119,7 +142,11 @@ class HybridSync(GradientSync):
         then each leader broadcasts the new parameters inside its node.
 
     The servers average over the leaders, so nodes must hold equally many
-    workers for that to be the mean over all workers.
+    workers for that to be the mean over all workers.  It is made of two syncs
+    and calls only their contract: an AllReduceSync over the node and, on a
+    leader, a PSSync that reads the node's averaged gradients from .grad (and
+    whose `pulled` parameters the leader broadcasts, still in synchronize, so
+    that all the communication is there and the update in step).
     """
     name = "hybrid"
 
@@ -139,17 +166,16 @@ class HybridSync(GradientSync):
         # One collective for the node, its buckets and its broadcasts alike; on a GPU
         # AllReduceSync stages it through pinned host memory (allreduce.host_staged:
         # the ring's MPI transport is not CUDA-aware), on a CPU it is the ring itself.
-        ring = collective_for("ring", cfg, self.node)
-        self.allreduce_part = AllReduceSync(cfg, ctx, device, ring)
-        self.node_coll = self.allreduce_part.coll
-        self.ps = PSSync(cfg, ctx, device, worker_id=leaders.rank, num_workers=nodes) \
-            if self.is_leader else None
+        self.inside = AllReduceSync(cfg, ctx, device, collective_for("ring", cfg, self.node))
+        self.node_coll = self.inside.coll
+        self.ps = PSSync(cfg, ctx, device, worker_id=leaders.rank, num_workers=nodes,
+                         bind_grads=False) if self.is_leader else None
 
     def setup(self, model):
         super().setup(model)
-        self.allreduce_part.setup(model)             # p.grad become views of its buckets
+        self.inside.setup(model)                    # p.grad become views of its buckets
         if self.ps is not None:
-            self.ps.setup(model, bind_grads=False)
+            self.ps.setup(model)
         # Every worker of a node starts from its leader's parameters and step: the
         # servers' saved ones after --resume (without it, the same values anyway).
         with torch.no_grad():
@@ -157,31 +183,31 @@ class HybridSync(GradientSync):
                 self.node_coll.broadcast(p.data, root=0)
         step = np.array([self.ps.start_step if self.ps is not None else 0], dtype=np.int64)
         self.node_coll.broadcast(step, root=0)
-        self.start_step = int(step[0])
-
-    def make_optimizer(self, model):
-        return None
-
-    def save_state(self):
-        if self.ps is not None:
-            self.ps.save_state()
+        self.start_step = self.next_step = int(step[0])
+        # where the new parameters arrive before step: the leader's servers' buffers,
+        # a copy of its own on every other worker of the node
+        names = [n for n, _ in model.named_parameters()]
+        self.incoming = [self.ps.pulled[n] for n in names] if self.ps is not None else \
+            [torch.empty(p.shape) for p in model.parameters()]
 
     def before_backward(self):
-        self.allreduce_part.before_backward()
+        self.inside.before_backward()
 
     def synchronize(self, step):
-        self.allreduce_part.synchronize(step)      # gradients averaged over the node
+        self.inside.synchronize(step)               # gradients averaged over the node
         if self.ps is not None:
-            for n, p in self.ps.named.items():
-                self.ps.host_grads[n].copy_(p.grad)
-            self.ps.client.push_pull(self.ps.grads_np, self.ps.params_np, step).wait()
-            self.ps.step(None)
-        with torch.no_grad():                       # the leader's new parameters to its node
-            for p in self.model.parameters():
-                self.node_coll.broadcast(p.data, root=0)
+            self.ps.synchronize(step)               # ... and over the nodes, by the servers
+        for t in self.incoming:                     # the servers' answer, to the node
+            self.node_coll.broadcast(t, root=0)
+        self.next_step = step + 1
 
     def step(self, optimizer):
-        pass
+        if self.ps is not None:
+            self.ps.step(optimizer)                 # into the model, on the leader
+            return
+        with torch.no_grad():
+            for p, new in zip(self.model.parameters(), self.incoming):
+                p.copy_(new, non_blocking=True)
 
     @property
     def bytes_sent(self):
@@ -196,12 +222,22 @@ class HybridSync(GradientSync):
     def staleness(self):
         return self.ps.staleness if self.ps else None
 
+    def state_dict(self):
+        if self.ps is not None:
+            self.ps.state_dict()                    # the leaders' servers save their shards
+        return {"servers_step": self.next_step}
+
+    def load_state_dict(self, state):
+        if state.get("servers_step") != self.start_step:
+            raise RuntimeError(f"--resume: the servers resumed at step {self.start_step}, "
+                               f"the worker checkpoint is at step {state.get('servers_step')}")
+
     def abort(self, error):
         """A crash: the leader tells the servers (PSSync.abort); close() still follows."""
         if self.ps is not None:
             self.ps.abort(error)
 
     def close(self):
-        self.allreduce_part.close()
+        self.inside.close()
         if self.ps is not None:
             self.ps.close()

@@ -1,34 +1,37 @@
-"""GradientSync: the one interface between the training loop and every synchronisation.
+"""GradientSync: the one contract between a training loop and every synchronisation.
 
-    sync = make_sync(cfg, ctx, device)      # strategies.train; DistributedOptimizer builds
-                                            # AllReduceSync(SyncOptions(...), None, device, coll)
-    sync.setup(model)                  # replicas start equal; hooks attached
-    optimizer = sync.make_optimizer(model)   # None where the servers apply the update
-    each step:
-        sync.before_backward()         # fresh (zero) gradients
-        loss.backward()                # all-reduce syncs may already communicate here
-        sync.synchronize(step)         # afterwards every replica has the same gradients
-        sync.step(optimizer)           # ... or, for ps, the same new parameters
-    sync.bytes_sent, sync.bytes_received, sync.staleness
-    sync.abort(error)                  # if the loop failed; then
+    sync.setup(model)                  once: the replicas start equal (rank 0's weights,
+                                       or the parameter servers'); hooks attached
+    each step s:
+        sync.before_backward()         fresh (zero) gradients
+        loss.backward()                all-reduce syncs may already communicate here
+        sync.synchronize(s)            every replica's gradients of step s are combined
+        sync.step(optimizer)           the update: afterwards every replica holds the
+                                       parameters of step s + 1
+    sync.state_dict() / sync.load_state_dict(state)   its own part of a checkpoint
+    sync.abort(error)                  only if the loop failed; close() follows
     sync.close()
+
+The class docstring of GradientSync says what each call promises; its defaults
+are those of one process training alone.  Users of the contract: the loop of
+strategies.train (through DistributedOptimizer, which builds the syncs),
+DistributedOptimizer itself (optimizer.py), and the grid's data-parallel axis
+(ZeRO, zero.py).
 
 Implementations:
   LocalSync       one process, nothing to do: the reference the others must reproduce.
-  AllReduceSync   ring, tree, halving_doubling, hierarchical, mpi, torch (allreduce/),
+  AllReduceSync   ring, tree, halving_doubling, hierarchical, mpi, torch, auto (allreduce/),
                   through GradBuckets: bucketed, overlapped with backward.
   PSSync          parameter servers (psrv/): push gradients, pull parameters; the
                   servers average the workers' gradients and run the optimizer.
   HybridSync      all-reduce inside a node, then the node leaders talk to the
                   servers and broadcast the new parameters inside their node.
-                  (both in ps_sync.py)
+                  (both in ps_sync.py, which builds on this file)
+  ZeRO            the dp axis of the grid, its optimizer state sharded (zero.py)
 
 Every data-parallel rank computes the mean loss over its B/P samples, and the
 syncs average over P ranks, so the update is the one of the mean over all B
 samples: exactly one process's update, up to the order of float additions.
-The model, the optimizer and the sync are separate objects on purpose, so that
-ZeRO (a sync that owns sharded optimizer state) and pipeline/tensor parallelism
-(a model split over a grid axis, with the sync on the dp axis) can plug in.
 
 A sync reads its settings from `cfg`: a TrainConfig in strategies.train, or a
 SyncOptions (the same fields, nothing about models, data or batches) where
@@ -43,9 +46,9 @@ import allreduce
 from allreduce.buffers import TORCH_DTYPES
 
 from .buckets import GradBuckets
+from .choices import (ALLREDUCE_SYNCS, COMPRESSIONS, CONSISTENCIES, EMULATED_SYNCS, OPTIMIZERS,
+                      SYNCS, ConfigError)
 from .compress import make_compressor
-from .config import (ALLREDUCE_SYNCS, COMPRESSIONS, CONSISTENCIES, EMULATED_SYNCS, OPTIMIZERS,
-                     PS_SYNCS, ConfigError)
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,7 @@ class SyncOptions:
     weight_decay: float = 0.0
 
     def __post_init__(self):
-        syncs = ALLREDUCE_SYNCS + PS_SYNCS
-        for field, options in (("sync", syncs), ("compress", COMPRESSIONS),
+        for field, options in (("sync", SYNCS), ("compress", COMPRESSIONS),
                                ("consistency", CONSISTENCIES), ("optimizer", OPTIMIZERS)):
             if getattr(self, field) not in options:
                 raise ConfigError(f"{field}={getattr(self, field)!r} is not one of "
@@ -98,8 +100,33 @@ def make_optimizer(cfg, params):
 
 
 class GradientSync:
+    """How data-parallel replicas combine their gradients: the calls a loop makes, in order.
+
+    setup(model)         Once, before the first step, on every replica: afterwards every
+                         replica holds the same parameters (rank 0's, or the servers' after
+                         a resume) and `start_step` says which step comes next.
+    before_backward()    Before each backward: the gradients start from zero.
+    synchronize(step)    After backward: waits until the gradients of `step` of every
+                         replica are combined (averaged into .grad; ps: sent to the servers,
+                         whose new parameters have come back but are not in the model yet).
+                         The model's parameters do not change here.
+    step(optimizer)      The update, and the only call that changes the parameters: the
+                         optimizer's step on the averaged gradients, or (ps, hybrid) the
+                         servers' new parameters copied into the model.
+    state_dict()         This sync's own part of a checkpoint, beside the model's and the
+                         optimizer's ({} where those two are the whole state);
+    load_state_dict(s)   and its check on resuming, after setup.
+    abort(error)         The loop failed with `error`; close() follows.
+    close()              Hooks detached, threads stopped, peers told; idempotent.
+
+    Read-only figures: name, bytes_sent and bytes_received (this rank's traffic so far;
+    None where a library's traffic is not observable), staleness (ps: how many steps old
+    the parameters of the last step were; None elsewhere), start_step.
+    """
     name = "?"
     staleness = None
+    start_step = 0               # ps / hybrid: where the servers resumed
+    bytes_sent = bytes_received = 0
 
     def __init__(self, cfg, ctx, device):
         self.cfg, self.ctx, self.device = cfg, ctx, device
@@ -108,6 +135,7 @@ class GradientSync:
         self.model = model
 
     def make_optimizer(self, model):
+        """The torch optimizer that `step` takes, as cfg describes it."""
         return make_optimizer(self.cfg, model.parameters())
 
     def before_backward(self):
@@ -120,11 +148,15 @@ class GradientSync:
     def step(self, optimizer):
         optimizer.step()
 
-    bytes_sent = bytes_received = 0
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
 
     def abort(self, error):
-        """The loop failed with `error`; close() follows.  Parameter servers are told
-        of a crash here, so that they do not wait for this worker."""
+        """Parameter servers are told of a crash here, so that they do not wait for
+        this worker; nothing to tell elsewhere."""
 
     def close(self):
         pass
@@ -211,12 +243,11 @@ class AllReduceSync(GradientSync):
 
 
 def make_sync(cfg, ctx, device):
+    """A sync of this file for cfg.sync (local or an all-reduce).  The parameter-server
+    syncs need psrv's role and are built by DistributedOptimizer, which builds every kind."""
     if cfg.sync == "local":
         return LocalSync(cfg, ctx, device)
     if cfg.sync in ALLREDUCE_SYNCS:
         return AllReduceSync(cfg, ctx, device)
-    if cfg.sync in ("ps", "hybrid"):
-        from .ps_sync import HybridSync, PSSync
-        return (PSSync if cfg.sync == "ps" else HybridSync)(cfg, ctx, device)
-    raise ConfigError(f"unknown --sync {cfg.sync!r}")
-
+    raise ConfigError(f"--sync {cfg.sync!r} is not local or an all-reduce; build it through "
+                      "strategies.DistributedOptimizer")

@@ -21,9 +21,10 @@ the forward and two in the backward.
 
 Embeddings, LayerNorms and the head stay whole on every tp rank: they see the
 same inputs and (after f's backward all-reduce) the same output gradients, so
-their gradients are already equal and need no sync.  Every local parameter
-remembers where it came from (`tp_pieces`: full-matrix slices <- local
-slices), so the full model can be reassembled for checkpoints and tests.
+their gradients are already equal and need no sync.  The TensorParallel object
+remembers where every local parameter came from (`pieces[id(p)]`: full-matrix
+slices <- local slices, and the full shape), so the full model can be
+reassembled for checkpoints and tests.
 """
 import torch
 import torch.nn as nn
@@ -37,6 +38,7 @@ class TensorParallel:
 
     def __init__(self, coll, rank, size, tracer=None):
         self.coll, self.rank, self.size, self.tracer = coll, rank, size, tracer
+        self.pieces = {}         # id(local parameter) -> ([(full index, local index)], shape)
 
     def allreduce(self, x, what):
         x = x.contiguous().clone()
@@ -76,10 +78,10 @@ class ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
-def _keep(full, pieces):
+def _keep(full, pieces, tp):
     """A Parameter of the full tensor's pieces (full-index slices), concatenated on dim 0."""
     local = nn.Parameter(torch.cat([full.detach()[index] for index, _ in pieces]).clone())
-    local.tp_pieces, local.full_shape = pieces, tuple(full.shape)
+    tp.pieces[id(local)] = pieces, tuple(full.shape)
     return local
 
 
@@ -98,10 +100,10 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, tp, rows):
         super().__init__()
         self.tp = tp
-        self.weight = _keep(full.weight, _row_pieces(rows))
+        self.weight = _keep(full.weight, _row_pieces(rows), tp)
         self.bias = None if full.bias is None else \
             _keep(full.bias, [((slice(a, b),), (slice(i, i + b - a),))
-                              for (a, b), i in zip(rows, _offsets(rows))])
+                              for (a, b), i in zip(rows, _offsets(rows))], tp)
 
     def forward(self, x):
         return F.linear(CopyToTensorParallel.apply(x, self.tp), self.weight, self.bias)
@@ -116,8 +118,8 @@ class RowParallelLinear(nn.Module):
         start, stop = cols
         rows = slice(None)
         self.weight = nn.Parameter(full.weight.detach()[:, start:stop].clone())
-        self.weight.tp_pieces = [((rows, slice(start, stop)), (rows, slice(None)))]
-        self.weight.full_shape = tuple(full.weight.shape)
+        tp.pieces[id(self.weight)] = ([((rows, slice(start, stop)), (rows, slice(None)))],
+                                      tuple(full.weight.shape))
         self.bias = full.bias          # whole on every tp rank
 
     def forward(self, x):

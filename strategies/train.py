@@ -23,24 +23,31 @@ RANK/WORLD_SIZE/MASTER_ADDR from torchrun):
 
 Each step: this rank's B/P samples of the global batch -> forward -> backward
 (buckets all-reduced meanwhile) -> sync.synchronize (wait for the rest) ->
-optimizer step.  Every problem with the flags, the data or the checkpoint is
+sync.step (the update).  The syncs are built by strategies.DistributedOptimizer,
+the API a user's own loop has (optimizer.py); the loop around the step
+(records, checkpoints, summary) is loop.py's, shared with the dp x pp x tp grid
+(parallel.py).  Every problem with the flags, the data or the checkpoint is
 found before training, on every rank, and reported by every rank (exit 2).
 """
 import os
 import sys
 import time
 
-import numpy as np
 import torch
 
-from . import checkpoint, parallel
-from .config import PS_SYNCS, ConfigError, parse_args
-from .context import MPIControl, RunContext, require_psrv, under_torchrun
+from allreduce.torch_transport import under_torchrun
+
+from . import checkpoint, loop
+from .choices import ConfigError
+from .config import parse_args
+from .context import MPIControl, RunContext
 from .data import load_data
-from .metrics import Metrics, now
+from .metrics import now
 from .models import build_model, count_parameters
-from .sync import make_sync
-from .trace import Tracer, write_chrome_trace
+from .optimizer import DistributedOptimizer
+from .parallel import GridEngine, check
+from .sync import make_optimizer
+from .trace import Tracer
 
 
 def prepare(argv=None):
@@ -51,9 +58,7 @@ def prepare(argv=None):
     device = data = model = state = None
     try:
         cfg = parse_args(argv)
-        ctx = RunContext.create(cfg)
-        if cfg.sync in PS_SYNCS:
-            require_psrv()
+        ctx = RunContext.create(cfg)           # ps, hybrid: psrv.launch says who serves
         torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // ctx.local_size))
         device = ctx.device(cfg)
         if not ctx.is_server:
@@ -61,7 +66,7 @@ def prepare(argv=None):
             model = build_model(cfg, data.spec, device)
             state = checkpoint.read(cfg, ctx, model) if cfg.resume else None
             if cfg.on_grid:
-                parallel.check(cfg, ctx.world_size)   # layers, heads, micro-batches vs grid
+                check(cfg, ctx.world_size)     # layers, heads, micro-batches vs the grid
     except ConfigError as e:
         problem = str(e)
     if ctx is not None:
@@ -113,57 +118,46 @@ def one_step(step, cfg, ctx, data, model, sync, optimizer, device, forward=None,
     return loss.item(), (t1 - t0) + (t3 - t2), t2 - t1, t3 - t0
 
 
-def save_params(path, model):
-    np.savez(path, **{n: p.detach().cpu().numpy() for n, p in model.named_parameters()})
+class DataParallel(loop.StepEngine):
+    """The whole model on every worker, a sync of the contract between them: local,
+    an all-reduce, or parameter servers.  DistributedOptimizer builds the sync (the one
+    place that knows every kind); the step drives the contract on it directly, as
+    one_step times each call."""
+
+    def __init__(self, cfg, ctx, device, data, model):
+        self.cfg, self.ctx, self.device, self.data, self.model = cfg, ctx, device, data, model
+        opt = DistributedOptimizer(
+            make_optimizer(cfg, model.parameters()), model, sync=cfg.sync, comm=ctx.dp_comm,
+            role=ctx.role, bucket_mb=cfg.bucket_mb, overlap=cfg.overlap, compress=cfg.compress,
+            ranks_per_node=cfg.ranks_per_node, timeout=cfg.timeout,
+            consistency=cfg.consistency, staleness=cfg.staleness,
+            link_latency_us=cfg.link_latency_us, link_gbps=cfg.link_gbps)
+        self.sync, self.optimizer = opt.sync, opt.optimizer
+        self.parameters = count_parameters(model)
+        self.layout = {"world_size": ctx.world_size, "dp_size": ctx.dp_size, "pp_size": 1,
+                       "tp_size": 1}
+        self.tracer = Tracer(ctx.rank) if cfg.trace else None
+
+    def step(self, step):
+        loss, compute_s, comm_s, step_s = one_step(step, self.cfg, self.ctx, self.data,
+                                                   self.model, self.sync, self.optimizer,
+                                                   self.device, tracer=self.tracer)
+        return loss, {"step_time_s": step_s, "compute_time_s": compute_s,
+                      "comm_time_s": comm_s, "staleness": self.sync.staleness}
+
+    def trace_label(self, rank):
+        return f"worker {rank} ({self.cfg.sync})"
 
 
 def train(argv=None):
     """Train as the flags say; returns the run's summary on the writing rank, else None."""
     started = time.perf_counter()
     cfg, ctx, device, data, model, state = prepare(argv)
-    if cfg.on_grid:                                # ZeRO, pipeline, tensor parallel
-        return parallel.run(cfg, ctx, data, device)
-    if cfg.sync in PS_SYNCS:
-        role = ctx.attach_ps_role(cfg)
-        if ctx.is_server:
-            role.serve()                           # until every worker has closed
-            return None
-    sync = make_sync(cfg, ctx, device)
-    sync.setup(model)
-    optimizer = sync.make_optimizer(model)
-    start = checkpoint.restore(state, model, optimizer, sync) if state else 0
-    control = ctx.control if ctx.comm is None else MPIControl(ctx.dp_comm)
-    metrics = Metrics(cfg, ctx, control, device, sync, start, cfg.global_batch)
-    if ctx.dp_rank == 0 and start == 0:
-        print(f"[{cfg.sync}] {cfg.model} with {count_parameters(model):,} parameters, "
-              f"world {ctx.world_size}, dp {ctx.dp_size}, global batch {cfg.global_batch}, "
-              f"data {data.name} ({len(data)} samples)", flush=True)
-    tracer = Tracer(ctx.rank) if cfg.trace else None
-    try:
-        for step in range(start, cfg.steps):
-            loss, compute_s, comm_s, step_s = one_step(step, cfg, ctx, data, model, sync,
-                                                       optimizer, device, tracer=tracer)
-            metrics.record(step, loss, step_s, compute_s, comm_s, sync)
-            if cfg.checkpoint_dir and cfg.checkpoint_every and \
-                    (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-                checkpoint.save(cfg, ctx, step + 1, model, optimizer)
-        if cfg.checkpoint_dir:
-            if hasattr(sync, "save_state"):
-                sync.save_state()
-            checkpoint.save(cfg, ctx, cfg.steps, model, optimizer)
-    except BaseException as e:
-        sync.abort(e)                  # ps, hybrid: the servers hear of a crash, not a finish
-        raise
-    finally:
-        sync.close()
-    if cfg.params_out and ctx.dp_rank == 0:
-        save_params(cfg.params_out, model)
-    if tracer:                                     # workers only: servers have no steps
-        events = control.allgather(tracer.events)
-        if ctx.dp_rank == 0:
-            labels = [f"worker {r} ({cfg.sync})" for r in range(len(events))]
-            write_chrome_trace(cfg.trace, events, labels)
-    return metrics.summary(time.perf_counter() - started)
+    if ctx.is_server:
+        ctx.role.serve()                           # until every worker has closed
+        return None
+    engine = (GridEngine if cfg.on_grid else DataParallel)(cfg, ctx, device, data, model)
+    return loop.run(cfg, ctx, device, data, engine, state, started)
 
 
 def main(argv=None):

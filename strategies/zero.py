@@ -47,7 +47,7 @@ import torch.nn as nn
 from allreduce import shard_of
 
 from .memory import optimizer_tensors, state_bytes
-from .sync import make_optimizer
+from .sync import GradientSync, make_optimizer
 
 EMPTY = torch.empty(0)
 
@@ -145,14 +145,19 @@ class ZeroUnit:
         self.full.copy_(full)
 
 
-class ZeRO:
-    """The data-parallel axis of a run: plain DP (stage 0) or ZeRO stages 1-3.
+class ZeRO(GradientSync):
+    """The data-parallel axis of a grid run: plain DP (stage 0) or ZeRO stages 1-3, a
+    sync of the contract in sync.py.  The replicas start equal at construction (each
+    layer broadcast from rank 0), and gradients travel from backward's hooks, so
+    `synchronize` only checks that every layer's gradient arrived.
 
     units: [(name, module, [parameters])] of this rank's layers, in forward order.
     coll: an allreduce/ collective over the dp communicator."""
+    name = "zero"
 
     def __init__(self, stage, units, coll, cfg, backwards_per_step=1, tracer=None):
-        self.stage, self.coll, self.cfg, self.tracer = stage, coll, cfg, tracer
+        super().__init__(cfg, None, torch.device("cpu"))   # the grid runs on CPUs so far
+        self.stage, self.coll, self.tracer = stage, coll, tracer
         self.dp_rank, self.dp_size = coll.rank, coll.size
         self.backwards_per_step = backwards_per_step
         self.gathered = {}              # storage ptr of a gathered layer -> its ZeroUnit
@@ -203,7 +208,8 @@ class ZeRO:
     def parameters(self):
         return [p for u in self.units for p in u.params]
 
-    def make_optimizer(self):
+    def make_optimizer(self, model=None):
+        """Over the shards (stages 1-3), not the model's parameters."""
         params = self.parameters() if self.stage == 0 else [u.shard for u in self.units]
         return make_optimizer(self.cfg, params)
 
@@ -213,7 +219,7 @@ class ZeRO:
             if unit.grad_full is not None:
                 unit.grad_full.zero_()  # autograd adds into the views in place
 
-    def after_backward(self):
+    def synchronize(self, step):
         missing = [u.name for u in self.units
                    if u.arrivals != len(u.params) * self.backwards_per_step]
         if missing:

@@ -112,7 +112,7 @@ def test_example_runs_and_learns():
 # -------------------------------------------------- no processes: the pieces
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kwargs, message", [
-    ({"sync": "local"}, "sync='local' is not one of"),
+    ({"sync": "rign"}, "sync='rign' is not one of"),
     ({"overlap": "yes"}, "overlap='yes' must be True or False"),
     ({"timeout": 0}, "timeout must be > 0"),
     ({"sync": "mpi", "link_gbps": 1.0}, "link emulation slows the textbook all-reduces"),

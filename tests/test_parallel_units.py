@@ -55,7 +55,9 @@ def cfg(**kw):
     (dict(heads=2, d_model=16, tp=4), 4, r"--heads 2 is not divisible by tp\(4\)"),
     (dict(model="mlp", tp=2), 2, "tensor parallelism splits the GPT"),
     (dict(micro_batches=5), 2, r"--micro-batches 5 is more than the 4 samples"),
-    (dict(global_batch=9, dp=2, tp=2), 4, r"--global-batch 9 is not divisible by dp\(2\)"),
+    (dict(global_batch=9, dp=2, tp=2), 4,
+     r"--global-batch 9 is not divisible by the data-parallel size: 9 % dp\(2\) = 1 "
+     r"\(dp\(2\) x pp\(1\) x tp\(2\) = 4\)"),
 ])
 def test_grid_config_errors(kw, world, message):
     with pytest.raises(ConfigError, match=message):

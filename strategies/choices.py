@@ -1,0 +1,25 @@
+"""ConfigError and the values each choice flag may take: the bottom of strategies/.
+
+config.py (TrainConfig), grid.py (ProcessGrid), sync.py (SyncOptions) and the
+optimizer all check against these tuples and raise ConfigError, so they live
+in a module that imports nothing of the package: none of those files needs
+another one of them for a name.
+"""
+
+# auto: allreduce picks one of the others per call, from the size, P and the nodes
+ALLREDUCE_SYNCS = ("ring", "tree", "halving_doubling", "hierarchical", "mpi", "torch", "auto")
+PS_SYNCS = ("ps", "hybrid")
+SYNCS = ALLREDUCE_SYNCS + PS_SYNCS + ("local",)
+# the textbook all-reduces, whose point-to-point links can be slowed down (--link-*)
+EMULATED_SYNCS = ("ring", "tree", "halving_doubling", "hierarchical")
+MODELS = ("mlp", "gpt")
+OPTIMIZERS = ("sgd", "adam")
+COMPRESSIONS = ("none", "fp16", "bf16")
+CONSISTENCIES = ("bsp", "ssp", "asp")
+DEVICES = ("cpu", "cuda")
+SCHEDULES = ("gpipe", "1f1b")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+class ConfigError(ValueError):
+    """A bad flag, a bad combination of flags, or bad input data: reported before training."""
