@@ -97,7 +97,7 @@ def bytes_sent(nbytes, P, bruck):
 
 def check_out(x, out, rank, P, what):
     """Raise CollectiveError where `out` cannot take rank's all-to-all of x."""
-    validate(out, what, writable=True)
+    validate(out, f"{what}: out", writable=True)
     if is_tensor(out) != is_tensor(x):
         raise CollectiveError(f"{what}: out is a {type(out).__name__}, x a {type(x).__name__}; "
                               f"pass the same kind of buffer")

@@ -111,6 +111,13 @@ class MPINative(Collective):
     def _broadcast(self, x, root):
         self._wait(self.comm.Ibcast(_numpy_view(x), root=root))
 
+    def _alltoall(self, x, out, bounds):
+        # MPI_Alltoallv: block j of x to rank j, P blocks of our shard's size back
+        m = bounds[self.rank][1] - bounds[self.rank][0]
+        sent = ([b - a for a, b in bounds], [a for a, _ in bounds])
+        received = ([m] * self.size, [j * m for j in range(self.size)])
+        self._wait(self.comm.Ialltoallv([_numpy_view(x), sent], [_numpy_view(out), received]))
+
 
 class TorchNative(Collective):
     """torch.distributed's collectives (gloo on CPU, NCCL on GPU)."""
@@ -166,6 +173,13 @@ class TorchNative(Collective):
         self._wait(self.dist.all_gather(padded, mine, group=self.group, async_op=True))
         for (a, b), piece in zip(bounds, padded):
             t[a:b] = piece[:b - a]
+
+    def _alltoall(self, x, out, bounds):
+        m = bounds[self.rank][1] - bounds[self.rank][0]
+        if len(x):                      # gloo rejects empty tensors; n is alike on every rank
+            self._wait(self.dist.all_to_all_single(
+                self._tensor(out), self._tensor(x), [m] * self.size, [b - a for a, b in bounds],
+                group=self.group, async_op=True))
 
     def _broadcast(self, x, root):
         if len(x):
