@@ -11,13 +11,15 @@
         # is always a row: the bar the others are measured against
 
 For every (size, collective) the algorithms take turns iteration by iteration
-(A B C A B C ...), so a machine that changes speed mid-run slows all alike.  A
-row gives the median time (the slowest rank's), x_raw = time / mpi-raw's
+(A B C A B C ..., allreduce/harness.py), so a machine that changes speed
+mid-run slows all alike.  A row gives the median time (of the slowest rank's
+samples), x_raw = time / mpi-raw's, the median over rounds of that ratio
 (MPI's collective through mpi4py, no topolab layer: the floor), algbw, busbw
 (nccl-tests' factors), the bytes one rank sent beside the textbook figure, and
 #wrong: elements that differ from a reference each rank computes itself.  auto
 rows name their choice (auto→ring); the shm row's buffers live in its window
 (shm.py).  From 1 MiB a line gives memcpy on the same bytes, same rounds.
+--jsonl records carry the quartiles too (time_us_p25, time_us_p75: error bars).
 
 Timing.  By default each call starts after a barrier: one collective from ranks
 that start together, as in a training step.  --loop N times N calls back to
@@ -26,103 +28,20 @@ barrier and the wake-up after it are as large as the collective itself, so the
 overhead of one layer over another (x_raw) is compared fairly with --loop; from
 1 MiB the two modes agree within the noise.
 """
-import argparse
-import platform
-import socket
-import subprocess
 import sys
-import time
 
 import numpy as np
 
-from . import ALGORITHMS, create, host_staged, shard_bounds
-from .native import RAW, MPIRaw
-from .records import append_jsonl
+from . import create, host_staged, shard_bounds
+from .bench_config import RAW, parse_args
+from .harness import interleaved
+from .native import MPIRaw
+from .records import append_jsonl, calibration_file, provenance
 from .theory import bus_factor, bytes_sent
 from .twolevel import predictor
+from .units import format_size
 
-COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
-DTYPES = ("float32", "float64", "int32", "int64", "float16", "bfloat16")
-ROWS = ALGORITHMS + (RAW,)
-RAW_DTYPES = ("float32", "float64", "int32", "int64")    # MPI's own types, no user op
 UNCOUNTED = ("mpi", "torch", RAW, "shm")       # their bytes move out of the transport's sight
-DEFAULT_ALGOS = {"cpu": "mpi-raw,ring,mpi", "cuda": "ring,torch"}
-
-
-def parse_size(text):
-    text = text.strip().upper()
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text.rstrip("KMGB") if scale > 1 else text) * scale)
-
-
-def human(nbytes):
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return str(nbytes)
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m allreduce.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--algos", default=None, help=f"comma list of {','.join(ROWS)} "
-                                                 "(default: mpi-raw,ring,mpi; on cuda ring,torch)")
-    p.add_argument("--ops", default="allreduce", help=f"comma list of {','.join(COLLECTIVES)}")
-    p.add_argument("--sizes", default=None, help="comma list of message sizes, e.g. 4K,1M,64M")
-    p.add_argument("--min-bytes", default="4K")
-    p.add_argument("--max-bytes", default="64M")
-    p.add_argument("--factor", type=int, default=4, help="size step of the min..max sweep")
-    p.add_argument("--dtype", default="float32", choices=DTYPES)
-    p.add_argument("--iters", type=int, default=20, help="timed iterations per row")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--loop", type=int, default=0, metavar="N",
-                   help="time N back-to-back calls after one barrier, OSU style (default: "
-                        "a barrier before every call)")
-    p.add_argument("--transport", default="mpi", choices=("mpi", "torch"),
-                   help="transport of the textbook algorithms")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="where the buffers live (cuda: one GPU per rank on its host)")
-    p.add_argument("--ranks-per-node", type=int, default=None,
-                   help="hierarchical: emulate nodes of this many ranks (default: host names)")
-    p.add_argument("--inner", default="ring", help="hierarchical: algorithm inside a node")
-    p.add_argument("--outer", default="ring", help="hierarchical: algorithm between nodes")
-    p.add_argument("--link-latency-us", type=float, default=0.0,
-                   help="emulate a slower network: latency per message (allreduce/emulate.py)")
-    p.add_argument("--link-gbps", type=float, default=None,
-                   help="emulate a slower network: bandwidth of each rank's link")
-    p.add_argument("--jsonl", default=None, help="append one JSON record per row to this file")
-    p.add_argument("--predict", default=None, metavar="CAL.json",
-                   help="add the cost model's time of each all-reduce row (predicted_us; "
-                        "allreduce/twolevel.py) from this calibration (experiments.calibrate)")
-    args = p.parse_args(argv)
-    args.algos = [a for a in (args.algos or DEFAULT_ALGOS[args.device]).split(",") if a]
-    emulated = args.link_latency_us or args.link_gbps
-    if args.device == "cuda" and "torch" not in args.algos and not emulated:
-        args.algos.append("torch")                 # NCCL's own all-reduce: the baseline row
-    args.ops = [o for o in args.ops.split(",") if o]
-    for a in args.algos:
-        if a not in ROWS:
-            p.error(f"unknown algorithm {a!r}; choose from {', '.join(ROWS)}")
-    if RAW in args.algos and (args.device != "cpu" or args.dtype not in RAW_DTYPES):
-        p.error(f"{RAW} takes host buffers of {', '.join(RAW_DTYPES)}")
-    if args.loop < 0:
-        p.error(f"--loop {args.loop}: give a number of calls >= 1, or 0 for a barrier per call")
-    if emulated:
-        native = [a for a in args.algos if a in ("mpi", "torch", RAW)]
-        if native:
-            p.error(f"link emulation slows the textbook algorithms only, not {', '.join(native)}")
-    for o in args.ops:
-        if o not in COLLECTIVES:
-            p.error(f"unknown collective {o!r}; choose from {', '.join(COLLECTIVES)}")
-    if args.sizes:
-        args.sizes = [parse_size(s) for s in args.sizes.split(",")]
-    else:
-        lo, hi = parse_size(args.min_bytes), parse_size(args.max_bytes)
-        args.sizes = []
-        while lo <= hi:
-            args.sizes.append(lo)
-            lo *= max(2, args.factor)
-    return args
 
 
 def make_input(rank, n, dtype, device="cpu"):
@@ -184,19 +103,6 @@ def use_device(args, comm):
     return device
 
 
-def provenance():
-    def commit():
-        try:
-            return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                  text=True, timeout=5).stdout.strip() or None
-        except OSError:
-            return None
-    from mpi4py import MPI
-    import torch
-    return {"host": socket.gethostname(), "commit": commit(), "python": platform.python_version(),
-            "mpi": MPI.Get_library_version().splitlines()[0].strip(), "torch": torch.__version__}
-
-
 def runner(coll, collective, n):
     """The call a row times, x -> result."""
     if isinstance(coll, MPIRaw):
@@ -238,31 +144,32 @@ def make_rows(args, comm, device):
     return colls
 
 
+def header(args, P, width, predict, mpi):
+    link = (f" link={args.link_latency_us:g}us/{args.link_gbps or 'inf'}GB/s"
+            if args.link_latency_us or args.link_gbps else "")
+    timing = f"loop={args.loop}" if args.loop else "barrier per call"
+    return (f"# P={P} dtype={args.dtype} iters={args.iters} transport={args.transport}{link} "
+            f"device={args.device} timing: {timing}  (bandwidth in GB/s; {mpi})\n"
+            f"{'algo':>{width}} {'collective':>14} {'size':>8} {'time_us':>10} {'x_raw':>6} "
+            f"{'algbw':>7} {'busbw':>7} {'sent/rank':>10} {'theory':>10} {'#wrong':>6}" +
+            (f" {'predicted':>10}" if predict else ""))
+
+
 def main(argv=None):
     from mpi4py import MPI
-    args = parse_args(argv)
+    args = parse_args(argv, description=__doc__)
     comm = MPI.COMM_WORLD
     rank, P = comm.rank, comm.size
     device = use_device(args, comm)
     colls = make_rows(args, comm, device)
-    predict = predictor(args.predict, comm, args.inner, args.outer, args.ranks_per_node,
-                        emulated=bool(args.link_latency_us or args.link_gbps)) \
+    predict = predictor(calibration_file(args.predict), comm, args.inner, args.outer,
+                        args.ranks_per_node, emulated=bool(args.link_latency_us or args.link_gbps)) \
         if args.predict else None                # on every rank: MPI tells the hosts apart
     itemsize = 2 if args.dtype in ("float16", "bfloat16") else np.dtype(args.dtype).itemsize
     meta = provenance() if rank == 0 else {}
     width = 22 if "auto" in args.algos else 16         # auto→halving_doubling
-    header = (f"{'algo':>{width}} {'collective':>14} {'size':>8} {'time_us':>10} {'x_raw':>6} "
-              f"{'algbw':>7} {'busbw':>7} {'sent/rank':>10} {'theory':>10} {'#wrong':>6}" +
-              (f" {'predicted':>10}" if predict else ""))
-    timing = f"loop={args.loop}" if args.loop else "barrier per call"
     if rank == 0:
-        link = (f" link={args.link_latency_us:g}us/{args.link_gbps or 'inf'}GB/s"
-                if args.link_latency_us or args.link_gbps else "")
-        print(f"# P={P} dtype={args.dtype} iters={args.iters} transport={args.transport}{link} "
-              f"device={args.device} timing: {timing}  "
-              f"(bandwidth in GB/s; {meta['mpi']})")
-        print(header)
-        sys.stdout.flush()
+        print(header(args, P, width, predict, meta["mpi"]), flush=True)
     out = args.jsonl if rank == 0 else None
     window = None
     if "shm" in colls and args.dtype != "bfloat16" and device.type == "cpu":
@@ -278,69 +185,56 @@ def main(argv=None):
             if window is not None:             # shm's saving needs its own buffers
                 work["shm"] = window[:len(pristine)]
             runs = {a: runner(colls[a], collective, n) for a in colls}
-            times = {a: [] for a in colls}
             wrong, sent = {}, {}
-
-            def call(algo, calls=max(1, args.loop)):
-                """One sample: `calls` calls after one barrier; seconds per call."""
-                run, x = runs[algo], work[algo]
-                x[:] = pristine
-                settle(device)
-                comm.Barrier()
-                start = time.perf_counter()
-                for _ in range(calls):
-                    result = run(x)
-                settle(device)
-                return (time.perf_counter() - start) / calls, result
-
             for algo in colls:                 # checked call, also a warm-up
                 transport = getattr(colls[algo], "transport", None)      # none for mpi-raw
                 before = transport.bytes_sent if transport else 0
-                _, result = call(algo, calls=1)
+                work[algo][:] = pristine
+                result = runs[algo](work[algo])
                 sent[algo] = transport.bytes_sent - before if transport else 0
                 expect = reference(collective, rank, P, n, args.dtype)
                 wrong[algo] = int(np.count_nonzero(as_float64(result) != expect))
-            for _ in range(args.warmup):
-                for algo in colls:
-                    call(algo)
+            candidates = {a: (lambda a=a: runs[a](work[a])) for a in colls}
             # the roofline of a bandwidth-bound size: memcpy of the same bytes, same rounds
-            copies = []
-            spare = (np.empty_like(pristine) if type(pristine) is np.ndarray and
-                     nbytes >= 1 << 20 else None)
-            for _ in range(args.iters):
-                for algo in colls:             # interleaved: A B C A B C ...
-                    times[algo].append(call(algo)[0])
-                if spare is not None:
-                    start = time.perf_counter()
-                    np.copyto(spare, pristine)
-                    copies.append(time.perf_counter() - start)
-            medians = {a: comm.allreduce(float(np.median(times[a])), op=MPI.MAX) for a in colls}
-            memcpy = pristine.nbytes / np.median(copies) / 1e9 if copies else None
+            if type(pristine) is np.ndarray and nbytes >= 1 << 20:
+                spare = np.empty_like(pristine)
+                candidates["# memcpy"] = lambda: np.copyto(spare, pristine)
+
+            def reset(algo):                   # a fresh input every sample, untimed
+                if algo in work:
+                    work[algo][:] = pristine
+            timings = interleaved(candidates, rounds=args.iters, warmup=args.warmup,
+                                  calls=max(1, args.loop), comm=comm, before=reset,
+                                  settle=lambda: settle(device))
+            memcpy = (pristine.nbytes / timings.median("# memcpy") / 1e9
+                      if "# memcpy" in timings.samples else None)
             for algo in colls:
                 n_wrong = comm.reduce(wrong[algo], op=MPI.SUM, root=0)
                 most_sent = comm.reduce(sent[algo], op=MPI.MAX, root=0)
                 if rank != 0:
                     continue
-                median = medians[algo]
+                median, (p25, p75) = timings.median(algo), timings.spread(algo)
                 ran = chosen(algo, colls[algo], collective, n * itemsize)
                 label = algo if ran == algo else f"{algo}→{ran}"
-                vs_raw = median / medians[RAW] if RAW in medians and medians[RAW] > 0 else None
+                vs_raw = timings.ratio(algo, RAW) if RAW in colls else None
                 theory = bytes_sent(ran, collective, n * itemsize, P)
                 algbw = n * itemsize / median / 1e9 if median > 0 else 0.0
                 busbw = algbw * bus_factor(collective, P)
                 native = ran in UNCOUNTED
                 predicted = predict(ran, collective, n * itemsize) if predict else None
-                print(f"{label:>{width}} {collective:>14} {human(nbytes):>8} {median * 1e6:10.1f} "
-                      f"{'-' if vs_raw is None else f'{vs_raw:.2f}':>6} "
-                      f"{algbw:7.2f} {busbw:7.2f} {('-' if native else human(most_sent)):>10} "
-                      f"{('-' if theory is None else human(int(theory))):>10} {n_wrong:6d}" +
+                print(f"{label:>{width}} {collective:>14} {format_size(nbytes):>8} "
+                      f"{median * 1e6:10.1f} {'-' if vs_raw is None else f'{vs_raw:.2f}':>6} "
+                      f"{algbw:7.2f} {busbw:7.2f} "
+                      f"{('-' if native else format_size(most_sent)):>10} "
+                      f"{('-' if theory is None else format_size(int(theory))):>10} "
+                      f"{n_wrong:6d}" +
                       (f" {'-' if predicted is None else f'{predicted:.1f}':>10}" if predict
-                       else ""))
-                sys.stdout.flush()
+                       else ""), flush=True)
                 if out:
                     record = {"algo": label, "chosen": ran, "op": collective,
                               "bytes": n * itemsize, "dtype": args.dtype, "world_size": P,
                               "iters": args.iters, "loop": args.loop, "time_us": median * 1e6,
+                              "time_us_p25": p25 * 1e6, "time_us_p75": p75 * 1e6,
                               "vs_raw": vs_raw, "algbw_gbps": algbw, "busbw_gbps": busbw,
                               "sent_bytes": None if native else most_sent,
                               "theory_bytes": theory, "wrong": n_wrong, "device": args.device,
@@ -351,8 +245,8 @@ def main(argv=None):
                               **({"predicted_us": predicted} if predict else {}), **meta}
                     append_jsonl(out, [record])
             if rank == 0 and memcpy and collective == args.ops[-1]:
-                print(f"{'# memcpy':>{width}} {human(nbytes):>23} {memcpy:.2f} GB/s "
-                      f"(np.copyto on rank 0, in the same rounds)", flush=True)
+                print(f"{'# memcpy':>{width}} {format_size(nbytes):>23} {memcpy:.2f} GB/s "
+                      f"(np.copyto, in the same rounds)", flush=True)
     comm.Barrier()
 
 

@@ -2,7 +2,7 @@
 
     python -m experiments.sweep experiments/demo.toml     # run a matrix -> results/demo/
     python -m experiments.report results/demo             # plots + report.md / report.html
-    python -m experiments.calibrate --out cal.json        # alpha, beta, gamma of this machine
+    python -m experiments.calibrate --out results           # results/calibration.json: α, β, γ
     python -m experiments.simulate                        # 8..4096 ranks, two-level cluster
     mpiexec -n 4 python -m mpi4py -m allreduce.bench --algos ring,tree --link-latency-us 100
     experiments/labs/README.md                            # five lab sheets and their checks

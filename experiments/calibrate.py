@@ -308,19 +308,21 @@ def parser():
 
 
 def main(argv=None):
+    """Calibrate (one host, or every host mpiexec started it on); exit status 0."""
     a = parser().parse_args(argv)
     if a.out.endswith(".json"):
         parser().error(f"--out {a.out!r}: --out names a directory, into which {CALIBRATION} "
                        f"is written (e.g. --out results)")
     if not a.mpi_part and calibrate_link.launched_on_hosts():
-        return calibrate_link.main(a)
+        calibrate_link.main(a)
+        return 0
     if a.mpi_part:
         result = mpi_part(a.reps, [v for v in a.verify.split(',') if v])
         from mpi4py import MPI
         if MPI.COMM_WORLD.rank == 0:
             with open(a.mpi_part, "w") as f:
                 json.dump(result, f)
-        return result
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         part = os.path.join(tmp, "mpi.json")
         subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-m", "mpi4py", "-m",
@@ -341,8 +343,8 @@ def main(argv=None):
         print(f"wrote {write_calibration(a.out, result)}", flush=True)
     if a.jsonl:
         append_jsonl(a.jsonl, [{"kind": "calibration", **result, "provenance": provenance()}])
-    return result
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

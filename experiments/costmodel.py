@@ -7,7 +7,7 @@ are imported here under their old names.
 
     m = Machine(alpha=5e-6, beta=1 / 10e9, gamma=1 / 40e9)     # s, s/byte, s/byte
     ring_allreduce(64 << 20, P=8, m)          # predicted seconds
-    m = Machine.from_calibration(json.load(open("results/calibration.json")))
+    m = Machine.from_calibration(read_calibration("results"))   # allreduce.records
 
 Hockney's model (1994): a message of n bytes takes alpha + n * beta; reducing
 n bytes costs n * gamma.  The formulas are those of Thakur, Rabenseifner &

@@ -170,6 +170,7 @@ def parser():
 
 
 def main(argv=None):
+    """Print the crossovers; returns the records (rows, crossovers), which the report reads."""
     a = parser().parse_args(argv)
     c = cluster_from_args(a)
     rows, cross = table(a.sizes, c), crossovers(c)
@@ -184,6 +185,12 @@ def main(argv=None):
                    "inter": vars(c.inter)}
         append_jsonl(a.jsonl, [{**r, "cluster": cluster} for r in rows + cross])
     return rows, cross
+
+
+def cli(argv=None):
+    """The console script `topolab-simulate`: exit status 0 after a run."""
+    main(argv)
+    return 0
 
 
 if __name__ == "__main__":

@@ -91,15 +91,16 @@ def check_point(command, p):
             return "world_size", f"world_size must be a whole number >= 1, got {P!r}"
     if command == "allreduce.bench":
         from allreduce import ALGORITHMS
-        from allreduce.bench import COLLECTIVES, parse_size
+        from allreduce.bench_config import COLLECTIVES
+        from allreduce.units import parse_size
         for key, known in (("algos", ALGORITHMS), ("ops", COLLECTIVES)):
             bad = [a for a in p.get(key, []) if a not in known]
             if bad:
                 return key, f"unknown {key} {bad}; choose from {', '.join(known)}"
         try:
             [parse_size(str(s)) for s in p.get("sizes", [])]
-        except ValueError:
-            return "sizes", f"sizes {p.get('sizes')} are not sizes like 4K, 1M, 16M"
+        except ValueError as e:
+            return "sizes", f"sizes {p.get('sizes')}: {e}"
         if emulated and set(p.get("algos", ["ring", "mpi"])) & {"mpi", "torch"}:
             return "link_latency_us", ("link emulation slows the textbook algorithms only; "
                                        "drop mpi and torch from algos for this point")
@@ -296,7 +297,7 @@ def defaults_of(command):
     if command == "strategies.train":
         defaults = {k: v for k, v in train_fields().items() if k not in ("jsonl", "progress")}
     elif command == "allreduce.bench":
-        from allreduce.bench import parse_args
+        from allreduce.bench_config import parse_args
         defaults = {k: v for k, v in vars(parse_args([])).items() if k != "jsonl"}
         defaults["world_size"] = 1
     elif command == "psrv.bench":

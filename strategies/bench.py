@@ -20,20 +20,24 @@ optionally with `:no-overlap` or `:fp16`/`:bf16`, or `ddp`.  ps and hybrid are
 left out: their servers take ranks away from the data-parallel workers, so P
 would not be the same.  `local` under P > 1 ranks trains without any
 communication: the compute-only bound.  DDP's exposed communication shows as
-0, since it waits inside backward where this harness cannot see it.  Every other flag is TrainConfig's (`--help` of strategies.train).
+0, since it waits inside backward where this harness cannot see it.  The
+rounds are allreduce/harness.py's; `x DDP` is the median over rounds of DDP's
+step time / the method's in the same round.  Every other flag is TrainConfig's,
+listed under "training flags" below.
 """
 import argparse
 import dataclasses
 import os
-import socket
 import statistics
 import sys
 
 import torch
 
-from allreduce.records import append_jsonl
+from allreduce.cli import add_output_flags, dataclass_flags
+from allreduce.harness import interleaved
+from allreduce.records import append_jsonl, provenance
 
-from .config import ALLREDUCE_SYNCS, ConfigError, parse_args
+from .config import ALLREDUCE_SYNCS, ConfigError, TrainConfig
 from .context import MPIControl, RunContext
 from .data import load_data
 from .metrics import now
@@ -81,16 +85,32 @@ def make_method(method, base, ctx, data, device):
     return cfg, model, sync, optimizer, forward
 
 
+def parser():
+    """The bench's own flags, then every TrainConfig flag (help from strategies/config.py)."""
+    p = argparse.ArgumentParser(prog="python -m strategies.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--syncs", default="ring,mpi,torch,ddp",
+                   help="comma list of methods: a --sync name, optionally with :no-overlap, "
+                        ":fp16 or :bf16, or ddp")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds (every method once each)")
+    p.add_argument("--steps-per-round", type=int, default=5,
+                   help="training steps a method takes in each round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per method first")
+    add_output_flags(p, out=False)
+    dataclass_flags(p.add_argument_group("training flags (as strategies.train)"), TrainConfig,
+                    skip=("jsonl", "progress"))
+    return p
+
+
 def bench(argv=None):
     """Run the benchmark; returns its rows (every rank)."""
-    own = argparse.ArgumentParser(add_help=False)
-    own.add_argument("--syncs", default="ring,mpi,torch,ddp")
-    own.add_argument("--rounds", type=int, default=5)
-    own.add_argument("--steps-per-round", type=int, default=5)
-    own.add_argument("--warmup", type=int, default=2, help="untimed steps per method first")
-    args, rest = own.parse_known_args(argv)
+    args = parser().parse_args(argv)
+    if args.rounds < 1 or args.steps_per_round < 1 or args.warmup < 0:
+        raise ConfigError(f"--rounds {args.rounds} --steps-per-round {args.steps_per_round} "
+                          f"--warmup {args.warmup}: need rounds and steps >= 1, warmup >= 0")
     methods = args.syncs.split(",")
-    base = parse_args(rest + ["--no-progress"])
+    base = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+                          if f.name not in ("jsonl", "progress")}, progress=False)
     # The context only needs the world; "ring" stands for any all-reduce method.
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
@@ -106,42 +126,37 @@ def bench(argv=None):
               f"gradients), P={ctx.dp_size}, global batch {base.global_batch}, "
               f"bucket {base.bucket_mb} MB, {torch.get_num_threads()} torch thread(s) per rank, "
               f"{args.rounds} rounds x {args.steps_per_round} steps, interleaved", flush=True)
+    steps = {m: 0 for m in methods}
+    exposed = {m: [] for m in methods}         # exposed communication, step by step
 
-    def run(method, steps, first_step):
+    def step(method):
         cfg, model, sync, optimizer, forward = built[method]
-        comm.Barrier()
-        t0 = now(device)
-        comm_s = 0.0
-        for s in range(steps):
-            _, _, c, _ = one_step(first_step + s, cfg, ctx, data, model, sync, optimizer, device,
-                                  forward)
-            comm_s += c
-        elapsed = comm.allreduce(now(device) - t0, op=MPI.MAX)   # the slowest rank sets the pace
-        return elapsed, comm_s
+        _, _, comm_s, _ = one_step(steps[method], cfg, ctx, data, model, sync, optimizer,
+                                   device, forward)
+        steps[method] += 1
+        exposed[method].append(comm_s)
 
     for m in methods:
-        run(m, args.warmup, 0)
-    times = {m: [] for m in methods}
-    exposed = {m: [] for m in methods}
-    for r in range(args.rounds):
-        for m in methods:
-            elapsed, comm_s = run(m, args.steps_per_round, args.warmup + r * args.steps_per_round)
-            times[m].append(elapsed / args.steps_per_round)
-            exposed[m].append(comm_s / args.steps_per_round)
+        for _ in range(args.warmup):
+            step(m)
+        exposed[m].clear()
+    # one sample: a round's steps of one method, per step; the slowest rank sets the pace
+    timings = interleaved({m: (lambda m=m: step(m)) for m in methods}, rounds=args.rounds,
+                          warmup=0, calls=args.steps_per_round, comm=comm,
+                          settle=lambda: now(device))
     for m in methods:
         built[m][2].close()
     rows = []
-    ddp = times.get("ddp")
     for m in methods:
-        step_s = statistics.median(times[m])
-        ratios = [d / t for t, d in zip(times[m], ddp)] if ddp else None
+        step_s = timings.median(m)
         rows.append({"kind": "bench", "method": m, "world_size": ctx.world_size,
                      "parameters": params, "global_batch": base.global_batch,
-                     "median_step_s": step_s, "samples_per_s": base.global_batch / step_s,
+                     "median_step_s": step_s, "step_s_spread": timings.spread(m),
+                     "samples_per_s": base.global_batch / step_s,
                      "median_exposed_comm_s": statistics.median(exposed[m]),
-                     "speedup_vs_ddp": statistics.median(ratios) if ratios else None,
-                     "step_s_per_round": times[m], "host": socket.gethostname(),
-                     "config": base.as_dict(), "argv": sys.argv[1:] if argv is None else argv})
+                     "speedup_vs_ddp": timings.ratio("ddp", m) if "ddp" in methods else None,
+                     "step_s_per_round": timings.samples[m], "config": base.as_dict(),
+                     "argv": sys.argv[1:] if argv is None else argv, **provenance()})
     if ctx.rank == 0:
         print(f"{'method':<22}{'samples/s':>12}{'step ms':>10}{'exposed comm ms':>17}"
               f"{'x DDP':>8}")
@@ -150,8 +165,8 @@ def bench(argv=None):
             print(f"{row['method']:<22}{row['samples_per_s']:>12.1f}"
                   f"{1000 * row['median_step_s']:>10.1f}"
                   f"{1000 * row['median_exposed_comm_s']:>17.1f}{ratio:>8}", flush=True)
-        if base.jsonl:
-            append_jsonl(base.jsonl, rows)
+        if args.jsonl:
+            append_jsonl(args.jsonl, rows)
     control.barrier()
     return rows
 

@@ -6,8 +6,8 @@
                                        memory and bytes hold, times do not)
 
 Every configuration is a full `strategies.train.train(argv)` in one launch (torch
-is imported once), writing its JSON Lines to --dir; rank 0 reads the records
-back and prints the tables (and appends them to --out as records).  Launch it
+is imported once), writing its JSON Lines into --out DIR; rank 0 reads the
+records back and prints the tables (and appends them to --jsonl FILE as records).  Launch it
 without TOPOLAB_CHECK=1: that mode adds a signature exchange to every collective,
 which the byte counters would see.
 
@@ -27,7 +27,9 @@ import os
 import statistics
 import tempfile
 
-from allreduce.records import append_jsonl, read_jsonl
+from allreduce.cli import add_output_flags, out_dir
+from allreduce.harness import Timings
+from allreduce.records import append_jsonl, provenance, read_jsonl
 
 MLP = ["--model", "mlp", "--width", "512", "--depth", "4", "--in-dim", "512", "--classes", "16",
        "--dataset-size", "2048", "--global-batch", "64", "--threads", "1", "--no-progress",
@@ -52,7 +54,10 @@ def zero_part(world, directory, rounds, n_steps):
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     runs = []
-    for i in range(rounds):                     # interleaved: dp, zero-3, dp, zero-3 ...
+    # Interleaved rounds of whole training runs: dp, zero-3, plain, dp, zero-3, plain ...
+    # Not allreduce.harness.interleaved, which times calls: a sample here is a step
+    # time the trainer records itself, setup left out; the statistics are the harness's.
+    for i in range(rounds):
         for stage in (0, 3, "plain") if i else (0, 1, 2, 3, "plain"):
             name = f"{stage}_{i}"
             flags = ["--sync", "ring"] if stage == "plain" else \
@@ -80,14 +85,19 @@ def zero_part(world, directory, rounds, n_steps):
                      "formula_bytes": formula[stage], "state_over_formula": state / formula[stage],
                      "gathered_peak": mem["gathered_peak"], "bytes_sent": sent,
                      "theory_bytes": traffic[stage], "sent_over_theory": sent / traffic[stage]})
-    base, plain = statistics.median(times[0]), statistics.median(times["plain"])
+    # Step k of round i of each configuration ran minutes apart from the others' at
+    # most: Timings pairs them, and the ratio is the median over those pairs.
+    timed = Timings({stage: times[stage] for stage in (0, 3, "plain")})
     for row in rows:
         row["median_step_s"] = statistics.median(times[row["stage"]])
-        row["over_dp"] = row["median_step_s"] / base
-        row["over_plain"] = row["median_step_s"] / plain
+        row["over_dp"] = row["median_step_s"] / timed.median(0) if row["stage"] in (1, 2) \
+            else timed.ratio(row["stage"], 0)
+        row["over_plain"] = row["median_step_s"] / timed.median("plain") \
+            if row["stage"] in (1, 2) else timed.ratio(row["stage"], "plain")
     print(f"ZeRO, fp32 Adam, Ψ = {psi:,.0f} parameters, N = {N} "
           f"(plain = the data-parallel worker's bucketed, overlapped ring: "
-          f"{1000 * statistics.median(times['plain']):.1f} ms/step)")
+          f"{1000 * timed.median('plain'):.1f} ms/step; ratios: the median over steps "
+          f"run in the same round)")
     print(f"{'stage':>5} {'measured B':>12} {'formula B':>12} {'ratio':>6} {'sent B/step':>12} "
           f"{'theory B':>12} {'ratio':>6} {'gathered':>9} {'step ms':>8} {'/ stage 0':>9} "
           f"{'/ plain':>7}")
@@ -130,24 +140,31 @@ def pipeline_part(world, directory, n_steps):
     return rows
 
 
+def parser():
+    p = argparse.ArgumentParser(prog="python -m strategies.bench_parallel", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=("zero", "pipeline"), required=True,
+                   help="zero: memory, traffic and speed of the ZeRO stages; pipeline: bubbles")
+    add_output_flags(p, out_what="each configuration's training records (a temporary "
+                                 "directory if not given)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="zero: interleaved rounds of stage 0, stage 3 and plain dp")
+    p.add_argument("--steps", type=int, default=8, help="training steps of every configuration")
+    return p
+
+
 def main(argv=None):
     from mpi4py import MPI
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("zero", "pipeline"), required=True)
-    ap.add_argument("--dir", default="")
-    ap.add_argument("--out", default="")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=8)
-    args = ap.parse_args(argv)
+    args = parser().parse_args(argv)
     comm = MPI.COMM_WORLD
-    directory = args.dir or comm.bcast(tempfile.mkdtemp(prefix="bench_parallel_")
-                                       if comm.rank == 0 else None)
+    directory = comm.bcast(out_dir(args.out) or tempfile.mkdtemp(prefix="bench_parallel_")
+                           if comm.rank == 0 else None)
     if args.part == "zero":
         rows = zero_part(comm.size, directory, args.rounds, args.steps)
     else:
         rows = pipeline_part(comm.size, directory, args.steps)
-    if comm.rank == 0 and args.out:
-        append_jsonl(args.out, rows)
+    if comm.rank == 0 and args.jsonl:
+        append_jsonl(args.jsonl, [{**r, **provenance()} for r in rows])
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import allreduce
 from allreduce import check, theory
-from allreduce.bench import parse_size
+from allreduce.units import parse_size
 from allreduce.buffers import CollectiveError, as_bytes, validate
 from allreduce.halving_doubling import blocks, fold, real_rank, virtual_rank
 from allreduce.ring import allgather_chunks, reduce_scatter_chunks
