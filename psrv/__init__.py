@@ -5,11 +5,13 @@
     optim.py      torch's SGD and Adam formulas in float32 numpy
     store.py      one shard's keys, optimizer state, consistency rules, checkpoints
     server.py     the ROUTER loop: validation, held-back replies, dead and crashed workers
+    roster.py     a shard's workers: who speaks for which id, who is alive, who has finished
     auth.py       who may talk to a server: CURVE, the ZAP allow-list, worker ids bound to keys
     keys.py       CURVE key files (python -m psrv.keys DIR --workers N), keys made under mpiexec
     client.py     the worker's side: push, pull, push_pull, handles
+    link.py       a worker's socket to one server; replies read straight into `out`
     launch.py     roles under mpiexec, and local server processes for tests and benchmarks
-    bench.py      push+pull throughput beside a raw pyzmq ping-pong
+    bench.py      push+pull throughput beside raw pyzmq and a torch.distributed.rpc server
     example.py    a small training run that uses all of the above
 """
 from . import launch

@@ -16,6 +16,7 @@ because libzmq admits every CURVE client when no handler is bound.
 """
 import ipaddress
 import logging
+import os
 
 import zmq
 import zmq.utils.z85
@@ -180,6 +181,25 @@ def stop_watching(sock, monitor):
     except zmq.ZMQError:
         pass                       # the socket is already closed
     monitor.close()
+
+
+def check_private_ipc(endpoint):
+    """ValueError unless an ipc:// socket lies in a directory that only this user can
+    enter (a Unix socket is reachable by whoever may enter its directory); an
+    abstract socket (ipc://@name) has no permissions at all."""
+    path = endpoint.partition("://")[2]
+    if path.startswith("@"):
+        raise ValueError(f"{endpoint} is an abstract socket, which any process on this host "
+                         f"can reach: use a path in a 0700 directory, or pass --keys")
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        st = os.stat(directory)
+    except OSError as e:
+        raise ValueError(f"{endpoint}: its directory {directory} is not usable: {e}") from None
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ValueError(f"{endpoint}: directory {directory} has mode {st.st_mode & 0o777:#o} "
+                         f"(owner uid {st.st_uid}): others on this host could connect; put the "
+                         f"socket in a directory of mode 0700 (mktemp -d), or pass --keys")
 
 
 def is_local(endpoint):

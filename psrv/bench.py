@@ -1,36 +1,48 @@
-"""Push+pull throughput of psrv beside a raw pyzmq ping-pong of the same bytes.
+"""Push+pull throughput of psrv beside its peers: raw pyzmq and a torch.distributed.rpc server.
 
     python -m psrv.bench                                     # 4K..64M, W=1,2,3 x S=1,2
-    python -m psrv.bench --sizes 64M --workers 1 --servers 1 --reps 9 --jsonl results/psrv.jsonl
+    python -m psrv.bench --sizes 4K,1M,64M --workers 1 --servers 1 --reps 9 --jsonl results/psrv.jsonl
+    python -m psrv.bench ... --transport tcp                 # psrv and raw_zmq on loopback TCP
 
 For every (S servers, W workers, size) each worker moves `size` bytes of float32
 per iteration, both ways:
 
-    psrv     push_pull of one parameter of `size` bytes (placed over the S servers,
-             BSP, SGD applied on the servers) and copy of the new values into `out`
-    raw_zmq  the same bytes, split the same way over S echo processes (ROUTER),
-             sent as one multipart of 1 MiB zero-copy frames, echoed back
-             zero-copy, received zero-copy (the fastest ping-pong found here;
-             one 64 MiB frame is about half as fast)
+    psrv       push_pull of one parameter of `size` bytes (placed over the S servers,
+               BSP, SGD applied on the servers) and copy of the new values into `out`
+    raw_zmq    the same bytes, split the same way over S echo processes (ROUTER),
+               sent as one multipart of 1 MiB zero-copy frames, echoed back
+               zero-copy, received zero-copy (the fastest ping-pong found here;
+               one 64 MiB frame is about half as fast)
+    torch_rpc  (S = W = 1 only) what a PyTorch user gets for free, the pattern of
+               PyTorch's parameter-server tutorial: rpc_sync sends the gradient,
+               the server applies SGD (`p.add_(g, alpha=-lr)`) and returns the
+               parameter; TensorPipe forced onto TCP on loopback (transport "uv",
+               channel "basic").  The worker keeps the returned tensor (no copy
+               into `out`: the cheaper reading for torch)
 
-The two kinds run interleaved in the same processes (psrv, raw, psrv, raw, ...
-`--reps` times, a barrier before each block) because this machine changes speed
-every minute or two.  Reported: median time per iteration (the slowest worker),
-and gbps = W * 2 * size / time, the aggregate bytes moved per second (1 GB = 1e9 B).
+psrv and raw_zmq use one transport (--transport: ipc, Unix sockets, the default
+for servers on this host; or tcp on loopback).  All kinds run interleaved in the
+same processes (psrv, raw, rpc, psrv, raw, rpc, ... `--reps` times, a barrier
+before each block) because this machine changes speed every minute or two.
+Reported: median time per iteration (the slowest worker), and
+gbps = W * 2 * size / time, the aggregate bytes moved per second (1 GB = 1e9 B).
 
 Also reported: cpu_ms, the CPU time (user + system, every thread) that the
 workers and the servers (or echoes) spent per iteration, all together.  On a
 machine of C cores nothing can run faster than cpu_ms / C, so the column says
-how far either kind is from being CPU-bound, and why psrv cannot match the raw
-echo where the cores are few: it runs the optimizer over every byte on the
-server and copies every byte into `out` on the worker, and the echo does neither.
+how far each kind is from being CPU-bound.  psrv does work the echo does not:
+it runs the optimizer over every byte on the server and copies every byte into
+`out` on the worker.
 """
 import argparse
 import multiprocessing as mp
 import os
 import platform
 import queue
+import shutil
+import socket
 import statistics
+import tempfile
 import time
 
 import numpy as np
@@ -51,17 +63,54 @@ def parse_size(text):
     return int(text[:-1]) * UNITS[text[-1]] if text[-1] in UNITS else int(text)
 
 
-def echo_server(queue):
+def echo_server(queue, endpoint):
     """The raw baseline's server: return every message as it came, zero-copy."""
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 2000)
-    queue.put(f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}")
+    if endpoint.startswith("tcp://"):
+        endpoint = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+    else:
+        sock.bind(endpoint)
+    queue.put(endpoint)
     while True:
         frames = sock.recv_multipart(copy=False)
         if len(frames) == 2 and frames[1].bytes == b"stop":
             break
         sock.send_multipart(frames, copy=False)
     sock.close()
+
+
+RPC_LR = 1e-9
+_rpc_params = {}          # on the rpc server: parameter name -> tensor
+
+
+def rpc_options(port):
+    import torch.distributed.rpc as rpc        # torch only for this kind: a slow import
+    return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
+                                           _transports=["uv"], _channels=["basic"])
+
+
+def rpc_server(port, world_size):
+    """The torch_rpc kind's server, rank 0 of the rpc group: serves until every
+    worker has called rpc.shutdown()."""
+    import torch.distributed.rpc as rpc
+    rpc.init_rpc("ps", rank=0, world_size=world_size, rpc_backend_options=rpc_options(port))
+    rpc.shutdown()
+
+
+def rpc_sgd_step(name, grad):
+    """Runs on the rpc server: SGD on parameter `name` with `grad`, returns its values."""
+    import torch
+    p = _rpc_params.get(name)
+    if p is None:
+        p = _rpc_params[name] = torch.zeros_like(grad)
+    return p.add_(grad, alpha=-RPC_LR)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def cpu_seconds(pid):
@@ -95,15 +144,20 @@ def collect(results, count, procs, timeout=600.0):
     return items
 
 
-def worker(w, num_workers, endpoints, echoes, sizes, reps, barrier, results, pids):
+def worker(w, num_workers, endpoints, echoes, rpc_port, sizes, reps, barrier, results, pids):
     client = Client(endpoints, w, num_workers, timeout=120.0)
     params = {f"s{size:012d}": np.zeros(size // 4, np.float32) for size in sizes}
-    client.init(params, OptimizerConfig("sgd", lr=1e-9))
+    client.init(params, OptimizerConfig("sgd", lr=RPC_LR))
     ctx = zmq.Context()
     raw = [ctx.socket(zmq.DEALER) for _ in echoes]
     for sock, ep in zip(raw, echoes):
         sock.connect(ep)
     steps = {name: 0 for name in params}
+    if rpc_port:
+        import torch
+        import torch.distributed.rpc as rpc
+        rpc.init_rpc(f"worker{w}", rank=w + 1, world_size=num_workers + 1,
+                     rpc_backend_options=rpc_options(rpc_port))
 
     def run_psrv(name, iters):
         g, out = {name: params[name]}, {name: np.empty_like(params[name])}
@@ -126,18 +180,25 @@ def worker(w, num_workers, endpoints, echoes, sizes, reps, barrier, results, pid
                 if frames:
                     sock.recv_multipart(copy=False)
 
+    def run_rpc(name, iters):
+        g = torch.from_numpy(params[name])
+        for _ in range(iters):
+            rpc.rpc_sync("ps", rpc_sgd_step, args=(name, g))
+
+    runs = {"psrv": run_psrv, "raw_zmq": run_raw, "torch_rpc": run_rpc}
+    kinds = [k for k in runs if k in pids]
     for size in sizes:
         name = f"s{size:012d}"
         iters = max(2, min(200, int(2e8 / size / num_workers)))
-        run_psrv(name, 2)                    # warm-up: connections, page faults
-        run_raw(name, 2)
+        for kind in kinds:
+            runs[kind](name, 2)              # warm-up: connections, page faults
         for rep in range(reps):
-            for kind, fn in (("psrv", run_psrv), ("raw_zmq", run_raw)):
+            for kind in kinds:
                 servers = pids[kind] if w == 0 else []     # worker 0 reads the servers' CPU
                 barrier.wait(120)
                 cpu = sum(map(cpu_seconds, [os.getpid()] + servers))
                 start = time.perf_counter()
-                fn(name, iters)
+                runs[kind](name, iters)
                 elapsed = time.perf_counter() - start
                 barrier.wait(120)           # the servers' work for the slower workers counts too
                 cpu = sum(map(cpu_seconds, [os.getpid()] + servers)) - cpu
@@ -146,32 +207,43 @@ def worker(w, num_workers, endpoints, echoes, sizes, reps, barrier, results, pid
     for sock in raw:
         sock.close(linger=0)
     ctx.term()
+    if rpc_port:
+        rpc.shutdown()
 
 
-def run_config(num_servers, num_workers, sizes, reps):
+def run_config(num_servers, num_workers, sizes, reps, transport="ipc", with_rpc=True):
     ctx = mp.get_context("spawn")
     queue, results = ctx.Queue(), ctx.Queue()
-    echo_procs = [ctx.Process(target=echo_server, args=(queue,)) for _ in range(num_servers)]
+    socket_dir = tempfile.mkdtemp(prefix="psrv-bench-")       # 0700: only this user connects
+    where = [f"ipc://{socket_dir}/echo{i}" if transport == "ipc" else "tcp://"
+             for i in range(num_servers)]
+    echo_procs = [ctx.Process(target=echo_server, args=(queue, ep)) for ep in where]
     for p in echo_procs:
         p.start()
-    echoes = [queue.get(timeout=60) for _ in echo_procs]
     # echo i must own what psrv server i owns; the queue returns them in any order, fine:
     # the raw client splits bytes per socket index, as psrv does per server index
-    with start_local_servers(num_servers, worker_timeout=60) as servers:
+    echoes = [queue.get(timeout=60) for _ in echo_procs]
+    rpc_port = free_port() if with_rpc and num_servers == num_workers == 1 else None
+    rpc_procs = [ctx.Process(target=rpc_server, args=(rpc_port, num_workers + 1))] if rpc_port else []
+    for p in rpc_procs:
+        p.start()
+    with start_local_servers(num_servers, worker_timeout=60, transport=transport) as servers:
         barrier = ctx.Barrier(num_workers)
         pids = {"psrv": [p.pid for p in servers.procs], "raw_zmq": [p.pid for p in echo_procs]}
+        if rpc_port:
+            pids["torch_rpc"] = [p.pid for p in rpc_procs]
         procs = [ctx.Process(target=worker, args=(w, num_workers, servers.endpoints, echoes,
-                                                  sizes, reps, barrier, results, pids))
+                                                  rpc_port, sizes, reps, barrier, results, pids))
                  for w in range(num_workers)]
         for p in procs:
             p.start()
         times, cpus = {}, {}
-        for kind, size, rep, w, t, cpu in collect(results, len(sizes) * reps * 2 * num_workers,
-                                                  procs + echo_procs):
+        for kind, size, rep, w, t, cpu in collect(results, len(sizes) * reps * len(pids) * num_workers,
+                                                  procs + echo_procs + rpc_procs):
             key = (kind, size, rep)
             times[key] = max(times.get(key, 0.0), t)      # the slowest worker sets the pace
             cpus[key] = cpus.get(key, 0.0) + cpu
-        for p in procs:
+        for p in procs + rpc_procs:
             p.join(60)
         servers.wait(60)
     for ep in echoes:
@@ -181,16 +253,18 @@ def run_config(num_servers, num_workers, sizes, reps):
         sock.close(linger=2000)
     for p in echo_procs:
         p.join(30)
+    shutil.rmtree(socket_dir, ignore_errors=True)
     rows = []
     for size in sizes:
-        for kind in ("psrv", "raw_zmq"):
+        for kind in pids:
             t = statistics.median(times[(kind, size, r)] for r in range(reps))
             cpu = statistics.median(cpus[(kind, size, r)] for r in range(reps))
             rows.append({"kind": kind, "bytes": size, "workers": num_workers,
-                         "servers": num_servers, "time_us": round(t * 1e6, 1),
-                         "cpu_ms": round(cpu * 1e3, 2), "cores": os.cpu_count(),
-                         "gbps": round(num_workers * 2 * size / t / 1e9, 3),
-                         "reps": reps, "host": platform.node()})
+                         "servers": num_servers, "transport": "tcp" if kind == "torch_rpc" else transport,
+                         "time_us": round(t * 1e6, 1), "cpu_ms": round(cpu * 1e3, 2),
+                         "cores": os.cpu_count(), "gbps": round(num_workers * 2 * size / t / 1e9, 3),
+                         "round_us": [round(times[(kind, size, r)] * 1e6, 1) for r in range(reps)],
+                         "reps": reps, "host": platform.node(), "loadavg": os.getloadavg()[0]})
     return rows
 
 
@@ -200,23 +274,24 @@ def main(argv=None):
     ap.add_argument("--workers", default="1,2,3")
     ap.add_argument("--servers", default="1,2")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--transport", choices=("ipc", "tcp"), default="ipc",
+                    help="of psrv and raw_zmq (torch_rpc is always TCP)")
+    ap.add_argument("--no-rpc", action="store_true", help="leave out torch_rpc (no torch import)")
     ap.add_argument("--jsonl", help="append one JSON record per row to this file")
     a = ap.parse_args(argv)
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     if any(s % 4 or s <= 0 for s in sizes):
         raise SystemExit("sizes must be positive multiples of 4 bytes (float32)")
-    print(f"{'kind':<8} {'servers':>7} {'workers':>7} {'bytes':>10} {'time_us':>11} "
-          f"{'GB/s':>7} {'cpu_ms':>8} {'psrv/raw':>8}", flush=True)
+    print(f"{'kind':<9} {'servers':>7} {'workers':>7} {'bytes':>10} {'time_us':>11} "
+          f"{'GB/s':>7} {'cpu_ms':>8} {'psrv/this':>9}", flush=True)
     for s in (int(x) for x in a.servers.split(",")):
         for w in (int(x) for x in a.workers.split(",")):
-            rows = run_config(s, w, sizes, a.reps)
+            rows = run_config(s, w, sizes, a.reps, a.transport, not a.no_rpc)
             for r in rows:
-                ratio = ""
-                if r["kind"] == "raw_zmq":
-                    ps = next(x for x in rows if x["kind"] == "psrv" and x["bytes"] == r["bytes"])
-                    ratio = f"{ps['gbps'] / r['gbps']:.2f}"
-                print(f"{r['kind']:<8} {s:7d} {w:7d} {r['bytes']:10d} {r['time_us']:11.1f} "
-                      f"{r['gbps']:7.3f} {r['cpu_ms']:8.2f} {ratio:>8}", flush=True)
+                ps = next(x for x in rows if x["kind"] == "psrv" and x["bytes"] == r["bytes"])
+                ratio = f"{ps['gbps'] / r['gbps']:.2f}" if r["kind"] != "psrv" else ""
+                print(f"{r['kind']:<9} {s:7d} {w:7d} {r['bytes']:10d} {r['time_us']:11.1f} "
+                      f"{r['gbps']:7.3f} {r['cpu_ms']:8.2f} {ratio:>9}", flush=True)
                 if a.jsonl:
                     append_jsonl(a.jsonl, [r])
 

@@ -1,6 +1,6 @@
 """The worker's side: push gradients to the shards that own them, pull fresh values back.
 
-    client = psrv.Client(["tcp://127.0.0.1:5555", ...], worker_id=w, num_workers=W)
+    client = psrv.Client(["ipc:///tmp/psrv-x/shard0", ...], worker_id=w, num_workers=W)
     step = client.init(params, psrv.OptimizerConfig("sgd", lr=0.1))   # worker 0's values win
     for step in range(step, steps):
         grads = compute(params)
@@ -18,12 +18,14 @@ then authenticated and encrypted, and a server that refuses this worker's key
 is reported at once (PSError), not after the timeout.
 
 Like MPI_Isend, a non-blocking call sends the caller's arrays zero-copy: do not
-write to `grads` before `wait()` returns.
+write to `grads` before `wait()` returns.  Like MPI_Irecv, it receives straight
+into `out` (ZeroMQ's recv_into), at any time before `wait()` returns (a wait on
+another handle stores the replies it meets): do not read `out` before then.
 
-One DEALER socket per server.  The keys of one step are batched per server into
-messages of at most `message_bytes` (big tensors arrive already cut into slices
-by Placement), so a server can update and return the first slices while the
-later ones are still on the wire.  Replies are matched to requests by request
+One link (link.py: a DEALER socket, and the reading of replies) per server.  The
+keys of one step are batched per server into messages of at most `message_bytes`
+(big tensors arrive already cut into slices by Placement), so a server can update
+and return the first slices while the later ones are still on the wire.  Replies are matched to requests by request
 id; a reply for another request found while waiting is kept for its handle.
 Every wait has a deadline and ends in a PSError naming the server.
 """
@@ -38,11 +40,8 @@ import zmq
 from . import auth
 from . import protocol as P
 from .config import Consistency, pack_config
+from .link import Link, PSError
 from .placement import DEFAULT_SLICE_BYTES, Placement
-
-
-class PSError(RuntimeError):
-    """A server answered with an error, or did not answer in time."""
 
 
 class Handle:
@@ -79,16 +78,16 @@ class Client:
         self.slice_bytes, self.message_bytes = slice_bytes, message_bytes
         self.placement = None
         self.staleness_log = []
-        self.bytes_sent = self.bytes_received = 0
         self._ids = itertools.count(1)
         self._stash = [dict() for _ in self.endpoints]      # request id -> early reply
+        self._expect = [dict() for _ in self.endpoints]     # request id -> out, for its VALUES
+        self._slices = []                                   # server -> {key: Slice}
+        self._numel = {}                                    # parameter name -> elements
         self._start_steps = {}                              # INIT request id -> clock
         self._ctx = zmq.Context()
         # a routing id of our own: a reconnect after a network blip is the same connection
         # to the server, which ties a worker id to the connection that registered it
-        self._socks = [self._socket(i, b"w" + os.urandom(15)) for i in range(len(self.endpoints))]
-        self._monitors = [auth.watch_handshakes(s) for s in self._socks] if keys else None
-        self._refused = {}                                  # server -> why it refused us
+        self._links = [self._link(i, b"w" + os.urandom(15)) for i in range(len(self.endpoints))]
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, args=(heartbeat_interval,), daemon=True)
         self._beat.start()
@@ -104,6 +103,9 @@ class Client:
             _check_out(name, p)
         self.placement = Placement({n: p.shape for n, p in params.items()}, len(self.endpoints),
                                    self.slice_bytes)
+        self._slices = [{sl.key: sl for sl in self.placement.on_server(s)}
+                        for s in range(len(self.endpoints))]
+        self._numel = {n: p.size for n, p in params.items()}
         config = pack_config(optimizer, self.consistency, self.num_workers)
         requests = []
         for server in range(len(self.endpoints)):
@@ -158,9 +160,9 @@ class Client:
         self._stop.set()
         op, extras = (P.Op.BYE, []) if error is None else (P.Op.ABORT, [str(error).encode()[:P.MAX_TEXT]])
         byes = []
-        for s in sorted(set(range(len(self.endpoints))) - set(self._refused)):
+        for s in (s for s, link in enumerate(self._links) if link.refused is None):
             try:
-                byes.append(self._send(s, op, [], [], extras, None, zmq.NOBLOCK))
+                byes.append(self._send(s, op, [], [], extras, None, nowait=True))
             except PSError:
                 pass             # nothing queued to that server: it cannot be told
         deadline = time.monotonic() + min(self.timeout, 5.0)     # one deadline for all
@@ -170,11 +172,17 @@ class Client:
             except PSError:
                 pass             # a dead server cannot be told; its timeout already told us
         self._beat.join(timeout=5)
-        for i, sock in enumerate(self._socks):
-            if self._monitors:
-                auth.stop_watching(sock, self._monitors[i])
-            sock.close()
+        for link in self._links:
+            link.close()
         self._ctx.term()
+
+    @property
+    def bytes_sent(self):
+        return sum(link.bytes_sent for link in self._links)
+
+    @property
+    def bytes_received(self):
+        return sum(link.bytes_received for link in self._links)
 
     def __enter__(self):
         return self
@@ -182,16 +190,11 @@ class Client:
     def __exit__(self, kind, exc, tb):
         self.close(error=None if kind is None else f"{kind.__name__}: {exc}")
 
-    def _socket(self, server, routing_id=None):
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)           # we close only after the last reply came
-        sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)
-        if routing_id:
-            sock.setsockopt(zmq.ROUTING_ID, routing_id)
-        if self.keys is not None:
-            auth.make_client(sock, self.keys, self.keys.server(server))
-        sock.connect(self.endpoints[server])
-        return sock
+    def _link(self, server, routing_id=None, watch=True):
+        return Link(self._ctx, self.endpoints[server],
+                    f"worker {self.worker_id}: server {server} ({self.endpoints[server]})",
+                    self.timeout, self.keys, self.keys and self.keys.server(server),
+                    routing_id, watch)
 
     # -- requests ----------------------------------------------------------------------
     def _requests(self, op, arrays, step, out):
@@ -229,7 +232,7 @@ class Client:
             parts = []
             if sl.name in arrays:
                 flat = np.ascontiguousarray(arrays[sl.name], dtype=np.float32).reshape(-1)
-                if flat.size != sum(s.length for s in self.placement.by_name[sl.name]):
+                if flat.size != self._numel[sl.name]:
                     raise ValueError(f"{sl.name}: {flat.size} elements, declared shape {sl.shape}")
                 parts = P.chunks(flat[sl.offset:sl.offset + sl.length])
             entries.append(P.Entry(sl.key, sl.offset, sl.length, sl.shape, nframes=len(parts),
@@ -237,101 +240,57 @@ class Client:
             payload += parts
         return entries, payload
 
-    def _send(self, server, op, entries, payload, extras, out, flags=0):
+    def _send(self, server, op, entries, payload, extras, out, nowait=False):
         request = next(self._ids)
         frames = P.encode(op, self.worker_id, request, entries, extras, payload)
-        deadline = time.monotonic() + self.timeout
-        while True:     # never a blocking send: a DEALER with no peer (refused, dead) blocks
-            try:
-                self._socks[server].send_multipart(frames, zmq.NOBLOCK, copy=False)
-                break
-            except zmq.Again:
-                self._wait(server, zmq.POLLOUT, time.monotonic() if flags else deadline,
-                           f"took no {op.name}")
-        self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
+        now = time.monotonic()
+        self._links[server].send(frames, now if nowait else now + self.timeout, f"took no {op.name}")
+        if out is not None:
+            self._expect[server][request] = out
         return (server, request, op, out)
 
     def _call(self, server, op, timeout=None):
         s, request, _, _ = self._send(server, op, [], [], [], None)
         return self._receive(s, request, time.monotonic() + (timeout or self.timeout), op)
 
-    def _wait(self, server, event, deadline, what):
-        """Until the socket is ready for event (POLLIN, POLLOUT); PSError at the deadline,
-        or at once when the server refused our CURVE handshake."""
-        sock, monitor = self._socks[server], self._monitors and self._monitors[server]
-        poller = zmq.Poller()
-        poller.register(sock, event)
-        if monitor:
-            poller.register(monitor, zmq.POLLIN)
-        name = f"worker {self.worker_id}: server {server} ({self.endpoints[server]})"
-        while True:
-            left = deadline - time.monotonic()
-            ready = dict(poller.poll(max(left, 0) * 1000))
-            if monitor in ready:
-                for failure in auth.handshake_failures(monitor):
-                    self._refused[server] = failure
-            if server in self._refused:
-                raise PSError(f"{name} refused the CURVE handshake: {self._refused[server]}: is "
-                              f"this worker's public key in the server's key set, and the "
-                              f"server's public key the right one?")
-            if sock in ready:
-                return
-            if left <= 0:
-                raise PSError(f"{name} {what} within {self.timeout:g} s: is it alive?")
-
     def _receive(self, server, request, deadline, op):
-        """The reply to `request` from `server`, or PSError at the deadline."""
-        sock, stash = self._socks[server], self._stash[server]
+        """The reply to `request` from `server`, or PSError at the deadline.  Replies to
+        other requests met on the way are kept (their VALUES already in their out)."""
+        link, stash = self._links[server], self._stash[server]
         while request not in stash:
-            self._wait(server, zmq.POLLIN, deadline,
-                       f"sent no reply to {op.name} (request {request})")
-            frames = sock.recv_multipart(copy=False)
-            self.bytes_received += sum(len(f.buffer) for f in frames)
-            try:
-                msg = P.decode(frames)
-            except P.ProtocolError as e:
-                raise PSError(f"server {server} sent a malformed reply: {e}") from None
+            link.wait(zmq.POLLIN, deadline, f"sent no reply to {op.name} (request {request})")
+            msg = link.read(self._expect[server], self._slices[server])
             stash[msg.request] = msg
         msg = stash.pop(request)
         if msg.op == P.Op.ERROR:
             text = bytes(msg.extras[0]).decode("utf-8", "replace")
-            raise PSError(f"worker {self.worker_id}: server {server} ({self.endpoints[server]}) "
-                          f"refused {op.name}: {text}")
+            raise PSError(f"{link.name} refused {op.name}: {text}")
         return msg
 
     def _complete(self, server, request, op, out, deadline):
+        """Wait for the reply; VALUES' payload is already in out (Link.read)."""
         msg = self._receive(server, request, deadline, op)
         if msg.op != P.Op.VALUES:
             return
         if op == P.Op.INIT:
             self._start_steps[request] = min((e.step for e in msg.entries), default=0)
-        names = {sl.key: sl for sl in self.placement.on_server(server)}
-        for e, frames in msg.entry_frames():
-            sl = names.get(e.key)
-            if sl is None or (e.offset, e.length) != (sl.offset, sl.length):
-                raise PSError(f"server {server} returned key {e.key}, which is not its slice")
-            if op == P.Op.PUSH_PULL and e.staleness >= 0:
-                self.staleness_log.append(e.staleness)
-            dst = out[sl.name].reshape(-1)
-            pos = sl.offset
-            for f in frames:
-                src = np.frombuffer(f, np.float32)
-                dst[pos:pos + len(src)] = src
-                pos += len(src)
+        elif op == P.Op.PUSH_PULL:
+            self.staleness_log += [e.staleness for e in msg.entries if e.staleness >= 0]
 
     def _heartbeat(self, interval):
         """Runs in a thread with its own sockets (ZeroMQ sockets are not thread-safe)."""
-        socks = [self._socket(i) for i in range(len(self.endpoints))]
+        links = [self._link(i, watch=False) for i in range(len(self.endpoints))]
         try:
             while not self._stop.wait(interval):
-                for s in socks:
+                for link in links:
                     try:
-                        s.send_multipart(P.encode(P.Op.HEARTBEAT, self.worker_id, 0), zmq.NOBLOCK)
+                        link.sock.send_multipart(P.encode(P.Op.HEARTBEAT, self.worker_id, 0),
+                                                 zmq.NOBLOCK)
                     except zmq.Again:
                         pass     # no peer or a full queue: a missed heartbeat is no harm
         finally:
-            for s in socks:
-                s.close()
+            for link in links:
+                link.close()
 
 
 def _check_out(name, a, shape=None):

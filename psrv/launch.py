@@ -23,10 +23,12 @@ random port, and the endpoints are exchanged with one allgather:
     python -m psrv.server --shard 1 --num-shards 2 --bind tcp://h2:5555 --keys keys
     python -m psrv.example --ps tcp://h1:5555,tcp://h2:5555 --worker-id 0 --num-workers 2 --keys keys
 
-`start_local_servers` runs (b) on this machine with random loopback ports (tests, bench).
+`start_local_servers` runs (b) on this machine on Unix sockets (ipc://) in a private
+directory, or random loopback ports (tests, bench).
 """
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -78,13 +80,23 @@ def mpi_roles(comm, num_servers=1, bind_host="127.0.0.1", **server_options):
 
 
 class LocalServers:
-    """S `python -m psrv.server` processes on random loopback ports; logs in temp files."""
+    """S `python -m psrv.server` processes on this host; logs in temp files.
 
-    def __init__(self, num_servers=1, timeout=30.0, **options):
+    transport "ipc" (the default): Unix sockets in a fresh 0700 directory, which
+    only this user can enter, so no one else on the host can connect; they skip
+    the TCP stack (see docs/parameter-server.md, "Data path").  "tcp": random
+    loopback ports (what a test that captures TCP bytes needs)."""
+
+    def __init__(self, num_servers=1, timeout=30.0, transport="ipc", **options):
+        if transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         self.procs, self.endpoints, self.logs = [], [], []
+        self.socket_dir = tempfile.mkdtemp(prefix="psrv-") if transport == "ipc" else None
         for shard in range(num_servers):
+            bind = (f"ipc://{self.socket_dir}/shard{shard}" if self.socket_dir
+                    else "tcp://127.0.0.1:0")
             args = [sys.executable, "-m", "psrv.server", "--shard", str(shard),
-                    "--num-shards", str(num_servers), "--bind", "tcp://127.0.0.1:0"]
+                    "--num-shards", str(num_servers), "--bind", bind]
             for k, v in options.items():
                 if v is True:
                     args.append("--" + k.replace("_", "-"))
@@ -129,6 +141,8 @@ class LocalServers:
         for name in self.logs:
             if os.path.exists(name):
                 os.unlink(name)
+        if self.socket_dir:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
     def __enter__(self):
         return self

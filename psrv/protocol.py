@@ -69,6 +69,7 @@ class Op(IntEnum):
     STATS_REPLY = 67
 
 
+_OPS = {int(op): op for op in Op}     # code -> Op without Enum's slower call
 EXTRA_FRAMES = {Op.INIT: 2, Op.ERROR: 1, Op.STATS_REPLY: 1, Op.OK: 1, Op.ABORT: 1}
 CARRIES_PAYLOAD = {Op.INIT, Op.PUSH, Op.PUSH_PULL, Op.VALUES}
 
@@ -107,6 +108,7 @@ class Message:
     extras: list          # buffers
     payload: list         # buffers, entry after entry
     flags: int = 0
+    payload_bytes: int = 0
 
     def __repr__(self):
         nbytes = sum(len(memoryview(p)) for p in self.payload)
@@ -139,42 +141,52 @@ def encode(op, sender, request, entries=(), extras=(), payload=()):
     return [head + b"".join(body), *extras, *payload]
 
 
-def decode(frames):
-    """list of buffers -> Message, or ProtocolError naming what is wrong."""
-    bufs = [f.buffer if hasattr(f, "buffer") else memoryview(f) for f in frames]
-    if not bufs:
-        raise ProtocolError("empty message")
-    head = bytes(bufs[0][:HEADER.size])
-    if len(head) < HEADER.size:
-        raise ProtocolError(f"frame 0 is {len(bufs[0])} bytes, shorter than the {HEADER.size}-byte header")
-    magic, version, op, flags, reserved, sender, request, n, nbytes = HEADER.unpack(head)
+def decode_head(frame0):
+    """Frame 0 alone -> Message without extras or payload (they have not been read yet),
+    with `payload_bytes` set; ProtocolError naming what is wrong.  A reader that places
+    payload frames itself (recv_into) checks each against the entries."""
+    buf = memoryview(frame0)
+    if buf.nbytes < HEADER.size:
+        raise ProtocolError(f"frame 0 is {buf.nbytes} bytes, shorter than the {HEADER.size}-byte header")
+    magic, version, op, flags, reserved, sender, request, n, nbytes = HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
         raise ProtocolError(f"protocol version {version}, this server speaks {VERSION}")
-    if op not in Op._value2member_map_:
+    if op not in _OPS:
         raise ProtocolError(f"unknown op {op}")
-    op = Op(op)
     if flags or reserved:
         raise ProtocolError(f"unknown flags {flags:#x} or reserved byte {reserved}")
     if n > MAX_ENTRIES:
         raise ProtocolError(f"num_entries {n} above the limit {MAX_ENTRIES}")
-    if len(bufs[0]) != HEADER.size + n * ENTRY.size:
-        raise ProtocolError(f"frame 0 is {len(bufs[0])} bytes, expected header + {n} entries = "
+    if buf.nbytes != HEADER.size + n * ENTRY.size:
+        raise ProtocolError(f"frame 0 is {buf.nbytes} bytes, expected header + {n} entries = "
                             f"{HEADER.size + n * ENTRY.size}")
-    entries = [_entry(bufs[0], HEADER.size + i * ENTRY.size, i) for i in range(n)]
-    extra = EXTRA_FRAMES.get(op, 0)
-    payload = bufs[1 + extra:]
+    op = _OPS[op]
+    entries = [_entry(buf, HEADER.size + i * ENTRY.size, i) for i in range(n)]
+    if op not in CARRIES_PAYLOAD and any(e.nframes for e in entries):
+        raise ProtocolError(f"{op.name} carries no payload, entries announce "
+                            f"{sum(e.nframes for e in entries)} frames")
+    return Message(op, sender, request, entries, [], [], payload_bytes=nbytes)
+
+
+def decode(frames):
+    """list of buffers (bytes, zmq.Frame, memoryview) -> Message, or ProtocolError naming
+    what is wrong.  The payload stays in the frames: views, no copy."""
+    if not frames:
+        raise ProtocolError("empty message")
+    bufs = [memoryview(f) for f in frames]
+    msg = decode_head(bufs[0])
+    extra = EXTRA_FRAMES.get(msg.op, 0)
     if len(bufs) < 1 + extra:
-        raise ProtocolError(f"{op.name} needs {extra} extra frames, message has {len(bufs) - 1}")
-    want = sum(e.nframes for e in entries)
-    if len(payload) != want:
-        raise ProtocolError(f"entries announce {want} payload frames, message has {len(payload)}")
-    if want and op not in CARRIES_PAYLOAD:
-        raise ProtocolError(f"{op.name} carries no payload, got {want} frames")
-    if sum(p.nbytes for p in payload) != nbytes:
-        raise ProtocolError(f"payload_bytes {nbytes} != {sum(p.nbytes for p in payload)} received")
-    msg = Message(op, sender, request, entries, bufs[1:1 + extra], payload, flags)
+        raise ProtocolError(f"{msg.op.name} needs {extra} extra frames, message has {len(bufs) - 1}")
+    msg.extras, msg.payload = bufs[1:1 + extra], bufs[1 + extra:]
+    want = sum(e.nframes for e in msg.entries)
+    if len(msg.payload) != want:
+        raise ProtocolError(f"entries announce {want} payload frames, message has {len(msg.payload)}")
+    got = sum(p.nbytes for p in msg.payload)
+    if got != msg.payload_bytes:
+        raise ProtocolError(f"payload_bytes {msg.payload_bytes} != {got} received")
     for e, parts in msg.entry_frames():
         size = DTYPES[e.dtype].itemsize
         got = sum(p.nbytes for p in parts)
@@ -207,7 +219,6 @@ def error_message(sender, request, text):
 def peek_request(frames):
     """Best-effort request id of a message that failed to decode (0 if unreadable)."""
     try:
-        return HEADER.unpack(bytes(memoryview(frames[0].buffer if hasattr(frames[0], "buffer")
-                                              else frames[0])[:HEADER.size]))[6]
+        return HEADER.unpack_from(memoryview(frames[0]))[6]
     except Exception:   # any garbage: the error reply just carries request 0
         return 0

@@ -2,10 +2,11 @@
 
     python -m psrv.server --shard 0 --num-shards 2 --bind tcp://127.0.0.1:5555
     python -m psrv.server --shard 0 --num-shards 1 --bind tcp://127.0.0.1:0   # random port
+    python -m psrv.server ... --bind ipc://DIR/shard0     # this host only: DIR of mode 0700
     python -m psrv.server ... --bind tcp://0.0.0.0:5555 --keys DIR   # other hosts: CURVE keys
     python -m psrv.server ... --checkpoint-dir ckpt --checkpoint-every 100 [--resume]
 
-It prints one line `psrv.server shard I listening on tcp://HOST:PORT` on stdout
+It prints one line `psrv.server shard I listening on ENDPOINT` on stdout
 (launch.start_local_servers reads it), logs to stderr, and exits once every
 worker has said BYE or been declared dead, or on SIGINT/SIGTERM (after writing
 its checkpoint when it has a --checkpoint-dir).  A non-loopback --bind without
@@ -16,19 +17,23 @@ The loop, one message at a time (a single thread owns the sockets and the store)
     0. with keys: the CURVE handshake and ZAP allow-list (auth.py) run before any
        message arrives; every message then carries its client key
     1. decode and validate the header (protocol.decode): bad -> ERROR reply, go on
-    2. who is speaking: a connection speaks for one worker id, and a worker id
-       belongs to the first connection (with keys: the first client key) that used it
+    2. who is speaking (roster.py): a connection speaks for one worker id, and a worker
+       id belongs to the first connection (with keys: the first client key) that used it
     3. check the message against the store (known key, shape, dtype, step): bad -> ERROR
     4. INIT / PUSH / PUSH_PULL change the store; replies that the consistency
        model holds back wait in `pending` and are re-tried after every change
     5. every ~0.1 s: a worker silent for longer than worker_timeout (join_timeout
-       before its first message, so a slow start is not a death) is dead.  A dead
+       before its first message, so a slow start is not a death) is dead (roster.py).  A dead
        or crashed (ABORT) worker under BSP/SSP either fails the run (every waiting
        and later request gets an ERROR naming the worker) or the shard continues
        without it (on_worker_death); a BYE is a clean finish and never fails a run
 
-Replies reference the stored arrays zero-copy (store.Key.writable copies a value
-before updating it if a reply still holds it).
+Pushed gradients are used where ZeroMQ received them (the optimizer reads the
+frames in place), and replies reference the stored arrays zero-copy
+(store.Key.writable copies a value before updating it if a reply still holds it).
+ZeroMQ hands a multipart message over whole, so the unit of pipelining is the
+message: the client cuts a push into messages of ~message_bytes, and the shard
+updates and answers each while the next ones are on the wire.
 """
 import argparse
 import logging
@@ -36,7 +41,6 @@ import os
 import signal
 import sys
 import threading
-import time
 
 import zmq
 
@@ -44,10 +48,10 @@ from . import auth
 from . import protocol as P
 from .config import unpack_config
 from .keys import load_server_keys
+from .roster import MAX_WORKERS, Roster
 from .store import Shard
 
 log = logging.getLogger("psrv.server")
-MAX_WORKERS = 4096
 WORKER_OPS = {P.Op.INIT, P.Op.PUSH, P.Op.PULL, P.Op.PUSH_PULL, P.Op.HEARTBEAT, P.Op.BYE,
               P.Op.STATS, P.Op.CHECKPOINT, P.Op.ABORT}
 # Queued messages per connection, each way (libzmq's default, stated): a worker sends
@@ -68,9 +72,10 @@ class Server:
             raise ValueError(f"refusing to bind {bind} without authentication: anyone who reaches "
                              f"it could drive the servers; pass --keys DIR (python -m psrv.keys DIR "
                              f"--workers N) or keys=ServerKeys, or bind 127.0.0.1")
+        if keys is None and bind.startswith("ipc://"):
+            auth.check_private_ipc(bind)
         self.shard_id, self.num_shards, self.keys = shard, num_shards, keys
         self.worker_timeout, self.on_worker_death = worker_timeout, on_worker_death
-        self.join_timeout = max(join_timeout, worker_timeout)   # slow starters are not dead
         self.linger_ms = linger_ms
         self.checkpoint_every, self.last_checkpoint = checkpoint_every, 0
         self.checkpoint_path = (os.path.join(checkpoint_dir, f"shard{shard}-of-{num_shards}.npz")
@@ -82,9 +87,7 @@ class Server:
             log.info("shard %d resumed from %s at step %d", shard, self.checkpoint_path,
                      self.last_checkpoint)
         self.pending = []          # (identity, op, request, worker, entries) held back
-        self.last_seen = {}        # worker -> time of its last message
-        self.joined, self.closed, self.dead = set(), set(), set()
-        self.members = auth.Members(by_key=keys is not None)
+        self.roster = Roster(worker_timeout, join_timeout, by_key=keys is not None)
         self.failure = None        # the error every request gets once a BSP run failed
         self.stop_signal = None
         self.listener = auth.Listener(bind, keys, f"shard {shard}", linger_ms, HWM)
@@ -103,9 +106,7 @@ class Server:
             while not self.finished() and self.stop_signal is None:
                 for s, _ in poller.poll(tick * 1000):
                     if s is self.sock:
-                        frames = self.sock.recv_multipart(copy=False)
-                        user = frames[1].get("User-Id") if self.keys and len(frames) > 1 else None
-                        self.handle(frames[0].bytes, frames[1:], user)
+                        self.receive()
                     else:
                         self.listener.service(s)
                 self.check_workers()
@@ -115,7 +116,17 @@ class Server:
             self.stop(signal.Signals(self.stop_signal).name)
         self.listener.close()
         log.info("shard %d done: workers closed %s, dead %s", self.shard_id,
-                 sorted(self.closed), sorted(self.dead))
+                 sorted(self.roster.closed), sorted(self.roster.dead))
+
+    def receive(self, most=64):
+        """Handle the messages queued now: one poll for many (at most `most`, so that
+        the ZAP handler and the death check get their turn).  Frames are used in place."""
+        for _ in range(most):
+            frames = self.sock.recv_multipart(copy=False)      # the poll said one is there
+            user = frames[1].get("User-Id") if self.keys and len(frames) > 1 else None
+            self.handle(frames[0].bytes, frames[1:], user)
+            if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
 
     def _catch_signals(self):
         """SIGINT/SIGTERM end the loop at its next turn (only the main thread may catch)."""
@@ -134,57 +145,40 @@ class Server:
         self.fail(f"shard {self.shard_id} was stopped by {why}")
 
     def finished(self):
-        s = self.store
-        gone = sum(1 for w in self.closed | self.dead if w < s.num_workers)
-        return s.configured and self.last_seen and gone >= s.num_workers
+        return self.store.configured and self.roster.all_gone(self.store.num_workers)
 
     def handle(self, identity, frames, user=None):
-        request = P.peek_request(frames)
         try:
             msg = P.decode(frames)
             if msg.op not in WORKER_OPS:
                 raise P.ProtocolError(f"op {msg.op.name} is a reply, not a request")
             if msg.op == P.Op.HEARTBEAT:     # never answered: nobody reads the heartbeat socket
                 return self.heartbeat(identity, user, msg.sender)
-            self.admit(identity, user, msg)
+            s = self.store
+            self.roster.admit(identity, user, msg.sender, msg.op,
+                              s.num_workers if s.configured else MAX_WORKERS)
             self.dispatch(identity, msg)
         except (P.ProtocolError, ValueError) as e:
+            request = P.peek_request(frames)
             log.warning("shard %d: refused a message (request %d): %s", self.shard_id, request, e)
             self.reply_error(identity, request, str(e))
         except Exception as e:      # a bug must not take the shard down with it
             log.exception("shard %d: internal error", self.shard_id)
-            self.reply_error(identity, request, f"internal error: {type(e).__name__}: {e}")
+            self.reply_error(identity, P.peek_request(frames),
+                             f"internal error: {type(e).__name__}: {e}")
 
-    # -- who is speaking -------------------------------------------------------------
     def heartbeat(self, identity, user, w):
-        s = self.store
-        if not s.configured or w >= s.num_workers or w in self.dead or w in self.closed:
+        if not self.store.configured:
             return
         try:
-            self.members.bind(identity, user, w, register=False)
+            self.roster.heartbeat(identity, user, w, self.store.num_workers)
         except ValueError as e:
             log.warning("shard %d: ignored a heartbeat for worker %d: %s", self.shard_id, w, e)
-            return
-        self.last_seen[w] = time.monotonic()
-        self.joined.add(w)
-
-    def admit(self, identity, user, msg):
-        s, w = self.store, msg.sender
-        if w >= (s.num_workers if s.configured else MAX_WORKERS):
-            raise ValueError(f"sender {w} is not a worker id (W={s.num_workers})")
-        self.members.bind(identity, user, w, register=True)
-        if w in self.dead:
-            raise ValueError(f"worker {w} was declared dead after {self.worker_timeout} s of silence")
-        if w in self.closed and msg.op not in (P.Op.BYE, P.Op.ABORT):
-            raise ValueError(f"worker {w} has closed (it said BYE or ABORT): {msg.op.name} refused")
-        self.last_seen[w] = time.monotonic()
-        self.joined.add(w)
 
     def dispatch(self, identity, msg):
         s, w, op = self.store, msg.sender, msg.op
         if op in (P.Op.BYE, P.Op.ABORT):
-            if w not in self.closed:
-                self.closed.add(w)
+            if self.roster.close(w):
                 if op == P.Op.ABORT:
                     text = bytes(msg.extras[0][:P.MAX_TEXT]).decode("utf-8", "replace")
                     self.lose_worker(w, f"worker {w} exited with an error ({text})")
@@ -234,8 +228,7 @@ class Server:
             if e.dtype != P.FLOAT32:
                 raise ValueError(f"key {e.key}: dtype code {e.dtype}, servers hold float32 (code 0)")
         self.store.configure(opt, consistency, num_workers, msg.entries, names)
-        for w in range(num_workers):   # death detection starts now: all should init about now
-            self.last_seen.setdefault(w, time.monotonic())
+        self.roster.expect(num_workers)
         if msg.sender == 0 and not self.store.has_values:
             if any(not f for _, f in msg.entry_frames()):
                 raise ValueError("worker 0's INIT must carry the initial value of every key")
@@ -265,31 +258,30 @@ class Server:
             payload += parts
             held += [k] * len(parts)
             k.read[worker] = k.version
-        trackers = self.send(identity, P.encode(P.Op.VALUES, self.shard_id, request, out,
-                                                payload=payload))
-        for k, t in zip(held, trackers[1:]):
-            k.trackers.append(t)
+        head = P.encode(P.Op.VALUES, self.shard_id, request, out, payload=payload)[0]
+        self.sock.send_multipart([identity, head], zmq.SNDMORE if payload else 0)
+        last = len(payload) - 1
+        for i, (k, part) in enumerate(zip(held, payload)):
+            # a value frame leaves zero-copy, and its tracker tells store.Key.writable
+            # whether ZeroMQ still reads it; pyzmq copies a small one anyway (copying
+            # is cheaper than tracking below zmq.COPY_THRESHOLD), so that needs no tracker
+            big = part.nbytes >= zmq.COPY_THRESHOLD
+            tracker = self.sock.send(part, 0 if i == last else zmq.SNDMORE, copy=not big,
+                                     track=big)
+            if big:
+                k.trackers.append(tracker)
 
     def send(self, identity, frames):
-        """Send zero-copy; return one MessageTracker per frame."""
-        self.sock.send(identity, zmq.SNDMORE)
-        last = len(frames) - 1
-        return [self.sock.send(f, 0 if i == last else zmq.SNDMORE, copy=False, track=True)
-                for i, f in enumerate(frames)]
+        """A reply of small frames (everything but VALUES): copied, untracked."""
+        self.sock.send_multipart([identity, *frames])
 
     def reply_error(self, identity, request, text):
         self.send(identity, P.error_message(self.shard_id, request, text))
 
     # -- faults and checkpoints -----------------------------------------------------
     def check_workers(self):
-        now = time.monotonic()
-        for w, seen in list(self.last_seen.items()):
-            limit = self.worker_timeout if w in self.joined else self.join_timeout
-            if w in self.closed or w in self.dead or now - seen <= limit:
-                continue
-            self.dead.add(w)
-            self.lose_worker(w, f"worker {w} sent nothing for {now - seen:.1f} s "
-                                f"({'worker' if w in self.joined else 'join'}_timeout {limit} s)")
+        for w, why in self.roster.overdue():
+            self.lose_worker(w, why)
 
     def lose_worker(self, w, why):
         """A worker died or crashed: fail the run (BSP/SSP, policy 'fail') or go on without it."""

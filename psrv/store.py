@@ -87,6 +87,7 @@ class Shard:
         self.histogram = Counter()
         self.max_clock_gap = 0
         self.completed = {}        # w -> lowest clock of w over this shard's keys
+        self.scratch = np.empty(0, np.float32)     # grad / W of one frame (ssp, asp)
 
     @property
     def configured(self):
@@ -196,14 +197,19 @@ class Shard:
         t = k.version + 1
         pos = 0
         for f in frames:
-            g = np.frombuffer(f, np.float32)
-            if scale != 1.0:
-                g = g * np.float32(scale)
+            g = np.frombuffer(f, np.float32)      # the received frame, read in place
+            if scale != 1.0:                      # into a reused buffer, not a new array
+                g = np.multiply(g, np.float32(scale), out=self._scaled(len(g)))
             sl = slice(pos, pos + len(g))
             optim.apply(self.opt, t, value[sl], g, {n: s[sl] for n, s in k.state.items()})
             pos += len(g)
         k.version = t
         k.arrived = set()
+
+    def _scaled(self, n):
+        if len(self.scratch) < n:
+            self.scratch = np.empty(n, np.float32)
+        return self.scratch[:n]
 
     # -- reads -----------------------------------------------------------------
     def may_read(self, key, worker):

@@ -108,3 +108,15 @@ def test_one_garbled_byte_decodes_or_raises_protocol_error(pos, value, which):
         P.decode([bytes(f) for f in frames])
     except P.ProtocolError:
         pass
+
+
+@pytest.mark.timeout(30)
+def test_frame_zero_alone_tells_what_frames_follow():
+    """decode_head: what a reader that receives each payload frame into place needs first."""
+    g, frames = push_message()
+    head = P.decode_head(frames[0])
+    assert (head.op, head.request, head.payload_bytes) == (P.Op.PUSH_PULL, 41, g.nbytes)
+    assert [e.nframes for e in head.entries] == [2] and head.payload == []
+    pull = P.encode(P.Op.PULL, 0, 1, [P.Entry(0, 0, 4, (4,), nframes=1)])
+    with pytest.raises(P.ProtocolError, match="PULL carries no payload"):
+        P.decode_head(pull[0])

@@ -222,7 +222,7 @@ def test_replayed_bytes_get_nothing_done(keydir):
     cut, both through a recording relay; worker 0 is direct.  Replaying everything they
     sent keeps nobody alive, applies nothing, and on a fresh server with the same keys
     neither configures it nor closes anyone."""
-    opts = dict(keys=keydir, worker_timeout=2, on_worker_death="continue")
+    opts = dict(keys=keydir, worker_timeout=2, on_worker_death="continue", transport="tcp")
     with psrv.launch.start_local_servers(1, **opts) as servers:
         address = ("127.0.0.1", int(servers.endpoints[0].rsplit(":", 1)[1]))
         proxy = RecordingProxy(address)
@@ -253,7 +253,8 @@ def test_replayed_bytes_get_nothing_done(keydir):
         cs[0].close()
         cs[2].close()
         assert servers.wait(30) == [0]
-    with psrv.launch.start_local_servers(1, keys=keydir, worker_timeout=30) as servers:
+    with psrv.launch.start_local_servers(1, keys=keydir, worker_timeout=30,
+                                         transport="tcp") as servers:
         address = ("127.0.0.1", int(servers.endpoints[0].rsplit(":", 1)[1]))
         replay(address, proxy.streams, seconds=1)
         cs = [worker(servers, keydir, w, 3) for w in range(3)]
