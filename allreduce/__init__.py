@@ -73,7 +73,7 @@ def create(name, comm=None, transport=None, timeout=None, link_latency_us=None, 
     """A collective by name.  `transport` is 'mpi' (default; 'torch' for the torch
     baseline), 'torch', or a Transport object; `comm` an mpi4py communicator (for
     'torch' also a list of global ranks or a ProcessGroup: make_transport).
-    `link_latency_us` / `link_gbps` emulate a slower interconnect (allreduce.emulate)."""
+    `link_latency_us` / `link_gbps` (Gbit/s) emulate a slower interconnect (allreduce.emulate)."""
     if name not in ALGORITHMS:
         raise CollectiveError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
     if transport is None or isinstance(transport, str):

@@ -1,6 +1,9 @@
 """A slower interconnect on one machine: latency and bandwidth per link.
 
-    coll = allreduce.create("ring", link_latency_us=50, link_gbps=1.0)
+    coll = allreduce.create("ring", link_latency_us=50, link_gbps=1.0)   # 1 Gbit/s
+
+Bandwidth is in Gbit/s, as network links are rated and as the emulated
+cluster's --inter-gbps is: one unit for every link in the project.
 
 Wraps any transport.  Each rank's outgoing link sends one message at a time:
 a message of b bytes occupies it for b / bandwidth seconds and arrives
@@ -42,11 +45,11 @@ class EmulatedLink(Transport):
         super().__init__(inner.timeout, inner.traffic)
         if latency_us < 0 or (gbps is not None and gbps <= 0):
             raise ValueError(f"link emulation needs latency >= 0 and bandwidth > 0, "
-                             f"got {latency_us} us, {gbps} GB/s")
+                             f"got {latency_us} us, {gbps} Gbit/s")
         self.inner = inner
         self.rank, self.size = inner.rank, inner.size
         self.latency = latency_us * 1e-6
-        self.seconds_per_byte = 1 / (gbps * 1e9) if gbps else 0.0
+        self.seconds_per_byte = 8 / (gbps * 1e9) if gbps else 0.0      # Gbit/s
         self._link_free_at = 0.0
         self._held = []
 
@@ -77,7 +80,7 @@ class EmulatedLink(Transport):
 
     def split(self, color):
         return EmulatedLink(self.inner.split(color), self.latency * 1e6,
-                            1 / self.seconds_per_byte / 1e9 if self.seconds_per_byte else None)
+                            8 / self.seconds_per_byte / 1e9 if self.seconds_per_byte else None)
 
     def world_rank(self, rank):
         return self.inner.world_rank(rank)

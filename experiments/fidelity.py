@@ -36,7 +36,7 @@ def with_link(m, config):
     gbps = float(config.get("link_gbps") or 0)
     if not latency and not gbps:
         return m
-    extra = 1 / (gbps * 1e9) if gbps else 0.0
+    extra = 8 / (gbps * 1e9) if gbps else 0.0         # link_gbps is in Gbit/s
 
     def shifted(curve):
         return tuple((b, v + extra) for b, v in curve) if curve else None

@@ -70,7 +70,7 @@ class TrainConfig:
     trace: str = ""               # write a Chrome trace (Perfetto) of every rank's steps to FILE
     # emulation (experiments): a slower network, a slow rank
     link_latency_us: float = 0.0  # per message, on the textbook all-reduce backends' links
-    link_gbps: float = 0.0        # bandwidth of each rank's link; 0 = no cap
+    link_gbps: float = 0.0        # bandwidth of each rank's emulated link in Gbit/s; 0 = no cap
     straggler: str = ""           # RANK:SECONDS: that rank's forward pass sleeps every step
     # data
     data: str = ""                # "" = synthetic; .npz (x, y) for mlp, plain text for gpt
