@@ -64,7 +64,7 @@ def busbw_vs_size(records, out_dir, world_size=None):
         sizes = sorted(at)
         errorbar(ax, sizes, [at[b] for b in sizes], variant, **styles[variant])
     cals = [r for r in records if r.get("kind") == "calibration"]
-    if cals:
+    if cals and cals[-1].get("memcpy_gbps"):
         ax.axhline(cals[-1]["memcpy_gbps"], color="k", ls=":", lw=1,
                    label=f"memcpy {cals[-1]['memcpy_gbps']:.1f} GB/s (roofline)")
     size_axis(ax.xaxis, [r["bytes"] for r in rows])

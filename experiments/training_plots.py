@@ -218,13 +218,15 @@ def pipeline_gantt(traces, out_dir, about=""):
             if mb and width > span / 80:
                 ax.text(left + width / 2, e.get("pid", 0), mb.group(1), ha="center",
                         va="center", fontsize=7)
-        p = len(stages)                  # p and m as the schedules' papers name them
+        rows = [names[schedule].get(s, f"rank {s}") for s in stages]
+        p = len(set(rows))               # p and m as the schedules' papers name them
         m = len({mb.group(1) for e in events if (mb := MICRO_BATCH.search(e.get("name", "")))})
-        ax.set_yticks(stages, [names[schedule].get(s, f"rank {s}") for s in stages])
+        ax.set_yticks(stages, rows)
         ax.set_xlim(0, span * 1.01)
         ax.set_title(f"{schedule} (last step)", fontsize=10)
-        ax.set_title(f"bubble {bubble(events):.0%} measured, {(p - 1) / (m + p - 1):.0%} by "
-                     f"(p-1)/(m+p-1)", loc="left", fontsize=8)
+        ax.set_title(f"bubble {bubble(events):.0%} measured" + (
+            f", {(p - 1) / (m + p - 1):.0%} by (p-1)/(m+p-1)" if m else ""), loc="left",
+            fontsize=8)
         ax.set_title(f"at most {in_flight(events)} micro-batches in flight", loc="right",
                      fontsize=8)
         ax.invert_yaxis()
@@ -240,7 +242,7 @@ def pipeline_gantt(traces, out_dir, about=""):
         "Numbers: each span's micro-batch.  Same bubble, less memory: GPipe runs all m "
         "forwards before any backward, so a stage holds m micro-batches' activations;\n"
         "1F1B starts micro-batch i's backward before forward i+p, so it holds at most p. "
-        "The measured bubble is higher than the formula's: stages are uneven and sends wait."))
+        "The measured bubble parts from the formula's where stages are uneven and sends wait."))
 
 
 def server_updates(steps, mode):
