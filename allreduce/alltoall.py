@@ -55,11 +55,14 @@ from .errors import CollectiveError
 from .shards import bounds_from_sizes, shard_bounds
 
 # Bruck below this many bytes in the largest block, pairwise exchange from it.
-# Bruck saves (P-1) - log2 P latencies and costs (n/2) log2 P - (P-1)/P n more
-# bytes plus packing; a latency here is a step of Python over MPI, tens of us on
-# a shared 2-core machine, against 2-3 GB/s per copy.  Measured at P = 4 here
-# (docs/collectives.md), Bruck is ahead up to about 16 KiB blocks.  MPICH, in C,
-# switches at 256 bytes (MPIR_CVAR_ALLTOALL_SHORT_MSG_SIZE).
+# Bruck saves (P-1) - log2 P latencies alpha and sends (P/2) log2 P - (P-1) more
+# blocks of m bytes at beta a byte (packing included), so it wins while
+# m < alpha/beta * (P-1 - log2 P) / ((P/2) log2 P - (P-1)): about alpha/beta at
+# P = 4, 0.8 alpha/beta at P = 8.  A step of ours costs alpha ~ 10 us (Python
+# over MPI) and a block moves at ~ 2 GB/s counting the copies: alpha/beta ~ 20 KB,
+# so the power of two below.  Timings at P = 4 on our shared 2-core machine were
+# too noisy to place it better (the crossover fell between 4 and 64 KiB).
+# MPICH, in C (alpha ~ 1 us), switches at 256 bytes: MPIR_CVAR_ALLTOALL_SHORT_MSG_SIZE.
 BRUCK_BELOW = 16 << 10
 
 

@@ -6,7 +6,7 @@ prints it beside what the transport actually counted.
 
 busbw (nccl-tests, doc/PERFORMANCE.md) turns the time of a collective into the
 bandwidth each link must have sustained, so algorithms and P compare directly:
-    allreduce 2(P-1)/P,  reduce_scatter and allgather (P-1)/P,  broadcast 1.
+    allreduce 2(P-1)/P,  reduce_scatter, allgather and alltoall (P-1)/P,  broadcast 1.
 """
 import math
 
@@ -14,7 +14,7 @@ import math
 def bus_factor(collective, P):
     if collective == "allreduce":
         return 2 * (P - 1) / P
-    if collective in ("reduce_scatter", "allgather"):
+    if collective in ("reduce_scatter", "allgather", "alltoall"):
         return (P - 1) / P
     return 1.0
 
@@ -23,6 +23,11 @@ def bytes_sent(algo, collective, nbytes, P):
     """Most bytes one rank sends, per the textbook; None where no simple formula holds."""
     if P == 1:
         return 0
+    if collective == "alltoall":       # every algorithm object runs alltoall.py's
+        if algo not in ("ring", "tree", "halving_doubling", "hierarchical"):
+            return None
+        from .alltoall import bytes_sent as alltoall_bytes, uses_bruck
+        return alltoall_bytes(nbytes, P, uses_bruck(-(-nbytes // P), P))
     n = nbytes
     rounds = math.ceil(math.log2(P))                 # binomial tree depth
     p2 = 1 << (P.bit_length() - 1)

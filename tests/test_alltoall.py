@@ -4,6 +4,7 @@ import pytest
 from allreduce import alltoall, shard_bounds
 from allreduce.alltoall import (BRUCK_BELOW, bruck_destination, pairwise_peers, received_bounds,
                                 uses_bruck)
+from allreduce.theory import bus_factor, bytes_sent
 from conftest import check_ok, mpirun
 
 
@@ -63,6 +64,10 @@ def test_bytes_formulas(P):
     n = 1 << 20
     assert alltoall.bytes_sent(n, P, bruck=False) == (P - 1) / P * n
     assert alltoall.bytes_sent(n, P, bruck=True) == n / 2 * (P.bit_length() - 1)
+    # what the benchmark prints: Bruck for small blocks, pairwise for large ones
+    assert bytes_sent("ring", "alltoall", 64 * P, P) == alltoall.bytes_sent(64 * P, P, P >= 4)
+    assert bytes_sent("tree", "alltoall", n, P) == (P - 1) / P * n
+    assert bytes_sent("mpi", "alltoall", n, P) is None and bus_factor("alltoall", P) == (P - 1) / P
 
 
 @pytest.mark.mpi
