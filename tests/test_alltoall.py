@@ -71,8 +71,8 @@ def test_bytes_formulas(P):
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("P", [1, 2, 3, 4])
 def test_every_algorithm_matches_the_reference(P):
-    result = check_ok(mpirun(P, ["tests/mpi/alltoall_matrix.py"], timeout=55))
+    result = check_ok(mpirun(P, ["tests/mpi/alltoall_matrix.py"], timeout=140))   # ~5-15 s; more on a loaded machine
     assert f"OK P={P}" in result.stdout
