@@ -18,8 +18,10 @@ from collections import defaultdict
 
 import matplotlib.pyplot as plt
 
+from allreduce.units import format_size
+
 from .launchers import describe_cluster
-from .palette import PREDICTED, errorbar, format_size, save, size_axis, styles_of
+from .palette import PREDICTED, errorbar, save, size_axis, styles_of
 from .records import variant_of
 
 

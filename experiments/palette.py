@@ -27,6 +27,8 @@ from matplotlib.colors import to_hex  # noqa: E402
 from matplotlib.container import BarContainer, ErrorbarContainer  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator  # noqa: E402
 
+from allreduce.units import format_size  # noqa: E402
+
 from .records import most_common  # noqa: E402
 
 # The tab10 colours, each given to one name for good.  The three consistency models of
@@ -68,15 +70,6 @@ def colour_of(label):
         if key in COLOURS:
             return COLOURS[key]
     return SPARE[zlib.crc32(name.encode()) % len(SPARE)]
-
-
-def format_size(nbytes):
-    """4096 -> "4K", 65536 -> "64K", 67108864 -> "64M": the bench tables' binary sizes."""
-    nbytes = int(nbytes)
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g}{unit}"
-    return str(nbytes)
 
 
 def size_axis(axis, sizes):

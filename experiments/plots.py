@@ -26,9 +26,10 @@ from collections import defaultdict
 import matplotlib.pyplot as plt
 from matplotlib.ticker import FuncFormatter, NullLocator
 
+from allreduce.units import format_size
+
 from . import fidelity
-from .palette import (PREDICTED, colour_of, cores_of, errorbar, format_size, save, size_axis,
-                      styles_of)
+from .palette import PREDICTED, colour_of, cores_of, errorbar, save, size_axis, styles_of
 from .records import allreduce_rows
 # the report's one list of figures names them all as plots.NAME
 from .training_plots import (pipeline_gantt, ps_consistency, strategy_breakdown,  # noqa: F401

@@ -27,10 +27,11 @@ import shutil
 import subprocess
 from collections import Counter
 
+from allreduce.units import format_size
 from matplotlib.colors import to_hex       # "tab:blue", "0.35" as CSS
 
 from . import cluster_figures, fidelity, plots, simulate
-from .palette import COLOURS, cores_of, format_size
+from .palette import COLOURS, cores_of
 from .records import describe, load, model_of, one_comparison, read_jsonl
 
 FIGURES = [  # (function, title, what to look at, what produces its records)
