@@ -70,7 +70,8 @@ def check_collective(coll, label, dtypes):
                 x = make(kind, dtype, rank, n)
                 want = reference(kind, dtype, n)
                 compare(f"{label} {kind} {dtype} n={n}", coll.alltoall(x), want)
-                compare(f"{label} {kind} {dtype} n={n} leaves x", x, f64(make(kind, dtype, rank, n)))
+                compare(f"{label} {kind} {dtype} n={n} leaves x", x,
+                        f64(make(kind, dtype, rank, n)))
                 if n != 7:                    # into a given out: once a dtype is enough
                     continue
                 out = empty_like(x, len(want))
