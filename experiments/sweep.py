@@ -64,6 +64,8 @@ import subprocess
 import sys
 import time
 
+from allreduce.cli import add_output_flags
+
 from . import launchers
 from .launchers import LAUNCH_KEYS, ClusterLock, ClusterPlace, describe_cluster
 from .records import ROOT, append_jsonl, provenance, read_jsonl
@@ -234,18 +236,23 @@ def run_point(argv, log_path, timeout, stopper=None, env=None, grace_s=0.0):
     return status, rc, time.monotonic() - start
 
 
-def main(argv=None):
+def parser():
     ap = argparse.ArgumentParser(prog="python -m experiments.sweep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("file")
-    ap.add_argument("--out", default="", help="results directory (default results/NAME)")
+    ap.add_argument("file", help="the sweep's TOML file (experiments/demo.toml is one)")
+    add_output_flags(ap, jsonl=False, out_what="the results: records.jsonl, points.jsonl, "
+                                               "logs/ (default results/NAME)")
     ap.add_argument("--dry-run", action="store_true",
                     help="check the file, list the points and their command lines")
     ap.add_argument("--cluster-prefix", default=ClusterPlace.prefix,
                     help="of the emulated clusters' namespaces and links (launcher emulated)")
     ap.add_argument("--cluster-subnet", default=ClusterPlace.subnet,
                     help="private range of the emulated clusters' hosts")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
     try:
         settings, points = load_sweep(a.file)
     except (SweepError, OSError) as e:
