@@ -98,7 +98,7 @@ def parser():
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per method first")
     add_output_flags(p, out=False)
     dataclass_flags(p.add_argument_group("training flags (as strategies.train)"), TrainConfig,
-                    skip=("jsonl", "progress"))
+                    skip=("jsonl",))
     return p
 
 
@@ -110,7 +110,7 @@ def bench(argv=None):
                           f"--warmup {args.warmup}: need rounds and steps >= 1, warmup >= 0")
     methods = args.syncs.split(",")
     base = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-                          if f.name not in ("jsonl", "progress")}, progress=False)
+                          if f.name not in ("jsonl", "progress")}, progress=False)  # no bar
     # The context only needs the world; "ring" stands for any all-reduce method.
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
