@@ -38,7 +38,6 @@ import argparse
 import multiprocessing as mp
 import os
 import platform
-import queue
 import shutil
 import socket
 import statistics
@@ -49,19 +48,13 @@ import numpy as np
 import zmq
 
 from allreduce.records import append_jsonl
+from allreduce.units import parse_sizes
 
 from . import protocol as P
 from .client import Client
 from .config import OptimizerConfig
 from .launch import start_local_servers
-
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text):
-    text = text.strip().upper().rstrip("B").rstrip("I")
-    return int(text[:-1]) * UNITS[text[-1]] if text[-1] in UNITS else int(text)
-
+from .measure import collect, cpu_seconds
 
 def echo_server(queue, endpoint):
     """The raw baseline's server: return every message as it came, zero-copy."""
@@ -111,37 +104,6 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def cpu_seconds(pid):
-    """CPU seconds a process has run so far, all its threads (Linux /proc).
-    schedstat counts nanoseconds; stat's utime + stime (fields 14, 15) only
-    clock ticks of 10 ms, too coarse for an iteration of a few ms."""
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except FileNotFoundError:       # a thread that ended meanwhile
-            pass
-    return total / 1e9
-
-
-def collect(results, count, procs, timeout=600.0):
-    """`count` items from a multiprocessing queue, or a readable error as soon as
-    one of `procs` has died (rather than waiting out the timeout)."""
-    items, deadline = [], time.monotonic() + timeout
-    while len(items) < count:
-        try:
-            items.append(results.get(timeout=1.0))
-        except queue.Empty:
-            dead = [f"{p.name} (exit code {p.exitcode})" for p in procs
-                    if p.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(f"benchmark process died: {', '.join(dead)}") from None
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(items)} of {count} results after {timeout:g} s")
-    return items
 
 
 def worker(w, num_workers, endpoints, echoes, rpc_port, sizes, reps, barrier, results, pids):
@@ -279,7 +241,10 @@ def main(argv=None):
     ap.add_argument("--no-rpc", action="store_true", help="leave out torch_rpc (no torch import)")
     ap.add_argument("--jsonl", help="append one JSON record per row to this file")
     a = ap.parse_args(argv)
-    sizes = [parse_size(s) for s in a.sizes.split(",")]
+    try:
+        sizes = parse_sizes(a.sizes)
+    except ValueError as e:
+        raise SystemExit(f"--sizes: {e}") from None
     if any(s % 4 or s <= 0 for s in sizes):
         raise SystemExit("sizes must be positive multiples of 4 bytes (float32)")
     print(f"{'kind':<9} {'servers':>7} {'workers':>7} {'bytes':>10} {'time_us':>11} "
