@@ -16,11 +16,12 @@ communication operations in MPICH", 2005, section 3.3):
 Pairwise exchange, for large blocks: P-1 steps.  At step k rank r sends block
 (r+k) % P to rank (r+k) % P and receives block r of rank (r-k) % P (the shift
 variant, which works for any P; not the XOR variant, which needs a power of two).
+With P = 4 (xj: the sender's block j):
 
     step | rank 0          | rank 1          | rank 2          | rank 3
-      1  | b1 to 1, from 3 | b2 to 2, from 0 | b3 to 3, from 1 | b0 to 0, from 2
-      2  | b2 to 2, from 2 | b3 to 3, from 3 | b0 to 0, from 0 | b1 to 1, from 1
-      3  | b3 to 3, from 1 | b0 to 0, from 2 | b1 to 1, from 3 | b2 to 2, from 0
+      1  | x1 to 1, from 3 | x2 to 2, from 0 | x3 to 3, from 1 | x0 to 0, from 2
+      2  | x2 to 2, from 2 | x3 to 3, from 3 | x0 to 0, from 0 | x1 to 1, from 1
+      3  | x3 to 3, from 1 | x0 to 0, from 2 | x1 to 1, from 3 | x2 to 2, from 0
 
 Each rank sends (P-1)/P n, every byte once and straight to its destination.
 
