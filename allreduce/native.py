@@ -221,4 +221,13 @@ class MPIRaw:
                 out.append(np.empty(n, dtype=x.dtype))
             comm.Allgatherv(x, [out[0], (counts, displs)])
             return out[0]
+        def alltoall(x):
+            m = counts[rank]
+            if not out:
+                out.append(np.empty(m * comm.size, dtype=x.dtype))
+            comm.Alltoallv([x, (counts, displs)],
+                           [out[0], ([m] * comm.size, [j * m for j in range(comm.size)])])
+            return out[0]
+        if collective == "alltoall":
+            return alltoall
         return reduce_scatter if collective == "reduce_scatter" else allgather

@@ -3,8 +3,8 @@
     mpiexec -n P python -m mpi4py tests/mpi/alltoall_matrix.py
 
 Every algorithm object (their shared alltoall.py, by the size threshold), both
-baselines (MPI_Alltoallv, torch's all_to_all_single), the ring over
-torch.distributed, and pairwise exchange and Bruck called explicitly.  Inputs
+baselines (MPI_Alltoallv, torch's all_to_all_single), the benchmark's mpi-raw
+runner, the ring over torch.distributed, and pairwise exchange and Bruck called explicitly.  Inputs
 depend on rank and position, never all ones; every rank makes every rank's
 input itself and the reference from those, without communication: output block
 j of rank r is rank j's block r.  An all-to-all moves values and adds nothing,
@@ -20,6 +20,7 @@ from mpi4py import MPI
 import allreduce
 from allreduce import alltoall
 from allreduce.buffers import CollectiveError, empty_like, is_tensor
+from allreduce.native import MPIRaw
 
 world = MPI.COMM_WORLD
 P, rank = world.size, world.rank
@@ -149,6 +150,10 @@ for algo, options, dtypes in (
     if algo in ("ring", "mpi", "torch"):
         check_bad_input(coll)
 check_collective(allreduce.create("ring", transport="torch"), f"ring@torch P={P}", QUICK)
+for n in SIZES:                     # the benchmark's floor: MPI_Alltoallv with no topolab layer
+    x = make("numpy", "float32", rank, n)
+    compare(f"mpi-raw P={P} n={n}", MPIRaw(world).runner("alltoall", n)(x),
+            reference("numpy", "float32", n))
 
 all_failures = world.gather(failures, root=0)
 if rank == 0:
