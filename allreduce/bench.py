@@ -13,8 +13,8 @@
 For every (size, collective) the algorithms take turns iteration by iteration
 (A B C A B C ..., allreduce/harness.py), so a machine that changes speed
 mid-run slows all alike.  A row gives the median time (of the slowest rank's
-samples), x_raw = time / mpi-raw's, the median over rounds of that ratio
-(MPI's collective through mpi4py, no topolab layer: the floor), algbw, busbw
+samples), x_raw = time / mpi-raw's (MPI's collective through mpi4py, no
+topolab layer: the floor), algbw, busbw
 (nccl-tests' factors), the bytes one rank sent beside the textbook figure, and
 #wrong: elements that differ from a reference each rank computes itself.  auto
 rows name their choice (auto→ring); the shm row's buffers live in its window
@@ -216,7 +216,8 @@ def main(argv=None):
                 median, (p25, p75) = timings.median(algo), timings.spread(algo)
                 ran = chosen(algo, colls[algo], collective, n * itemsize)
                 label = algo if ran == algo else f"{algo}→{ran}"
-                vs_raw = timings.ratio(algo, RAW) if RAW in colls else None
+                raw = timings.median(RAW) if RAW in colls else 0.0
+                vs_raw = median / raw if raw > 0 else None
                 theory = bytes_sent(ran, collective, n * itemsize, P)
                 algbw = n * itemsize / median / 1e9 if median > 0 else 0.0
                 busbw = algbw * bus_factor(collective, P)
