@@ -36,7 +36,7 @@ from . import create, host_staged, shard_bounds
 from .bench_config import RAW, parse_args
 from .harness import interleaved
 from .native import MPIRaw
-from .records import append_jsonl, calibration_file, provenance
+from .records import append_jsonl, provenance
 from .theory import bus_factor, bytes_sent
 from .twolevel import predictor
 from .units import format_size
@@ -162,7 +162,7 @@ def main(argv=None):
     rank, P = comm.rank, comm.size
     device = use_device(args, comm)
     colls = make_rows(args, comm, device)
-    predict = predictor(calibration_file(args.predict), comm, args.inner, args.outer,
+    predict = predictor(args.predict, comm, args.inner, args.outer,
                         args.ranks_per_node, emulated=bool(args.link_latency_us or args.link_gbps)) \
         if args.predict else None                # on every rank: MPI tells the hosts apart
     itemsize = 2 if args.dtype in ("float16", "bfloat16") else np.dtype(args.dtype).itemsize

@@ -14,6 +14,7 @@ import argparse
 from . import ALGORITHMS
 from .cli import add_output_flags, size, size_list
 from .native import RAW
+from .records import calibration_file
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 DTYPES = ("float32", "float64", "int32", "int64", "float16", "bfloat16")
@@ -85,6 +86,11 @@ def parse_args(argv=None, description=None):
     for o in args.ops:
         if o not in COLLECTIVES:
             p.error(f"unknown collective {o!r}; choose from {', '.join(COLLECTIVES)}")
+    if args.predict:
+        try:
+            args.predict = calibration_file(args.predict)     # the file, or DIR's
+        except FileNotFoundError as e:
+            p.error(f"--predict: {e}")
     if not args.sizes:
         lo, hi = args.min_bytes, args.max_bytes
         args.sizes = []
