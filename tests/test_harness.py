@@ -65,6 +65,13 @@ def test_each_call_keeps_every_call_with_its_reset(clock):
     assert log == ["|", "p", "p", "p"] * 2                # one barrier a block, a reset a call
 
 
+def test_prime_calls_come_before_the_barrier_and_are_not_timed(clock):
+    log = []
+    timings = interleaved({"a": lambda: (log.append("call"), clock.spend(2.0))}, rounds=2,
+                          warmup=0, prime=1, barrier=lambda: log.append("|"))
+    assert log == ["call", "|", "call"] * 2 and timings.samples["a"] == [2.0, 2.0]
+
+
 def test_calls_per_candidate(clock):
     counts = {"big": 0, "small": 0}
     interleaved({n: (lambda n=n: counts.__setitem__(n, counts[n] + 1)) for n in counts},
