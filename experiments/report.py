@@ -271,7 +271,7 @@ def main(argv=None):
     os.makedirs(d, exist_ok=True)
     _, cross = simulate.main(sim_args + ["--jsonl", sim_file])
     sim_records = read_jsonl(sim_file)
-    blocks = [("h", 1, f"topolab report: {os.path.abspath(d)}")]
+    blocks = [("h", 1, f"topolab report: {os.path.normpath(d)}")]     # as given: no host paths
     blocks += provenance_block(everything, points)
     blocks.append(("h", 2, "Figures"))
     blocks.append(("swatches", [(name, COLOURS[name]) for name in SWATCHES]))
