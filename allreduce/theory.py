@@ -49,7 +49,8 @@ def bytes_sent(algo, collective, nbytes, P):
 
 def host_link_bytes(algo, nbytes, nodes, ranks_per_node, outer="ring"):
     """Bytes each host sends across its link in one all-reduce of nbytes; None
-    for the libraries' own algorithms (mpi, torch), whose schedule is theirs.
+    for the libraries' own algorithms (mpi, mpi-raw, torch), whose schedule is
+    theirs, and for auto, whose schedule is whichever it picks call by call.
 
     P = nodes * ranks_per_node ranks in blocks (ranks 0..R-1 on host 0, ...).
     Only a message between ranks on different hosts crosses a link:
@@ -65,7 +66,7 @@ def host_link_bytes(algo, nbytes, nodes, ranks_per_node, outer="ring"):
                         down), n each; the edges between hosts end at the hosts' first
                         ranks.
     """
-    if algo in ("mpi", "torch"):
+    if algo in ("mpi", "mpi-raw", "torch", "auto"):
         return None
     R = ranks_per_node
     P = nodes * R

@@ -88,9 +88,9 @@ from . import calibrate_link
 
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
 PS_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
-LARGE = 1 << 20
+LARGE = calibrate_link.LARGE     # where the per-byte fits begin: one figure for both levels
 VERIFY_SIZES = [1 << 20, 4 << 20, 16 << 20]
-GAMMA_SIZES = [1 << 20, 4 << 20, 16 << 20]
+GAMMA_SIZES = calibrate_link.GAMMA_SIZES
 
 
 def fit_alpha_beta(nbytes, seconds):
@@ -314,7 +314,7 @@ def main(argv=None):
         parser().error(f"--out {a.out!r}: --out names a directory, into which {CALIBRATION} "
                        f"is written (e.g. --out results)")
     if not a.mpi_part and calibrate_link.launched_on_hosts():
-        calibrate_link.main(a)
+        calibrate_link.main(a, mpi_part)
         return 0
     if a.mpi_part:
         result = mpi_part(a.reps, [v for v in a.verify.split(',') if v])

@@ -44,6 +44,9 @@ import numpy as np
 from allreduce.records import append_jsonl, provenance, write_calibration
 
 LINK_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
+# Shared with calibrate.py, which imports this module (and not the other way round):
+LARGE = 1 << 20                               # the per-byte fits use sizes from here up
+GAMMA_SIZES = [1 << 20, 4 << 20, 16 << 20]    # np.add per byte is measured at these
 KINDS = ("one_way", "exchange", "shared")
 PING_PONGS = 10             # round trips a latency probe makes back to back
 
@@ -139,7 +142,6 @@ def fit_link(medians, flows):
     Hockney's: half a ping-pong's round trip at the smallest size (below the
     token bucket's burst, net.BURST_S, the link's rate does not show; a line
     through two small sizes would extrapolate their noise to anything from 0 up)."""
-    from .calibrate import LARGE
     large = [n for n in LINK_SIZES if n >= LARGE]
     alpha = medians[("ping_pong", LINK_SIZES[0])]
     out = {"inter_alpha_s": alpha, "inter_bytes": LINK_SIZES, "inter_beta_bytes": large}
@@ -161,7 +163,6 @@ def fit_link(medians, flows):
 
 def local_gamma():
     """With one rank a host: gamma alone, np.add per byte at calibrate's sizes."""
-    from .calibrate import GAMMA_SIZES
     x, y = np.ones(GAMMA_SIZES[-1] // 4, np.float32), np.ones(GAMMA_SIZES[-1] // 4, np.float32)
     per_byte = []
     for n in GAMMA_SIZES:
@@ -175,13 +176,14 @@ def local_gamma():
             "gamma_bytes": GAMMA_SIZES, "gamma_s_per_byte_at": per_byte}
 
 
-def calibrate_hosts(reps, verify):
-    """Under mpiexec on several hosts: both levels; rank 0 returns the record, others None."""
+def calibrate_hosts(reps, verify, mpi_part):
+    """Under mpiexec on several hosts: both levels; rank 0 returns the record, others None.
+    `mpi_part(reps, verify, comm=)`: calibrate.py's one-host measurement, handed in so
+    that this module, which calibrate.py imports, does not import it back."""
     from mpi4py import MPI
 
     from allreduce.transport import MPITransport
     from allreduce.twolevel import host_layout
-    from .calibrate import mpi_part
     comm = MPI.COMM_WORLD
     nodes, R = host_layout(comm)
     if R is None:
@@ -220,10 +222,10 @@ def describe(cal):
             f"{cal['ranks_per_node']} ranks")
 
 
-def main(a):
+def main(a, mpi_part):
     """experiments.calibrate started by mpiexec across hosts (its flags `a`): both levels;
     rank 0 writes and prints."""
-    result = calibrate_hosts(a.reps, [v for v in a.verify.split(",") if v])
+    result = calibrate_hosts(a.reps, [v for v in a.verify.split(",") if v], mpi_part)
     if result is None:
         return None
     print(describe(result), flush=True)

@@ -2,7 +2,7 @@
 
     python -m experiments.report results/demo        # -> results/demo/report.md, report.html,
                                                      #    results/demo/plots/*.png, *.svg
-    python -m experiments.report results/demo --cluster-ranks-per-node 4 --inter-gbps 3
+    python -m experiments.report results/demo --cluster-ranks-per-node 4 --inter-gbps 25
     python -m experiments.report results/demo --gallery docs/gallery \
         --screenshot docs/gallery/report.png         # the README's pictures (make gallery)
 
@@ -249,12 +249,22 @@ def cluster_blocks(records, d):
 
 
 def main(argv=None):
+    """The command: writes the report; exit status 0 (errors raise)."""
+    write_report(argv)
+    return 0
+
+
+def write_report(argv=None):
+    """Parse the flags, draw every figure, write report.md and .html; returns the PNGs."""
     ap = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results_dir")
-    ap.add_argument("--cluster-ranks-per-node", type=int, default=8)
-    ap.add_argument("--inter-gbps", type=float, default=12.5)
-    ap.add_argument("--inter-latency-us", type=float, default=10.0)
+    ap.add_argument("results_dir", help="a sweep's results directory (records.jsonl)")
+    ap.add_argument("--cluster-ranks-per-node", type=int, default=8,
+                    help="the simulated cluster of the crossover figure: ranks a host")
+    ap.add_argument("--inter-gbps", type=float, default=100.0,
+                    help="the simulated cluster's link between hosts, Gbit/s")
+    ap.add_argument("--inter-latency-us", type=float, default=10.0,
+                    help="the simulated cluster's latency between hosts, us")
     ap.add_argument("--gallery", default="", help="also copy every PNG here (make gallery: "
                                                   "docs/gallery, the README's pictures)")
     ap.add_argument("--screenshot", default="", metavar="FILE.png",
@@ -277,7 +287,7 @@ def main(argv=None):
     blocks.append(("swatches", [(name, COLOURS[name]) for name in SWATCHES]))
     written = []
     traces, about = pipeline_traces(d, points)
-    cluster = (f"{a.cluster_ranks_per_node} ranks a node, {a.inter_gbps:g} GB/s and "
+    cluster = (f"{a.cluster_ranks_per_node} ranks a node, {a.inter_gbps:g} Gbit/s and "
                f"{a.inter_latency_us:g} us between nodes")
     cluster_only = len(records) == 0 < len(everything)
     if cluster_only:
@@ -302,7 +312,7 @@ def main(argv=None):
     written += paths
     blocks.append(("h", 2, "Simulated crossovers (cost model, not measured)"))
     blocks.append(("p", f"{a.cluster_ranks_per_node} ranks a node, NVLink-like 150 GB/s and "
-                        f"2 us inside, {a.inter_gbps} GB/s and {a.inter_latency_us} us between "
+                        f"2 us inside, {a.inter_gbps:g} Gbit/s and {a.inter_latency_us:g} us between "
                         f"nodes; `python -m experiments.simulate --help` for other clusters."))
     blocks.append(("table", ["P", "nodes", "PS servers to beat ring (256 MiB)",
                              "tree beats ring up to", "hierarchical beats ring from"],
@@ -356,4 +366,4 @@ def screenshot(page, png, size=(1280, 2400)):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

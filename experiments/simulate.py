@@ -1,7 +1,7 @@
 """Extrapolate the cost model to 8..4096 ranks on a two-level cluster; find the crossovers.
 
     python -m experiments.simulate                            # 8 GPUs a node, NVLink + 100 Gb/s
-    python -m experiments.simulate --ranks-per-node 4 --inter-gbps 3 --inter-latency-us 30 \\
+    python -m experiments.simulate --ranks-per-node 4 --inter-gbps 25 --inter-latency-us 30 \\
         --sizes 1M,64M,1G --jsonl results/sim.jsonl
     python -m experiments.simulate --calibration results      # intra = this box's calibration
     python -m experiments.simulate --ranks-per-node 2 --calibration results/cluster-cal
@@ -139,7 +139,7 @@ def cluster_from_args(a):
     """The Cluster of the flags; a calibration replaces the intra-node figures, and
     the inter-node ones where it measured a link (inter_*)."""
     intra = Machine(a.intra_latency_us * 1e-6, 1 / (a.intra_gbps * 1e9), 1 / (a.reduce_gbps * 1e9))
-    inter = Machine(a.inter_latency_us * 1e-6, 1 / (a.inter_gbps * 1e9))
+    inter = Machine(a.inter_latency_us * 1e-6, 8 / (a.inter_gbps * 1e9))     # Gbit/s
     if a.calibration:
         cal = read_calibration(a.calibration)
         intra = Machine.from_calibration(cal, cores=False)
@@ -155,7 +155,8 @@ def parser():
     p.add_argument("--intra-gbps", type=float, default=150.0, help="GB/s per direction (NVLink)")
     p.add_argument("--intra-latency-us", type=float, default=2.0,
                    help="latency of a message inside a node")
-    p.add_argument("--inter-gbps", type=float, default=12.5, help="GB/s (100 Gb/s network)")
+    p.add_argument("--inter-gbps", type=float, default=100.0,
+                   help="the link between hosts in Gbit/s, as the cluster's --inter-gbps")
     p.add_argument("--inter-latency-us", type=float, default=10.0,
                    help="latency of a message between nodes")
     p.add_argument("--reduce-gbps", type=float, default=500.0, help="GB/s of summing on a GPU")

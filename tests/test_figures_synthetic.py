@@ -195,7 +195,7 @@ def test_report_embeds_every_figure_with_a_caption_and_survives_no_browser(tmp_p
     (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     monkeypatch.setattr(report.shutil, "which", lambda name: None)
     shot = tmp_path / "shot.png"
-    written = report.main([str(tmp_path), "--screenshot", str(shot)])
+    written = report.write_report([str(tmp_path), "--screenshot", str(shot)])
     page = (tmp_path / "report.html").read_text()
     for path in written:
         name = path.split("/")[-1]

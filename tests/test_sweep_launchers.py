@@ -343,7 +343,7 @@ def test_the_report_draws_each_cluster_and_its_link_bytes(tmp_path):
     import json
 
     from experiments import cluster_figures as cf
-    from experiments.report import main as report
+    from experiments.report import write_report as report
     cluster = {"nodes": 2, "ranks_per_node": 2, "inter_gbps": 1, "inter_latency_us": 0.0}
     config = {"launcher": "emulated", "cluster": cluster, "world_size": 4, "algos": ["ring"],
               "sizes": ["4K", "1M"]}

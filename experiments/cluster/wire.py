@@ -45,7 +45,7 @@ def payload(nbytes, packets):
 def bench_theory(job_args, nodes, ranks_per_node):
     """Bytes each host should send across its link during an allreduce.bench job
     with these flags; None when some row has no formula (mpi, torch, other collectives)."""
-    from allreduce.bench import parse_args     # the bench's own flags and defaults
+    from allreduce.bench_config import parse_args     # the bench's own flags and defaults
     from allreduce.theory import host_link_bytes
     args = parse_args(job_args)
     itemsize = 2 if args.dtype in ("float16", "bfloat16") else \
