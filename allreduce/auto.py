@@ -32,7 +32,6 @@ Node layout: ranks that share memory (MPI_COMM_TYPE_SHARED: `node_id`), which
 are hosts, or `ranks_per_node=k` to declare nodes of k consecutive ranks, as
 hierarchical.py does; declared nodes share one host, so no link is priced.
 """
-import json
 import os
 
 import numpy as np
@@ -200,14 +199,14 @@ def model_choice(collective, size, layout, native, cal):
 
 
 def read_calibration(source):
-    """A calibration dict from a dict, a JSON file's path, or TOPOLAB_CALIBRATION; None
-    where there is none."""
+    """A calibration dict from a dict, a JSON file's path or the directory holding it
+    (calibrate --out DIR), or TOPOLAB_CALIBRATION; None where there is none."""
     source = source if source is not None else os.environ.get("TOPOLAB_CALIBRATION") or None
     if source is None or isinstance(source, dict):
         return source
+    from .records import read_calibration as read_file_or_directory
     try:
-        with open(source) as f:
-            return json.load(f)
+        return read_file_or_directory(source)
     except (OSError, ValueError) as e:
         raise CollectiveError(f"auto: cannot read the calibration {source!r}: {e}") from None
 

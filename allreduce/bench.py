@@ -72,6 +72,8 @@ def reference(collective, rank, P, n, dtype, root=0):
         return total[a:b]
     if collective == "allgather":
         return np.concatenate([inputs[r][slice(*shard_bounds(n, P)[r])] for r in range(P)])
+    if collective == "alltoall":                 # block `rank` of every rank's input
+        return np.concatenate([inputs[j][a:b] for j in range(P)])
     return inputs[root]
 
 
@@ -113,12 +115,14 @@ def runner(coll, collective, n):
         return coll.reduce_scatter
     if collective == "allgather":
         return lambda x: coll.allgather(x, n)
+    if collective == "alltoall":
+        return coll.alltoall
     return lambda x: coll.broadcast(x, root=0)
 
 
 def chosen(algo, coll, collective, nbytes):
     """What ran: the row's algorithm, or for auto the one it chose."""
-    if algo != "auto":
+    if algo != "auto" or collective == "alltoall":     # auto chooses all-reduces only
         return algo
     return getattr(coll, "inner", coll).choice(collective, nbytes)
 
@@ -145,7 +149,7 @@ def make_rows(args, comm, device):
 
 
 def header(args, P, width, predict, mpi):
-    link = (f" link={args.link_latency_us:g}us/{args.link_gbps or 'inf'}GB/s"
+    link = (f" link={args.link_latency_us:g}us/{args.link_gbps or 'inf'}Gbit/s"
             if args.link_latency_us or args.link_gbps else "")
     timing = f"loop={args.loop}" if args.loop else "barrier per call"
     return (f"# P={P} dtype={args.dtype} iters={args.iters} transport={args.transport}{link} "

@@ -16,7 +16,7 @@ from .cli import add_output_flags, size, size_list
 from .native import RAW
 from .records import calibration_file
 
-COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast")
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall")
 DTYPES = ("float32", "float64", "int32", "int64", "float16", "bfloat16")
 ROWS = ALGORITHMS + (RAW,)
 RAW_DTYPES = ("float32", "float64", "int32", "int64")    # MPI's own types, no user op
@@ -52,7 +52,7 @@ def parser(description=None):
     p.add_argument("--link-latency-us", type=float, default=0.0,
                    help="emulate a slower network: latency per message (allreduce/emulate.py)")
     p.add_argument("--link-gbps", type=float, default=None,
-                   help="emulate a slower network: bandwidth of each rank's link")
+                   help="emulate a slower network: bandwidth of each rank's link, Gbit/s")
     add_output_flags(p, out=False)
     p.add_argument("--predict", default=None, metavar="FILE|DIR",
                    help="add the cost model's time of each all-reduce row (predicted_us; "

@@ -296,5 +296,14 @@ class HostStaged:
             return self.inner.allgather(shard, n)
         return self.inner.allgather(self._host(shard, "allgather"), n).to(shard.device)
 
+    def alltoall(self, x, out=None):
+        if not self.needs_host(x):
+            return self.inner.alltoall(x, out)
+        result = self.inner.alltoall(self._host(x, "alltoall")).to(x.device)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
+
     def barrier(self):
         self.inner.barrier()

@@ -43,7 +43,6 @@ When the link is the bottleneck, T is the busiest link's bytes times beta_link
 (plus alpha_link a step): what host_link_bytes counts, at the link's rate.
 """
 import functools
-import json
 
 from .costs import Machine, segments
 from .theory import allreduce_steps
@@ -176,8 +175,8 @@ def predictor(path, comm, inner="ring", outer="ring", ranks_per_node=None, emula
     apart from the hosts (ranks_per_node), links emulated in the transport, or
     several hosts and a calibration without the link (inter_*)."""
     hosts, R = host_layout(comm)
-    with open(path) as f:
-        cal = json.load(f)
+    from .records import read_calibration
+    cal = read_calibration(path)          # a file, or the directory holding calibration.json
     intra = Machine.from_calibration(cal)
     link = calibrated_link(cal)
 
