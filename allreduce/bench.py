@@ -240,6 +240,8 @@ def main(argv=None):
                               "bytes": n * itemsize, "dtype": args.dtype, "world_size": P,
                               "iters": args.iters, "loop": args.loop, "time_us": median * 1e6,
                               "time_us_p25": p25 * 1e6, "time_us_p75": p75 * 1e6,
+                              # every round's time, the slowest rank's: the error bars
+                              "round_us": [round(t * 1e6, 2) for t in timings.samples[algo]],
                               "vs_raw": vs_raw, "algbw_gbps": algbw, "busbw_gbps": busbw,
                               "sent_bytes": None if native else most_sent,
                               "theory_bytes": theory, "wrong": n_wrong, "device": args.device,
