@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from collections import Counter
 
 from allreduce.units import format_size
