@@ -23,6 +23,13 @@ from .context import require_psrv
 from .sync import AllReduceSync, GradientSync, collective_for
 
 
+
+def check_servers_step(start_step, state):
+    """On --resume: the servers' shards and the workers' checkpoint must be of one step."""
+    if state.get("servers_step") != start_step:
+        raise RuntimeError(f"--resume: the servers resumed at step {start_step}, "
+                           f"the worker checkpoint is at step {state.get('servers_step')}")
+
 class PSSync(GradientSync):
     """Workers push gradients and pull parameters; no optimizer on the worker.
 
@@ -120,9 +127,7 @@ class PSSync(GradientSync):
         return {"servers_step": self.next_step}
 
     def load_state_dict(self, state):
-        if state.get("servers_step") != self.start_step:
-            raise RuntimeError(f"--resume: the servers resumed at step {self.start_step}, "
-                               f"the worker checkpoint is at step {state.get('servers_step')}")
+        check_servers_step(self.start_step, state)
 
     def abort(self, error):
         """Close as a crash: the servers get ABORT with the error, not BYE, so that under
@@ -228,9 +233,7 @@ class HybridSync(GradientSync):
         return {"servers_step": self.next_step}
 
     def load_state_dict(self, state):
-        if state.get("servers_step") != self.start_step:
-            raise RuntimeError(f"--resume: the servers resumed at step {self.start_step}, "
-                               f"the worker checkpoint is at step {state.get('servers_step')}")
+        check_servers_step(self.start_step, state)
 
     def abort(self, error):
         """A crash: the leader tells the servers (PSSync.abort); close() still follows."""
