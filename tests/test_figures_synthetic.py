@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from experiments import palette, plots, report, training_plots
+from experiments import palette, plots, report, screenshot, training_plots
 from experiments.palette import COLOURS
 from matplotlib.colors import to_hex
 
@@ -193,7 +193,7 @@ def test_report_embeds_every_figure_with_a_caption_and_survives_no_browser(tmp_p
                 for a in ("ring", "tree") for P in (2, 3) for n in (4096, 1 << 20)]
                + [CAL] + train_runs() + ps_steps("asp", {0: 0.01, 1: 0.02}))
     (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    monkeypatch.setattr(report.shutil, "which", lambda name: None)
+    monkeypatch.setattr(screenshot.shutil, "which", lambda name: None)
     shot = tmp_path / "shot.png"
     written = report.write_report([str(tmp_path), "--screenshot", str(shot)])
     page = (tmp_path / "report.html").read_text()
@@ -205,5 +205,5 @@ def test_report_embeds_every_figure_with_a_caption_and_survives_no_browser(tmp_p
         if "Gantt" not in title:
             assert html.escape(look.split(",")[0]) in page
     assert "Colours, the same in every figure" in page and not shot.exists()
-    assert report.screenshot(str(tmp_path / "report.html"), str(shot)).startswith(
+    assert screenshot.screenshot(str(tmp_path / "report.html"), str(shot)).startswith(
         "no screenshot: none of chromium")

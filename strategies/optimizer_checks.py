@@ -1,0 +1,132 @@
+"""DistributedOptimizer's arguments, checked before any message is sent.
+
+Each check raises an error naming what is wrong, on every rank that sees it;
+`check_same_everywhere` compares the ranks' choices, so that a rank started
+with other flags is named instead of hanging its peers in a collective.
+"""
+import os
+import sys
+import zlib
+
+import torch
+
+from allreduce.torch_transport import under_torchrun
+
+from .choices import ConfigError
+
+
+def check_model(optimizer, model):
+    """The model's trainable parameters and their device, or an error naming the problem."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, not "
+                        f"{type(optimizer).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ConfigError("the model has no parameter that requires grad: nothing to synchronise")
+    owned = {id(p) for p in model.parameters()}
+    stray = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
+    if stray:
+        shapes = ", ".join(str(tuple(p.shape)) for p in stray[:3])
+        raise ConfigError(f"{len(stray)} of the optimizer's parameters are not the model's "
+                          f"(shapes {shapes}{', ...' if len(stray) > 3 else ''}): their gradients "
+                          "would never be averaged; build the optimizer from model.parameters()")
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:
+        raise ConfigError(f"the model's parameters are on several devices ({', '.join(devices)});"
+                          " data parallelism wants one device per rank: model.to(device)")
+    dtypes = sorted({str(p.dtype) for p in params} - {"torch.float32"})
+    if dtypes:
+        raise ConfigError(f"the gradient buckets are float32, the parameters {', '.join(dtypes)};"
+                          " keep float32 parameters (torch.autocast computes in 16 bits with them)")
+    return params, params[0].device
+
+
+# The optimizer settings psrv/optim.py implements, beyond lr, momentum and weight decay.
+SERVER_OPTIMIZERS = {
+    torch.optim.SGD: ("sgd", {"dampening": 0, "nesterov": False, "maximize": False}),
+    torch.optim.Adam: ("adam", {"betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False,
+                                "maximize": False, "decoupled_weight_decay": False}),
+}
+
+
+def server_settings(optimizer):
+    """The wrapped optimizer as the servers will run it (ps, hybrid)."""
+    if type(optimizer) not in SERVER_OPTIMIZERS:
+        raise ConfigError(f"sync='ps'/'hybrid': the servers run torch.optim.SGD or Adam, "
+                          f"not {type(optimizer).__name__}")
+    if len(optimizer.param_groups) != 1:
+        raise ConfigError(f"sync='ps'/'hybrid': the servers run one optimizer over all "
+                          f"parameters, not {len(optimizer.param_groups)} parameter groups")
+    name, fixed = SERVER_OPTIMIZERS[type(optimizer)]
+    group = optimizer.param_groups[0]
+    for key, value in fixed.items():
+        if key in group and group[key] != value:
+            raise ConfigError(f"sync='ps'/'hybrid': the servers run {name} with {key}={value},"
+                              f" this optimizer has {key}={group[key]}")
+    return {"optimizer": name, "lr": float(group["lr"]),
+            "momentum": float(group.get("momentum", 0.0)),
+            "weight_decay": float(group["weight_decay"])}
+
+
+def transport_for(name, transport):
+    """MPI under mpiexec; torch.distributed for sync='torch', and under torchrun, which
+    starts no MPI world (each process would be a world of its own)."""
+    torchrun = under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1
+    if transport is None:
+        transport = name if name in ("mpi", "torch") else "torch" if torchrun else "mpi"
+    if transport not in ("mpi", "torch"):
+        raise ConfigError(f"transport={transport!r} is not 'mpi' or 'torch'")
+    if name in ("mpi", "torch") and transport != name:
+        raise ConfigError(f"sync={name!r} is the {name} library's own all-reduce: it runs over "
+                          f"transport={name!r}, not {transport!r}")
+    if transport == "mpi" and torchrun:
+        raise ConfigError(f"under torchrun there is no MPI world: use sync='torch' (or "
+                          f"transport='torch' for sync={name!r}), or launch with mpiexec")
+    return transport
+
+
+def check_comm(comm, transport):
+    if comm is None:
+        return
+    if transport == "torch" and (isinstance(comm, (list, tuple, range)) or (
+            torch.distributed.is_available() and
+            isinstance(comm, torch.distributed.ProcessGroup))):
+        return
+    MPI = sys.modules.get("mpi4py.MPI")        # imported already wherever a communicator is
+    if MPI is not None and isinstance(comm, MPI.Comm):
+        if comm == MPI.COMM_NULL:
+            raise ConfigError("comm is MPI.COMM_NULL: this rank is not in the communicator "
+                              "(a Split with color MPI.UNDEFINED); build no optimizer here")
+        if not isinstance(comm, MPI.Intracomm):
+            raise TypeError(f"comm must be an intracommunicator, not an {type(comm).__name__}")
+        return
+    what = "an mpi4py communicator" + (", a list of global ranks or a torch ProcessGroup"
+                                       if transport == "torch" else "")
+    raise TypeError(f"comm must be {what} (e.g. MPI.COMM_WORLD.Split(color, key)), "
+                    f"not {type(comm).__name__}")
+
+
+def check_same_everywhere(gather, params, options):
+    """Every rank must bring the same model and settings, or the buckets differ and
+    the collectives would pair unrelated buffers (or wait for ever).  If any rank
+    differs, every rank sees a rank unlike itself, so every rank raises."""
+    shapes = ";".join(str(tuple(p.shape)) for p in params)
+    settings = f"{options.sync} {options.bucket_mb} {options.overlap} {options.compress}"
+    mine = [len(params), sum(p.numel() for p in params), zlib.crc32(shapes.encode()),
+            zlib.crc32(settings.encode())]
+    for rank, theirs in enumerate(gather(mine)):
+        theirs = [int(v) for v in theirs]
+        if theirs != mine:
+            what = "settings (sync, bucket_mb, overlap, compress)" if theirs[:3] == mine[:3] \
+                else f"model ({theirs[0]} trainable tensors, {theirs[1]} elements, shapes " \
+                     f"checksum {theirs[2]:x}; here {mine[0]}, {mine[1]}, {mine[2]:x})"
+            raise ConfigError(f"rank {rank} of the communicator has another {what} than this "
+                              "rank: every rank must wrap the same model with the same settings")
+
+
+def gathered(coll, values):
+    """Every rank's list of ints, through the collective itself (MPI or torch)."""
+    mine = torch.tensor(values, dtype=torch.int64)
+    return coll.allgather(mine, len(values) * coll.size).view(coll.size, -1).tolist()
