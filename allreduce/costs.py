@@ -19,12 +19,14 @@ Quick reference (n bytes, P ranks, lg = ceil(log2 P)):
     ring               2(P-1) alpha + 2(P-1)/P n beta + (P-1)/P n gamma
     binomial tree      2 lg (S alpha + n beta1) + lg n gamma  (S segments of 1 MiB; beta1 one way)
     halving-doubling   2 log2 p alpha + 2(p-1)/p n beta + (p-1)/p n gamma  (+ a fold if P != p)
+                       below 32 KiB: log2 p (alpha + n beta + n gamma)  (recursive doubling)
     hierarchical       ring inside k-rank nodes + ring over N nodes + broadcast inside
 """
 import math
 from dataclasses import dataclass
 
 from .collective import SEGMENT_BYTES
+from .halving_doubling import recursive_doubling
 
 
 @dataclass(frozen=True)
@@ -164,14 +166,19 @@ def halving_doubling_allreduce(n, P, m):
     """Rabenseifner's algorithm (Thakur et al. 2005, 4.4): recursive-halving
     reduce-scatter then recursive-doubling all-gather over p = 2^floor(log2 P)
     ranks; the P - p extra ranks first fold their vector into a partner and get
-    the result back at the end (+2 (alpha + n beta1) + n gamma, beta1 one way)."""
+    the result back at the end (+2 (alpha + n beta1) + n gamma, beta1 one way).
+    Below RECURSIVE_DOUBLING_BELOW bytes, recursive doubling instead: lg p
+    exchanges of all n bytes, each added."""
     if P == 1:
         return 0.0
     p, s = 1 << (P.bit_length() - 1), m.stretch(P)
-    t = 0.0
-    for k in range(1, p.bit_length()):      # round k exchanges and reduces n / 2^k, twice
-        b = n / 2 ** k                      # (halving on the way down, doubling back up)
-        t += 2 * (m.alpha + b * m.beta_at(b) * s) + b * m.gamma_at(b) * s
+    if recursive_doubling(n):
+        t = lg(p) * (m.alpha + n * m.beta_at(n) * s + n * m.gamma_at(n) * s)
+    else:
+        t = 0.0
+        for k in range(1, p.bit_length()):  # round k exchanges and reduces n / 2^k, twice
+            b = n / 2 ** k                  # (halving on the way down, doubling back up)
+            t += 2 * (m.alpha + b * m.beta_at(b) * s) + b * m.gamma_at(b) * s
     if p != P:
         t += 2 * (m.alpha + n * m.beta_one_way_at(n) * s) + n * m.gamma_at(n) * s
     return t

@@ -18,11 +18,34 @@ hands its vector to the odd one and sits out; the p2 ranks left run the power-
 of-two algorithm as "virtual" ranks; at the end the odd ones hand the result
 back.  Virtual rank v owns the shards of the real ranks it stands for, so the
 reduce-scatter still leaves rank r with shard r.
+
+Short messages (below RECURSIVE_DOUBLING_BELOW bytes) take the other half of the
+same paper's rule, as MPICH does: recursive doubling, lg p2 exchanges of the
+*whole* vector at distance 1, 2, 4, ..., each rank adding what came.
+
+    distance 1: 0<->1, 2<->3  swap all;  each holds x0+x1 or x2+x3
+    distance 2: 0<->2, 1<->3  swap all;  everyone holds the sum
+
+It sends lg p2 times n where halving-doubling sends 2 (p2-1)/p2 n, but in half
+the messages (lg p2, not 2 lg p2): when a message costs more to start than to
+carry, it wins.  At P = 2 it is one exchange.  The threshold is where the two
+alpha-beta-gamma formulas (allreduce/costs.py) cross with this machine's
+alpha ~ 6 us and beta ~ gamma ~ 0.2 ns/B: 60 KB at P = 2, 34 KB at 4, 27 KB at
+8; 32 KiB sits between.  Every rank adds the same two partial sums, only in
+swapped order, and float addition commutes: all ranks end bit-identical.
 """
 from .buffers import reduce_into
 from .collective import Collective
 from .shards import span
 from .tree import Tree
+
+
+RECURSIVE_DOUBLING_BELOW = 32 << 10     # bytes; below it the all-reduce doubles only
+
+
+def recursive_doubling(nbytes):
+    """Whether an all-reduce of nbytes takes the short-message schedule."""
+    return nbytes < RECURSIVE_DOUBLING_BELOW
 
 
 def fold(P):
@@ -89,6 +112,15 @@ class HalvingDoubling(Collective):
             lo, hi = keep
             distance //= 2
 
+    def _recursive_doubling(self, x, v, op):
+        """Short messages: swap the whole vector at distance 1, 2, 4, ... and add."""
+        distance = 1
+        while distance < self.p2:
+            peer = real_rank(v ^ distance, self.size)
+            # one segment: sendrecv_reduce finishes the send before it adds
+            self.sendrecv_reduce(x, peer, x, peer, op)
+            distance *= 2
+
     def _doubling(self, x, owned, v):
         t = self.transport
         p2 = len(owned)
@@ -128,7 +160,10 @@ class HalvingDoubling(Collective):
     def _allreduce(self, x, op):
         self._fold_in(x, op)
         v = self.v
-        if v is not None:
+        # a vector of more than one segment would be added to while still being sent
+        if v is not None and recursive_doubling(x.nbytes) and x.nbytes <= self.segment_bytes:
+            self._recursive_doubling(x, v, op)
+        elif v is not None:
             owned = self.owned(len(x))
             self._halving(x, owned, v, op)
             self._doubling(x, owned, v)

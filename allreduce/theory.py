@@ -10,6 +10,8 @@ bandwidth each link must have sustained, so algorithms and P compare directly:
 """
 import math
 
+from .halving_doubling import recursive_doubling
+
 
 def bus_factor(collective, P):
     if collective == "allreduce":
@@ -40,6 +42,8 @@ def bytes_sent(algo, collective, nbytes, P):
                 "allgather": rounds * n, "broadcast": rounds * n}[collective]
     if algo == "halving_doubling":
         fold = n if p2 != P else 0                   # the odd rank hands the result back
+        if collective == "allreduce" and recursive_doubling(n):
+            return (p2.bit_length() - 1) * n + fold  # lg p2 swaps of the whole vector
         return {"allreduce": 2 * (p2 - 1) / p2 * n + fold,
                 "reduce_scatter": (p2 - 1) / p2 * n + (n / P if fold else 0),
                 "allgather": (p2 - 1) / p2 * n + fold,
@@ -98,11 +102,15 @@ def _allreduce_messages(algo, n, P):
         def real(v):
             return 2 * v + 1 if v < extra else v + extra
         fold = [(2 * i, 2 * i + 1, n) for i in range(extra)]
+        back = [(b, a, m) for a, b, m in fold]
+        if recursive_doubling(n):                        # short: the whole vector, lg p2 times
+            swaps = [(real(v), real(v ^ d), n) for d in _distances(p2) for v in range(p2)]
+            return fold + swaps + back
         halving, distance = [], p2 // 2
         while distance:                                  # at distance d a rank sends n d / p2
             halving += [(real(v), real(v ^ distance), n * distance / p2) for v in range(p2)]
             distance //= 2
-        return fold + halving + halving[::-1] + [(b, a, m) for a, b, m in fold]
+        return fold + halving + halving[::-1] + back
     raise ValueError(f"no textbook schedule for {algo!r}")
 
 
@@ -134,11 +142,19 @@ class Step:
                 f"{f', fills in {self.fill} hops' if self.fill else ''})")
 
 
-def allreduce_steps(algo, n, P, ranks_per_node=None, outer="ring"):
+def _distances(p2):
+    """1, 2, 4, ... below p2: recursive doubling's partners are v ^ d."""
+    return [1 << k for k in range(p2.bit_length() - 1)]
+
+
+def allreduce_steps(algo, n, P, ranks_per_node=None, outer="ring", short=None):
     """The schedule of one all-reduce of n bytes on P ranks, step by step, as
     ring.py, tree.py, halving_doubling.py and hierarchical.py run it (their
     messages add up to _allreduce_messages').  hierarchical: nodes of
-    ranks_per_node consecutive ranks, inner ring, `outer` between the leaders."""
+    ranks_per_node consecutive ranks, inner ring, `outer` between the leaders.
+    short: halving-doubling's short-message schedule (recursive doubling) or not;
+    None = as halving_doubling.py chooses for n bytes (a per-byte profile, n = 1,
+    says which it means)."""
     if P == 1:
         return []
     if algo == "ring":
@@ -159,13 +175,17 @@ def allreduce_steps(algo, n, P, ranks_per_node=None, outer="ring"):
         def real(v):
             return 2 * v + 1 if v < extra else v + extra
         fold = [(2 * i, 2 * i + 1, n) for i in range(extra)]
+        fold_in = [Step(fold, exchange=False, reduces=True)] if extra else []
+        fold_out = [Step([(b, a, m) for a, b, m in fold], exchange=False)] if extra else []
+        if recursive_doubling(n if short is None else 0 if short else math.inf):
+            return fold_in + [Step([(real(v), real(v ^ d), n) for v in range(p2)], reduces=True)
+                              for d in _distances(p2)] + fold_out
         halving, distance = [], p2 // 2
         while distance:
             halving.append([(real(v), real(v ^ distance), n * distance / p2) for v in range(p2)])
             distance //= 2
-        return ([Step(fold, exchange=False, reduces=True)] if extra else []) + \
-            [Step(m, reduces=True) for m in halving] + [Step(m) for m in halving[::-1]] + \
-            ([Step([(b, a, m) for a, b, m in fold], exchange=False)] if extra else [])
+        return fold_in + [Step(m, reduces=True) for m in halving] + \
+            [Step(m) for m in halving[::-1]] + fold_out
     if algo == "hierarchical":
         R = ranks_per_node or P
         nodes = P // R
@@ -178,7 +198,7 @@ def allreduce_steps(algo, n, P, ranks_per_node=None, outer="ring"):
             steps += [Step([(h * R + i, h * R, n / R) for h in range(nodes)], exchange=False)
                       for i in range(1, R)]
         # 2. the leaders all-reduce across nodes
-        for s in allreduce_steps(outer, n, nodes):
+        for s in allreduce_steps(outer, n, nodes, short=short):
             steps.append(Step([(a * R, b * R, m) for a, b, m in s.messages], s.repeat,
                               s.exchange, s.reduces, s.segmented, s.fill))
         if R > 1:

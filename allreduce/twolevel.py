@@ -45,6 +45,7 @@ When the link is the bottleneck, T is the busiest link's bytes times beta_link
 import functools
 
 from .costs import Machine, segments
+from .halving_doubling import recursive_doubling
 from .theory import allreduce_steps
 
 
@@ -103,10 +104,11 @@ def profile(steps, nodes, R):
 
 
 @functools.lru_cache(maxsize=256)
-def _allreduce_profile(algo, nodes, R, outer):
-    """An algorithm's profile per byte of the vector (n = 1): the same for every n,
-    so the simulator's thousands of ranks are walked once."""
-    return profile(allreduce_steps(algo, 1.0, nodes * R, R, outer), nodes, R)
+def _allreduce_profile(algo, nodes, R, outer, short):
+    """An algorithm's profile per byte of the vector (n = 1): the same for every n
+    of one schedule (short: halving-doubling's short-message one), so the
+    simulator's thousands of ranks are walked once."""
+    return profile(allreduce_steps(algo, 1.0, nodes * R, R, outer, short), nodes, R)
 
 
 def profile_time(steps_profile, n, R, intra, link):
@@ -141,7 +143,8 @@ def cluster_allreduce_time(algo, n, nodes, ranks_per_node, intra, link=None, out
     """Predicted seconds of one all-reduce of n bytes on nodes x ranks_per_node ranks;
     None for algorithms without a textbook schedule (mpi, torch)."""
     try:
-        steps_profile = _allreduce_profile(algo, nodes, ranks_per_node, outer)
+        steps_profile = _allreduce_profile(algo, nodes, ranks_per_node, outer,
+                                           recursive_doubling(n))
     except ValueError:
         return None
     _need_link(nodes, link)

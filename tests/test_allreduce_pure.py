@@ -136,7 +136,9 @@ def test_signature_description():
 def test_theory_and_sizes():
     assert theory.bus_factor("allreduce", 4) == 1.5
     assert theory.bytes_sent("ring", "allreduce", 1000, 4) == 1500
-    assert theory.bytes_sent("halving_doubling", "allreduce", 1024, 4) == 1536
+    assert theory.bytes_sent("halving_doubling", "allreduce", 1 << 20, 4) == 1.5 * (1 << 20)
+    # short messages: recursive doubling, lg 4 = 2 swaps of the whole vector
+    assert theory.bytes_sent("halving_doubling", "allreduce", 1024, 4) == 2048
     assert theory.bytes_sent("tree", "broadcast", 100, 5) == 300
     assert parse_size("4K") == 4096 and parse_size("64M") == 64 << 20 and parse_size("100") == 100
 

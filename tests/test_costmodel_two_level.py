@@ -87,11 +87,15 @@ def test_a_step_takes_the_longer_of_its_two_parts():
 def test_latencies_per_step_and_per_segment():
     slow = twolevel.link_of_rate(1.0, latency_s=1e-3)
     tiny = 4096
-    # a ring step pays one latency: 2 (P-1) of them; halving-doubling 2 log2 P
+    # a ring step pays one latency: 2 (P-1) of them; halving-doubling 2 log2 P, and
+    # below 32 KiB recursive doubling log2 P, each step the whole vector
     assert twolevel.cluster_allreduce_time("ring", tiny, 4, 1, FREE, slow) == pytest.approx(
         6 * (1e-3 + tiny / 4 * 8e-9))
     assert twolevel.cluster_allreduce_time("halving_doubling", tiny, 4, 1, FREE, slow) == \
-        pytest.approx(2 * (1e-3 + tiny / 2 * 8e-9) + 2 * (1e-3 + tiny / 4 * 8e-9))
+        pytest.approx(2 * (1e-3 + tiny * 8e-9))
+    big = 64 * 1024
+    assert twolevel.cluster_allreduce_time("halving_doubling", big, 4, 1, FREE, slow) == \
+        pytest.approx(2 * (1e-3 + big / 2 * 8e-9) + 2 * (1e-3 + big / 4 * 8e-9))
     # a tree round goes segment by segment (1 MiB each), a latency each: 2 rounds of 4
     assert twolevel.cluster_allreduce_time("tree", 4 * MiB, 2, 1, FREE, slow) == pytest.approx(
         2 * (4 * 1e-3 + 4 * MiB * 8e-9))
