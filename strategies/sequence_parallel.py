@@ -280,3 +280,24 @@ def saved_bytes_saving(micro_batch, seq_len, d_model, tp, blocks, has_head):
     per_block = 4 * bs * d_model + 4 * bs            # LN inputs and outputs; means, 1/stds
     head = bs * d_model + 2 * bs if has_head else 0  # ln_f's input; its mean, 1/std
     return 4 * (blocks * per_block + head) * (tp - 1) // tp
+
+
+def tp_bytes_sent(micro_batch, seq_len, d_model, tp, blocks, has_embed, has_head,
+                  sequence_parallel):
+    """Bytes a rank sends on the tp axis for one micro-batch, ring collectives: an
+    all-gather or a reduce-scatter of a bytes sends (t-1)/t a, an all-reduce 2 (t-1)/t a.
+
+        tensor parallel      per block 4 all-reduces (g, g forward; f, f backward)    8 halves
+        sequence parallel    per block 2 all-gathers + 2 reduce-scatters forward,
+                             2 + 2 backward, and the 2 all-gathers again              10 halves
+                             + 1 all-gather after the embedding (backward), 1 before
+                             the head (forward), + the replicated weights' gradients
+
+    So sequence parallelism moves the same bytes as tensor parallelism in its g / g-bar
+    pairs, and pays one all-gather per column-parallel layer for the memory it saves."""
+    half = 4 * micro_batch * seq_len * d_model * (tp - 1) // tp     # (t-1)/t of one activation
+    if not sequence_parallel:
+        return blocks * 8 * half
+    replicated = blocks * 6 * d_model + (2 * d_model if has_head else 0)   # LN w, b; 2 biases
+    return (blocks * 10 + has_embed + has_head) * half + \
+        2 * 4 * replicated * (tp - 1) // tp
