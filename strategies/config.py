@@ -64,8 +64,8 @@ class TrainConfig:
     dp: int = 0                   # data-parallel size; 0 = what is left, world / (pp * tp)
     pp: int = 1                   # pipeline stages
     tp: int = 1                   # tensor-parallel ranks (GPT)
-    sequence_parallel: bool = False  # with --tp: LayerNorms and residuals on 1/tp of the
-                                  # sequence each (Korthikanti et al. 2023; sequence_parallel.py)
+    sequence_parallel: bool = False  # with --tp: LayerNorms and residuals on 1/tp of
+                                     # the sequence each (Korthikanti et al. 2023)
     zero: int = 0                 # ZeRO stage over the dp axis: 0 (plain DP), 1, 2, 3
     micro_batches: int = 1        # per step and dp replica
     schedule: str = "1f1b"        # pipeline schedule: gpipe or 1f1b
