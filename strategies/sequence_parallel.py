@@ -15,10 +15,12 @@ partial sums on exit, so Megatron's conjugate pair changes:
     sequence parallel    g: all-gather (T)  -> [column | row] -> g-bar: reduce-scatter (T)
 
 An all-reduce is a reduce-scatter followed by an all-gather (the ring's two
-phases), so the pair moves the same bytes as tensor parallelism's all-reduce:
-sequence parallelism costs no extra communication.  The backward of an
-all-gather is a reduce-scatter and vice versa, one per direction again.
-One block, the sequence axis drawn down, tp = 2 (x_r: rank r's T/2 positions):
+phases), so the pair moves the same bytes as tensor parallelism's all-reduce.
+The backward of an all-gather is a reduce-scatter and vice versa, one per
+direction again.  What is sent on top (`tp_bytes_sent`): one all-gather per
+column-parallel layer in the backward (below: memory), one at the embedding and
+one at the head, and the replicated weights' gradient sums.
+One block, tp = 2 (x_r: rank r's T/2 positions of the residual stream):
 
     x_r --LN1--> all-gather --> [qkv_r, heads_r, proj_r] --> reduce-scatter --> + x_r
         --LN2--> all-gather --> [fc_r, GELU, out_r]      --> reduce-scatter --> + ... = x'_r
@@ -58,9 +60,10 @@ LayerNorm saves b s h + 2 b s.  So each micro-batch alive on a stage saves
 
     4 (1 - 1/t) [L (4 b s h + 4 b s) + head (b s h + 2 b s)]  bytes less
 
-(`saved_bytes_saving`), of the paper's 10 s b h of the layer norms, dropout and
-residual-adjacent activations in 16-bit (section 4.2.2).  Attention, the MLP
-hidden and the head's logits are as under tensor parallelism.
+(`saved_bytes_saving`).  In the paper's 16-bit count (section 4.2.2) these are
+8 of the 10 s b h bytes per layer that tensor parallelism leaves whole; the
+other 2 are the dropout masks, which we do not have.  Attention, the MLP's
+hidden activations and the head's logits are as under tensor parallelism.
 """
 from contextlib import nullcontext
 
