@@ -1,7 +1,10 @@
-"""Sequence parallelism: the parts of a block that tensor parallelism leaves whole, split by sequence.
+"""Sequence parallelism: what tensor parallelism leaves whole in a block, split by position.
 
 Korthikanti, Casper, Lym, McAfee, Andersch, Shoeybi, Catanzaro, "Reducing
 Activation Recomputation in Large Transformer Models", MLSys 2023, section 4.2.2.
+
+    mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.train --sync ring --model gpt \
+        --tp 2 --sequence-parallel                      # --pp, --dp and --zero compose
 
 Tensor parallelism (tensor_parallel.py) splits attention and the MLP over the
 tp ranks, but every tp rank still runs the LayerNorms and the residual adds on
