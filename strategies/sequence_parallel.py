@@ -83,7 +83,9 @@ SEQUENCE = 1                     # (B, T, C): the axis the shards split
 # ----------------------------------------------------------------- collectives on T
 def _time_major(x):
     """(B, T, C) -> a contiguous (T, B, C) copy: the collectives split a flat buffer
-    into tp equal runs, which are then whole runs of positions."""
+    into tp equal runs, which are then whole runs of positions.  Megatron keeps its
+    activations (T, B, C) throughout for this reason; our GPT is batch-first, so
+    each collective pays a transposing copy."""
     return x.transpose(0, 1).contiguous()
 
 

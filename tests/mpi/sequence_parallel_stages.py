@@ -2,7 +2,8 @@
 
     mpiexec -n 2 python -m mpi4py tests/mpi/sequence_parallel_stages.py
 
-A pp = 2 x tp = 2 run needs four processes; what pipelining adds to sequence
+First the sequence collectives against their definitions.  Then the cut: a
+pp = 2 x tp = 2 run needs four processes; what pipelining adds to sequence
 parallelism is only the cut, so this runs the cut in one process per tp rank:
 stage 0 (embedding, block 0) makes the activation that would travel, which must
 be this rank's (B, T/tp, C) shard; stage 1 (block 1, head) takes a detached copy,
@@ -21,12 +22,28 @@ from strategies.config import parse_args
 from strategies.data import DataSpec
 from strategies.models import build_model
 from strategies.pipeline import Stage, stage_layers
-from strategies.sequence_parallel import positions_per_rank, split_sequence
+from strategies.sequence_parallel import (all_gather_sequence, positions_per_rank,
+                                         reduce_scatter_sequence, split_sequence)
 from strategies.sync import collective_for
 from strategies.tensor_parallel import TensorParallel, parallelize_blocks
 
 RTOL, ATOL = 1e-5, 1e-6
 B = 3
+
+
+def check_collectives(tp):
+    """The sequence collectives against their definitions, on rank- and position-dependent
+    values (B = 2, C = 3, so a transposed or misplaced run of positions shows)."""
+    T, size = 4 * tp.size, tp.size
+    every = [torch.arange(2 * T * 3, dtype=torch.float32).view(2, T, 3) + 1000 * r
+             for r in range(size)]
+    part = T // size
+    mine = every[tp.rank][:, tp.rank * part:(tp.rank + 1) * part]
+    gathered = all_gather_sequence(mine, tp, "check")
+    want = torch.cat([every[r][:, r * part:(r + 1) * part] for r in range(size)], dim=1)
+    assert torch.equal(gathered, want), (gathered, want)
+    summed = reduce_scatter_sequence(every[tp.rank], tp, "check")
+    assert torch.equal(summed, sum(every)[:, tp.rank * part:(tp.rank + 1) * part])
 
 
 def main():
@@ -39,6 +56,7 @@ def main():
     originals = list(model.parameters())         # alive: no new parameter may reuse an id
     names = {id(p): n for n, p in model.named_parameters()}
     tp = TensorParallel(collective_for("ring", cfg, comm), comm.rank, comm.size)
+    check_collectives(tp)
     stages = []
     for s in range(cfg.pp):
         layers = stage_layers(model, s, cfg.pp)
