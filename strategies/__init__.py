@@ -27,6 +27,7 @@ Read in this order:
     grid.py        ProcessGrid: arange(world).reshape(dp, pp, tp), a communicator per axis
     zero.py        ZeRO stages 0-3 over the dp axis, layer by layer
     tensor_parallel.py  Megatron's f and g, column/row-parallel linears, split heads
+    sequence_parallel.py  LayerNorms and residuals on T/tp positions (--sequence-parallel)
     pipeline.py    stages of blocks; GPipe and 1F1B over the point-to-point transport
     memory.py      params / grads / optimizer / saved-activation bytes, measured
     trace.py       Chrome trace (Perfetto) of forward, backward, comm and idle time

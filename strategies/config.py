@@ -64,6 +64,8 @@ class TrainConfig:
     dp: int = 0                   # data-parallel size; 0 = what is left, world / (pp * tp)
     pp: int = 1                   # pipeline stages
     tp: int = 1                   # tensor-parallel ranks (GPT)
+    sequence_parallel: bool = False  # with --tp: LayerNorms and residuals on 1/tp of
+                                     # the sequence each (Korthikanti et al. 2023)
     zero: int = 0                 # ZeRO stage over the dp axis: 0 (plain DP), 1, 2, 3
     micro_batches: int = 1        # per step and dp replica
     schedule: str = "1f1b"        # pipeline schedule: gpipe or 1f1b
@@ -138,6 +140,13 @@ class TrainConfig:
             raise ConfigError("--staleness needs --consistency ssp (bsp waits for every worker)")
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir")
+        if self.sequence_parallel and self.tp < 2:
+            raise ConfigError(f"--sequence-parallel splits the sequence over the tp ranks: "
+                              f"it needs --tp > 1, got --tp {self.tp}")
+        if self.sequence_parallel and self.seq_len % self.tp:
+            raise ConfigError(f"--sequence-parallel: --seq-len {self.seq_len} is not divisible "
+                              f"by tp({self.tp}): {self.seq_len} % {self.tp} = "
+                              f"{self.seq_len % self.tp}")
         if self.on_grid and self.sync not in ALLREDUCE_SYNCS:
             what = f"--zero {self.zero}" if self.zero else "--dp/--pp/--tp/--micro-batches"
             raise ConfigError(f"{what} needs an all-reduce --sync ({', '.join(ALLREDUCE_SYNCS)}),"

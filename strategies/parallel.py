@@ -36,6 +36,7 @@ from .grid import ProcessGrid
 from .loop import StepEngine
 from .memory import ActivationMeter
 from .pipeline import Pipeline, Stage, stage_layers
+from .sequence_parallel import positions_per_rank, split_sequence
 from .sync import collective_for
 from .tensor_parallel import TensorParallel, parallelize_blocks
 from .trace import Tracer, busy_seconds
@@ -87,6 +88,8 @@ class GridEngine(StepEngine):
             tp = TensorParallel(self.tp_coll, comms.tp_rank, comms.tp_size, self.tracer)
             mine = [b for name, b in layers if name.startswith("blocks.")]
             parallelize_blocks(mine, tp)
+            if cfg.sequence_parallel:              # LayerNorms on T/tp positions each
+                layers = split_sequence(layers, tp)
             self.tp_pieces = tp.pieces
             for name, block in layers:
                 for local, p in block.named_parameters():
@@ -100,7 +103,8 @@ class GridEngine(StepEngine):
         self.meter = ActivationMeter(self.sync.param_storages,
                                      [self.sync] if cfg.zero == 3 else [])
         self.p2p = make_transport("mpi", comms.pp, cfg.timeout)
-        feature = (cfg.seq_len, cfg.d_model) if cfg.model == "gpt" else (cfg.width,)
+        feature = (positions_per_rank(cfg, comms.tp_size), cfg.d_model) \
+            if cfg.model == "gpt" else (cfg.width,)
         self.pipeline = Pipeline(self.model, self.criterion, self.p2p, comms.pp_rank,
                                  comms.pp_size, cfg.micro_batches, cfg.schedule,
                                  lambda n: (n, *feature), self.tracer, self.meter)

@@ -149,9 +149,10 @@ class TensorParallelAttention(nn.Module):
         self.proj = RowParallelLinear(attn.proj, tp, (start, stop))
 
     def forward(self, x):
-        B, T, _ = x.shape
+        # B, T from qkv's output: under sequence parallelism x holds T / tp positions
+        # and qkv's entry gathers the whole sequence (sequence_parallel.py)
         q, k, v = self.qkv(x).chunk(3, dim=2)
-        local = q.shape[2]
+        B, T, local = q.shape
         q, k, v = (t.view(B, T, self.heads, local // self.heads).transpose(1, 2)
                    for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
