@@ -118,6 +118,10 @@ FOUR = [
     ("zero2_tp2", GPT + ["--tp", "2", "--zero", "2"]),
     ("zero3_tp2", GPT + ["--tp", "2", "--zero", "3"]),
     ("zero3_pp2", GPT + ["--pp", "2", "--zero", "3", "--micro-batches", "2"]),
+    # sequence parallelism: the stages pass sequence shards; dp replicas of a tp pair
+    ("pp2_tp2_sp", GPT + ["--pp", "2", "--tp", "2", "--micro-batches", "2",
+                          "--sequence-parallel"]),
+    ("dp2_tp2_sp", GPT + ["--dp", "2", "--tp", "2", "--sequence-parallel"]),
 ]
 
 
