@@ -271,10 +271,12 @@ class ExpertParallel(StepEngine):
             tracer.add(f"optimizer {step}", "optimizer", t2, t3)
         # the all-to-alls block the forward and backward: exposed communication
         alltoall_s = self.exchange.seconds - alltoall_s
+        dropped = [m.dropped_fraction for m in self.model.modules() if isinstance(m, MoE)]
         return loss.item(), {
             "step_time_s": t3 - t0, "compute_time_s": (t1 - t0) - alltoall_s + (t3 - t2),
             "comm_time_s": (t2 - t1) + alltoall_s, "alltoall_time_s": alltoall_s,
-            "alltoall_bytes": self.exchange.bytes_sent - alltoall_bytes}
+            "alltoall_bytes": self.exchange.bytes_sent - alltoall_bytes,
+            "dropped_fraction": sum(dropped) / len(dropped)}
 
     def parameters_npz(self):
         """The whole model on world rank 0 (collective): the dense parameters of rank 0,

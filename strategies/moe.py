@@ -4,6 +4,7 @@
               balance_coef=0.01)
     y = moe(x)              # x, y: (batch, seq, d_model); the block adds y to its residual
     moe.balance_loss        # this forward's load-balancing loss, already times its coefficient
+    moe.dropped_fraction    # the share of its token choices over capacity, dropped
 
 Papers:
   Shazeer, Mirhoseini, Maziarz, Davis, Le, Hinton & Dean, "Outrageously Large Neural
@@ -129,7 +130,7 @@ class MoE(nn.Module):
             nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
             for e in range(experts)})
         self.exchange = run_experts
-        self.balance_loss = 0.0
+        self.balance_loss = self.dropped_fraction = 0.0
 
     def forward(self, x):
         B, T, d = x.shape
@@ -141,6 +142,9 @@ class MoE(nn.Module):
         # 2.-4. gate, top-k, capacity
         dispatch, combine, balance = route(self.gate(groups), self.top_k, capacity)
         self.balance_loss = self.balance_coef * balance
+        # the share of the k choices of every token that found its expert full
+        self.dropped_fraction = 1.0 - dispatch.sum().item() / (groups.shape[0] *
+                                                              groups.shape[1] * self.top_k)
         # 5. dispatch, 6. experts, 7. combine
         expert_in = torch.einsum("gsec,gsd->egcd", dispatch, groups)
         expert_out = self.exchange(self.experts, expert_in)
