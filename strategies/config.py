@@ -63,8 +63,8 @@ class TrainConfig:
     # mixture of experts (moe.py) and expert parallelism (expert_parallel.py)
     experts: int = 4              # moe: experts per block
     top_k: int = 2                # moe: experts per token, 1 (Switch) or 2 (GShard)
-    capacity_factor: float = 1.25  # moe: an expert takes ceil(factor * k * tokens / experts)
-                                  # tokens of a group; the rest pass by on the residual
+    capacity_factor: float = 1.25  # moe: an expert takes ceil(factor * k * S / experts) of
+                                   # a group's S tokens; the rest pass by on the residual
     moe_group: int = 0            # moe: sequences per gating group (capacity is per group);
                                   # 0 = a data-parallel rank's local batch
     balance_loss: float = 0.01    # moe: weight of Switch's load-balancing loss; 0 = none

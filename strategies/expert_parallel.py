@@ -48,11 +48,10 @@ With EP = world there is one replica and the sum is complete on its own rank.
 Equivalence: capacity is decided per group of tokens (moe.py), by default one
 rank's local batch; the one-process reference with --moe-group set to that
 many sequences gates, drops and combines the same tokens, so the runs agree up
-to the order of float additions (tests/test_moe_runs.py).
+to the order of float additions (tests/test_moe.py).
 """
 import time
 
-import numpy as np
 import torch
 import torch.nn as nn
 
@@ -62,7 +61,8 @@ from .loop import StepEngine
 from .metrics import now
 from .models import count_parameters
 from .moe import MoE
-from .sync import AllReduceSync, GradientSync, broadcast_tensor, collective_for, make_optimizer
+from .sync import (AllReduceSync, GradientSync, broadcast_tensor, collective_for,
+                   make_optimizer)
 from .trace import Tracer
 
 
@@ -117,13 +117,14 @@ class AllToAllExperts:
         self.coll, self.placement, self.tracer = coll, placement, tracer
         self.seconds = 0.0
 
+    # None where MPI's own all-to-all (--sync mpi) moves the bytes out of our sight
     @property
     def bytes_sent(self):
-        return self.coll.transport.bytes_sent
+        return self.coll.transport.bytes_sent if self.coll.counts_traffic else None
 
     @property
     def bytes_received(self):
-        return self.coll.transport.bytes_received
+        return self.coll.transport.bytes_received if self.coll.counts_traffic else None
 
     def alltoall(self, x, what):
         start = time.perf_counter()
@@ -222,19 +223,19 @@ class ExpertParallel(StepEngine):
         self.placement = ExpertPlacement(ctx.world_size, cfg.ep, cfg.experts, ctx.rank)
         lay = self.placement
         # new communicators: the all-to-alls never meet the dense buckets' comm thread
-        group_comm = ctx.comm.Split(lay.group, ctx.rank)
-        replica_comm = ctx.comm.Split(lay.ep_rank, ctx.rank)
+        group_comm = ctx.comm.Split(lay.group, ctx.rank)           # {0, 1}, {2, 3}
         self.tracer = Tracer(ctx.rank) if cfg.trace else None
         self.exchange = AllToAllExperts(collective_for(cfg.sync, cfg, group_comm), lay,
                                         self.tracer)
         self.expert_params = shard_experts(model, lay, self.exchange)
-        replica_coll = collective_for(cfg.sync, cfg, replica_comm) if lay.replicas > 1 \
-            else None
+        replica_coll = None
+        if lay.replicas > 1:                                       # {0, 2}, {1, 3}
+            replica_coll = collective_for(cfg.sync, cfg, ctx.comm.Split(lay.ep_rank, ctx.rank))
         self.sync = ExpertParallelSync(cfg, ctx, device, self.expert_params, replica_coll)
         self.sync.setup(model)
         self.optimizer = make_optimizer(cfg, model.parameters())
-        self.layout = {"world_size": ctx.world_size, "dp_size": ctx.dp_size,
-                              "pp_size": 1, "tp_size": 1, "ep_size": cfg.ep}
+        self.layout = {"world_size": ctx.world_size, "dp_size": ctx.dp_size, "pp_size": 1,
+                       "tp_size": 1, "ep_size": cfg.ep}
 
     def describe(self):
         lay = self.placement
@@ -245,12 +246,15 @@ class ExpertParallel(StepEngine):
         return f"rank {rank} (expert group {rank // self.cfg.ep}, ep {rank % self.cfg.ep})"
 
     def traffic(self):
-        sent, received = self.sync.bytes_sent, self.sync.bytes_received
-        if sent is None:
+        sent = (self.sync.bytes_sent, self.exchange.bytes_sent)
+        received = (self.sync.bytes_received, self.exchange.bytes_received)
+        if None in sent + received:
             return None, None
-        return sent + self.exchange.bytes_sent, received + self.exchange.bytes_received
+        return sum(sent), sum(received)
 
     def step(self, step):
+        """train.one_step's calls, in its order, plus the all-to-alls' fields (train.py
+        picks this engine, so this file cannot import from it)."""
         cfg, ctx, device, tracer = self.cfg, self.ctx, self.device, self.tracer
         alltoall_bytes, alltoall_s = self.exchange.bytes_sent, self.exchange.seconds
         t0 = now(device)
@@ -275,7 +279,8 @@ class ExpertParallel(StepEngine):
         return loss.item(), {
             "step_time_s": t3 - t0, "compute_time_s": (t1 - t0) - alltoall_s + (t3 - t2),
             "comm_time_s": (t2 - t1) + alltoall_s, "alltoall_time_s": alltoall_s,
-            "alltoall_bytes": self.exchange.bytes_sent - alltoall_bytes,
+            "alltoall_bytes": None if alltoall_bytes is None else
+            self.exchange.bytes_sent - alltoall_bytes,
             "dropped_fraction": sum(dropped) / len(dropped)}
 
     def parameters_npz(self):
