@@ -55,12 +55,14 @@ import time
 import torch
 import torch.nn as nn
 
+from allreduce.alltoall import bytes_sent, uses_bruck
+
 from .choices import ConfigError
 from .config import dp_size_of
 from .loop import StepEngine
 from .metrics import now
 from .models import count_parameters
-from .moe import MoE
+from .moe import MoE, expert_capacity
 from .sync import (AllReduceSync, GradientSync, broadcast_tensor, collective_for,
                    make_optimizer)
 from .trace import Tracer
@@ -76,6 +78,20 @@ def check(cfg, world_size):
     if cfg.moe_group and local % cfg.moe_group:
         raise ConfigError(f"--moe-group {cfg.moe_group} does not divide the local batch: "
                           f"global batch {cfg.global_batch} / dp({dp}) = {local} sequences")
+
+
+def alltoall_bytes_per_step(cfg, world_size):
+    """Bytes one rank sends in all-to-alls per step: 4 per MoE block (dispatch and
+    combine, forward and backward), each of the (E, G, C, d) float32 buffer, by
+    alltoall.py's schedule for that size.  cfg: a TrainConfig or its record (dict)."""
+    c = cfg if isinstance(cfg, dict) else cfg.as_dict()
+    ep, experts = c["ep"], c["experts"]
+    local = c["global_batch"] // world_size
+    per_group = c["moe_group"] or local
+    capacity = expert_capacity(per_group * c["seq_len"], experts, c["top_k"],
+                               c["capacity_factor"])
+    buffer = experts * (local // per_group) * capacity * c["d_model"] * 4
+    return 4 * c["layers"] * bytes_sent(buffer, ep, uses_bruck(buffer // ep, ep))
 
 
 class ExpertPlacement:

@@ -25,11 +25,10 @@ import numpy as np
 import pytest
 import torch
 
-from allreduce.alltoall import bytes_sent
 from conftest import check_ok, mpirun
 from strategies.choices import ConfigError
 from strategies.config import TrainConfig
-from strategies.expert_parallel import ExpertPlacement, check
+from strategies.expert_parallel import ExpertPlacement, alltoall_bytes_per_step, check
 from strategies.moe import MoE, expert_capacity, route
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -136,6 +135,23 @@ def test_config_errors(flags, world, message):
         check(TrainConfig(**flags), world)
 
 
+def test_capacity_figure_reads_the_records(tmp_path):
+    from experiments.moe_plots import capacity_runs, moe_capacity
+    records = []
+    for run, (top_k, factor, dropped) in enumerate([(1, 0.5, 0.5), (1, 1.0, 0.1), (2, 1.0, 0.0)]):
+        config = TrainConfig(**dict(MOE, ep=2, top_k=top_k, capacity_factor=factor,
+                                    global_batch=16)).as_dict()
+        records.append({"kind": "config", "run_id": run, **config, "world_size": 2})
+        sent = alltoall_bytes_per_step(config, 2)
+        records += [{"kind": "step", "run_id": run, "step": step, "rank": rank,
+                     "alltoall_bytes": sent, "dropped_fraction": dropped}
+                    for step in range(3) for rank in range(2)]
+    runs = capacity_runs(records)
+    assert [p[:2] for p in runs[1]] == [(0.5, 0.5), (1.0, 0.1)]
+    assert all(measured == formula for p in runs[1] + runs[2] for measured, formula in [p[2:]])
+    assert moe_capacity(records, tmp_path).endswith("moe_capacity.png")
+
+
 # ---- tier (c): P = 2 against one process ---------------------------------------------
 
 COMMON = ["--steps", "3", "--threads", "1", "--no-progress", "--model", "moe", "--experts", "4",
@@ -163,7 +179,8 @@ def launch(tmp_path, nprocs, runs):
     for name, _ in runs:
         records = [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")]
         out[name] = ([r for r in records if r["kind"] == "step"],
-                     dict(np.load(tmp_path / f"{name}.npz")))
+                     dict(np.load(tmp_path / f"{name}.npz")),
+                     next(r for r in records if r["kind"] == "config"))
     return out
 
 
@@ -176,8 +193,8 @@ def test_expert_parallel_reproduces_one_process(tmp_path):
         ("ep2_top2", TOP2 + ep2), ("ep2_top1", TOP1 + ep2),
         ("dp2_top2", TOP2 + ["--sync", "ring"]),
         ("replicas_top2", TOP2 + ["--sync", "tree", "--replicas"])])
-    for name, (records, params) in runs.items():
-        ref_records, ref_params = reference[name.split("_")[1]]
+    for name, (records, params, _) in runs.items():
+        ref_records, ref_params, _ = reference[name.split("_")[1]]
         ref_loss = [r["loss"] for r in ref_records]
         for rank in range(2):
             mine = [r for r in records if r["rank"] == rank]
@@ -187,13 +204,14 @@ def test_expert_parallel_reproduces_one_process(tmp_path):
         for key in ref_params:
             np.testing.assert_allclose(params[key], ref_params[key], rtol=RTOL, atol=ATOL,
                                        err_msg=f"{name}: {key}")
-    # the records count the all-to-alls: 2 forward + 2 backward per block, each of the
-    # (E, G = 1, C, d) float32 buffer, half of which leaves the rank at P = 2; plus the
-    # few bytes per call of the TOPOLAB_CHECK exchange that conftest switches on
-    for name, top_k, factor in (("ep2_top2", 2, 1.0), ("ep2_top1", 1, 0.5)):
-        buffer = 4 * 1 * expert_capacity(4 * 8, 4, top_k, factor) * 16 * 4
-        payload = 2 * 4 * bytes_sent(buffer, 2, bruck=False)
-        for r in runs[name][0]:
+    # the records count the all-to-alls as the formula does (expert_parallel.py), plus
+    # the few bytes per call of the TOPOLAB_CHECK exchange that conftest switches on
+    for name, capacity in (("ep2_top2", 16), ("ep2_top1", 4)):    # C of 32 tokens
+        records, _, config = runs[name]
+        payload = alltoall_bytes_per_step(config, 2)
+        # 2 blocks x 4 calls x half of the (E = 4, G = 1, C, d = 16) float32 buffer
+        assert payload == 2 * 4 * (4 * capacity * 16 * 4) // 2
+        for r in records:
             assert 0 <= r["alltoall_bytes"] - payload <= 8 * 128, (name, r["alltoall_bytes"])
-            assert r["alltoall_time_s"] > 0
+            assert r["alltoall_time_s"] > 0 and 0 <= r["dropped_fraction"] < 1
     assert all(r["alltoall_bytes"] == 0 for r in runs["replicas_top2"][0])
