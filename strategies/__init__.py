@@ -11,7 +11,8 @@ Read in this order:
     config.py      TrainConfig (frozen, validated) and the --key value command line
     context.py     RunContext: ranks, data-parallel communicator, servers (psrv decides), device
     data.py        synthetic teacher / Markov data, user .npz / text, global-batch sharding
-    models.py      MLP and a small GPT
+    models.py      MLP, a small GPT, and the GPT with mixture-of-experts MLPs
+    moe.py         the MoE layer: top-1/top-2 gating, expert capacity per group, balance loss
     buckets.py     flat gradient buckets, all-reduced during backward by a comm thread
     compress.py    none / fp16 / bf16 on the wire
     sync.py        the sync contract (GradientSync); local and the all-reduce backends
@@ -22,6 +23,7 @@ Read in this order:
     checkpoint.py  atomic checkpoints and --resume
     loop.py        the training loop, once, over a step engine
     train.py       the command line: preflight, the data-parallel engine
+    expert_parallel.py  --ep: experts split over ranks, tokens moved by all-to-alls
     bench.py       interleaved throughput benchmark
   the dp x pp x tp grid (train.py hands over with --dp/--pp/--tp/--zero):
     grid.py        ProcessGrid: arange(world).reshape(dp, pp, tp), a communicator per axis

@@ -52,7 +52,7 @@ class TrainConfig:
     threads: int = 0              # torch intra-op threads per rank; 0 = cores / ranks on host
     timeout: float = 60.0         # seconds any rank waits for a peer before giving up
     # model
-    model: str = "mlp"            # mlp or gpt
+    model: str = "mlp"            # mlp, gpt, or moe (the gpt with mixture-of-experts MLPs)
     width: int = 128              # mlp hidden width
     depth: int = 2                # mlp hidden layers
     layers: int = 2               # gpt blocks
@@ -60,6 +60,15 @@ class TrainConfig:
     heads: int = 4                # gpt attention heads (they divide --d-model)
     vocab: int = 32               # gpt, synthetic data (byte-level text always uses 256)
     seq_len: int = 32             # gpt tokens per sample
+    # mixture of experts (moe.py) and expert parallelism (expert_parallel.py)
+    experts: int = 4              # moe: experts per block
+    top_k: int = 2                # moe: experts per token, 1 (Switch) or 2 (GShard)
+    capacity_factor: float = 1.25  # moe: an expert takes ceil(factor * k * S / experts) of
+                                   # a group's S tokens; the rest pass by on the residual
+    moe_group: int = 0            # moe: sequences per gating group (capacity is per group);
+                                  # 0 = a data-parallel rank's local batch
+    balance_loss: float = 0.01    # moe: weight of Switch's load-balancing loss; 0 = none
+    ep: int = 1                   # expert-parallel ranks: each holds experts / EP experts
     # parallelism on a dp x pp x tp grid (grid.py, parallel.py, zero.py, ...)
     dp: int = 0                   # data-parallel size; 0 = what is left, world / (pp * tp)
     pp: int = 1                   # pipeline stages
@@ -134,10 +143,11 @@ class TrainConfig:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
         if not self.bucket_mb > 0:
             raise ConfigError(f"--bucket-mb must be > 0, got {self.bucket_mb}")
-        if self.model == "gpt" and self.d_model % self.heads:
+        if self.model in ("gpt", "moe") and self.d_model % self.heads:
             raise ConfigError(f"--d-model {self.d_model} is not divisible by --heads {self.heads}")
         if self.consistency == "bsp" and self.staleness:
             raise ConfigError("--staleness needs --consistency ssp (bsp waits for every worker)")
+        self.check_moe()
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir")
         if self.sequence_parallel and self.tp < 2:
@@ -156,6 +166,35 @@ class TrainConfig:
                               "(activations travel through the MPI transport, not NCCL)")
         if self.on_grid and self.checkpoint_dir:
             raise ConfigError("checkpoints are not supported with --dp/--pp/--tp/--zero yet")
+
+    def check_moe(self):
+        """The mixture-of-experts flags alone; expert_parallel.check adds the world's."""
+        if self.experts < 1 or self.top_k not in (1, 2) or self.top_k > self.experts:
+            raise ConfigError(f"--top-k {self.top_k} must be 1 or 2 and at most --experts "
+                              f"{self.experts} (>= 1)")
+        if not self.capacity_factor > 0 or self.moe_group < 0 or self.balance_loss < 0 \
+                or self.ep < 1:
+            raise ConfigError("--capacity-factor must be > 0, --moe-group and --balance-loss "
+                              ">= 0, --ep >= 1")
+        if self.model == "moe" and self.on_grid:
+            raise ConfigError("--model moe with --dp/--pp/--tp/--zero/--micro-batches is not "
+                              "supported: micro-batches would change the gating groups")
+        if self.ep == 1:
+            return
+        if self.model != "moe":
+            raise ConfigError(f"--ep {self.ep} splits the experts of --model moe, not of "
+                              f"--model {self.model}")
+        if self.experts % self.ep:
+            raise ConfigError(f"--experts {self.experts} is not divisible by ep({self.ep}): "
+                              f"{self.experts} % {self.ep} = {self.experts % self.ep}")
+        if self.sync not in ALLREDUCE_SYNCS or self.sync == "torch":
+            raise ConfigError(f"--ep {self.ep} needs an all-reduce --sync over MPI "
+                              f"(ring, tree, ...), not --sync {self.sync}")
+        for flag, unsupported in (("--checkpoint-dir", self.checkpoint_dir),
+                                  ("--straggler", self.straggler),
+                                  ("--device cuda", self.device != "cpu")):
+            if unsupported:
+                raise ConfigError(f"--ep {self.ep} with {flag} is not supported")
 
     @property
     def straggler_rank(self):

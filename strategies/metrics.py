@@ -9,6 +9,7 @@ run's `run_id`, so that several runs can share a file:
      "comm_time_s", "bytes_sent", "bytes_received", "peak_mem_mb", ...}   per rank
         plain loop: "staleness";  grid: "coords" [dp, pp, tp], "idle_time_s",
         "bubble_fraction", "peak_in_flight", "micro_batch_activation_bytes", "memory"
+        --ep: "alltoall_time_s", "alltoall_bytes" (sent by this rank), "dropped_fraction"
     {"kind": "summary", ...}
 The file is appended to, as every tool's --jsonl is.  With --resume the run goes on
 under the checkpoint's run id, and that run's step records at or after the

@@ -1,4 +1,5 @@
-"""The two models: an MLP whose size sets the compute/communication balance, and a small GPT.
+"""The models: an MLP whose size sets the compute/communication balance, a small GPT, and
+the GPT with a mixture of experts for each block's MLP (moe.py).
 
     model = build_model(cfg, spec)     # spec from data.py: input size, classes or vocabulary
     loss = model.criterion(model(x), y)   # mean over the batch (and tokens), a scalar
@@ -19,6 +20,8 @@ P ranks reproduce one process exactly.
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .moe import MoE
 
 
 class MLP(nn.Module):
@@ -92,12 +95,29 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+class MoEGPT(GPT):
+    """The GPT, each block's MLP a mixture of experts (moe.py); its loss adds every
+    block's load-balancing loss of the same forward."""
+
+    def __init__(self, vocab, seq_len, layers, d_model, heads, make_moe):
+        super().__init__(vocab, seq_len, layers, d_model, heads)
+        for block in self.blocks:
+            block.mlp = make_moe()
+
+    def criterion(self, logits, y):
+        return super().criterion(logits, y) + sum(b.mlp.balance_loss for b in self.blocks)
+
+
 def build_model(cfg, spec, device="cpu"):
     """The model of cfg, sized by the data's spec; every rank builds the same one
     from the same seed (and the sync broadcasts rank 0's anyway)."""
     torch.manual_seed(cfg.seed)
     if cfg.model == "mlp":
         model = MLP(spec.in_dim, cfg.width, cfg.depth, spec.out_dim, spec.task)
+    elif cfg.model == "moe":
+        model = MoEGPT(spec.vocab, cfg.seq_len, cfg.layers, cfg.d_model, cfg.heads,
+                       lambda: MoE(cfg.d_model, cfg.experts, cfg.top_k, cfg.capacity_factor,
+                                   cfg.moe_group, cfg.balance_loss))
     else:
         model = GPT(spec.vocab, cfg.seq_len, cfg.layers, cfg.d_model, cfg.heads)
     return model.to(device)

@@ -42,6 +42,7 @@ from .choices import ConfigError
 from .config import parse_args
 from .context import MPIControl, RunContext
 from .data import load_data
+from .expert_parallel import ExpertParallel, check as check_experts
 from .metrics import now
 from .models import build_model, count_parameters
 from .optimizer import DistributedOptimizer
@@ -67,6 +68,8 @@ def prepare(argv=None):
             state = checkpoint.read(cfg, ctx, model) if cfg.resume else None
             if cfg.on_grid:
                 check(cfg, ctx.world_size)     # layers, heads, micro-batches vs the grid
+            if cfg.model == "moe":
+                check_experts(cfg, ctx.world_size)   # experts, groups vs the world
     except ConfigError as e:
         problem = str(e)
     if ctx is not None:
@@ -156,7 +159,8 @@ def train(argv=None):
     if ctx.is_server:
         ctx.role.serve()                           # until every worker has closed
         return None
-    engine = (GridEngine if cfg.on_grid else DataParallel)(cfg, ctx, device, data, model)
+    engine = (GridEngine if cfg.on_grid else ExpertParallel if cfg.ep > 1 else DataParallel)(
+        cfg, ctx, device, data, model)
     return loop.run(cfg, ctx, device, data, engine, state, started)
 
 

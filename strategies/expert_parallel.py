@@ -1,0 +1,314 @@
+"""Expert parallelism: the E experts of every MoE block spread over EP ranks, tokens
+sent to their experts by an all-to-all and brought back by a second one.
+
+    mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.train --sync ring --model moe \\
+        --experts 4 --ep 2 --top-k 2 --capacity-factor 1.25 --jsonl ep.jsonl
+
+Lepikhin et al., "GShard: Scaling Giant Models with Conditional Computation and
+Automatic Sharding", ICLR 2021, section 3.2 (the dispatch/combine all-to-alls); Fedus,
+Zoph & Shazeer, "Switch Transformers", JMLR 2022, section 5 (expert and data
+parallelism together).  The layer itself (gate, capacity, groups) is moe.py's.
+
+Layout.  world = (world / EP) expert groups of EP consecutive ranks.  Inside an expert
+group rank i holds experts [i E/EP, (i+1) E/EP); every rank holds all the dense
+parameters (embeddings, attention, LayerNorms, gates, head) and reads its own B/world
+samples, as in plain data parallelism.  World 4, EP 2, E 4:
+
+                 expert group 0        expert group 1
+                 rank 0    rank 1      rank 2    rank 3
+    experts      e0 e1     e2 e3       e0 e1     e2 e3
+    dense        all       all         all       all
+    batch        B/4       B/4         B/4       B/4
+
+    all-to-all (tokens)         inside an expert group: {0, 1}, {2, 3}
+    expert gradients summed     over the replicas of an expert: {0, 2}, {1, 3}
+    dense gradients averaged    over the world: {0, 1, 2, 3}
+
+One MoE forward on rank i of an expert group (G groups of C tokens per expert; moe.py):
+
+    expert_in (E, G, C, d)   block j = the experts of rank j
+        | all-to-all #1 (dispatch): block j to rank j
+    (EP, E/EP, G, C, d)      our experts' tokens from every rank of the group
+        | our E/EP experts, each on its EP * G * C tokens
+        | all-to-all #2 (combine): block j back to rank j
+    expert_out (E, G, C, d)  as if every expert had run here
+
+The all-to-all is its own transpose (rank i's block j is rank j's block i), so the
+backward of each is again an all-to-all of the gradients (AllToAll below).
+
+Gradient averaging.  The loss is the mean over the global batch: L = (1/world) sum_r L_r.
+  dense parameter:  rank r's backward gives dL_r/dw, averaged over the world (the
+                    plain data-parallel all-reduce, sync.py's AllReduceSync);
+  expert e:         its backward runs on its holder, on the tokens of every rank of
+                    the expert group, so autograd already sums dL_r/dw_e over those EP
+                    ranks; summing over the world/EP replicas of e and dividing by
+                    world gives (1/world) sum over all r: the same mean.
+With EP = world there is one replica and the sum is complete on its own rank.
+
+Equivalence: capacity is decided per group of tokens (moe.py), by default one
+rank's local batch; the one-process reference with --moe-group set to that
+many sequences gates, drops and combines the same tokens, so the runs agree up
+to the order of float additions (tests/test_moe.py).
+"""
+import time
+
+import torch
+import torch.nn as nn
+
+from allreduce.alltoall import bytes_sent, uses_bruck
+
+from .choices import ConfigError
+from .config import dp_size_of
+from .loop import StepEngine
+from .metrics import now
+from .models import count_parameters
+from .moe import MoE, expert_capacity
+from .sync import (AllReduceSync, GradientSync, broadcast_tensor, collective_for,
+                   make_optimizer)
+from .trace import Tracer
+
+
+def check(cfg, world_size):
+    """The MoE flags against the world (ConfigError); TrainConfig checked the flags alone."""
+    dp = dp_size_of(cfg, world_size)
+    if world_size % cfg.ep:
+        raise ConfigError(f"world {world_size} is not a multiple of ep({cfg.ep}): "
+                          f"{world_size} % {cfg.ep} = {world_size % cfg.ep}")
+    local = cfg.global_batch // dp
+    if cfg.moe_group and local % cfg.moe_group:
+        raise ConfigError(f"--moe-group {cfg.moe_group} does not divide the local batch: "
+                          f"global batch {cfg.global_batch} / dp({dp}) = {local} sequences")
+
+
+def alltoall_bytes_per_step(cfg, world_size):
+    """Bytes one rank sends in all-to-alls per step: 4 per MoE block (dispatch and
+    combine, forward and backward), each of the (E, G, C, d) float32 buffer, by
+    alltoall.py's schedule for that size.  cfg: a TrainConfig or its record (dict)."""
+    c = cfg if isinstance(cfg, dict) else cfg.as_dict()
+    ep, experts = c["ep"], c["experts"]
+    local = c["global_batch"] // world_size
+    per_group = c["moe_group"] or local
+    capacity = expert_capacity(per_group * c["seq_len"], experts, c["top_k"],
+                               c["capacity_factor"])
+    buffer = experts * (local // per_group) * capacity * c["d_model"] * 4
+    return 4 * c["layers"] * bytes_sent(buffer, ep, uses_bruck(buffer // ep, ep))
+
+
+class ExpertPlacement:
+    """Who holds which experts (the docstring's table): pure arithmetic."""
+
+    def __init__(self, world_size, ep, experts, rank):
+        self.world_size, self.ep, self.experts, self.rank = world_size, ep, experts, rank
+        self.group = rank // ep                  # which expert group
+        self.ep_rank = rank % ep                 # place inside it
+        self.replicas = world_size // ep         # copies of each expert
+        self.per_rank = experts // ep
+
+    def experts_of(self, ep_rank):
+        return range(ep_rank * self.per_rank, (ep_rank + 1) * self.per_rank)
+
+    @property
+    def local_experts(self):
+        return self.experts_of(self.ep_rank)
+
+
+class AllToAll(torch.autograd.Function):
+    """y = all-to-all(x) over the expert group; backward: all-to-all of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, exchange, what):
+        ctx.exchange, ctx.what = exchange, what
+        return exchange.alltoall(x, what).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.exchange.alltoall(grad, ctx.what + " backward").view(grad.shape), None, None
+
+
+class AllToAllExperts:
+    """Step 6 of moe.py over an expert group: dispatch, our experts, combine.  Counts
+    the all-to-alls' bytes and seconds for the step records."""
+
+    def __init__(self, coll, placement, tracer=None):
+        self.coll, self.placement, self.tracer = coll, placement, tracer
+        self.seconds = 0.0
+
+    # None where MPI's own all-to-all (--sync mpi) moves the bytes out of our sight
+    @property
+    def bytes_sent(self):
+        return self.coll.transport.bytes_sent if self.coll.counts_traffic else None
+
+    @property
+    def bytes_received(self):
+        return self.coll.transport.bytes_received if self.coll.counts_traffic else None
+
+    def alltoall(self, x, what):
+        start = time.perf_counter()
+        out = self.coll.alltoall(x.contiguous())
+        end = time.perf_counter()
+        self.seconds += end - start
+        if self.tracer:
+            self.tracer.add(f"all-to-all {what}", "comm", start, end)
+        return out
+
+    def __call__(self, experts, expert_in):
+        E, G, C, d = expert_in.shape
+        ep, mine = self.placement.ep, self.placement.per_rank
+        # 1. dispatch: rank j gets the tokens of its experts from every rank of the group
+        received = AllToAll.apply(expert_in, self, "dispatch").view(ep, mine, G, C, d)
+        # 2. each of our experts on its tokens from every rank: (mine, ep * G * C, d)
+        tokens = received.transpose(0, 1).reshape(mine, ep * G * C, d)
+        out = torch.stack([expert(tokens[i]) for i, expert in enumerate(experts.values())])
+        # 3. combine: every rank's outputs back to it, in the order it sent them
+        out = out.reshape(mine, ep, G, C, d).transpose(0, 1)
+        return AllToAll.apply(out, self, "combine").view(E, G, C, d)
+
+
+def shard_experts(model, placement, exchange):
+    """Keep this rank's experts in every MoE block and route them through `exchange`;
+    returns the parameters of the kept experts."""
+    kept = {str(e) for e in placement.local_experts}
+    params = []
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        moe.experts = nn.ModuleDict({k: v for k, v in moe.experts.items() if k in kept})
+        moe.exchange = exchange
+        params += list(moe.experts.parameters())
+    return params
+
+
+class ExpertParallelSync(GradientSync):
+    """The sync contract for expert parallelism: the dense parameters through the plain
+    all-reduce sync over the world, the experts' gradients summed over their replicas
+    and divided by the world (the docstring's averaging)."""
+
+    def __init__(self, cfg, ctx, device, expert_params, replica_coll=None):
+        super().__init__(cfg, ctx, device)
+        self.name = cfg.sync
+        self.dense = AllReduceSync(cfg, ctx, device)
+        self.expert_params, self.replica_coll = expert_params, replica_coll
+
+    def setup(self, model):
+        super().setup(model)
+        experts = {id(p) for p in self.expert_params}
+        # a ParameterList shares the model's tensors: the dense sync sees only these
+        self.dense.setup(nn.ParameterList([p for p in model.parameters()
+                                           if id(p) not in experts]))
+        if self.replica_coll:              # every replica starts from the first group's
+            with torch.no_grad():
+                for p in self.expert_params:
+                    broadcast_tensor(self.replica_coll, p.data)
+
+    def before_backward(self):
+        self.dense.before_backward()
+        for p in self.expert_params:
+            p.grad = None
+
+    def synchronize(self, step):
+        self.dense.synchronize(step)
+        grads = [p.grad for p in self.expert_params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.replica_coll:
+            self.replica_coll.allreduce(flat, op="sum")
+        flat /= self.ctx.world_size
+        at = 0
+        for g in grads:
+            g.copy_(flat[at:at + g.numel()].view_as(g))
+            at += g.numel()
+
+    @property
+    def bytes_sent(self):
+        extra = self.replica_coll.transport.bytes_sent if self.replica_coll else 0
+        return None if self.dense.bytes_sent is None else self.dense.bytes_sent + extra
+
+    @property
+    def bytes_received(self):
+        extra = self.replica_coll.transport.bytes_received if self.replica_coll else 0
+        return None if self.dense.bytes_received is None else self.dense.bytes_received + extra
+
+    def close(self):
+        self.dense.close()
+
+
+class ExpertParallel(StepEngine):
+    """The step engine of --ep (loop.py's interface): data parallel for the dense
+    parameters, experts split over each expert group."""
+
+    def __init__(self, cfg, ctx, device, data, model):
+        self.cfg, self.ctx, self.device, self.data, self.model = cfg, ctx, device, data, model
+        self.parameters = count_parameters(model)          # the whole model, every expert
+        self.placement = ExpertPlacement(ctx.world_size, cfg.ep, cfg.experts, ctx.rank)
+        lay = self.placement
+        # new communicators: the all-to-alls never meet the dense buckets' comm thread
+        group_comm = ctx.comm.Split(lay.group, ctx.rank)           # {0, 1}, {2, 3}
+        self.tracer = Tracer(ctx.rank) if cfg.trace else None
+        self.exchange = AllToAllExperts(collective_for(cfg.sync, cfg, group_comm), lay,
+                                        self.tracer)
+        self.expert_params = shard_experts(model, lay, self.exchange)
+        replica_coll = None
+        if lay.replicas > 1:                                       # {0, 2}, {1, 3}
+            replica_coll = collective_for(cfg.sync, cfg, ctx.comm.Split(lay.ep_rank, ctx.rank))
+        self.sync = ExpertParallelSync(cfg, ctx, device, self.expert_params, replica_coll)
+        self.sync.setup(model)
+        self.optimizer = make_optimizer(cfg, model.parameters())
+        self.layout = {"world_size": ctx.world_size, "dp_size": ctx.dp_size, "pp_size": 1,
+                       "tp_size": 1, "ep_size": cfg.ep}
+
+    def describe(self):
+        lay = self.placement
+        return f", ep {lay.ep}: experts {lay.per_rank} of {lay.experts} per rank, " \
+               f"{lay.replicas} replica(s) each"
+
+    def trace_label(self, rank):
+        return f"rank {rank} (expert group {rank // self.cfg.ep}, ep {rank % self.cfg.ep})"
+
+    def traffic(self):
+        sent = (self.sync.bytes_sent, self.exchange.bytes_sent)
+        received = (self.sync.bytes_received, self.exchange.bytes_received)
+        if None in sent + received:
+            return None, None
+        return sum(sent), sum(received)
+
+    def step(self, step):
+        """train.one_step's calls, in its order, plus the all-to-alls' fields (train.py
+        picks this engine, so this file cannot import from it)."""
+        cfg, ctx, device, tracer = self.cfg, self.ctx, self.device, self.tracer
+        alltoall_bytes, alltoall_s = self.exchange.bytes_sent, self.exchange.seconds
+        t0 = now(device)
+        x, y = self.data.batch(step, ctx.dp_rank, ctx.dp_size, cfg.global_batch, device)
+        self.sync.before_backward()
+        loss = self.model.criterion(self.model(x), y)     # two all-to-alls per MoE block
+        t_forward = now(device)
+        loss.backward()                                    # and two more in backward
+        t1 = now(device)
+        self.sync.synchronize(step)
+        t2 = now(device)
+        self.sync.step(self.optimizer)
+        t3 = now(device)
+        if tracer:
+            tracer.add(f"forward {step}", "forward", t0, t_forward)
+            tracer.add(f"backward {step}", "backward", t_forward, t1)
+            tracer.add(f"wait for gradients {step}", "comm", t1, t2)
+            tracer.add(f"optimizer {step}", "optimizer", t2, t3)
+        # the all-to-alls block the forward and backward: exposed communication
+        alltoall_s = self.exchange.seconds - alltoall_s
+        dropped = [m.dropped_fraction for m in self.model.modules() if isinstance(m, MoE)]
+        return loss.item(), {
+            "step_time_s": t3 - t0, "compute_time_s": (t1 - t0) - alltoall_s + (t3 - t2),
+            "comm_time_s": (t2 - t1) + alltoall_s, "alltoall_time_s": alltoall_s,
+            "alltoall_bytes": None if alltoall_bytes is None else
+            self.exchange.bytes_sent - alltoall_bytes,
+            "dropped_fraction": sum(dropped) / len(dropped)}
+
+    def parameters_npz(self):
+        """The whole model on world rank 0 (collective): the dense parameters of rank 0,
+        the experts of the first expert group's ranks."""
+        experts = {id(p) for p in self.expert_params}
+        mine = {n: p.detach().cpu().numpy() for n, p in self.model.named_parameters()
+                if (self.ctx.rank == 0 if id(p) not in experts else self.placement.group == 0)}
+        gathered = self.ctx.comm.gather(mine, root=0)
+        return {n: a for part in gathered for n, a in part.items()} if self.ctx.rank == 0 \
+            else {}
+
+
+if __name__ == "__main__":
+    raise SystemExit("run expert parallelism through `python -m strategies.train --ep N ...`")

@@ -1,0 +1,217 @@
+"""Mixture of experts (strategies/moe.py) and expert parallelism (strategies/expert_parallel.py).
+
+Tier (a), no processes: GShard's gating on hand-made logits (the docstring's table;
+second choices queue behind every first choice), the MoE layer against a
+token-by-token loop written independently of the einsums, the expert placement,
+and the ConfigErrors.
+
+Tier (c), one mpiexec launch at P = 2 against one at P = 1: expert parallelism
+(--ep 2, top-2 and top-1 with tokens dropped), plain data parallelism of the MoE
+model (--ep 1), and the expert-parallel engine at ep 1, where each expert has two
+replicas whose gradients go through the replica all-reduce.  Each must train the
+same model as `--sync local --moe-group 4` on one process: capacity is per
+group of 4 sequences, one rank's local batch, so the same tokens are dropped.
+
+Tolerance: rtol = 1e-5, atol = 1e-6, as for the other workers (test_parallel_runs.py):
+only the order of float additions changes (the dp average of partial means, an
+expert's gradient summed over the ranks' tokens, the experts' matmuls over a
+different number of rows).  Measured differences after 3 steps are ~1e-7; a token
+sent to the wrong expert or a gradient averaged over the wrong ranks moves values
+by O(lr * grad) ~ 1e-3.
+"""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import check_ok, mpirun
+from strategies.choices import ConfigError
+from strategies.config import TrainConfig
+from strategies.expert_parallel import ExpertPlacement, alltoall_bytes_per_step, check
+from strategies.moe import MoE, expert_capacity, route
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+# ---- tier (a): gating, the layer, placement, flags ----------------------------------
+
+def logits_for(choices, E):
+    """Logits whose softmax ranks the experts of each token as `choices` lists them."""
+    logits = torch.zeros(1, len(choices), E)
+    for s, ranking in enumerate(choices):
+        for place, e in enumerate(ranking):
+            logits[0, s, e] = 3.0 - place
+    return logits
+
+
+def test_route_drops_tokens_over_capacity_as_the_docstring_table():
+    first = [0, 2, 0, 0, 1, 2]
+    dispatch, combine, _ = route(logits_for([[e] for e in first], 3), top_k=1, capacity=2)
+    kept = dispatch.sum(dim=(2, 3))[0]
+    assert kept.tolist() == [1, 1, 1, 0, 1, 1]          # t3: expert 0 is full
+    positions = dispatch[0].sum(dim=1).argmax(dim=-1)   # (S,): the slot of each kept token
+    assert [positions[s].item() for s in (0, 1, 2, 4, 5)] == [0, 0, 1, 0, 1]
+    # top-1: the output is scaled by the probability of the chosen expert
+    probs = torch.softmax(logits_for([[e] for e in first], 3), -1)[0]
+    assert torch.allclose(combine[0].sum(dim=(1, 2)),
+                          probs[torch.arange(6), first] * kept)
+
+
+def test_route_second_choices_queue_behind_every_first_choice():
+    # tokens 0, 1 prefer expert 0 then 1; tokens 2, 3 prefer expert 1 then 0; C = 3
+    dispatch, combine, _ = route(logits_for([[0, 1], [0, 1], [1, 0], [1, 0]], 2), 2, 3)
+    d = dispatch[0]                                       # (S, E, C)
+    assert d[:, 0].sum(dim=-1).tolist() == [1, 1, 1, 0]   # expert 0: t0 t1, then t2's 2nd
+    assert d[:, 1].sum(dim=-1).tolist() == [1, 0, 1, 1]   # expert 1: t2 t3, then t0's 2nd
+    assert d[2, 0, 2] == 1 and d[0, 1, 2] == 1            # second choices at position 2
+    # GShard's gates: the two chosen probabilities normalised to sum to one
+    assert torch.allclose(combine[0, 0].sum(), torch.tensor(1.0))
+    assert combine[0, 1].sum() < 1                        # t1 lost its second expert
+
+
+def test_capacity_formula():
+    assert expert_capacity(32, 4, 2, 1.25) == 20          # ceil(1.25 * 2 * 32 / 4)
+    assert expert_capacity(32, 4, 1, 0.5) == 4
+    assert expert_capacity(4, 2, 2, 10.0) == 4            # never more than the group
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_moe_layer_equals_a_token_by_token_loop(top_k):
+    torch.manual_seed(0)
+    E, d, group = 4, 8, 2
+    moe = MoE(d, E, top_k, capacity_factor=0.6, group_size=group, balance_coef=0.0)
+    x = torch.randn(4, 3, d)
+    with torch.no_grad():
+        y = moe(x)
+        expected = torch.zeros_like(x)
+        tokens = x.reshape(-1, group * 3, d)              # the groups, tokens in order
+        C = expert_capacity(group * 3, E, top_k, 0.6)
+        out = expected.view(-1, group * 3, d)
+        dropped = 0
+        for g, xs in enumerate(tokens):
+            probs = torch.softmax(moe.gate(xs), -1)
+            ranked = probs.argsort(dim=-1, descending=True)[:, :top_k]
+            chosen = probs.gather(1, ranked)
+            gates = chosen if top_k == 1 else chosen / chosen.sum(-1, keepdim=True)
+            load = [0] * E
+            for k in range(top_k):                        # every first choice first
+                for s in range(len(xs)):
+                    e = ranked[s, k].item()
+                    if load[e] == C:
+                        dropped += 1
+                        continue
+                    load[e] += 1
+                    out[g, s] += gates[s, k] * moe.experts[str(e)](xs[s])
+    assert dropped > 0                                    # the capacity did bite
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_expert_placement():
+    placed = [ExpertPlacement(4, 2, 8, r) for r in range(4)]
+    assert [list(p.local_experts) for p in placed] == [[0, 1, 2, 3], [4, 5, 6, 7]] * 2
+    assert [(p.group, p.ep_rank) for p in placed] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert placed[0].replicas == 2
+
+
+MOE = dict(model="moe", sync="ring", experts=4)
+
+
+@pytest.mark.parametrize("flags, world, message", [
+    (dict(MOE, ep=3), 3, "--experts 4 is not divisible by ep(3)"),
+    (dict(MOE, ep=2, sync="local"), 1, "needs an all-reduce --sync"),
+    (dict(MOE, ep=2, sync="ps"), 3, "not --sync ps"),
+    (dict(MOE, ep=2, sync="torch"), 2, "not --sync torch"),
+    (dict(MOE, ep=2, model="gpt"), 2, "not of --model gpt"),
+    (dict(MOE, ep=2, checkpoint_dir="ckpt"), 2, "--ep 2 with --checkpoint-dir"),
+    (dict(MOE, tp=2), 2, "--model moe with --dp/--pp/--tp"),
+    (dict(MOE, top_k=3), 2, "--top-k 3 must be 1 or 2"),
+    (dict(MOE, capacity_factor=0.0), 2, "--capacity-factor must be > 0"),
+    (dict(MOE, ep=2, global_batch=6), 3, "world 3 is not a multiple of ep(2)"),
+    (dict(MOE, moe_group=3, global_batch=8), 2, "--moe-group 3 does not divide"),
+])
+def test_config_errors(flags, world, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check(TrainConfig(**flags), world)
+
+
+def test_capacity_figure_reads_the_records(tmp_path):
+    from experiments.moe_plots import capacity_runs, moe_capacity
+    records = []
+    for run, (top_k, factor, dropped) in enumerate([(1, 0.5, 0.5), (1, 1.0, 0.1), (2, 1.0, 0.0)]):
+        config = TrainConfig(**dict(MOE, ep=2, top_k=top_k, capacity_factor=factor,
+                                    global_batch=16)).as_dict()
+        records.append({"kind": "config", "run_id": run, **config, "world_size": 2})
+        sent = alltoall_bytes_per_step(config, 2)
+        records += [{"kind": "step", "run_id": run, "step": step, "rank": rank,
+                     "alltoall_bytes": sent, "dropped_fraction": dropped}
+                    for step in range(3) for rank in range(2)]
+    runs = capacity_runs(records)
+    assert [p[:2] for p in runs[1]] == [(0.5, 0.5), (1.0, 0.1)]
+    assert all(measured == formula for p in runs[1] + runs[2] for measured, formula in [p[2:]])
+    assert moe_capacity(records, tmp_path).endswith("moe_capacity.png")
+
+
+# ---- tier (c): P = 2 against one process ---------------------------------------------
+
+COMMON = ["--steps", "3", "--threads", "1", "--no-progress", "--model", "moe", "--experts", "4",
+          "--layers", "2", "--d-model", "16", "--heads", "2", "--vocab", "12", "--seq-len", "8",
+          "--dataset-size", "120", "--global-batch", "8", "--lr", "0.05", "--momentum", "0.9"]
+TOP2 = ["--top-k", "2", "--capacity-factor", "1.0"]
+TOP1 = ["--top-k", "1", "--capacity-factor", "0.5"]       # 4 of 32 tokens per expert
+# One launch trains every run in turn (torch's import costs more than these runs).
+# "--replicas" runs the expert-parallel engine at ep 1: all experts on each rank,
+# two replicas of each, their gradients through the replica all-reduce.
+SCRIPT = ["-c", "import json, sys\nimport strategies.train as train\n"
+                "from strategies.expert_parallel import ExpertParallel\n"
+                "plain = train.DataParallel\n"
+                "for argv in json.loads(sys.argv[1]):\n"
+                "    train.DataParallel = ExpertParallel if '--replicas' in argv else plain\n"
+                "    train.main([a for a in argv if a != '--replicas'])\n"]
+
+
+def launch(tmp_path, nprocs, runs):
+    argvs = [COMMON + flags + ["--jsonl", str(tmp_path / f"{name}.jsonl"),
+                               "--params-out", str(tmp_path / f"{name}.npz")]
+             for name, flags in runs]
+    check_ok(mpirun(nprocs, SCRIPT + [json.dumps(argvs)], timeout=300))
+    out = {}
+    for name, _ in runs:
+        records = [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")]
+        out[name] = ([r for r in records if r["kind"] == "step"],
+                     dict(np.load(tmp_path / f"{name}.npz")),
+                     next(r for r in records if r["kind"] == "config"))
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_expert_parallel_reproduces_one_process(tmp_path):
+    local = ["--sync", "local", "--moe-group", "4"]
+    reference = launch(tmp_path, 1, [("top2", TOP2 + local), ("top1", TOP1 + local)])
+    ep2 = ["--sync", "ring", "--ep", "2"]
+    runs = launch(tmp_path, 2, [
+        ("ep2_top2", TOP2 + ep2), ("ep2_top1", TOP1 + ep2),
+        ("dp2_top2", TOP2 + ["--sync", "ring"]),
+        ("replicas_top2", TOP2 + ["--sync", "tree", "--replicas"])])
+    for name, (records, params, _) in runs.items():
+        ref_records, ref_params, _ = reference[name.split("_")[1]]
+        ref_loss = [r["loss"] for r in ref_records]
+        for rank in range(2):
+            mine = [r for r in records if r["rank"] == rank]
+            np.testing.assert_allclose([r["loss"] for r in mine], ref_loss, rtol=RTOL,
+                                       atol=ATOL, err_msg=name)
+        assert sorted(params) == sorted(ref_params), name
+        for key in ref_params:
+            np.testing.assert_allclose(params[key], ref_params[key], rtol=RTOL, atol=ATOL,
+                                       err_msg=f"{name}: {key}")
+    # the records count the all-to-alls as the formula does (expert_parallel.py), plus
+    # the few bytes per call of the TOPOLAB_CHECK exchange that conftest switches on
+    for name, capacity in (("ep2_top2", 16), ("ep2_top1", 4)):    # C of 32 tokens
+        records, _, config = runs[name]
+        payload = alltoall_bytes_per_step(config, 2)
+        # 2 blocks x 4 calls x half of the (E = 4, G = 1, C, d = 16) float32 buffer
+        assert payload == 2 * 4 * (4 * capacity * 16 * 4) // 2
+        for r in records:
+            assert 0 <= r["alltoall_bytes"] - payload <= 8 * 128, (name, r["alltoall_bytes"])
+            assert r["alltoall_time_s"] > 0 and 0 <= r["dropped_fraction"] < 1
+    assert all(r["alltoall_bytes"] == 0 for r in runs["replicas_top2"][0])
