@@ -29,9 +29,9 @@ micro-batch on chunk v - 1 - that.  Rank s runs
 Hence m must be a multiple of p.  Step table for p = 2, v = 2, m = 4 (F2.1 =
 forward of micro-batch 2 on chunk 1; every op one slot of a chunk's time, sends free):
 
-    slot:   1    2    3    4    5    6    7    8    9    10   11   12   13   14   15   16   17   18
-    rank 0: F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 .    B2.1 .    B3.1 B2.0 B3.0
-    rank 1: .    F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0 .
+  slot:   1    2    3    4    5    6    7    8    9    10   11   12   13   14   15   16   17   18
+  rank 0: F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 .    B2.1 .    B3.1 B2.0 B3.0
+  rank 1: .    F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0 .
 
 Each rank idles 2 slots of 18: (p - 1) / (v m + p - 1) = 1/9 (bubble.py).  1F1B with
 whole stages (2 slots an op) needs (m + p - 1) x 2 x 2 = 20 slots, idle 4: 1/5.
