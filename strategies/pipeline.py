@@ -23,6 +23,10 @@ backward take the same time on every stage (GPipe paper, section 2.2), but
 GPipe keeps all m micro-batches' activations alive on stage 0 at the end of
 the forwards, 1F1B at most p: why 1F1B is the default in Megatron-LM.
 
+A third schedule, interleaved 1F1B (interleaved.py), gives each rank v chunks of
+layers and keeps this class's messages: Pipeline takes a list of chunks, and a
+message's tag names its sending global stage (chunk x stages + stage).
+
 Every micro-batch's loss is scaled by its share of the local batch, so the
 accumulated gradient is the gradient of the mean over the whole batch, as on
 one process.
