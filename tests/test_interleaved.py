@@ -6,9 +6,10 @@ op times, free messages) finishes on every rank, never deadlocks, respects every
 dependency, and leaves bubble.py's (p-1)/(v m+p-1) idle; the docstring's step table
 is that simulation's; the chunk cut covers the model once; the flags' ConfigErrors.
 
-(c) mpiexec: --pp 2 --virtual-stages 2 --micro-batches 4 (GPT and MLP), and dp 2 x
-pp 2 and pp 2 x tp 2 on four ranks, end allclose to one process after 3 steps with
-tests/test_parallel_runs.py's tolerance, rtol = 1e-5, atol = 1e-6: the split only
+(c) mpiexec: --pp 2 --virtual-stages 2 --micro-batches 4 (GPT and MLP), and on four
+ranks dp 2 x pp 2 with ZeRO-3 and pp 2 x tp 2 sequence-parallel with ZeRO-1, end
+allclose to one process after 3 steps with tests/test_parallel_runs.py's
+tolerance, rtol = 1e-5, atol = 1e-6: the split only
 reorders float additions (the micro-batch gradients' sum), a few ulps; a chunk on
 the wrong rank or a micro-batch counted twice moves values by ~1e-3.
 """
@@ -187,12 +188,13 @@ def test_two_ranks_reproduce_one_process(tmp_path, reference):
 
 
 @pytest.mark.timeout(300)
-def test_four_ranks_with_dp_and_tp_reproduce_one_process(tmp_path, reference):
+def test_four_ranks_with_dp_tp_and_zero_reproduce_one_process(tmp_path, reference):
     runs = launch(tmp_path, 4, [
-        ("dp2", GPT4 + INTERLEAVED + ["--dp", "2", "--micro-batches", "2"]),
-        ("tp2", GPT4 + INTERLEAVED + ["--tp", "2", "--micro-batches", "2", "--zero", "1"])],
+        ("dp2_zero3", GPT4 + INTERLEAVED + ["--dp", "2", "--zero", "3", "--micro-batches", "2"]),
+        ("tp2_sp_zero1", GPT4 + INTERLEAVED + ["--tp", "2", "--sequence-parallel", "--zero", "1",
+                                               "--micro-batches", "2"])],
         timeout=250)
-    for name in ("dp2", "tp2"):
+    for name in ("dp2_zero3", "tp2_sp_zero1"):
         assert_same_run(runs[name], reference["gpt"], 4)
 
 
