@@ -80,7 +80,7 @@ class TrainConfig:
     schedule: str = "1f1b"        # pipeline schedule: gpipe, 1f1b or interleaved (needs
                                   # --virtual-stages >= 2)
     virtual_stages: int = 1       # interleaved: model chunks per pipeline rank (Narayanan
-                                  # et al. 2021); the model is cut into pp x this stages
+                                  # et al. 2021); the model is cut into pp x v stages
     trace: str = ""               # write a Chrome trace (Perfetto) of every rank's steps to FILE
     # emulation (experiments): a slower network, a slow rank
     link_latency_us: float = 0.0  # per message, on the textbook all-reduce backends' links
