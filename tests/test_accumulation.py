@@ -10,6 +10,7 @@ left out, a missing 1/k).
 Communication once per step: the sync's comm_rounds (bucket all-reduces, or server
 round trips) in each step record must be the unaccumulated run's, not k times it.
 """
+import contextlib
 import json
 
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from conftest import check_ok, mpirun
+import strategies
 from strategies.accumulation import accumulate
 from strategies.buckets import GradBuckets
 from strategies.choices import ConfigError
@@ -104,6 +106,30 @@ def test_a_second_backward_outside_no_sync_is_still_refused():
     with pytest.raises(RuntimeError, match="second backward"):
         model.criterion(model(x), y).backward()
     sync.buckets.close()
+
+
+def test_distributed_optimizer_no_sync_in_a_users_loop():
+    """The DDP / Horovod pattern of the optimizer's docstring, ring over one rank."""
+    from mpi4py import MPI
+
+    def run(k):
+        model = mlp()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        with strategies.DistributedOptimizer(sgd, model, sync="ring", comm=MPI.COMM_SELF) as opt:
+            for step in range(STEPS):
+                x, y = batch(step)
+                opt.zero_grad()
+                for i, (xi, yi) in enumerate(zip(x.chunk(k), y.chunk(k))):
+                    with opt.no_sync() if i < k - 1 else contextlib.nullcontext():
+                        (model.criterion(model(xi), yi) / k).backward()
+                opt.step()
+            return [p.detach().clone() for p in model.parameters()], opt.sync.comm_rounds
+
+    ref_params, ref_rounds = run(1)
+    params, rounds = run(4)
+    assert rounds == ref_rounds == STEPS           # one 25 MB bucket, once a step
+    for a, b in zip(params, ref_params):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("flags,world,message", [
