@@ -9,6 +9,8 @@ Memory: the bytes autograd saves for backward (memory.ActivationMeter) must drop
 the blocks' inputs plus what lies outside the blocks, and must still count those
 inputs (the checkpoint keeps them by reference, recompute.py shows them to the meter).
 """
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -114,3 +116,21 @@ def test_the_trace_shows_each_replay_inside_backward():
 def test_unsupported_combinations_are_named(flags, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig(**flags)
+
+
+def test_the_gantt_draws_the_recompute_spans(tmp_path):
+    from experiments.recompute_gantt import last_step, recompute_gantt
+
+    def span(name, cat, ts, dur):
+        return {"name": name, "cat": cat, "ph": "X", "pid": 0, "ts": ts, "dur": dur}
+    plain = [span("forward 0", "forward", 0, 10), span("backward 0", "backward", 10, 20),
+             span("forward 1", "forward", 40, 10), span("backward 1", "backward", 50, 20)]
+    recomputed = plain[:2] + [span("forward 1.0", "forward", 40, 10),
+                              span("backward 1.0", "backward", 50, 30),
+                              span("recompute block 0", "recompute", 55, 8)]
+    assert [e["name"] for e in last_step(recomputed)] == \
+        ["forward 1.0", "backward 1.0", "recompute block 0"]
+    path = recompute_gantt({"plain": plain, "--recompute": recomputed}, str(tmp_path))
+    assert path.endswith("recompute_gantt.png")
+    data = json.load(open(tmp_path / "recompute_gantt.json"))
+    assert data                                    # the numbers the figure draws
