@@ -30,9 +30,9 @@ arrived, so a second backward before `wait` would add into buffers the thread
 may be sending; the hook refuses it.  Except inside `accumulating()` (DDP's
 no_sync, used by accumulation.py): there the hooks hand nothing over and
 autograd adds each micro-batch's gradients into .grad; the backward after it
-sends the sum, one all-reduce per bucket for the whole step.  `wait` re-arms the buckets, so the next
-backward works whoever cleared the gradients (a user loop may call
-model.zero_grad() or not clear them at all).
+sends the sum, one all-reduce per bucket for the whole step.  `wait` re-arms
+the buckets, so the next backward works whoever cleared the gradients (a user
+loop may call model.zero_grad() or not clear them at all).
 """
 import os
 import queue

@@ -40,6 +40,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .choices import ConfigError
 from .memory import ActivationMeter
 from .models import GPT, MLP
 
@@ -76,7 +77,7 @@ class Recompute:
         elif type(model) is MLP:
             self._wrap_mlp(model)
         else:
-            raise TypeError(f"--recompute knows the blocks of mlp and gpt, not of "
+            raise ConfigError(f"--recompute knows the blocks of mlp and gpt, not of "
                             f"{type(model).__name__}")
 
     def _wrap(self, module, name):
