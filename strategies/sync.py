@@ -128,7 +128,7 @@ class GradientSync:
     Read-only figures: name, bytes_sent and bytes_received (this rank's traffic so far;
     None where a library's traffic is not observable), staleness (ps: how many steps old
     the parameters of the last step were; None elsewhere), start_step, comm_rounds
-    (the collectives or server round trips this rank has issued so far).
+    (the collectives or server round trips this rank has made so far).
     """
     name = "?"
     staleness = None
