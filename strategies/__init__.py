@@ -18,6 +18,8 @@ Read in this order:
     sync.py        the sync contract (GradientSync); local and the all-reduce backends
     ps_sync.py     parameter servers, and hybrid (all-reduce in a node, servers between)
     optimizer.py   DistributedOptimizer: builds every sync, for a loop of the user's own
+    accumulation.py  --grad-accum: k micro-steps, communication once (sync.no_sync)
+    recompute.py   --recompute: each block's forward re-run in backward (checkpointing)
     example_user_model.py  a complete run of it on a small CNN of its own
     metrics.py     JSON Lines records, progress bar, summary
     checkpoint.py  atomic checkpoints and --resume

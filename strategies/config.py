@@ -94,6 +94,10 @@ class TrainConfig:
     # optimisation
     steps: int = 100              # training steps (a resumed run ends at the same one)
     global_batch: int = 64        # samples per step, split evenly across the data-parallel ranks
+    grad_accum: int = 1           # micro-steps per step: each rank's batch in K parts, their
+                                  # gradients added up, communicated once (accumulation.py)
+    recompute: bool = False       # keep only each block's input; re-run its forward in
+                                  # backward (activation checkpointing, recompute.py)
     lr: float = 0.05              # learning rate
     optimizer: str = "sgd"        # sgd or adam (torch's; under ps the servers run it)
     momentum: float = 0.0         # sgd momentum
@@ -124,7 +128,7 @@ class TrainConfig:
         choose("zero", ZERO_STAGES)
         for field in ("steps", "global_batch", "width", "depth", "layers", "d_model", "heads",
                       "vocab", "seq_len", "in_dim", "classes", "dataset_size", "servers",
-                      "pp", "tp", "micro_batches", "virtual_stages"):
+                      "pp", "tp", "micro_batches", "virtual_stages", "grad_accum"):
             if getattr(self, field) < 1:
                 raise ConfigError(f"--{field.replace('_', '-')} must be >= 1, "
                                   f"got {getattr(self, field)}")
@@ -165,6 +169,13 @@ class TrainConfig:
             what = f"--zero {self.zero}" if self.zero else "--dp/--pp/--tp/--micro-batches"
             raise ConfigError(f"{what} needs an all-reduce --sync ({', '.join(ALLREDUCE_SYNCS)}),"
                               f" not --sync {self.sync}: the grid's axes talk through collectives")
+        if self.on_grid and self.grad_accum > 1:
+            raise ConfigError(f"--grad-accum {self.grad_accum} with --dp/--pp/--tp/--zero/"
+                              f"--micro-batches: the grid accumulates over its micro-batches "
+                              f"already; use --micro-batches {self.grad_accum}")
+        if self.on_grid and self.recompute:
+            raise ConfigError("--recompute with --dp/--pp/--tp/--zero/--micro-batches is not "
+                              "supported yet: it wraps the whole model's blocks (plain loop)")
         if self.on_grid and self.device != "cpu":
             raise ConfigError("--dp/--pp/--tp/--zero run on --device cpu only so far "
                               "(activations travel through the MPI transport, not NCCL)")
@@ -194,6 +205,13 @@ class TrainConfig:
                 or self.ep < 1:
             raise ConfigError("--capacity-factor must be > 0, --moe-group and --balance-loss "
                               ">= 0, --ep >= 1")
+        if self.model == "moe" and self.grad_accum > 1:
+            raise ConfigError(f"--model moe with --grad-accum {self.grad_accum} is not "
+                              "supported: micro-steps would change the gating groups and "
+                              "each expert's capacity")
+        if self.model == "moe" and self.recompute:
+            raise ConfigError("--model moe with --recompute is not supported: it checkpoints "
+                              "the blocks of --model mlp and gpt")
         if self.model == "moe" and self.on_grid:
             raise ConfigError("--model moe with --dp/--pp/--tp/--zero/--micro-batches is not "
                               "supported: micro-batches would change the gating groups")
@@ -265,6 +283,11 @@ def dp_size_of(cfg, world_size):
         raise ConfigError(f"--global-batch {cfg.global_batch} is not divisible by the "
                           f"data-parallel size: {cfg.global_batch} % dp({dp}) = "
                           f"{cfg.global_batch % dp} ({where})")
+    local = cfg.global_batch // dp
+    if local % cfg.grad_accum:
+        raise ConfigError(f"--grad-accum {cfg.grad_accum} does not divide the local batch: "
+                          f"global batch {cfg.global_batch} / dp({dp}) = {local} samples, "
+                          f"{local} % {cfg.grad_accum} = {local % cfg.grad_accum} ({where})")
     if cfg.sync == "hybrid" and cfg.ranks_per_node and dp % cfg.ranks_per_node:
         raise ConfigError(f"--ranks-per-node {cfg.ranks_per_node} does not divide dp({dp}) "
                           f"into whole nodes ({where})")
