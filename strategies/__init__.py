@@ -33,6 +33,8 @@ Read in this order:
     tensor_parallel.py  Megatron's f and g, column/row-parallel linears, split heads
     sequence_parallel.py  LayerNorms and residuals on T/tp positions (--sequence-parallel)
     pipeline.py    stages of blocks; GPipe and 1F1B over the point-to-point transport
+    interleaved.py  interleaved 1F1B: v chunks of layers a rank (--virtual-stages)
+    bubble.py      the pipeline formulas: bubble fractions, activations in flight
     memory.py      params / grads / optimizer / saved-activation bytes, measured
     trace.py       Chrome trace (Perfetto) of forward, backward, comm and idle time
     parallel.py    the grid's step engine: builds the rank's share, runs the step

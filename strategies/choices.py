@@ -17,7 +17,7 @@ OPTIMIZERS = ("sgd", "adam")
 COMPRESSIONS = ("none", "fp16", "bf16")
 CONSISTENCIES = ("bsp", "ssp", "asp")
 DEVICES = ("cpu", "cuda")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ZERO_STAGES = (0, 1, 2, 3)
 
 

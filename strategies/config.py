@@ -77,7 +77,10 @@ class TrainConfig:
                                      # the sequence each (Korthikanti et al. 2023)
     zero: int = 0                 # ZeRO stage over the dp axis: 0 (plain DP), 1, 2, 3
     micro_batches: int = 1        # per step and dp replica
-    schedule: str = "1f1b"        # pipeline schedule: gpipe or 1f1b
+    schedule: str = "1f1b"        # pipeline schedule: gpipe, 1f1b or interleaved (needs
+                                  # --virtual-stages >= 2)
+    virtual_stages: int = 1       # interleaved: model chunks per pipeline rank (Narayanan
+                                  # et al. 2021); the model is cut into pp x v stages
     trace: str = ""               # write a Chrome trace (Perfetto) of every rank's steps to FILE
     # emulation (experiments): a slower network, a slow rank
     link_latency_us: float = 0.0  # per message, on the textbook all-reduce backends' links
@@ -125,7 +128,7 @@ class TrainConfig:
         choose("zero", ZERO_STAGES)
         for field in ("steps", "global_batch", "width", "depth", "layers", "d_model", "heads",
                       "vocab", "seq_len", "in_dim", "classes", "dataset_size", "servers",
-                      "pp", "tp", "micro_batches", "grad_accum"):
+                      "pp", "tp", "micro_batches", "virtual_stages", "grad_accum"):
             if getattr(self, field) < 1:
                 raise ConfigError(f"--{field.replace('_', '-')} must be >= 1, "
                                   f"got {getattr(self, field)}")
@@ -161,6 +164,7 @@ class TrainConfig:
             raise ConfigError(f"--sequence-parallel: --seq-len {self.seq_len} is not divisible "
                               f"by tp({self.tp}): {self.seq_len} % {self.tp} = "
                               f"{self.seq_len % self.tp}")
+        self.check_schedule()
         if self.on_grid and self.sync not in ALLREDUCE_SYNCS:
             what = f"--zero {self.zero}" if self.zero else "--dp/--pp/--tp/--micro-batches"
             raise ConfigError(f"{what} needs an all-reduce --sync ({', '.join(ALLREDUCE_SYNCS)}),"
@@ -177,6 +181,20 @@ class TrainConfig:
                               "(activations travel through the MPI transport, not NCCL)")
         if self.on_grid and self.checkpoint_dir:
             raise ConfigError("checkpoints are not supported with --dp/--pp/--tp/--zero yet")
+
+    def check_schedule(self):
+        """--schedule interleaved and --virtual-stages go together, on a pipeline;
+        interleaved.check adds the micro-batches and the model's cut."""
+        interleaved = self.schedule == "interleaved"
+        if self.virtual_stages > 1 and not interleaved:
+            raise ConfigError(f"--virtual-stages {self.virtual_stages} needs --schedule "
+                              f"interleaved, not --schedule {self.schedule}")
+        if interleaved and self.virtual_stages < 2:
+            raise ConfigError(f"--schedule interleaved needs --virtual-stages >= 2, got "
+                              f"--virtual-stages {self.virtual_stages} (with 1 it is 1f1b)")
+        if interleaved and self.pp < 2:
+            raise ConfigError(f"--schedule interleaved --virtual-stages {self.virtual_stages} "
+                              f"needs a pipeline: --pp >= 2, got --pp {self.pp}")
 
     def check_moe(self):
         """The mixture-of-experts flags alone; expert_parallel.check adds the world's."""
