@@ -61,6 +61,7 @@ class Bucket:
         self.wire = None if wire_dtype == torch.float32 else \
             torch.empty(n, dtype=wire_dtype, device=device)
         self.views = {}
+        self.shapes = [p.shape for p in params]      # the flat layout, for powersgd
         offset = 0
         for p in params if not self.alone else ():
             self.views[p] = self.flat[offset:offset + p.numel()].view_as(p)
@@ -130,6 +131,9 @@ class GradBuckets:
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
         self.error = None
+        # this rank's bytes handed to the collectives, and what float32 all-reduces of
+        # the same buckets would have handed over: compression's saving, measured
+        self.wire_bytes = self.dense_bytes = 0
         self._ready = queue.Queue()
         self._done = queue.Queue()
         self._thread = None
@@ -192,9 +196,9 @@ class GradBuckets:
     def _reduce(self, b):
         if b.event is not None:
             b.event.synchronize()
-        wire = self.compressor.compress(b.target, b.wire)
-        self.reduce(wire)
-        self.compressor.decompress(wire, b.target)
+        self.wire_bytes += self.compressor.reduce_bucket(b.index, b.target, b.wire, b.shapes,
+                                                         self.reduce)
+        self.dense_bytes += b.target.numel() * 4
 
     def _comm_loop(self):
         n = len(self.buckets)

@@ -1,4 +1,4 @@
-"""Gradient compression on the wire: Horovod's two-method Compressor.
+"""Gradient compression on the wire: Horovod's two-method Compressor, and the factory.
 
     c = make_compressor("fp16")
     wire = c.compress(flat_grad, scratch)   # what the collective moves
@@ -9,6 +9,12 @@ in 16 bits (as Horovod's fp16 compression does), so the sum loses precision:
 fp16 keeps 11 significant bits but overflows above 65504 (gradients rarely
 come near); bf16 keeps float32's range but only 8 significant bits.  Neither
 is bit-equal to float32 training, so the equivalence tests use `none`.
+
+A bucket (buckets.py) is reduced by `reduce_bucket`: for these casts, compress,
+all-reduce, decompress.  The lossy compressions (topk.py, powersgd.py) write
+their own `reduce_bucket`, with error feedback (error_feedback.py), and may
+call other collectives (top-k all-gathers).  It returns the bytes this rank
+handed to the collectives: the "wire bytes" of the step records.
 """
 import torch
 
@@ -24,6 +30,15 @@ class Compressor:
     def decompress(self, wire, out):
         if wire.data_ptr() != out.data_ptr():
             out.copy_(wire)
+
+    def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg):
+        """flat := the mean over the ranks of flat (bucket `key`, its tensors of `shapes`
+        laid out in order; `wire` a scratch buffer of wire_dtype or None); returns the
+        bytes handed to the collective."""
+        sent = self.compress(flat, wire)
+        allreduce_avg(sent)
+        self.decompress(sent, flat)
+        return sent.numel() * sent.element_size()
 
 
 class CastCompressor(Compressor):
@@ -42,7 +57,17 @@ class CastCompressor(Compressor):
         out.copy_(wire)
 
 
-def make_compressor(name):
+def make_compressor(name, coll=None, error_feedback=True):
+    """The compressor of a --compress spec (compressor.py parses it); `coll` is the
+    collective top-k all-gathers over; error_feedback for topk and powersgd."""
+    from .compressor import parse_compress
+    spec = parse_compress(name)
+    if spec.kind == "topk":
+        from .topk import TopKCompressor      # here, not at the top: topk.py imports this file
+        return TopKCompressor(spec.ratio, coll, error_feedback)
+    if spec.kind == "powersgd":
+        from .powersgd import PowerSGDCompressor
+        return PowerSGDCompressor(spec.rank, error_feedback)
     if name == "none":
         return Compressor()
     if name == "fp16":

@@ -46,9 +46,10 @@ import allreduce
 from allreduce.buffers import TORCH_DTYPES
 
 from .buckets import GradBuckets
-from .choices import (ALLREDUCE_SYNCS, COMPRESSIONS, CONSISTENCIES, EMULATED_SYNCS, OPTIMIZERS,
+from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, EMULATED_SYNCS, OPTIMIZERS,
                       SYNCS, ConfigError)
 from .compress import make_compressor
+from .compressor import check_compress
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ class SyncOptions:
     sync: str = "ring"
     bucket_mb: float = 25.0       # gradient bucket cap
     overlap: bool = True          # all-reduce buckets while backward runs
-    compress: str = "none"        # gradients on the wire: none, fp16, bf16
+    compress: str = "none"        # gradients on the wire: none, fp16, bf16, topk:R, powersgd:K
+    error_feedback: bool = True   # topk / powersgd: residuals kept per rank
     timeout: float = 60.0         # seconds a rank waits for a peer before giving up
     ranks_per_node: int = 0       # hierarchical / auto / hybrid: 0 = ranks sharing a host
     link_latency_us: float = 0.0  # emulated links (textbook algorithms only)
@@ -71,7 +73,7 @@ class SyncOptions:
     weight_decay: float = 0.0
 
     def __post_init__(self):
-        for field, options in (("sync", SYNCS), ("compress", COMPRESSIONS),
+        for field, options in (("sync", SYNCS),
                                ("consistency", CONSISTENCIES), ("optimizer", OPTIMIZERS)):
             if getattr(self, field) not in options:
                 raise ConfigError(f"{field}={getattr(self, field)!r} is not one of "
@@ -90,6 +92,7 @@ class SyncOptions:
                               f"({', '.join(EMULATED_SYNCS)}), not sync={self.sync!r}")
         if self.consistency == "bsp" and self.staleness:
             raise ConfigError("staleness needs consistency='ssp' (bsp waits for every worker)")
+        check_compress(self.compress, self.sync, self.error_feedback, cli=False)
 
 
 def make_optimizer(cfg, params):
@@ -120,13 +123,16 @@ class GradientSync:
     close()              Hooks detached, threads stopped, peers told; idempotent.
 
     Read-only figures: name, bytes_sent and bytes_received (this rank's traffic so far;
-    None where a library's traffic is not observable), staleness (ps: how many steps old
+    None where a library's traffic is not observable), wire_bytes and dense_bytes
+    (all-reduce syncs: the gradient bytes handed to the collectives so far, compressed,
+    and what float32 would have been; None elsewhere), staleness (ps: how many steps old
     the parameters of the last step were; None elsewhere), start_step.
     """
     name = "?"
     staleness = None
     start_step = 0               # ps / hybrid: where the servers resumed
     bytes_sent = bytes_received = 0
+    wire_bytes = dense_bytes = None    # all-reduce syncs: bytes handed to the collectives
 
     def __init__(self, cfg, ctx, device):
         self.cfg, self.ctx, self.device = cfg, ctx, device
@@ -221,7 +227,8 @@ class AllReduceSync(GradientSync):
         self.buckets = GradBuckets(list(model.parameters()),
                                    lambda flat: self.coll.allreduce(flat, op="avg"),
                                    int(self.cfg.bucket_mb * 2**20),
-                                   make_compressor(self.cfg.compress), self.cfg.overlap)
+                                   make_compressor(self.cfg.compress, self.coll,
+                                                   self.cfg.error_feedback), self.cfg.overlap)
 
     def before_backward(self):
         self.buckets.zero_()
@@ -237,6 +244,14 @@ class AllReduceSync(GradientSync):
     @property
     def bytes_received(self):
         return self.coll.transport.bytes_received if self.coll.counts_traffic else None
+
+    @property
+    def wire_bytes(self):
+        return self.buckets.wire_bytes
+
+    @property
+    def dense_bytes(self):
+        return self.buckets.dense_bytes
 
     def close(self):
         self.buckets.close()
