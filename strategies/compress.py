@@ -1,4 +1,4 @@
-"""Gradient compression on the wire: Horovod's two-method Compressor, and the factory.
+"""Gradient compression on the wire: Horovod's two-method Compressor, for the casts.
 
     c = make_compressor("fp16")
     wire = c.compress(flat_grad, scratch)   # what the collective moves
@@ -57,17 +57,8 @@ class CastCompressor(Compressor):
         out.copy_(wire)
 
 
-def make_compressor(name, coll=None, error_feedback=True):
-    """The compressor of a --compress spec (compressor.py parses it); `coll` is the
-    collective top-k all-gathers over; error_feedback for topk and powersgd."""
-    from .compressor import parse_compress
-    spec = parse_compress(name)
-    if spec.kind == "topk":
-        from .topk import TopKCompressor      # here, not at the top: topk.py imports this file
-        return TopKCompressor(spec.ratio, coll, error_feedback)
-    if spec.kind == "powersgd":
-        from .powersgd import PowerSGDCompressor
-        return PowerSGDCompressor(spec.rank, error_feedback)
+def make_compressor(name):
+    """A cast compressor; compressor.build_compressor makes every kind of --compress."""
     if name == "none":
         return Compressor()
     if name == "fp16":

@@ -69,6 +69,20 @@ def parse_compress(text, flag="compress"):
     raise ConfigError(f"{flag}={text!r} is not one of {choices}")
 
 
+def build_compressor(compress, coll=None, error_feedback=True):
+    """The compressor of a --compress spec: compress.py's casts, topk.py, powersgd.py.
+    `coll`: the collective top-k all-gathers over.  Imports torch (on first use only)."""
+    spec = parse_compress(compress)
+    if spec.kind == "topk":
+        from .topk import TopKCompressor
+        return TopKCompressor(spec.ratio, coll, error_feedback)
+    if spec.kind == "powersgd":
+        from .powersgd import PowerSGDCompressor
+        return PowerSGDCompressor(spec.rank, error_feedback)
+    from .compress import make_compressor
+    return make_compressor(spec.kind)
+
+
 def check_compress(compress, sync, error_feedback=True, cli=True):
     """The spec, and its combination with the sync, checked once for TrainConfig (cli:
     messages name --flags) and SyncOptions (keyword names); returns the CompressSpec."""

@@ -48,8 +48,7 @@ from allreduce.buffers import TORCH_DTYPES
 from .buckets import GradBuckets
 from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, EMULATED_SYNCS, OPTIMIZERS,
                       SYNCS, ConfigError)
-from .compress import make_compressor
-from .compressor import check_compress
+from .compressor import build_compressor, check_compress
 
 
 @dataclass(frozen=True)
@@ -227,7 +226,7 @@ class AllReduceSync(GradientSync):
         self.buckets = GradBuckets(list(model.parameters()),
                                    lambda flat: self.coll.allreduce(flat, op="avg"),
                                    int(self.cfg.bucket_mb * 2**20),
-                                   make_compressor(self.cfg.compress, self.coll,
+                                   build_compressor(self.cfg.compress, self.coll,
                                                    self.cfg.error_feedback), self.cfg.overlap)
 
     def before_backward(self):
