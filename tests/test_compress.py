@@ -169,3 +169,18 @@ def test_compressed_training_reaches_the_loss_with_a_tenth_of_the_bytes(tmp_path
         assert got["wire_ratio"] <= most, (name, got["wire_ratio"])
         assert got["bytes_sent_per_step_all_ranks"] <= \
             most * dense["bytes_sent_per_step_all_ranks"], name
+
+
+def test_the_figure_reads_the_records(tmp_path):
+    from experiments.compression_plots import compression, compression_runs
+    records = []
+    for run, (compress, wire) in enumerate([("none", 400), ("topk:0.01", 8)]):
+        config = TrainConfig(sync="ring", compress=compress).as_dict()
+        records.append({"kind": "config", "run_id": run, **config})
+        records += [{"kind": "step", "run_id": run, "step": step, "rank": rank,
+                     "loss": 2.0 - step, "wire_bytes": wire, "dense_bytes": 400}
+                    for step in range(3) for rank in range(2)]
+    runs = compression_runs(records)
+    assert [(label, ratio) for label, _, _, ratio in runs] == [("none", 1.0), ("topk:0.01", 0.02)]
+    assert runs[1][1] == [(0, 2.0), (1, 1.0), (2, 0.0)] and runs[1][2] == 16
+    assert compression(records, tmp_path).endswith("compression.png")
