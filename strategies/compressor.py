@@ -19,7 +19,10 @@ adds it to the next step's gradient, so nothing is lost, only delayed.
 Torch-free on purpose: TrainConfig checks the spec on construction, and the
 sweep tools read configs without paying for `import torch`.
 """
+import math
 from dataclasses import dataclass
+
+from allreduce.theory import bytes_sent
 
 from .choices import COMPRESSIONS, ConfigError
 
@@ -67,6 +70,18 @@ def parse_compress(text, flag="compress"):
                               f"(e.g. powersgd:4)")
         return CompressSpec("powersgd", rank=rank)
     raise ConfigError(f"{flag}={text!r} is not one of {choices}")
+
+
+def topk_count(n, ratio):
+    """k: how many of a bucket's n entries are sent (at least one)."""
+    return max(1, min(n, math.ceil(ratio * n)))
+
+
+def wire_bytes_sent(n, ratio, P, algo="ring"):
+    """(top-k, float32) bytes one rank sends for a bucket of n float32 entries: the
+    all-gather of P packs of 2k int32 against the all-reduce of 4n bytes."""
+    k = topk_count(n, ratio)
+    return bytes_sent(algo, "allgather", P * 2 * k * 4, P), bytes_sent(algo, "allreduce", 4 * n, P)
 
 
 def build_compressor(compress, coll=None, error_feedback=True):

@@ -23,7 +23,8 @@ from strategies.compressor import CompressSpec, build_compressor, parse_compress
 from strategies.config import TrainConfig
 from strategies.error_feedback import ErrorFeedback
 from strategies.powersgd import PowerSGDCompressor
-from strategies.topk import TopKCompressor, select_topk, topk_count
+from strategies.topk import TopKCompressor, select_topk
+from strategies.compressor import topk_count
 
 
 class OneRank:

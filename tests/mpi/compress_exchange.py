@@ -14,7 +14,8 @@ import torch
 
 import allreduce
 from strategies.powersgd import PowerSGDCompressor
-from strategies.topk import TopKCompressor, select_topk, topk_count
+from strategies.compressor import topk_count
+from strategies.topk import TopKCompressor, select_topk
 
 RTOL, ATOL = 1e-6, 1e-6
 N, RATIO = 101, 0.1                       # an awkward length: k = 11
