@@ -52,6 +52,8 @@ class TrainConfig:
                                   # largest RATIO of each bucket), powersgd:RANK (low rank)
     error_feedback: bool = True   # topk / powersgd: keep what was not sent and add it to the
                                   # next step's gradient; --no-error-feedback: drop it
+    momentum_correction: bool = False  # topk with sgd --momentum: the momentum is kept per
+                                       # rank before top-k (Deep Gradient Compression)
     device: str = "cpu"           # cpu or cuda (one GPU per rank of a host)
     threads: int = 0              # torch intra-op threads per rank; 0 = cores / ranks on host
     timeout: float = 60.0         # seconds any rank waits for a peer before giving up
@@ -169,6 +171,13 @@ class TrainConfig:
             raise ConfigError(f"--compress {self.compress} with --dp/--pp/--tp/--zero is not "
                               f"supported: the grid's axes reduce float32 (zero.py, "
                               f"parallel.py); use the plain data-parallel loop")
+        if self.momentum_correction and not (spec.kind == "topk" and self.optimizer == "sgd"
+                                             and self.momentum > 0 and self.error_feedback):
+            raise ConfigError(f"--momentum-correction needs --compress topk:RATIO with "
+                              f"--optimizer sgd, --momentum > 0 and error feedback, not "
+                              f"--compress {self.compress} --optimizer {self.optimizer} "
+                              f"--momentum {self.momentum:g}"
+                              + ("" if self.error_feedback else " --no-error-feedback"))
         if self.ep > 1 and spec.lossy:
             raise ConfigError(f"--compress {self.compress} with --ep {self.ep} is not "
                               f"supported; fp16 and bf16 are")

@@ -59,6 +59,7 @@ class SyncOptions:
     overlap: bool = True          # all-reduce buckets while backward runs
     compress: str = "none"        # gradients on the wire: none, fp16, bf16, topk:R, powersgd:K
     error_feedback: bool = True   # topk / powersgd: residuals kept per rank
+    momentum_correction: float = 0.0  # topk: DGC's momentum, kept per rank before top-k
     timeout: float = 60.0         # seconds a rank waits for a peer before giving up
     ranks_per_node: int = 0       # hierarchical / auto / hybrid: 0 = ranks sharing a host
     link_latency_us: float = 0.0  # emulated links (textbook algorithms only)
@@ -91,12 +92,18 @@ class SyncOptions:
                               f"({', '.join(EMULATED_SYNCS)}), not sync={self.sync!r}")
         if self.consistency == "bsp" and self.staleness:
             raise ConfigError("staleness needs consistency='ssp' (bsp waits for every worker)")
-        check_compress(self.compress, self.sync, self.error_feedback, cli=False)
+        spec = check_compress(self.compress, self.sync, self.error_feedback, cli=False)
+        if self.momentum_correction and not (spec.kind == "topk" and self.error_feedback and
+                                             0 < self.momentum_correction < 1):
+            raise ConfigError(f"momentum_correction={self.momentum_correction!r} needs "
+                              f"compress='topk:RATIO' with error feedback and 0 < momentum < 1")
 
 
 def make_optimizer(cfg, params):
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
+        # with DGC's momentum correction the compressor holds the momentum (topk.py)
+        return torch.optim.SGD(params, lr=cfg.lr,
+                               momentum=0.0 if cfg.momentum_correction else cfg.momentum,
                                weight_decay=cfg.weight_decay)
     return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
@@ -227,7 +234,15 @@ class AllReduceSync(GradientSync):
                                    lambda flat: self.coll.allreduce(flat, op="avg"),
                                    int(self.cfg.bucket_mb * 2**20),
                                    build_compressor(self.cfg.compress, self.coll,
-                                                   self.cfg.error_feedback), self.cfg.overlap)
+                                                    self.cfg.error_feedback,
+                                                    self.correction_momentum()),
+                                   self.cfg.overlap)
+
+    def correction_momentum(self):
+        """DGC's momentum for topk.py: SyncOptions carries it, a TrainConfig says to take
+        its --momentum (and make_optimizer then builds SGD without)."""
+        correction = self.cfg.momentum_correction
+        return self.cfg.momentum if correction is True else float(correction)
 
     def before_backward(self):
         self.buckets.zero_()

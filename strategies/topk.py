@@ -5,6 +5,13 @@ Aji & Heafield, "Sparse Communication for Distributed Gradient Descent", EMNLP
 al., "Deep Gradient Compression", ICLR 2018 (the same at 0.1 %, with momentum
 correction).  Strom, Interspeech 2015, did it with a threshold instead of k.
 
+Momentum (--momentum-correction, DGC section 3.2): with SGD momentum applied
+after the exchange, an entry held back in the residual for many steps arrives
+as one stale burst that momentum then keeps repeating.  DGC accumulates the
+velocity locally instead, u = m u + g, feeds u (not g) to step 1, and clears u
+where entries were sent ("momentum factor masking"); the optimizer runs with
+no momentum of its own.
+
 Per bucket of n float32 entries, with k = ceil(RATIO * n) (at least 1):
 
     step  what                                          on the wire (per rank)
@@ -60,18 +67,33 @@ class TopKCompressor(Compressor):
     """topk:RATIO over a collective that can all-gather (every allreduce/ algorithm)."""
     wire_dtype = torch.float32        # the buckets keep float32 (no cast buffer)
 
-    def __init__(self, ratio, coll, error_feedback=True):
+    def __init__(self, ratio, coll, error_feedback=True, momentum=0.0):
         self.name = f"topk:{ratio:g}"
-        self.ratio, self.coll = ratio, coll
+        self.ratio, self.coll, self.momentum = ratio, coll, momentum
         self.feedback = ErrorFeedback(error_feedback)
+        self.velocity = {}                    # momentum correction: u per bucket
 
     def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg):
-        acc = self.feedback.accumulate(key, flat)                 # 1. g + e
+        grad = self.corrected(key, flat)                          # u = m u + g, or g
+        acc = self.feedback.accumulate(key, grad)                 # 1. g + e
         k = topk_count(acc.numel(), self.ratio)
         indices, values = select_topk(acc, k)                     # 2. the k largest
         message = pack(indices, values)                           # 3.
         gathered = self.coll.allgather(message, n=message.numel() * self.coll.size)  # 4.
-        if self.feedback.enabled:                                 # 5. e = acc - sent
-            acc.index_fill_(0, indices, 0.0)
+        if self.feedback.enabled:                                 # 5. e = acc - sent, without
+            acc.index_fill_(0, indices, 0.0)                      #    a dense `sent`
+        if self.momentum:                                         # DGC's momentum factor
+            grad.index_fill_(0, indices, 0.0)                     # masking
         unpack_sum(torch.as_tensor(gathered), k, self.coll.size, flat)   # 6.
         return message.numel() * message.element_size()
+
+    def corrected(self, key, flat):
+        """DGC's momentum correction: the velocity u = m u + g is what accumulates in the
+        residual, so an entry sent late carries the momentum it would have had; the
+        optimizer then runs without momentum (sync.make_optimizer)."""
+        if not self.momentum:
+            return flat
+        velocity = self.velocity.get(key)
+        if velocity is None:
+            velocity = self.velocity[key] = torch.zeros_like(flat)
+        return velocity.mul_(self.momentum).add_(flat)

@@ -133,6 +133,7 @@ class DataParallel(loop.StepEngine):
             make_optimizer(cfg, model.parameters()), model, sync=cfg.sync, comm=ctx.dp_comm,
             role=ctx.role, bucket_mb=cfg.bucket_mb, overlap=cfg.overlap, compress=cfg.compress,
             error_feedback=cfg.error_feedback,
+            momentum_correction=cfg.momentum if cfg.momentum_correction else 0.0,
             ranks_per_node=cfg.ranks_per_node, timeout=cfg.timeout,
             consistency=cfg.consistency, staleness=cfg.staleness,
             link_latency_us=cfg.link_latency_us, link_gbps=cfg.link_gbps)
