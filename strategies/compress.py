@@ -58,7 +58,7 @@ class CastCompressor(Compressor):
 
 
 def make_compressor(name):
-    """A cast compressor; compressor.build_compressor makes every kind of --compress."""
+    """A cast compressor; sync.build_compressor makes every kind of --compress."""
     if name == "none":
         return Compressor()
     if name == "fp16":

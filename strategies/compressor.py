@@ -84,21 +84,6 @@ def wire_bytes_sent(n, ratio, P, algo="ring"):
     return bytes_sent(algo, "allgather", P * 2 * k * 4, P), bytes_sent(algo, "allreduce", 4 * n, P)
 
 
-def build_compressor(compress, coll=None, error_feedback=True, momentum=0.0):
-    """The compressor of a --compress spec: compress.py's casts, topk.py, powersgd.py.
-    `coll`: the collective top-k all-gathers over; `momentum`: top-k's momentum
-    correction (0: none).  Imports torch (on first use only)."""
-    spec = parse_compress(compress)
-    if spec.kind == "topk":
-        from .topk import TopKCompressor
-        return TopKCompressor(spec.ratio, coll, error_feedback, momentum)
-    if spec.kind == "powersgd":
-        from .powersgd import PowerSGDCompressor
-        return PowerSGDCompressor(spec.rank, error_feedback)
-    from .compress import make_compressor
-    return make_compressor(spec.kind)
-
-
 def check_compress(compress, sync, error_feedback=True, cli=True):
     """The spec, and its combination with the sync, checked once for TrainConfig (cli:
     messages name --flags) and SyncOptions (keyword names); returns the CompressSpec."""

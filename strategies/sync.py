@@ -48,7 +48,10 @@ from allreduce.buffers import TORCH_DTYPES
 from .buckets import GradBuckets
 from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, EMULATED_SYNCS, OPTIMIZERS,
                       SYNCS, ConfigError)
-from .compressor import build_compressor, check_compress
+from .compress import make_compressor
+from .compressor import check_compress, parse_compress
+from .powersgd import PowerSGDCompressor
+from .topk import TopKCompressor
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,18 @@ class SyncOptions:
                                              0 < self.momentum_correction < 1):
             raise ConfigError(f"momentum_correction={self.momentum_correction!r} needs "
                               f"compress='topk:RATIO' with error feedback and 0 < momentum < 1")
+
+
+def build_compressor(compress, coll=None, error_feedback=True, momentum=0.0):
+    """The compressor of a --compress spec: compress.py's casts, topk.py, powersgd.py.
+    `coll`: the collective top-k all-gathers over; `momentum`: top-k's momentum
+    correction (0: none)."""
+    spec = parse_compress(compress)
+    if spec.kind == "topk":
+        return TopKCompressor(spec.ratio, coll, error_feedback, momentum)
+    if spec.kind == "powersgd":
+        return PowerSGDCompressor(spec.rank, error_feedback)
+    return make_compressor(spec.kind)
 
 
 def make_optimizer(cfg, params):

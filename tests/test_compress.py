@@ -19,10 +19,11 @@ import torch
 
 from conftest import check_ok, mpirun
 from strategies.choices import ConfigError
-from strategies.compressor import CompressSpec, build_compressor, parse_compress
+from strategies.compressor import CompressSpec, parse_compress
 from strategies.config import TrainConfig
 from strategies.error_feedback import ErrorFeedback
 from strategies.powersgd import PowerSGDCompressor
+from strategies.sync import build_compressor
 from strategies.topk import TopKCompressor, select_topk
 from strategies.compressor import topk_count
 
