@@ -76,8 +76,10 @@ class PowerSGDCompressor(Compressor):
             offset += numel
         return out
 
-    def first_q(self, key, m):
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + hash(key) % 1_000_003)
+    def first_q(self, bucket, position, m):
+        """The first Q of a matrix: Gaussian, from a seed that names the matrix, so that
+        every rank draws the same one without a message."""
+        generator = torch.Generator().manual_seed(self.seed + 100_003 * bucket + position)
         return torch.randn(m, self.rank, generator=generator)
 
     def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg):
@@ -92,7 +94,7 @@ class PowerSGDCompressor(Compressor):
             qs = []
             for (i, _, (n, m)) in matrices:
                 q = self.qs.get((key, i))
-                qs.append(q if q is not None else self.first_q((key, i), m).to(acc.device))
+                qs.append(q if q is not None else self.first_q(key, i, m).to(acc.device))
             ps = torch.cat([(mat @ q).view(-1) for mat, q in zip(ms, qs)])   # 2.
             allreduce_avg(ps)                                               # 3.
             handed += ps.numel() * 4
