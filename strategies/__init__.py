@@ -15,6 +15,10 @@ Read in this order:
     moe.py         the MoE layer: top-1/top-2 gating, expert capacity per group, balance loss
     buckets.py     flat gradient buckets, all-reduced during backward by a comm thread
     compress.py    none / fp16 / bf16 on the wire
+    compressor.py  the --compress spec (topk:RATIO, powersgd:RANK) and its refusals
+    error_feedback.py  residuals per rank: what compression did not send comes next step
+    topk.py        top-k sparsification over an all-gather (DGC's momentum correction)
+    powersgd.py    PowerSGD: low-rank factors P, Q all-reduced, warm-started
     sync.py        the sync contract (GradientSync); local and the all-reduce backends
     ps_sync.py     parameter servers, and hybrid (all-reduce in a node, servers between)
     optimizer.py   DistributedOptimizer: builds every sync, for a loop of the user's own

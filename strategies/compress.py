@@ -1,4 +1,4 @@
-"""Gradient compression on the wire: Horovod's two-method Compressor.
+"""Gradient compression on the wire: Horovod's two-method Compressor, for the casts.
 
     c = make_compressor("fp16")
     wire = c.compress(flat_grad, scratch)   # what the collective moves
@@ -9,6 +9,12 @@ in 16 bits (as Horovod's fp16 compression does), so the sum loses precision:
 fp16 keeps 11 significant bits but overflows above 65504 (gradients rarely
 come near); bf16 keeps float32's range but only 8 significant bits.  Neither
 is bit-equal to float32 training, so the equivalence tests use `none`.
+
+A bucket (buckets.py) is reduced by `reduce_bucket`: for these casts, compress,
+all-reduce, decompress.  The lossy compressions (topk.py, powersgd.py) write
+their own `reduce_bucket`, with error feedback (error_feedback.py), and may
+call other collectives (top-k all-gathers).  It returns the bytes this rank
+handed to the collectives: the "wire bytes" of the step records.
 """
 import torch
 
@@ -24,6 +30,15 @@ class Compressor:
     def decompress(self, wire, out):
         if wire.data_ptr() != out.data_ptr():
             out.copy_(wire)
+
+    def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg):
+        """flat := the mean over the ranks of flat (bucket `key`, its tensors of `shapes`
+        laid out in order; `wire` a scratch buffer of wire_dtype or None); returns the
+        bytes handed to the collective."""
+        sent = self.compress(flat, wire)
+        allreduce_avg(sent)
+        self.decompress(sent, flat)
+        return sent.numel() * sent.element_size()
 
 
 class CastCompressor(Compressor):
@@ -43,6 +58,7 @@ class CastCompressor(Compressor):
 
 
 def make_compressor(name):
+    """A cast compressor; sync.build_compressor makes every kind of --compress."""
     if name == "none":
         return Compressor()
     if name == "fp16":

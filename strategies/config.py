@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 from allreduce.cli import dataclass_flags
 
-from .choices import (ALLREDUCE_SYNCS, COMPRESSIONS, CONSISTENCIES, DEVICES, EMULATED_SYNCS,
+from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, DEVICES, EMULATED_SYNCS,
                       MODELS, OPTIMIZERS, PS_SYNCS, SCHEDULES, SYNCS, ZERO_STAGES, ConfigError)
+from .compressor import check_compress
 from .grid import ProcessGrid
 
 __all__ = ["ALLREDUCE_SYNCS", "PS_SYNCS", "SYNCS", "ConfigError", "TrainConfig", "dp_size_of",
@@ -47,7 +48,12 @@ class TrainConfig:
     ranks_per_node: int = 0       # hierarchical / auto / hybrid: 0 = ranks that share a host name
     bucket_mb: float = 25.0       # gradient bucket cap in MB (DDP's default is 25 MB as well)
     overlap: bool = True          # all-reduce buckets during backward; --no-overlap: after it
-    compress: str = "none"        # gradients on the wire: none, fp16, bf16
+    compress: str = "none"        # gradients on the wire: none, fp16, bf16, topk:RATIO (the
+                                  # largest RATIO of each bucket), powersgd:RANK (low rank)
+    error_feedback: bool = True   # topk / powersgd: keep what was not sent and add it to the
+                                  # next step's gradient; --no-error-feedback: drop it
+    momentum_correction: bool = False  # topk with sgd --momentum: the momentum is kept per
+                                       # rank before top-k (Deep Gradient Compression)
     device: str = "cpu"           # cpu or cuda (one GPU per rank of a host)
     threads: int = 0              # torch intra-op threads per rank; 0 = cores / ranks on host
     timeout: float = 60.0         # seconds any rank waits for a peer before giving up
@@ -121,7 +127,7 @@ class TrainConfig:
         choose("sync", SYNCS)
         choose("model", MODELS)
         choose("optimizer", OPTIMIZERS)
-        choose("compress", COMPRESSIONS)
+        spec = check_compress(self.compress, self.sync, self.error_feedback)
         choose("consistency", CONSISTENCIES)
         choose("device", DEVICES)
         choose("schedule", SCHEDULES)
@@ -176,6 +182,20 @@ class TrainConfig:
         if self.on_grid and self.recompute:
             raise ConfigError("--recompute with --dp/--pp/--tp/--zero/--micro-batches is not "
                               "supported yet: it wraps the whole model's blocks (plain loop)")
+        if self.on_grid and spec.kind != "none":
+            raise ConfigError(f"--compress {self.compress} with --dp/--pp/--tp/--zero is not "
+                              f"supported: the grid's axes reduce float32 (zero.py, "
+                              f"parallel.py); use the plain data-parallel loop")
+        if self.momentum_correction and not (spec.kind == "topk" and self.optimizer == "sgd"
+                                             and self.momentum > 0 and self.error_feedback):
+            raise ConfigError(f"--momentum-correction needs --compress topk:RATIO with "
+                              f"--optimizer sgd, --momentum > 0 and error feedback, not "
+                              f"--compress {self.compress} --optimizer {self.optimizer} "
+                              f"--momentum {self.momentum:g}"
+                              + ("" if self.error_feedback else " --no-error-feedback"))
+        if self.ep > 1 and spec.lossy:
+            raise ConfigError(f"--compress {self.compress} with --ep {self.ep} is not "
+                              f"supported; fp16 and bf16 are")
         if self.on_grid and self.device != "cpu":
             raise ConfigError("--dp/--pp/--tp/--zero run on --device cpu only so far "
                               "(activations travel through the MPI transport, not NCCL)")

@@ -10,6 +10,8 @@ run's `run_id`, so that several runs can share a file:
         plain loop: "staleness";  grid: "coords" [dp, pp, tp], "idle_time_s",
         "bubble_fraction", "peak_in_flight", "micro_batch_activation_bytes", "memory"
         --ep: "alltoall_time_s", "alltoall_bytes" (sent by this rank), "dropped_fraction"
+        all-reduce syncs: "wire_bytes" (gradient bytes this rank handed to the collectives,
+        after --compress), "dense_bytes" (the same as float32 all-reduces)
     {"kind": "summary", ...}
 The file is appended to, as every tool's --jsonl is.  With --resume the run goes on
 under the checkpoint's run id, and that run's step records at or after the
@@ -54,6 +56,7 @@ class Metrics:
         self.is_writer = self.control.rank == 0
         self.flush_every = 1 if cfg.synchronous else 20
         self.pending, self.steps = [], []
+        self.wire = []                             # per step: (wire, dense) bytes, all ranks
         self._bytes = traffic()                    # setup's broadcast is not a step
         self.file = cfg.jsonl if self.is_writer else ""
         self.bar = None
@@ -102,6 +105,9 @@ class Metrics:
                                max(r["comm_time_s"] for r in per_rank),
                                _total(r["bytes_sent"] for r in per_rank),
                                max(r["peak_mem_mb"] for r in per_rank)))
+            if "wire_bytes" in per_rank[0]:
+                self.wire.append((sum(r["wire_bytes"] for r in per_rank),
+                                  sum(r["dense_bytes"] for r in per_rank)))
             if self.bar:
                 self.bar.update(1)
                 self.bar.set_postfix(refresh=False, loss=f"{loss:.4f}", samples_s=
@@ -127,6 +133,7 @@ class Metrics:
                "bytes_sent_per_step_all_ranks":
                    None if timed[0][4] is None else mean([s[4] for s in timed]),
                "peak_mem_mb": max(s[5] for s in self.steps), "wall_s": wall_s,
+               **wire_summary(self.wire),
                "config": self.cfg.as_dict()}
         print(f"[{self.cfg.sync}] {world}: steps={out['steps']} "
               f"loss {out['first_loss']:.4f} -> {out['final_loss']:.4f}  "
@@ -137,6 +144,16 @@ class Metrics:
         if self.file:
             self._write(out)
         return out
+
+
+def wire_summary(wire):
+    """The mean gradient bytes per step handed to the collectives by all ranks, and
+    their ratio to float32 all-reduces of the same gradients ({} where not counted)."""
+    if not wire:
+        return {}
+    sent, dense = sum(w for w, _ in wire), sum(d for _, d in wire)
+    return {"wire_bytes_per_step_all_ranks": sent / len(wire),
+            "wire_ratio": sent / dense if dense else None}
 
 
 def forget_steps_from(path, start_step, run_id):

@@ -22,7 +22,9 @@ takes the step of the mean loss over the global batch.
            or local: one process, no communication (the reference for the others)
     comm   an mpi4py communicator (default COMM_WORLD; under torchrun the whole world);
            for the torch transport also a list of global ranks
-    bucket_mb, overlap, compress ("none", "fp16", "bf16"), ranks_per_node, timeout,
+    bucket_mb, overlap, compress ("none", "fp16", "bf16", "topk:0.01", "powersgd:4"),
+    error_feedback (topk / powersgd: residuals per rank), momentum_correction (topk: DGC's
+    momentum m, kept per rank; wrap an SGD without momentum), ranks_per_node, timeout,
     link_latency_us, link_gbps (slower emulated links for the textbook all-reduces)
 
 Gradient accumulation (DDP's and Horovod's pattern; accumulation.py): backwards
@@ -84,7 +86,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     state_dict and load_state_dict are the wrapped optimizer's own."""
 
     def __init__(self, optimizer, model, sync="ring", comm=None, *, bucket_mb=25.0,
-                 overlap=True, compress="none", ranks_per_node=0, timeout=60.0,
+                 overlap=True, compress="none", error_feedback=True, momentum_correction=0.0,
+                 ranks_per_node=0, timeout=60.0,
                  transport=None, role=None, consistency="bsp", staleness=0,
                  link_latency_us=0.0, link_gbps=0.0):
         # No Optimizer.__init__: the wrapped optimizer owns the parameter groups and state.
@@ -108,9 +111,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         elif role is not None:
             raise ConfigError(f"role= is for sync='ps' or 'hybrid', not {name!r}")
         options = SyncOptions(sync=name, bucket_mb=bucket_mb, overlap=overlap, compress=compress,
-                              timeout=timeout, ranks_per_node=ranks_per_node,
+                              error_feedback=error_feedback,
+                              momentum_correction=momentum_correction, timeout=timeout, ranks_per_node=ranks_per_node,
                               link_latency_us=link_latency_us, link_gbps=link_gbps,
                               consistency=consistency, staleness=staleness, **server_optimizer)
+        if momentum_correction and any(g.get("momentum", 0) for g in optimizer.param_groups):
+            raise ConfigError(f"momentum_correction={momentum_correction} keeps the momentum "
+                              f"in the compressor: wrap an optimizer without momentum")
         self.optimizer, self.model, self.options = optimizer, model, options
         self._step, self._synchronized, self._closed = 0, False, True
         if name in PS_SYNCS:

@@ -49,9 +49,12 @@ import allreduce
 from allreduce.buffers import TORCH_DTYPES
 
 from .buckets import GradBuckets
-from .choices import (ALLREDUCE_SYNCS, COMPRESSIONS, CONSISTENCIES, EMULATED_SYNCS, OPTIMIZERS,
+from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, EMULATED_SYNCS, OPTIMIZERS,
                       SYNCS, ConfigError)
 from .compress import make_compressor
+from .compressor import check_compress, parse_compress
+from .powersgd import PowerSGDCompressor
+from .topk import TopKCompressor
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,9 @@ class SyncOptions:
     sync: str = "ring"
     bucket_mb: float = 25.0       # gradient bucket cap
     overlap: bool = True          # all-reduce buckets while backward runs
-    compress: str = "none"        # gradients on the wire: none, fp16, bf16
+    compress: str = "none"        # gradients on the wire: none, fp16, bf16, topk:R, powersgd:K
+    error_feedback: bool = True   # topk / powersgd: residuals kept per rank
+    momentum_correction: float = 0.0  # topk: DGC's momentum, kept per rank before top-k
     timeout: float = 60.0         # seconds a rank waits for a peer before giving up
     ranks_per_node: int = 0       # hierarchical / auto / hybrid: 0 = ranks sharing a host
     link_latency_us: float = 0.0  # emulated links (textbook algorithms only)
@@ -74,7 +79,7 @@ class SyncOptions:
     weight_decay: float = 0.0
 
     def __post_init__(self):
-        for field, options in (("sync", SYNCS), ("compress", COMPRESSIONS),
+        for field, options in (("sync", SYNCS),
                                ("consistency", CONSISTENCIES), ("optimizer", OPTIMIZERS)):
             if getattr(self, field) not in options:
                 raise ConfigError(f"{field}={getattr(self, field)!r} is not one of "
@@ -93,11 +98,30 @@ class SyncOptions:
                               f"({', '.join(EMULATED_SYNCS)}), not sync={self.sync!r}")
         if self.consistency == "bsp" and self.staleness:
             raise ConfigError("staleness needs consistency='ssp' (bsp waits for every worker)")
+        spec = check_compress(self.compress, self.sync, self.error_feedback, cli=False)
+        if self.momentum_correction and not (spec.kind == "topk" and self.error_feedback and
+                                             0 < self.momentum_correction < 1):
+            raise ConfigError(f"momentum_correction={self.momentum_correction!r} needs "
+                              f"compress='topk:RATIO' with error feedback and 0 < momentum < 1")
+
+
+def build_compressor(compress, coll=None, error_feedback=True, momentum=0.0):
+    """The compressor of a --compress spec: compress.py's casts, topk.py, powersgd.py.
+    `coll`: the collective top-k all-gathers over; `momentum`: top-k's momentum
+    correction (0: none)."""
+    spec = parse_compress(compress)
+    if spec.kind == "topk":
+        return TopKCompressor(spec.ratio, coll, error_feedback, momentum)
+    if spec.kind == "powersgd":
+        return PowerSGDCompressor(spec.rank, error_feedback)
+    return make_compressor(spec.kind)
 
 
 def make_optimizer(cfg, params):
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
+        # with DGC's momentum correction the compressor holds the momentum (topk.py)
+        return torch.optim.SGD(params, lr=cfg.lr,
+                               momentum=0.0 if cfg.momentum_correction else cfg.momentum,
                                weight_decay=cfg.weight_decay)
     return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
@@ -126,7 +150,9 @@ class GradientSync:
     close()              Hooks detached, threads stopped, peers told; idempotent.
 
     Read-only figures: name, bytes_sent and bytes_received (this rank's traffic so far;
-    None where a library's traffic is not observable), staleness (ps: how many steps old
+    None where a library's traffic is not observable), wire_bytes and dense_bytes
+    (all-reduce syncs: the gradient bytes handed to the collectives so far, compressed,
+    and what float32 would have been; None elsewhere), staleness (ps: how many steps old
     the parameters of the last step were; None elsewhere), start_step, comm_rounds
     (the collectives or server round trips this rank has made so far).
     """
@@ -135,6 +161,7 @@ class GradientSync:
     start_step = 0               # ps / hybrid: where the servers resumed
     bytes_sent = bytes_received = 0
     comm_rounds = 0
+    wire_bytes = dense_bytes = None    # all-reduce syncs: bytes handed to the collectives
 
     def __init__(self, cfg, ctx, device):
         self.cfg, self.ctx, self.device = cfg, ctx, device
@@ -235,7 +262,16 @@ class AllReduceSync(GradientSync):
         self.buckets = GradBuckets(list(model.parameters()),
                                    lambda flat: self.coll.allreduce(flat, op="avg"),
                                    int(self.cfg.bucket_mb * 2**20),
-                                   make_compressor(self.cfg.compress), self.cfg.overlap)
+                                   build_compressor(self.cfg.compress, self.coll,
+                                                    self.cfg.error_feedback,
+                                                    self.correction_momentum()),
+                                   self.cfg.overlap)
+
+    def correction_momentum(self):
+        """DGC's momentum for topk.py: SyncOptions carries it, a TrainConfig says to take
+        its --momentum (and make_optimizer then builds SGD without)."""
+        correction = self.cfg.momentum_correction
+        return self.cfg.momentum if correction is True else float(correction)
 
     def before_backward(self):
         self.buckets.zero_()
@@ -258,6 +294,14 @@ class AllReduceSync(GradientSync):
     @property
     def bytes_received(self):
         return self.coll.transport.bytes_received if self.coll.counts_traffic else None
+
+    @property
+    def wire_bytes(self):
+        return self.buckets.wire_bytes
+
+    @property
+    def dense_bytes(self):
+        return self.buckets.dense_bytes
 
     def close(self):
         self.buckets.close()

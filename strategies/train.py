@@ -134,6 +134,8 @@ class DataParallel(loop.StepEngine):
         opt = DistributedOptimizer(
             make_optimizer(cfg, model.parameters()), model, sync=cfg.sync, comm=ctx.dp_comm,
             role=ctx.role, bucket_mb=cfg.bucket_mb, overlap=cfg.overlap, compress=cfg.compress,
+            error_feedback=cfg.error_feedback,
+            momentum_correction=cfg.momentum if cfg.momentum_correction else 0.0,
             ranks_per_node=cfg.ranks_per_node, timeout=cfg.timeout,
             consistency=cfg.consistency, staleness=cfg.staleness,
             link_latency_us=cfg.link_latency_us, link_gbps=cfg.link_gbps)
@@ -143,6 +145,7 @@ class DataParallel(loop.StepEngine):
                        "tp_size": 1}
         self.tracer = Tracer(ctx.rank) if cfg.trace else None
         self.recompute = recompute.enable(cfg, model, self.tracer)   # --recompute, or None
+        self._wire = (0, 0)                        # wire and dense bytes after the last step
 
     def step(self, step):
         rounds_before = self.sync.comm_rounds
@@ -154,7 +157,18 @@ class DataParallel(loop.StepEngine):
         # trips; the same with --grad-accum k as without, which is the point of no_sync
         return loss, {"step_time_s": step_s, "compute_time_s": compute_s,
                       "comm_time_s": comm_s, "staleness": self.sync.staleness,
-                      "comm_rounds": self.sync.comm_rounds - rounds_before}
+                      "comm_rounds": self.sync.comm_rounds - rounds_before,
+                      **self.wire_fields()}
+
+    def wire_fields(self):
+        """This step's gradient bytes handed to the collectives (`wire_bytes`) and what
+        float32 all-reduces would have handed over (`dense_bytes`); none where the sync
+        does not count them (local, ps, hybrid)."""
+        wire, dense = self.sync.wire_bytes, self.sync.dense_bytes
+        if wire is None:
+            return {}
+        before, self._wire = self._wire, (wire, dense)
+        return {"wire_bytes": wire - before[0], "dense_bytes": dense - before[1]}
 
     def trace_label(self, rank):
         return f"worker {rank} ({self.cfg.sync})"

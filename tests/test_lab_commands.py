@@ -1,7 +1,7 @@
 """The lab sheets' commands run as written, from the repository root, without
 activating the venv.
 
-Each fenced ```bash block of experiments/labs/0[1-5]_*.md is cut into commands (a
+Each fenced ```bash block of experiments/labs/0[1-57-8]_*.md is cut into commands (a
 line continued by a backslash, a heredoc and a for-loop are one command each), and
 the commands of a sheet run in order with bash, in a scratch copy of the repository
 root (its entries linked, a `results/` of its own), with the venv's bin directory
@@ -13,9 +13,10 @@ so every self-check must end in PASS.
 Not run, by the comment a sheet puts on them (about 5 minutes on 2 cores in all):
   # [long: ...]   a minute or more on 2 shared cores: lab 1's calibration, lab 2's
                   sweep, lab 3's ZeRO bench and its four training runs, lab 4's
-                  pipeline bench, lab 5's 4-rank grid run
+                  pipeline bench, lab 5's 4-rank grid run, lab 8's six training runs
   # [after ...]   reads what a [long] command wrote (lab 1's check against the
-                  calibration, lab 2's report and run check, lab 3's memory table)
+                  calibration, lab 2's report and run check, lab 3's memory table,
+                  lab 8's table and figure)
 A command whose comment says `exits N` must exit with status N (lab 5's refusals).
 Those commands' tools are covered elsewhere: the sweep, report and check_ps on
 records by test_experiments_report.py, the benches and grid runs by
@@ -32,7 +33,7 @@ import pytest
 from conftest import ROOT, run
 from labs_fixtures import answers
 
-SHEETS = sorted(glob.glob(os.path.join(ROOT, "experiments", "labs", "0[1-5]_*.md")))
+SHEETS = sorted(glob.glob(os.path.join(ROOT, "experiments", "labs", "0[1-57-8]_*.md")))
 SKIP = re.compile(r"#\s*\[(long|after)\b")
 EXITS = re.compile(r"#.*\bexits (\d+)")
 HEREDOC = re.compile(r"<<-?\s*'?(\w+)'?")
@@ -40,7 +41,7 @@ BARE = re.compile(r"(?<![\w/.-])(python3?|mpiexec|mpirun|pip|pytest)\s+-")
 # What a student writes, and the right answer the test writes in its place.
 ANSWERS = {"my_ring.py": answers.ring(), "my_zero.toml": answers.ZERO,
            "my_pipeline.toml": answers.PIPELINE, "my_grid.py": answers.GRID,
-           "my_ps.toml": answers.PS}
+           "my_ps.toml": answers.PS, "my_compress.toml": answers.COMPRESS}
 VENV_BIN = os.path.dirname(sys.executable)
 
 

@@ -1,8 +1,9 @@
-"""Self-check of the pen-and-paper parts of labs 3, 4 and 5: your numbers against the formulas.
+"""Self-check of the pen-and-paper parts of labs 3, 4, 5 and 8: your numbers against the formulas.
 
     .venv/bin/python -m experiments.labs.check_answers zero my_zero.toml
     .venv/bin/python -m experiments.labs.check_answers pipeline my_pipeline.toml
     .venv/bin/python -m experiments.labs.check_answers grid my_grid.py
+    .venv/bin/python -m experiments.labs.check_answers compress my_compress.toml
 
 Answer files (templates in the lab sheets):
 
@@ -25,7 +26,16 @@ Answer files (templates in the lab sheets):
     # my_grid.py: def coords_of(rank, dp, pp, tp) -> (d, p, t), tp varying fastest;
     #             group_of(rank, axis, dp, pp, tp), if you wrote it, is checked too
 
-Each answer within 1 % of the formula (experiments/costmodel.py holds them)
+    # my_compress.toml: bytes one rank sends per step over a ring, top-k against float32
+    params = 1_000_000        # n float32 gradients in one bucket
+    ranks = 4                 # P
+    ratio = 0.01              # topk:RATIO
+    dense_bytes = ...         # the float32 ring all-reduce
+    topk_bytes = ...          # the all-gather of int32 index + float32 value pairs
+    break_even_ratio = ...    # the RATIO at which both send the same
+
+Each answer within 1 % of the formula (experiments/costmodel.py holds them;
+lab 8's is strategies/compressor.py's wire_bytes_sent)
 is `ok`.  A wrong one is `WRONG` with your figure, never the expected one: the
 check says which answer (and which part of it) to rework, not what it should be.
 """
@@ -38,6 +48,7 @@ import tomllib
 import numpy as np
 
 from experiments import costmodel
+from strategies.compressor import wire_bytes_sent
 
 
 def close(got, want):
@@ -54,6 +65,14 @@ def check_zero(a):
                 yield f"stage{stage}.{part}", got.get(part), want[part]
         else:
             yield f"stage{stage}", got, sum(want.values())
+
+
+def check_compress(a):
+    n, P, ratio = a["params"], a["ranks"], a["ratio"]
+    topk, dense = wire_bytes_sent(n, ratio, P)
+    yield "dense_bytes", a.get("dense_bytes"), dense
+    yield "topk_bytes", a.get("topk_bytes"), topk
+    yield "break_even_ratio", a.get("break_even_ratio"), 1 / P
 
 
 def check_pipeline(a):
@@ -122,7 +141,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m experiments.labs.check_answers",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("lab", choices=("zero", "pipeline", "grid"))
+    ap.add_argument("lab", choices=("zero", "pipeline", "grid", "compress"))
     ap.add_argument("file")
     a = ap.parse_args(argv)
     if a.lab == "grid":
@@ -130,7 +149,8 @@ def main(argv=None):
     else:
         with open(a.file, "rb") as f:
             answers = tomllib.load(f)
-        checks = (check_zero if a.lab == "zero" else check_pipeline)(answers)
+        checks = {"zero": check_zero, "pipeline": check_pipeline,
+                  "compress": check_compress}[a.lab](answers)
     wrong = total = 0
     shown = 0
     for name, got, want in checks:

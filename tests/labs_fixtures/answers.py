@@ -75,3 +75,11 @@ ring_rank = 5_333_333
 bsp = 0
 ssp_straggler = 1
 """
+
+COMPRESS = """params = 1_000_000
+ranks = 4
+ratio = 0.01
+dense_bytes = 6_000_000
+topk_bytes = 240_000
+break_even_ratio = 0.25
+"""

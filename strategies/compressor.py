@@ -1,0 +1,106 @@
+"""The --compress spec, parsed: which compression, and its one number.
+
+    spec = parse_compress("topk:0.01")      # CompressSpec(kind="topk", ratio=0.01)
+    spec = parse_compress("powersgd:4")     # CompressSpec(kind="powersgd", rank=4)
+    spec = parse_compress("fp16")           # CompressSpec(kind="fp16")
+
+    spec        what travels                               file
+    none        float32, all-reduced                       compress.py
+    fp16, bf16  a 16-bit cast, all-reduced                 compress.py
+    topk:R      the largest R fraction of each bucket,     topk.py
+                (index, value) pairs all-gathered
+    powersgd:K  rank-K factors P, Q of each matrix,        powersgd.py
+                all-reduced (vectors go dense)
+
+topk and powersgd drop most of the gradient on each step; error feedback
+(error_feedback.py, on unless --no-error-feedback) keeps what was dropped and
+adds it to the next step's gradient, so nothing is lost, only delayed.
+
+Torch-free on purpose: TrainConfig checks the spec on construction, and the
+sweep tools read configs without paying for `import torch`.
+"""
+import math
+from dataclasses import dataclass
+
+from allreduce.theory import bytes_sent
+
+from .choices import COMPRESSIONS, ConfigError
+
+# the compressions that keep state between steps and need error feedback to converge
+LOSSY_KINDS = ("topk", "powersgd")
+
+
+@dataclass(frozen=True)
+class CompressSpec:
+    kind: str = "none"            # none, fp16, bf16, topk, powersgd
+    ratio: float = 1.0            # topk: the fraction of each bucket's entries sent
+    rank: int = 0                 # powersgd: the rank of the factors
+
+    @property
+    def lossy(self):
+        """Whether the compression drops information each step (topk, powersgd): these
+        need the all-gather or factor exchange of an all-reduce sync, and error feedback."""
+        return self.kind in LOSSY_KINDS
+
+
+def parse_compress(text, flag="compress"):
+    """'none' | 'fp16' | 'bf16' | 'topk:RATIO' (0 < RATIO <= 1) | 'powersgd:RANK' (>= 1)
+    -> CompressSpec; ConfigError naming `flag` and the reason otherwise."""
+    text = str(text)
+    kind, sep, number = text.partition(":")
+    choices = f"{', '.join(COMPRESSIONS)}, topk:RATIO, powersgd:RANK"
+    if not sep and kind in COMPRESSIONS:
+        return CompressSpec(kind)
+    if kind == "topk" and sep:
+        try:
+            ratio = float(number)
+        except ValueError:
+            ratio = None
+        if ratio is None or not 0 < ratio <= 1:
+            raise ConfigError(f"{flag}={text!r}: topk:RATIO needs 0 < RATIO <= 1 "
+                              f"(e.g. topk:0.01 sends 1% of each bucket)")
+        return CompressSpec("topk", ratio=ratio)
+    if kind == "powersgd" and sep:
+        try:
+            rank = int(number)
+        except ValueError:
+            rank = 0
+        if rank < 1:
+            raise ConfigError(f"{flag}={text!r}: powersgd:RANK needs an integer RANK >= 1 "
+                              f"(e.g. powersgd:4)")
+        return CompressSpec("powersgd", rank=rank)
+    raise ConfigError(f"{flag}={text!r} is not one of {choices}")
+
+
+def topk_count(n, ratio):
+    """k: how many of a bucket's n entries are sent (at least one)."""
+    return max(1, min(n, math.ceil(ratio * n)))
+
+
+def wire_bytes_sent(n, ratio, P, algo="ring"):
+    """(top-k, float32) bytes one rank sends for a bucket of n float32 entries: the
+    all-gather of P packs of 2k int32 against the all-reduce of 4n bytes."""
+    k = topk_count(n, ratio)
+    return bytes_sent(algo, "allgather", P * 2 * k * 4, P), bytes_sent(algo, "allreduce", 4 * n, P)
+
+
+def check_compress(compress, sync, error_feedback=True, cli=True):
+    """The spec, and its combination with the sync, checked once for TrainConfig (cli:
+    messages name --flags) and SyncOptions (keyword names); returns the CompressSpec."""
+    def name(field, value):
+        return f"--{field.replace('_', '-')} {value}" if cli else f"{field}={value!r}"
+
+    spec = parse_compress(compress, "--compress" if cli else "compress")
+    what = name("compress", compress)
+    if spec.kind != "none" and sync == "local":
+        raise ConfigError(f"{what} with {name('sync', 'local')}: one process has no wire, "
+                          f"so there is nothing to compress")
+    if spec.kind != "none" and sync in ("ps", "hybrid"):
+        raise ConfigError(f"{what} with {name('sync', sync)} is not supported: the parameter "
+                          f"servers take float32 gradients (psrv's protocol) and run the "
+                          f"optimizer on them; use an all-reduce sync (ring, tree, ...)")
+    if not error_feedback and not spec.lossy:
+        raise ConfigError(f"{'--no-error-feedback' if cli else 'error_feedback=False'} "
+                          f"switches off the residuals of topk:RATIO and powersgd:RANK, "
+                          f"not of {what}")
+    return spec
