@@ -2,8 +2,8 @@
 
 Every payload frame psrv moves is ~1 MiB (protocol.CHUNK_BYTES), and libzmq
 allocates each received frame with malloc and frees it once Python drops it.
-glibc's defaults (Lee's dlmalloc design; "mallopt(3)", the GNU C Library
-manual) are made for the opposite load, few large blocks held long:
+glibc's malloc (ptmalloc, after Doug Lea, 1996, "A Memory Allocator"; its knobs
+in mallopt(3)) by default treats a large block as rare and long-lived:
 
     default                          what it does to a 64 MiB push+pull (64 frames each way)
     M_MMAP_THRESHOLD  128 KiB, moved  a block above it is mmap'ed and munmap'ed when freed;
@@ -12,11 +12,11 @@ manual) are made for the opposite load, few large blocks held long:
     M_TRIM_THRESHOLD  2 x the mmap   free space above it at the heap's top is given back
                       threshold      (brk/madvise), so the next frames fault it in again
 
-Measured on loopback TCP, 1 worker x 1 server, 64 MiB: 5-10 thousand minor
-page faults per round on each side with the defaults, and about none after
-`tune()`; the CPU time of a round fell from ~90-100 ms to ~55 ms (the faults
-are kernel time that neither overlaps the copy nor the optimizer).  A fault-free
-pyzmq echo shows the same: once glibc's threshold has moved up it stops faulting.
+Measured with psrv.bench on loopback TCP, 1 worker x 1 server, 64 MiB: 7,700-9,300
+minor page faults per round (worker and server together) with the defaults, 16
+after `tune()`, and the CPU time of a round fell from 82-95 ms to 66-73 ms
+(docs/parameter-server.md, "Data path").  A raw pyzmq echo faults too, until
+glibc's moving threshold happens to settle above its frames.
 
 `tune()` sets both, for the whole process:
 
