@@ -32,7 +32,8 @@ workers and the servers (or echoes) spent per iteration, all together.  On a
 machine of C cores nothing can run faster than cpu_ms / C, so the column says
 how far each kind is from being CPU-bound.  psrv does work the echo does not:
 it runs the optimizer over every byte on the server and copies every byte into
-`out` on the worker.
+`out` on the worker.  faults: the minor page faults they took per iteration,
+pages the kernel mapped in afresh (psrv/heap.py says why there should be few).
 """
 import argparse
 import multiprocessing as mp
@@ -54,7 +55,7 @@ from . import protocol as P
 from .client import Client
 from .config import OptimizerConfig
 from .launch import start_local_servers
-from .measure import collect, cpu_seconds
+from .measure import collect, cpu_seconds, minor_faults
 
 def echo_server(queue, endpoint):
     """The raw baseline's server: return every message as it came, zero-copy."""
@@ -159,12 +160,14 @@ def worker(w, num_workers, endpoints, echoes, rpc_port, sizes, reps, barrier, re
                 servers = pids[kind] if w == 0 else []     # worker 0 reads the servers' CPU
                 barrier.wait(120)
                 cpu = sum(map(cpu_seconds, [os.getpid()] + servers))
+                faults = sum(map(minor_faults, [os.getpid()] + servers))
                 start = time.perf_counter()
                 runs[kind](name, iters)
                 elapsed = time.perf_counter() - start
                 barrier.wait(120)           # the servers' work for the slower workers counts too
                 cpu = sum(map(cpu_seconds, [os.getpid()] + servers)) - cpu
-                results.put((kind, size, rep, w, elapsed / iters, cpu / iters))
+                faults = sum(map(minor_faults, [os.getpid()] + servers)) - faults
+                results.put((kind, size, rep, w, elapsed / iters, cpu / iters, faults / iters))
     client.close()
     for sock in raw:
         sock.close(linger=0)
@@ -199,12 +202,13 @@ def run_config(num_servers, num_workers, sizes, reps, transport="ipc", with_rpc=
                  for w in range(num_workers)]
         for p in procs:
             p.start()
-        times, cpus = {}, {}
-        for kind, size, rep, w, t, cpu in collect(results, len(sizes) * reps * len(pids) * num_workers,
+        times, cpus, faults = {}, {}, {}
+        for kind, size, rep, w, t, cpu, flt in collect(results, len(sizes) * reps * len(pids) * num_workers,
                                                   procs + echo_procs + rpc_procs):
             key = (kind, size, rep)
             times[key] = max(times.get(key, 0.0), t)      # the slowest worker sets the pace
             cpus[key] = cpus.get(key, 0.0) + cpu
+            faults[key] = faults.get(key, 0.0) + flt
         for p in procs + rpc_procs:
             p.join(60)
         servers.wait(60)
@@ -224,6 +228,7 @@ def run_config(num_servers, num_workers, sizes, reps, transport="ipc", with_rpc=
             rows.append({"kind": kind, "bytes": size, "workers": num_workers,
                          "servers": num_servers, "transport": "tcp" if kind == "torch_rpc" else transport,
                          "time_us": round(t * 1e6, 1), "cpu_ms": round(cpu * 1e3, 2),
+                         "faults": round(statistics.median(faults[(kind, size, r)] for r in range(reps))),
                          "cores": os.cpu_count(), "gbps": round(num_workers * 2 * size / t / 1e9, 3),
                          "round_us": [round(times[(kind, size, r)] * 1e6, 1) for r in range(reps)],
                          "reps": reps, "host": platform.node(), "loadavg": os.getloadavg()[0]})
@@ -248,7 +253,7 @@ def main(argv=None):
     if any(s % 4 or s <= 0 for s in sizes):
         raise SystemExit("sizes must be positive multiples of 4 bytes (float32)")
     print(f"{'kind':<9} {'servers':>7} {'workers':>7} {'bytes':>10} {'time_us':>11} "
-          f"{'GB/s':>7} {'cpu_ms':>8} {'psrv/this':>9}", flush=True)
+          f"{'GB/s':>7} {'cpu_ms':>8} {'faults':>7} {'psrv/this':>9}", flush=True)
     for s in (int(x) for x in a.servers.split(",")):
         for w in (int(x) for x in a.workers.split(",")):
             rows = run_config(s, w, sizes, a.reps, a.transport, not a.no_rpc)
@@ -256,7 +261,7 @@ def main(argv=None):
                 ps = next(x for x in rows if x["kind"] == "psrv" and x["bytes"] == r["bytes"])
                 ratio = f"{ps['gbps'] / r['gbps']:.2f}" if r["kind"] != "psrv" else ""
                 print(f"{r['kind']:<9} {s:7d} {w:7d} {r['bytes']:10d} {r['time_us']:11.1f} "
-                      f"{r['gbps']:7.3f} {r['cpu_ms']:8.2f} {ratio:>9}", flush=True)
+                      f"{r['gbps']:7.3f} {r['cpu_ms']:8.2f} {r['faults']:7d} {ratio:>9}", flush=True)
                 if a.jsonl:
                     append_jsonl(a.jsonl, [r])
 

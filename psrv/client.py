@@ -37,7 +37,7 @@ import time
 import numpy as np
 import zmq
 
-from . import auth
+from . import auth, heap
 from . import protocol as P
 from .config import Consistency, pack_config
 from .link import Link, PSError
@@ -84,6 +84,7 @@ class Client:
         self._slices = []                                   # server -> {key: Slice}
         self._numel = {}                                    # parameter name -> elements
         self._start_steps = {}                              # INIT request id -> clock
+        heap.tune()          # reuse freed 1 MiB frames instead of faulting in fresh pages
         self._ctx = zmq.Context()
         # a routing id of our own: a reconnect after a network blip is the same connection
         # to the server, which ties a worker id to the connection that registered it

@@ -41,3 +41,11 @@ def cpu_seconds(pid):
         except FileNotFoundError:       # a thread that ended meanwhile
             pass
     return total / 1e9
+
+
+def minor_faults(pid):
+    """Minor page faults a process has taken so far, all its threads (Linux /proc:
+    field 10 of stat).  A fault is a page the kernel had to map in, zeroed, on first
+    touch: many per round mean the heap gives memory back and takes it again (heap.py)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])

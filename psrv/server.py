@@ -44,7 +44,7 @@ import threading
 
 import zmq
 
-from . import auth
+from . import auth, heap
 from . import protocol as P
 from .config import unpack_config
 from .keys import load_server_keys
@@ -80,6 +80,7 @@ class Server:
         self.checkpoint_every, self.last_checkpoint = checkpoint_every, 0
         self.checkpoint_path = (os.path.join(checkpoint_dir, f"shard{shard}-of-{num_shards}.npz")
                                 if checkpoint_dir else None)
+        heap.tune()          # reuse freed 1 MiB frames instead of faulting in fresh pages
         self.store = Shard(shard)
         if resume and self.checkpoint_path and os.path.exists(self.checkpoint_path):
             self.store.load(self.checkpoint_path)
