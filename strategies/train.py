@@ -47,6 +47,7 @@ from .metrics import now
 from .models import build_model, count_parameters
 from .optimizer import DistributedOptimizer
 from .parallel import GridEngine, check
+from .precision import MixedPrecision, of_config
 from .sync import make_optimizer
 from .trace import Tracer
 
@@ -98,20 +99,26 @@ def control_rank(ctx):
     return MPI.COMM_WORLD.rank
 
 
-def one_step(step, cfg, ctx, data, model, sync, optimizer, device, forward=None, tracer=None):
-    """One training step; returns (local loss, compute s, exposed comm s, step s)."""
+def one_step(step, cfg, ctx, data, model, sync, optimizer, device, forward=None, tracer=None,
+             precision=None):
+    """One training step; returns (local loss, compute s, exposed comm s, step s).
+    precision: a precision.MixedPrecision (None: fp32) around the forward, the backward
+    and the update (fp16: skipped where the synchronised gradients overflowed)."""
+    precision = precision or MixedPrecision()
     t0 = now(device)
     x, y = data.batch(step, ctx.dp_rank, ctx.dp_size, cfg.global_batch, device)
     sync.before_backward()
     if ctx.rank == cfg.straggler_rank:             # --straggler: a slow GPU, seen as compute
         time.sleep(cfg.straggler_seconds)
-    loss = model.criterion((forward or model)(x), y)
+    with precision.autocast():
+        loss = model.criterion((forward or model)(x), y)
     t_forward = now(device) if tracer else None
-    loss.backward()
+    precision.backward(loss)
     t1 = now(device)
     sync.synchronize(step)
     t2 = now(device)
-    sync.step(optimizer)
+    # every rank holds the same averaged gradients, so every rank skips the same steps
+    precision.step([p.grad for p in model.parameters()], lambda: sync.step(optimizer))
     t3 = now(device)
     if tracer:                                     # --trace: the step's intervals, as lived
         tracer.add(f"forward {step}", "forward", t0, t_forward)
@@ -140,13 +147,17 @@ class DataParallel(loop.StepEngine):
         self.layout = {"world_size": ctx.world_size, "dp_size": ctx.dp_size, "pp_size": 1,
                        "tp_size": 1}
         self.tracer = Tracer(ctx.rank) if cfg.trace else None
+        # the model's fp32 parameters are the master weights; autocast casts them per matmul
+        self.precision = of_config(cfg, device.type)
 
     def step(self, step):
         loss, compute_s, comm_s, step_s = one_step(step, self.cfg, self.ctx, self.data,
                                                    self.model, self.sync, self.optimizer,
-                                                   self.device, tracer=self.tracer)
+                                                   self.device, tracer=self.tracer,
+                                                   precision=self.precision)
         return loss, {"step_time_s": step_s, "compute_time_s": compute_s,
-                      "comm_time_s": comm_s, "staleness": self.sync.staleness}
+                      "comm_time_s": comm_s, "staleness": self.sync.staleness,
+                      **self.precision.record()}
 
     def trace_label(self, rank):
         return f"worker {rank} ({self.cfg.sync})"
