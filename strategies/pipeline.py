@@ -34,6 +34,7 @@ from allreduce import shard_bounds
 from allreduce.transport import MPITransport
 
 from .models import GPT, MLP
+from .precision import MixedPrecision
 
 SPINS = 200_000        # polls (~0.1 s) before falling back to the transport's yielding wait
 
@@ -104,14 +105,16 @@ class Pipeline:
 
     transport: point-to-point over the pp communicator (rank i = stage i).
     activation_shape(n): shape of the activation between stages for n samples.
-    meter: memory.ActivationMeter around every forward; tracer: trace.Tracer."""
+    meter: memory.ActivationMeter around every forward; tracer: trace.Tracer;
+    precision: precision.MixedPrecision (autocast, the scaled loss; None: fp32)."""
 
     def __init__(self, stage_module, criterion, transport, stage, stages, micro_batches,
-                 schedule, activation_shape, tracer, meter):
+                 schedule, activation_shape, tracer, meter, precision=None):
         self.module, self.criterion, self.transport = stage_module, criterion, transport
         self.stage, self.stages, self.m = stage, stages, micro_batches
         self.schedule, self.activation_shape = schedule, activation_shape
         self.tracer, self.meter = tracer, meter
+        self.precision = precision or MixedPrecision()
         self.first, self.last = stage == 0, stage == stages - 1
         # an MPI request can be tested without blocking; other transports' handles wait
         self.spins = isinstance(transport, MPITransport)
@@ -169,7 +172,8 @@ class Pipeline:
                 self.receive(inp, self.stage - 1, i)
             inp.requires_grad_()
         before = self.meter.live_bytes
-        with self.tracer.span(f"forward mb{i}", "forward"), self.meter:
+        with self.tracer.span(f"forward mb{i}", "forward"), self.meter, \
+                self.precision.autocast():
             out = self.module(inp)
             if self.last:
                 out = self.criterion(out, self.y[start:stop]) * ((stop - start) / self.n)
@@ -187,7 +191,7 @@ class Pipeline:
         inp, out = self.saved.pop(i)
         if self.last:
             with self.tracer.span(f"backward mb{i}", "backward"):
-                out.backward()
+                self.precision.backward(out)          # fp16: of the scaled loss
         else:
             grad = torch.empty(out.shape)
             with self.tracer.span(f"wait gradient mb{i}", "idle"):

@@ -98,11 +98,9 @@ class MixedPrecision:
             return nullcontext()
         return torch.autocast(self.device_type, dtype=self.half)
 
-    def backward(self, loss, grad=None):
+    def backward(self, loss):
         """Step 2: backward of S x loss (fp16), of the loss itself otherwise."""
-        if grad is not None:                          # a pipeline stage's received gradient
-            loss.backward(grad)
-        elif self.scaler is None:
+        if self.scaler is None:
             loss.backward()
         else:
             (loss * self.scaler.scale).backward()
