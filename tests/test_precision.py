@@ -157,3 +157,19 @@ def test_two_ranks_bf16_ring_and_zero_memory_per_rank_match_the_formula(tmp_path
                 assert mem[part] == pytest.approx(want[part], rel=MEMORY_RTOL), (s, part)
     bf16_loss, fp16_loss = final_loss(runs["zero2"]), final_loss(runs["zero2_fp16"])
     assert np.isfinite(fp16_loss) and fp16_loss == pytest.approx(bf16_loss, rel=LOSS_RTOL)
+
+
+def test_zero_memory_figure_draws_fp32_beside_mixed_precision(tmp_path):
+    """The report's figure (d): one bar per (precision, stage), fp32 first."""
+    from experiments import training_plots
+    cfg = {"model": "mlp", "width": 8, "depth": 1, "global_batch": 8, "world_size": 2,
+           "sync": "ring", "dp": 2, "optimizer": "adam"}
+    records = [{"command": "strategies.train", "kind": "step", "point": f"{p}{z}", "step": 0,
+                "rank": 0, "config": {**cfg, "zero": z, "precision": p},
+                "memory": {**zero_memory(1000, 2, z, p), "activations_peak": 100}}
+               for p in ("fp32", "bf16") for z in (0, 3)]
+    assert training_plots.zero_memory(records, str(tmp_path))
+    (panel,) = json.load(open(tmp_path / "zero_memory.json"))
+    params = next(b for b in panel["bars"] if b["label"] == "params")
+    assert params["x"] == ["ZeRO-0", "ZeRO-3", "ZeRO-0 bf16", "ZeRO-3 bf16"]
+    assert params["height"][2] * 2**20 == pytest.approx(2000)      # 2 bytes a parameter
