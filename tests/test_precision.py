@@ -173,3 +173,36 @@ def test_zero_memory_figure_draws_fp32_beside_mixed_precision(tmp_path):
     params = next(b for b in panel["bars"] if b["label"] == "params")
     assert params["x"] == ["ZeRO-0", "ZeRO-3", "ZeRO-0 bf16", "ZeRO-3 bf16"]
     assert params["height"][2] * 2**20 == pytest.approx(2000)      # 2 bytes a parameter
+
+
+def test_distributed_optimizer_bf16_and_fp16_in_a_loop_of_ones_own():
+    """The user's seam: autocast, backward and step of DistributedOptimizer(precision=...);
+    bf16 and fp16 end within LOSS_RTOL of fp32, and fp16 at a scale that overflows
+    skips and counts its first steps."""
+    import strategies
+
+    def train(precision, **scale):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, 4))
+        x, y = torch.randn(64, 8), torch.randint(0, 4, (64,))
+        with strategies.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                             model, sync="local", precision=precision,
+                                             **scale) as opt:
+            for _ in range(N_STEPS):
+                opt.zero_grad()
+                with opt.autocast():
+                    loss = torch.nn.functional.cross_entropy(model(x), y)
+                opt.backward(loss)
+                opt.step()
+            return loss.item(), opt.overflow_skips, opt.loss_scale
+
+    fp32, bf16, fp16 = train("fp32"), train("bf16"), train("fp16")
+    assert bf16[0] == pytest.approx(fp32[0], rel=LOSS_RTOL) and bf16[1:] == (0, None)
+    assert fp16[0] == pytest.approx(fp32[0], rel=LOSS_RTOL) and fp16[1:] == (0, 2.0**16)
+    overflowing = train("fp16", loss_scale=1e9, loss_scale_window=1000)
+    assert 0 < overflowing[1] < N_STEPS and overflowing[2] < 1e9
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="precision='bf16' with sync='ps'"):
+        strategies.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                        sync="ps", precision="bf16")
