@@ -1,7 +1,7 @@
 """The lab sheets' commands run as written, from the repository root, without
 activating the venv.
 
-Each fenced ```bash block of experiments/labs/0[1-5]_*.md is cut into commands (a
+Each fenced ```bash block of experiments/labs/0[1-57-8]_*.md is cut into commands (a
 line continued by a backslash, a heredoc and a for-loop are one command each), and
 the commands of a sheet run in order with bash, in a scratch copy of the repository
 root (its entries linked, a `results/` of its own), with the venv's bin directory
@@ -32,7 +32,7 @@ import pytest
 from conftest import ROOT, run
 from labs_fixtures import answers
 
-SHEETS = sorted(glob.glob(os.path.join(ROOT, "experiments", "labs", "0[1-5]_*.md")))
+SHEETS = sorted(glob.glob(os.path.join(ROOT, "experiments", "labs", "0[1-57-8]_*.md")))
 SKIP = re.compile(r"#\s*\[(long|after)\b")
 EXITS = re.compile(r"#.*\bexits (\d+)")
 HEREDOC = re.compile(r"<<-?\s*'?(\w+)'?")
@@ -40,7 +40,7 @@ BARE = re.compile(r"(?<![\w/.-])(python3?|mpiexec|mpirun|pip|pytest)\s+-")
 # What a student writes, and the right answer the test writes in its place.
 ANSWERS = {"my_ring.py": answers.ring(), "my_zero.toml": answers.ZERO,
            "my_pipeline.toml": answers.PIPELINE, "my_grid.py": answers.GRID,
-           "my_ps.toml": answers.PS}
+           "my_ps.toml": answers.PS, "my_precision.toml": answers.PRECISION}
 VENV_BIN = os.path.dirname(sys.executable)
 
 

@@ -1,6 +1,7 @@
-"""Self-check of the pen-and-paper parts of labs 3, 4 and 5: your numbers against the formulas.
+"""Self-check of the pen-and-paper parts of labs 3, 4, 5 and 7: your numbers against the formulas.
 
     .venv/bin/python -m experiments.labs.check_answers zero my_zero.toml
+    .venv/bin/python -m experiments.labs.check_answers precision my_precision.toml
     .venv/bin/python -m experiments.labs.check_answers pipeline my_pipeline.toml
     .venv/bin/python -m experiments.labs.check_answers grid my_grid.py
 
@@ -14,6 +15,13 @@ Answer files (templates in the lab sheets):
     params = ...
     grads = ...
     optimizer = ...
+
+    # my_precision.toml: the same in mixed precision (16-bit params and grads, fp32
+    # master weights and Adam's moments), and SGD with momentum at stage 0
+    params = 1_000_000
+    ranks = 4
+    stage0 = ...              # (a total, or [stageN] parts, as above)
+    momentum_stage0 = ...
 
     # my_pipeline.toml
     stages = 4
@@ -44,16 +52,23 @@ def close(got, want):
     return isinstance(got, (int, float)) and abs(got - want) <= 0.01 * max(abs(want), 1e-12)
 
 
-def check_zero(a):
+def check_zero(a, precision="fp32"):
     psi, N = a["params"], a["ranks"]
     for stage in range(4):
-        want = costmodel.zero_memory(psi, N, stage)
+        want = costmodel.zero_memory(psi, N, stage, precision)
         got = a.get(f"stage{stage}")
         if isinstance(got, dict):           # graded part by part
             for part in want:
                 yield f"stage{stage}.{part}", got.get(part), want[part]
         else:
             yield f"stage{stage}", got, sum(want.values())
+
+
+def check_precision(a):
+    """Lab 7: ZeRO's stages in mixed precision, and how the optimizer changes K."""
+    yield from check_zero(a, "bf16")
+    want = costmodel.zero_memory(a["params"], a["ranks"], 0, "bf16", "momentum")
+    yield "momentum_stage0", a.get("momentum_stage0"), sum(want.values())
 
 
 def check_pipeline(a):
@@ -119,7 +134,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m experiments.labs.check_answers",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("lab", choices=("zero", "pipeline", "grid"))
+    ap.add_argument("lab", choices=("zero", "precision", "pipeline", "grid"))
     ap.add_argument("file")
     a = ap.parse_args(argv)
     if a.lab == "grid":
@@ -127,7 +142,8 @@ def main(argv=None):
     else:
         with open(a.file, "rb") as f:
             answers = tomllib.load(f)
-        checks = (check_zero if a.lab == "zero" else check_pipeline)(answers)
+        checks = {"zero": check_zero, "precision": check_precision,
+                  "pipeline": check_pipeline}[a.lab](answers)
     wrong = total = 0
     shown = 0
     for name, got, want in checks:
