@@ -15,6 +15,7 @@ Read in this order:
     moe.py         the MoE layer: top-1/top-2 gating, expert capacity per group, balance loss
     buckets.py     flat gradient buckets, all-reduced during backward by a comm thread
     compress.py    none / fp16 / bf16 on the wire
+    precision.py   --precision bf16 / fp16: autocast, fp32 master weights, loss scaling
     sync.py        the sync contract (GradientSync); local and the all-reduce backends
     ps_sync.py     parameter servers, and hybrid (all-reduce in a node, servers between)
     optimizer.py   DistributedOptimizer: builds every sync, for a loop of the user's own
