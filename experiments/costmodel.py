@@ -54,6 +54,9 @@ from allreduce.costs import (ALLREDUCE, Machine, allreduce_time,  # noqa: F401 (
                              tree_allreduce)
 from allreduce.twolevel import (cluster_allreduce_time, link_from_calibration,  # noqa: F401
                                 link_of_rate)
+from strategies.bubble import (  # noqa: F401 (re-exported)
+    activations_in_flight as pipeline_activations_in_flight, bubble_fraction, bubble_to_compute)
+
 from strategies.memory import bytes_per_parameter, zero_memory  # noqa: F401 (re-exported)
 
 
@@ -119,28 +122,10 @@ def zero_comm_bytes(psi, N, stage, bytes_per_param=4):
 
 
 # -------------------------------------------------------------------- pipelines
-def bubble_fraction(p, m):
-    """Idle share of a GPipe or 1F1B step with p stages and m micro-batches:
-    (p - 1) / (m + p - 1) (Huang et al., "GPipe", NeurIPS 2019; 1F1B of
-    Narayanan et al., "PipeDream-2BW"/"Efficient large-scale language model
-    training on GPU clusters using Megatron-LM", SC 2021, has the same bubble)."""
-    if p < 1 or m < 1:
-        raise ValueError(f"need p >= 1 stages and m >= 1 micro-batches, got p={p}, m={m}")
-    return (p - 1) / (m + p - 1)
-
-
-def pipeline_step_time(p, m, t_forward, t_backward, activation_bytes, link):
-    """(m + p - 1) slots of one micro-batch's forward + backward on one stage, each
-    slot also sending an activation (forward) and its gradient (backward)."""
+# The bubble and the activations in flight: strategies/bubble.py, re-exported above.
+def pipeline_step_time(p, m, t_forward, t_backward, activation_bytes, link, v=1):
+    """(v m + p - 1) slots of one micro-batch's forward + backward on one chunk (1/v of
+    a stage: v = 1 for GPipe and 1F1B, v chunks a rank interleaved), each slot also
+    sending an activation (forward) and its gradient (backward)."""
     send = link.alpha + activation_bytes * link.beta if p > 1 else 0.0
-    return (m + p - 1) * (t_forward + t_backward + 2 * send)
-
-
-def pipeline_activations_in_flight(p, m, schedule, stage=0):
-    """Micro-batches whose activations `stage` holds at once: GPipe all m;
-    1F1B at most p - stage (Narayanan et al. 2021, section 2.2)."""
-    if schedule == "gpipe":
-        return m
-    if schedule == "1f1b":
-        return min(m, p - stage)
-    raise ValueError(f"schedule must be gpipe or 1f1b, got {schedule!r}")
+    return (v * m + p - 1) * ((t_forward + t_backward) / v + 2 * send)

@@ -12,7 +12,7 @@ and dtype), the group with the most variants, and names it in the title.  Figure
   (b) strategy_breakdown     strategies.train: throughput; compute / exposed comm / idle
   (c) scaling                allreduce.bench: time against ranks, measured and predicted
   (d) zero_memory            strategies.train on dp alone: memory per rank by ZeRO stage
-  (e) pipeline_gantt         strategies.train --pp --trace: GPipe beside 1F1B, the bubble
+  (e) pipeline_gantt         strategies.train --pp --trace: GPipe, 1F1B, interleaved; bubble
   (f) ps_consistency         BSP/SSP/ASP: loss, each worker's clock, the server's updates
   (g) crossovers             experiments.simulate: predicted time against ranks, two levels
 The collectives' figures (a), (c), (g) are here; training's (b), (d)-(f) in

@@ -52,10 +52,12 @@ FIGURES = [  # (function, title, what to look at, what produces its records)
      "Each stage removes one part from the rank: optimizer state at ZeRO-1, gradients at "
      "2, parameters at 3; activations stay.",
      "strategies.train [[run]]s on the grid (dp = 2) with zero = [0, 1, 2, 3]"),
-    (plots.pipeline_gantt, "(e) pipeline Gantt chart, GPipe beside 1F1B",
-     "The hatched bubble is about as large in both schedules; 1F1B holds fewer "
-     "micro-batches' activations at once (the count on the right).",
-     "strategies.train [[run]]s with pp = 2, schedule = [\"gpipe\", \"1f1b\"], trace = true"),
+    (plots.pipeline_gantt, "(e) pipeline Gantt chart, GPipe, 1F1B and interleaved 1F1B",
+     "The hatched bubble is about as large in GPipe and 1F1B; 1F1B holds fewer "
+     "micro-batches' activations at once (the count on the right); the interleaved "
+     "schedule's v chunks a rank shrink the bubble.",
+     "strategies.train [[run]]s with pp = 2, schedule = [\"gpipe\", \"1f1b\"] (and "
+     "\"interleaved\" with virtual_stages = 2), trace = true"),
     (plots.ps_consistency, "(f) parameter-server consistency with a straggler",
      "BSP's clocks move in lockstep with staleness 0; under SSP and ASP the fast worker "
      "runs ahead and the straggler's pushes grow stale.",
@@ -76,13 +78,16 @@ def pipeline_traces(d, points):
               and p.get("config", {}).get("trace") and p.get("config", {}).get("pp", 1) > 1
               and os.path.exists(os.path.join(d, "raw", f"{p.get('point')}.trace.json"))}
     chosen = one_comparison(traced, lambda c: model_of(c, "pp", "tp", "zero"),
-                            lambda k, c: (c.get("schedule"), c.get("micro_batches", 1)))
+                            lambda k, c: (c.get("schedule"), c.get("micro_batches", 1),
+                                          c.get("virtual_stages", 1)))
     traces, about = {}, ""
     for point, (p,) in chosen.items():
         cfg = p["config"]
         with open(os.path.join(d, "raw", f"{point}.trace.json")) as f:
             events = json.load(f).get("traceEvents", [])
-        traces[f"{cfg.get('schedule', '?')}, m={cfg.get('micro_batches', 1)}"] = events
+        v = cfg.get("virtual_stages", 1)
+        traces[f"{cfg.get('schedule', '?')}, m={cfg.get('micro_batches', 1)}" +
+               (f", v={v}" if v > 1 else "")] = events
         about = f"{describe(cfg)}{cores_of([p])}, p={cfg.get('pp')} stages"
     return traces, about
 

@@ -13,6 +13,9 @@ from collections import defaultdict
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
+from strategies.bubble import bubble_fraction
+from strategies.choices import SCHEDULES
+
 from .palette import PARTS, colour_of, cores_of, save, spread
 from .records import describe, labels_of, model_of, one_comparison
 
@@ -164,6 +167,7 @@ def last_step(events):
 
 
 MICRO_BATCH = re.compile(r"mb ?(\d+)")          # strategies/pipeline.py: "forward mb3"
+CHUNK = re.compile(r"chunk ?(\d+)")             # interleaved: "forward mb3 chunk1"
 
 
 def row_names(events):
@@ -212,7 +216,11 @@ def pipeline_gantt(traces, out_dir, about=""):
         return None
     fig, axes = plt.subplots(len(traces), 1, figsize=(11, 1.2 + 1.6 * len(traces)),
                              squeeze=False)
-    for ax, (schedule, events) in zip(axes[:, 0], sorted(traces.items())):
+    def panel_order(item):           # GPipe, 1F1B, interleaved: the order they came in
+        name = item[0].split(",")[0]
+        return (SCHEDULES.index(name) if name in SCHEDULES else len(SCHEDULES), item[0])
+
+    for ax, (schedule, events) in zip(axes[:, 0], sorted(traces.items(), key=panel_order)):
         t0 = min(e["ts"] for e in events)
         span = (max(e["ts"] + e["dur"] for e in events) - t0) / 1e3
         stages = sorted({e.get("pid", 0) for e in events})
@@ -222,21 +230,24 @@ def pipeline_gantt(traces, out_dir, about=""):
             left, width = (e["ts"] - t0) / 1e3, e["dur"] / 1e3
             ax.barh(e.get("pid", 0), width, left=left, color=PARTS[e["cat"]], edgecolor="0.3",
                     lw=0.5)
-            mb = MICRO_BATCH.search(e.get("name", ""))
-            if mb and width > span / 80:
-                ax.text(left + width / 2, e.get("pid", 0), mb.group(1), ha="center",
-                        va="center", fontsize=7)
+            mb, chunk = MICRO_BATCH.search(e.get("name", "")), CHUNK.search(e.get("name", ""))
+            if mb and width > span / 80:          # interleaved: "3.1", micro-batch 3, chunk 1
+                ax.text(left + width / 2, e.get("pid", 0),
+                        mb.group(1) + (f".{chunk.group(1)}" if chunk else ""), ha="center",
+                        va="center", fontsize=7 if not chunk else 6)
         rows = [names[schedule].get(s, f"rank {s}") for s in stages]
-        p = len(set(rows))               # p and m as the schedules' papers name them
+        p = len(set(rows))               # p, m and v as the schedules' papers name them
         m = len({mb.group(1) for e in events if (mb := MICRO_BATCH.search(e.get("name", "")))})
+        v = len({c.group(1) for e in events if (c := CHUNK.search(e.get("name", "")))}) or 1
+        formula = "(p-1)/(vm+p-1)" if v > 1 else "(p-1)/(m+p-1)"
         ax.set_yticks(stages, rows)
         ax.set_xlim(0, span * 1.01)
         ax.set_title(f"{schedule} (last step)", fontsize=10)
         ax.set_title(f"bubble {bubble(events):.0%} measured" + (
-            f", {(p - 1) / (m + p - 1):.0%} by (p-1)/(m+p-1)" if m else ""), loc="left",
+            f", {bubble_fraction(p, m, v):.0%} by {formula}" if m else ""), loc="left",
             fontsize=8)
-        ax.set_title(f"at most {in_flight(events)} micro-batches in flight", loc="right",
-                     fontsize=8)
+        ax.set_title(f"at most {in_flight(events)} " + ("chunk-" if v > 1 else "") +
+                     "micro-batches in flight", loc="right", fontsize=8)
         ax.invert_yaxis()
     axes[0, 0].legend(handles=[Patch(color=PARTS["forward"], label="forward"),
                                Patch(color=PARTS["backward"], label="backward"),
@@ -250,6 +261,8 @@ def pipeline_gantt(traces, out_dir, about=""):
         "Numbers: each span's micro-batch.  Same bubble, less memory: GPipe runs all m "
         "forwards before any backward, so a stage holds m micro-batches' activations;\n"
         "1F1B starts micro-batch i's backward before forward i+p, so it holds at most p. "
+        "Interleaved (i.c: micro-batch i on chunk c): v chunks a rank, slots 1/v as long, "
+        "so the fill and drain shrink v-fold.\n"
         "The measured bubble parts from the formula's where stages are uneven and sends wait."))
 
 

@@ -19,6 +19,8 @@ Read in this order:
     sync.py        the sync contract (GradientSync); local and the all-reduce backends
     ps_sync.py     parameter servers, and hybrid (all-reduce in a node, servers between)
     optimizer.py   DistributedOptimizer: builds every sync, for a loop of the user's own
+    accumulation.py  --grad-accum: k micro-steps, communication once (sync.no_sync)
+    recompute.py   --recompute: each block's forward re-run in backward (checkpointing)
     example_user_model.py  a complete run of it on a small CNN of its own
     metrics.py     JSON Lines records, progress bar, summary
     checkpoint.py  atomic checkpoints and --resume
@@ -32,6 +34,8 @@ Read in this order:
     tensor_parallel.py  Megatron's f and g, column/row-parallel linears, split heads
     sequence_parallel.py  LayerNorms and residuals on T/tp positions (--sequence-parallel)
     pipeline.py    stages of blocks; GPipe and 1F1B over the point-to-point transport
+    interleaved.py  interleaved 1F1B: v chunks of layers a rank (--virtual-stages)
+    bubble.py      the pipeline formulas: bubble fractions, activations in flight
     memory.py      params / grads / optimizer / saved-activation bytes, measured
     trace.py       Chrome trace (Perfetto) of forward, backward, comm and idle time
     parallel.py    the grid's step engine: builds the rank's share, runs the step

@@ -20,8 +20,9 @@ zero:     MLP with Adam, in fp32 and in mixed precision (bf16, --precision).  Pe
           (0 3 0 3 ...) because this VM's speed drifts minute by minute.
 pipeline: MLP cut into 2 stages; the bubble of each rank = the share of the
           schedule's span spent in neither forward nor backward (trace.py),
-          against (p-1)/(m+p-1); and on stage 0 the peak of saved activations
-          over one micro-batch's, GPipe against 1F1B.
+          against bubble.py's (p-1)/(m+p-1), and (p-1)/(v m+p-1) for the
+          interleaved schedule with v chunks a rank; and on stage 0 the peak of
+          saved activations over one micro-batch's, GPipe against 1F1B.
 """
 import argparse
 import os
@@ -32,6 +33,7 @@ from allreduce.cli import add_output_flags, out_dir
 from allreduce.harness import Timings
 from allreduce.records import append_jsonl, provenance, read_jsonl
 
+from .bubble import bubble_fraction
 from .memory import zero_memory
 
 MLP = ["--model", "mlp", "--width", "512", "--depth", "4", "--in-dim", "512", "--classes", "16",
@@ -142,31 +144,33 @@ def mixed_rows(directory, psi, N):
 
 def pipeline_part(world, directory, n_steps):
     from mpi4py import MPI
-    runs = [(s, m) for m in (1, 4, 8) for s in ("gpipe", "1f1b")]
-    for s, m in runs:
-        train(PIPE + ["--schedule", s, "--micro-batches", str(m), "--steps", str(n_steps)],
-              os.path.join(directory, f"{s}_{m}.jsonl"))
+    # (schedule, m, v): the interleaved schedule needs m a multiple of p, 8 layers % (p v)
+    runs = [(s, m, 1) for m in (1, 4, 8) for s in ("gpipe", "1f1b")] + \
+        [("interleaved", 4, 2), ("interleaved", 8, 2), ("interleaved", 8, 4)]
+    for s, m, v in runs:
+        train(PIPE + ["--schedule", s, "--micro-batches", str(m), "--virtual-stages", str(v),
+                      "--steps", str(n_steps)], os.path.join(directory, f"{s}_{m}_{v}.jsonl"))
     if MPI.COMM_WORLD.rank:
         return []
     p = 2
     rows = []
     print(f"Pipeline, p = {p}: bubble = share of the schedule in neither forward nor backward")
-    print(f"{'schedule':>8} {'m':>3} {'bubble':>7} {'theory':>7} {'stage0':>7} {'stage1':>7} "
-          f"{'act. live / one mb (stage 0)':>29}")
-    for s, m in runs:
-        records = steps(os.path.join(directory, f"{s}_{m}.jsonl"))
+    print(f"{'schedule':>11} {'m':>3} {'v':>2} {'bubble':>7} {'theory':>7} {'stage0':>7} "
+          f"{'stage1':>7} {'act. live / one mb (stage 0)':>29}")
+    for s, m, v in runs:
+        records = steps(os.path.join(directory, f"{s}_{m}_{v}.jsonl"))
         per_stage = [statistics.median(r["bubble_fraction"] for r in records
                                        if r["coords"][1] == k) for k in range(p)]
         first = [r for r in records if r["coords"][1] == 0]
         live = max(r["memory"]["activations_peak"] / r["micro_batch_activation_bytes"]
                    for r in first)
-        row = {"kind": "pipeline", "schedule": s, "m": m, "p": p,
-               "bubble": statistics.mean(per_stage), "theory": (p - 1) / (m + p - 1),
+        row = {"kind": "pipeline", "schedule": s, "m": m, "p": p, "v": v,
+               "bubble": statistics.mean(per_stage), "theory": bubble_fraction(p, m, v),
                "per_stage": per_stage, "stage0_live_micro_batches": live,
                "stage0_peak_in_flight": max(r["peak_in_flight"] for r in first)}
         rows.append(row)
-        print(f"{s:>8} {m:>3} {row['bubble']:>7.3f} {row['theory']:>7.3f} {per_stage[0]:>7.3f} "
-              f"{per_stage[1]:>7.3f} {live:>29.2f}")
+        print(f"{s:>11} {m:>3} {v:>2} {row['bubble']:>7.3f} {row['theory']:>7.3f} "
+              f"{per_stage[0]:>7.3f} {per_stage[1]:>7.3f} {live:>29.2f}")
     return rows
 
 

@@ -27,14 +27,18 @@ the main thread after backward, the same calls in the same order.
 
 One backward per step: a bucket is handed over once its parameters' gradients
 arrived, so a second backward before `wait` would add into buffers the thread
-may be sending; the hook refuses it.  `wait` re-arms the buckets, so the next
-backward works whoever cleared the gradients (a user loop may call
-model.zero_grad() or not clear them at all).
+may be sending; the hook refuses it.  Except inside `accumulating()` (DDP's
+no_sync, used by accumulation.py): there the hooks hand nothing over and
+autograd adds each micro-batch's gradients into .grad; the backward after it
+sends the sum, one all-reduce per bucket for the whole step.  `wait` re-arms
+the buckets, so the next backward works whoever cleared the gradients (a user
+loop may call model.zero_grad() or not clear them at all).
 """
 import os
 import queue
 import sys
 import threading
+from contextlib import contextmanager
 
 import torch
 
@@ -86,9 +90,12 @@ class Bucket:
             self.target = self.flat
 
     def fill_missing(self):
-        """Parameters that got no gradient this step contribute zeros."""
+        """Parameters that got no gradient in the last backward contribute the one they
+        hold (accumulated under no_sync, or left by a loop that did not clear it), or zeros."""
         for p in self.params:
-            if p.grad is None and self.alone:
+            if p.grad is not None and p not in self.arrived:
+                self.take(p)
+            elif p.grad is None and self.alone:
                 p.grad = torch.zeros_like(p)
                 self.target = p.grad.view(-1)
             elif p.grad is None:
@@ -130,6 +137,8 @@ class GradBuckets:
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
         self.error = None
+        self.reductions = 0                          # bucket all-reduces so far
+        self._accumulating = False
         self._ready = queue.Queue()
         self._done = queue.Queue()
         self._thread = None
@@ -150,8 +159,20 @@ class GradBuckets:
             for p in b.params:
                 p.grad = None
 
+    @contextmanager
+    def accumulating(self):
+        """Backwards inside add into .grad and launch no all-reduce (DDP's no_sync):
+        the micro-batches of gradient accumulation before the last one."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
     def _on_grad_ready(self, p):
         # Runs inside backward, once p.grad holds this step's full gradient.
+        if self._accumulating:
+            return                                   # autograd keeps adding into p.grad
         b = self.bucket_of[p]
         if b.pending < 0 or p in b.arrived:
             raise RuntimeError("a second backward before the gradients of the first were "
@@ -193,6 +214,7 @@ class GradBuckets:
         if b.event is not None:
             b.event.synchronize()
         wire = self.compressor.compress(b.target, b.wire)
+        self.reductions += 1
         self.reduce(wire)
         self.compressor.decompress(wire, b.target)
 

@@ -83,7 +83,10 @@ class TrainConfig:
                                      # the sequence each (Korthikanti et al. 2023)
     zero: int = 0                 # ZeRO stage over the dp axis: 0 (plain DP), 1, 2, 3
     micro_batches: int = 1        # per step and dp replica
-    schedule: str = "1f1b"        # pipeline schedule: gpipe or 1f1b
+    schedule: str = "1f1b"        # pipeline schedule: gpipe, 1f1b or interleaved (needs
+                                  # --virtual-stages >= 2)
+    virtual_stages: int = 1       # interleaved: model chunks per pipeline rank (Narayanan
+                                  # et al. 2021); the model is cut into pp x v stages
     trace: str = ""               # write a Chrome trace (Perfetto) of every rank's steps to FILE
     # emulation (experiments): a slower network, a slow rank
     link_latency_us: float = 0.0  # per message, on the textbook all-reduce backends' links
@@ -97,6 +100,10 @@ class TrainConfig:
     # optimisation
     steps: int = 100              # training steps (a resumed run ends at the same one)
     global_batch: int = 64        # samples per step, split evenly across the data-parallel ranks
+    grad_accum: int = 1           # micro-steps per step: each rank's batch in K parts, their
+                                  # gradients added up, communicated once (accumulation.py)
+    recompute: bool = False       # keep only each block's input; re-run its forward in
+                                  # backward (activation checkpointing, recompute.py)
     lr: float = 0.05              # learning rate
     optimizer: str = "sgd"        # sgd or adam (torch's; under ps the servers run it)
     momentum: float = 0.0         # sgd momentum
@@ -127,7 +134,7 @@ class TrainConfig:
         choose("zero", ZERO_STAGES)
         for field in ("steps", "global_batch", "width", "depth", "layers", "d_model", "heads",
                       "vocab", "seq_len", "in_dim", "classes", "dataset_size", "servers",
-                      "pp", "tp", "micro_batches"):
+                      "pp", "tp", "micro_batches", "virtual_stages", "grad_accum"):
             if getattr(self, field) < 1:
                 raise ConfigError(f"--{field.replace('_', '-')} must be >= 1, "
                                   f"got {getattr(self, field)}")
@@ -164,15 +171,37 @@ class TrainConfig:
             raise ConfigError(f"--sequence-parallel: --seq-len {self.seq_len} is not divisible "
                               f"by tp({self.tp}): {self.seq_len} % {self.tp} = "
                               f"{self.seq_len % self.tp}")
+        self.check_schedule()
         if self.on_grid and self.sync not in ALLREDUCE_SYNCS:
             what = f"--zero {self.zero}" if self.zero else "--dp/--pp/--tp/--micro-batches"
             raise ConfigError(f"{what} needs an all-reduce --sync ({', '.join(ALLREDUCE_SYNCS)}),"
                               f" not --sync {self.sync}: the grid's axes talk through collectives")
+        if self.on_grid and self.grad_accum > 1:
+            raise ConfigError(f"--grad-accum {self.grad_accum} with --dp/--pp/--tp/--zero/"
+                              f"--micro-batches: the grid accumulates over its micro-batches "
+                              f"already; use --micro-batches {self.grad_accum}")
+        if self.on_grid and self.recompute:
+            raise ConfigError("--recompute with --dp/--pp/--tp/--zero/--micro-batches is not "
+                              "supported yet: it wraps the whole model's blocks (plain loop)")
         if self.on_grid and self.device != "cpu":
             raise ConfigError("--dp/--pp/--tp/--zero run on --device cpu only so far "
                               "(activations travel through the MPI transport, not NCCL)")
         if self.on_grid and self.checkpoint_dir:
             raise ConfigError("checkpoints are not supported with --dp/--pp/--tp/--zero yet")
+
+    def check_schedule(self):
+        """--schedule interleaved and --virtual-stages go together, on a pipeline;
+        interleaved.check adds the micro-batches and the model's cut."""
+        interleaved = self.schedule == "interleaved"
+        if self.virtual_stages > 1 and not interleaved:
+            raise ConfigError(f"--virtual-stages {self.virtual_stages} needs --schedule "
+                              f"interleaved, not --schedule {self.schedule}")
+        if interleaved and self.virtual_stages < 2:
+            raise ConfigError(f"--schedule interleaved needs --virtual-stages >= 2, got "
+                              f"--virtual-stages {self.virtual_stages} (with 1 it is 1f1b)")
+        if interleaved and self.pp < 2:
+            raise ConfigError(f"--schedule interleaved --virtual-stages {self.virtual_stages} "
+                              f"needs a pipeline: --pp >= 2, got --pp {self.pp}")
 
     def check_moe(self):
         """The mixture-of-experts flags alone; expert_parallel.check adds the world's."""
@@ -183,6 +212,13 @@ class TrainConfig:
                 or self.ep < 1:
             raise ConfigError("--capacity-factor must be > 0, --moe-group and --balance-loss "
                               ">= 0, --ep >= 1")
+        if self.model == "moe" and self.grad_accum > 1:
+            raise ConfigError(f"--model moe with --grad-accum {self.grad_accum} is not "
+                              "supported: micro-steps would change the gating groups and "
+                              "each expert's capacity")
+        if self.model == "moe" and self.recompute:
+            raise ConfigError("--model moe with --recompute is not supported: it checkpoints "
+                              "the blocks of --model mlp and gpt")
         if self.model == "moe" and self.on_grid:
             raise ConfigError("--model moe with --dp/--pp/--tp/--zero/--micro-batches is not "
                               "supported: micro-batches would change the gating groups")
@@ -281,6 +317,11 @@ def dp_size_of(cfg, world_size):
         raise ConfigError(f"--global-batch {cfg.global_batch} is not divisible by the "
                           f"data-parallel size: {cfg.global_batch} % dp({dp}) = "
                           f"{cfg.global_batch % dp} ({where})")
+    local = cfg.global_batch // dp
+    if local % cfg.grad_accum:
+        raise ConfigError(f"--grad-accum {cfg.grad_accum} does not divide the local batch: "
+                          f"global batch {cfg.global_batch} / dp({dp}) = {local} samples, "
+                          f"{local} % {cfg.grad_accum} = {local % cfg.grad_accum} ({where})")
     if cfg.sync == "hybrid" and cfg.ranks_per_node and dp % cfg.ranks_per_node:
         raise ConfigError(f"--ranks-per-node {cfg.ranks_per_node} does not divide dp({dp}) "
                           f"into whole nodes ({where})")

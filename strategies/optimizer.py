@@ -25,6 +25,15 @@ takes the step of the mean loss over the global batch.
     bucket_mb, overlap, compress ("none", "fp16", "bf16"), ranks_per_node, timeout,
     link_latency_us, link_gbps (slower emulated links for the textbook all-reduces)
 
+Gradient accumulation (DDP's and Horovod's pattern; accumulation.py): backwards
+inside `opt.no_sync()` only add into .grad; the one after it carries the sum:
+
+    opt.zero_grad()
+    for i, (x, y) in enumerate(micro_batches):          # k of them
+        with opt.no_sync() if i < k - 1 else contextlib.nullcontext():
+            (loss_fn(model(x), y) / k).backward()
+    opt.step()                                          # one all-reduce (ps: one push)
+
 Mixed precision (precision.py): precision="bf16" or "fp16" (loss_scale,
 loss_scale_window); the model's parameters stay fp32, the master weights.  Three
 lines of the loop change:
@@ -200,6 +209,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the sync decides, as parameter servers keep them in buffers of their own)."""
         self._require_open()
         self.sync.before_backward()
+
+    def no_sync(self):
+        """A context: backwards inside it add into the local gradients and communicate
+        nothing (torch DDP's no_sync); the next backward outside it sends the sum."""
+        self._require_open()
+        return self.sync.no_sync()
 
     def synchronize(self):
         """Wait until every rank's gradients of this step are averaged into .grad

@@ -2,6 +2,8 @@
 
     mpiexec -n 4 .venv/bin/python -m mpi4py -m strategies.train --sync ring --model gpt \\
         --layers 4 --pp 2 --tp 2 --micro-batches 4 --schedule 1f1b --trace run.json
+    mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.train --sync ring --model gpt \
+        --layers 4 --pp 2 --micro-batches 4 --schedule interleaved --virtual-stages 2
     mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.train --sync ring --zero 3 \\
         --optimizer adam --jsonl zero3.jsonl
 
@@ -27,15 +29,18 @@ import sys
 import time
 
 import numpy as np
+import torch.nn as nn
 
 from allreduce import make_transport
 
 from .choices import ConfigError
 from .config import dp_size_of
 from .grid import ProcessGrid
+from .interleaved import InterleavedPipeline, chunk_layers
+from .interleaved import check as check_interleaved
 from .loop import StepEngine
 from .memory import ActivationMeter
-from .pipeline import Pipeline, Stage, stage_layers
+from .pipeline import Pipeline, Stage
 from .precision import of_config
 from .sequence_parallel import positions_per_rank, split_sequence
 from .sync import collective_for
@@ -54,6 +59,8 @@ def check(cfg, world_size):
     if blocks % grid.pp:
         raise ConfigError(f"{what} {blocks} is not divisible by pp({grid.pp}): "
                           f"{blocks} % {grid.pp} = {blocks % grid.pp}")
+    if cfg.schedule == "interleaved":
+        check_interleaved(cfg, grid.pp)
     if grid.tp > 1:
         if cfg.model != "gpt":
             raise ConfigError(f"--tp {grid.tp}: tensor parallelism splits the GPT's attention "
@@ -82,7 +89,9 @@ class GridEngine(StepEngine):
         self.originals = list(model.parameters())   # alive: no new parameter may reuse an id
         self.parameters = sum(p.numel() for p in self.originals)
         self.names = {id(p): n for n, p in model.named_parameters()}
-        layers = stage_layers(model, comms.pp_rank, comms.pp_size)
+        # v chunks of layers (interleaved.py), or the one stage of GPipe and 1F1B: v = 1
+        chunks = chunk_layers(model, comms.pp_rank, comms.pp_size, cfg.virtual_stages)
+        layers = [layer for chunk in chunks for layer in chunk]
         self.tp_coll, self.tp_pieces = None, {}
         if comms.tp_size > 1:                      # Megatron: split this stage's blocks
             self.tp_coll = collective_for(cfg.sync, cfg, comms.tp)
@@ -95,7 +104,9 @@ class GridEngine(StepEngine):
             for name, block in layers:
                 for local, p in block.named_parameters():
                     self.names.setdefault(id(p), f"{name}.{local}")
-        self.model = Stage(layers)
+        sizes = [len(chunk) for chunk in chunks]          # layers stay in order: re-cut
+        stages = [Stage(layers[sum(sizes[:c]):sum(sizes[:c + 1])]) for c in range(len(sizes))]
+        self.model = stages[0] if len(stages) == 1 else nn.ModuleList(stages)
         units = [(name, module, list(module.parameters())) for name, module in layers]
         self.precision = of_config(cfg)            # --precision: ZeRO's 16-bit buffers
         self.sync = ZeRO(cfg.zero, units, collective_for(cfg.sync, cfg, comms.dp), cfg,
@@ -107,10 +118,10 @@ class GridEngine(StepEngine):
         self.p2p = make_transport("mpi", comms.pp, cfg.timeout)
         feature = (positions_per_rank(cfg, comms.tp_size), cfg.d_model) \
             if cfg.model == "gpt" else (cfg.width,)
-        self.pipeline = Pipeline(self.model, self.criterion, self.p2p, comms.pp_rank,
-                                 comms.pp_size, cfg.micro_batches, cfg.schedule,
-                                 lambda n: (n, *feature), self.tracer, self.meter,
-                                 self.precision)
+        kind = InterleavedPipeline if cfg.schedule == "interleaved" else Pipeline
+        self.pipeline = kind(stages, self.criterion, self.p2p, comms.pp_rank, comms.pp_size,
+                             cfg.micro_batches, cfg.schedule, lambda n: (n, *feature),
+                             self.tracer, self.meter, self.precision)
         grid = comms.grid
         self.layout = {"world_size": grid.world_size, "dp_size": grid.dp, "pp_size": grid.pp,
                        "tp_size": grid.tp}
@@ -118,8 +129,9 @@ class GridEngine(StepEngine):
         self.reports = comms.is_last_stage and comms.tp_rank == 0
 
     def describe(self):
+        v = f", {self.cfg.virtual_stages} chunks a rank" if self.cfg.virtual_stages > 1 else ""
         return f", zero {self.cfg.zero}, {self.cfg.micro_batches} micro-batches " \
-               f"({self.cfg.schedule})"
+               f"({self.cfg.schedule}{v})"
 
     def trace_label(self, rank):
         d, p, t = self.comms.grid.coords_of(rank)

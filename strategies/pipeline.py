@@ -23,6 +23,10 @@ backward take the same time on every stage (GPipe paper, section 2.2), but
 GPipe keeps all m micro-batches' activations alive on stage 0 at the end of
 the forwards, 1F1B at most p: why 1F1B is the default in Megatron-LM.
 
+A third schedule, interleaved 1F1B (interleaved.py), gives each rank v chunks of
+layers and keeps this class's messages: Pipeline takes a list of chunks, and a
+message's tag names its sending global stage (chunk x stages + stage).
+
 Every micro-batch's loss is scaled by its share of the local batch, so the
 accumulated gradient is the gradient of the mean over the whole batch, as on
 one process.
@@ -101,8 +105,11 @@ class Stage(nn.Module):
 
 
 class Pipeline:
-    """Runs one step's micro-batches through this rank's stage.
+    """Runs one step's micro-batches through this rank's stage (or its v chunks).
 
+    stage_module: a Stage, or a list of v Stages (interleaved.py: chunk c of rank s is
+        the global stage c * stages + s of stages * v; activations leave the last rank
+        for the first one's next chunk).
     transport: point-to-point over the pp communicator (rank i = stage i).
     activation_shape(n): shape of the activation between stages for n samples.
     meter: memory.ActivationMeter around every forward; tracer: trace.Tracer;
@@ -110,12 +117,15 @@ class Pipeline:
 
     def __init__(self, stage_module, criterion, transport, stage, stages, micro_batches,
                  schedule, activation_shape, tracer, meter, precision=None):
-        self.module, self.criterion, self.transport = stage_module, criterion, transport
+        self.chunks = list(stage_module) if isinstance(stage_module, (list, tuple)) \
+            else [stage_module]
+        self.criterion, self.transport = criterion, transport
         self.stage, self.stages, self.m = stage, stages, micro_batches
         self.schedule, self.activation_shape = schedule, activation_shape
         self.tracer, self.meter = tracer, meter
         self.precision = precision or MixedPrecision()
-        self.first, self.last = stage == 0, stage == stages - 1
+        self.global_stages = stages * len(self.chunks)
+        self.first, self.last = stage == 0, stage == stages - 1     # as a rank, chunk 0
         # an MPI request can be tested without blocking; other transports' handles wait
         self.spins = isinstance(transport, MPITransport)
         self.peak_in_flight = 0         # micro-batches forwarded but not yet backwarded
@@ -132,19 +142,33 @@ class Pipeline:
             ops += [("F", warmup + i), ("B", i)]
         return ops + [("B", i) for i in range(m - warmup, m)]
 
+    def ops(self):
+        """(op, chunk, micro-batch) in this rank's order; one chunk here, v in interleaved.py."""
+        return [(op, 0, i) for op, i in self.order()]
+
     def run(self, x, y):
-        """One step's forwards and backwards; returns this stage's loss (last stage) or None."""
+        """One step's forwards and backwards; returns the loss (last stage) or None."""
         n = len(x)
         self.bounds = shard_bounds(n, self.m)
         self.x, self.y, self.n = x, y, n
         self.saved, self.sends, self.loss = {}, [], 0.0
         self.in_flight = 0
-        for op, i in self.order():
-            (self.forward if op == "F" else self.backward)(i)
+        self.micro_batch_bytes = 0
+        for op, chunk, i in self.ops():
+            (self.forward if op == "F" else self.backward)(i, chunk)
         with self.tracer.span("wait for sends", "comm"):
             self.transport.wait_all([h for h, _ in self.sends])
         self.sends = []
         return self.loss if self.last else None
+
+    # The global stage g = chunk * stages + stage: its input comes from g - 1 on the rank
+    # before (the last rank's for chunk > 0 of rank 0), its output goes to g + 1.  A
+    # message's tag is (sending global stage, micro-batch, direction), unique in a step.
+    def global_stage(self, chunk):
+        return chunk * self.stages + self.stage
+
+    def tag(self, sender, i, gradient):
+        return 2 * (sender * self.m + i) + gradient
 
     def receive(self, buf, peer, tag):
         """A blocking receive that spins instead of yielding the core: on a loaded host a
@@ -162,44 +186,53 @@ class Pipeline:
         start, stop = self.bounds[i]
         return self.activation_shape(stop - start)
 
-    def forward(self, i):
+    def _name(self, i, chunk):
+        return f"mb{i}" if len(self.chunks) == 1 else f"mb{i} chunk{chunk}"
+
+    def forward(self, i, chunk=0):
+        g = self.global_stage(chunk)
+        first, last = g == 0, g == self.global_stages - 1
         start, stop = self.bounds[i]
-        if self.first:
+        if first:
             inp = self.x[start:stop].clone()    # its own storage, as a loader would give
         else:
             inp = torch.empty(self._shape(i))
-            with self.tracer.span(f"wait activation mb{i}", "idle"):
-                self.receive(inp, self.stage - 1, i)
+            with self.tracer.span(f"wait activation {self._name(i, chunk)}", "idle"):
+                self.receive(inp, (self.stage - 1) % self.stages, self.tag(g - 1, i, 0))
             inp.requires_grad_()
         before = self.meter.live_bytes
-        with self.tracer.span(f"forward mb{i}", "forward"), self.meter, \
+        with self.tracer.span(f"forward {self._name(i, chunk)}", "forward"), self.meter, \
                 self.precision.autocast():
-            out = self.module(inp)
-            if self.last:
+            out = self.chunks[chunk](inp)
+            if last:
                 out = self.criterion(out, self.y[start:stop]) * ((stop - start) / self.n)
                 self.loss += out.item()
         if i == 0:                      # what one micro-batch's saved activations cost
-            self.micro_batch_bytes = self.meter.live_bytes - before
-        if not self.last:
+            self.micro_batch_bytes += self.meter.live_bytes - before
+        if not last:
             buf = out.detach().contiguous()
-            self.sends.append((self.transport.isend(buf, self.stage + 1, tag=i), buf))
-        self.saved[i] = (inp, out)
+            self.sends.append((self.transport.isend(buf, (self.stage + 1) % self.stages,
+                                                    tag=self.tag(g, i, 0)), buf))
+        self.saved[chunk, i] = (inp, out)
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
-    def backward(self, i):
-        inp, out = self.saved.pop(i)
-        if self.last:
-            with self.tracer.span(f"backward mb{i}", "backward"):
+    def backward(self, i, chunk=0):
+        g = self.global_stage(chunk)
+        inp, out = self.saved.pop((chunk, i))
+        name = self._name(i, chunk)
+        if g == self.global_stages - 1:
+            with self.tracer.span(f"backward {name}", "backward"):
                 self.precision.backward(out)          # fp16: of the scaled loss
         else:
             grad = torch.empty(out.shape)
-            with self.tracer.span(f"wait gradient mb{i}", "idle"):
-                self.receive(grad, self.stage + 1, i)
-            with self.tracer.span(f"backward mb{i}", "backward"):
+            with self.tracer.span(f"wait gradient {name}", "idle"):
+                self.receive(grad, (self.stage + 1) % self.stages, self.tag(g + 1, i, 1))
+            with self.tracer.span(f"backward {name}", "backward"):
                 out.backward(grad)
         del out
-        if not self.first:
-            g = inp.grad.contiguous()
-            self.sends.append((self.transport.isend(g, self.stage - 1, tag=i), g))
+        if g > 0:
+            g_in = inp.grad.contiguous()
+            self.sends.append((self.transport.isend(g_in, (self.stage - 1) % self.stages,
+                                                    tag=self.tag(g, i, 1)), g_in))
         self.in_flight -= 1

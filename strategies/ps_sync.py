@@ -88,6 +88,7 @@ class PSSync(GradientSync):
             if p.grad is not None and p.grad.data_ptr() != self.host_grads[n].data_ptr():
                 self.host_grads[n].copy_(p.grad)
         self.client.push_pull(self.grads_np, self.params_np, step).wait()
+        self.comm_rounds += 1
         self.next_step = step + 1
 
     def step(self, optimizer):
@@ -197,6 +198,13 @@ class HybridSync(GradientSync):
 
     def before_backward(self):
         self.inside.before_backward()
+
+    def no_sync(self):
+        return self.inside.no_sync()                # the leader pushes once, after the last
+
+    @property
+    def comm_rounds(self):
+        return self.inside.comm_rounds + (self.ps.comm_rounds if self.ps else 0)
 
     def synchronize(self, step):
         self.inside.synchronize(step)               # gradients averaged over the node

@@ -4,6 +4,8 @@
                                        or the parameter servers'); hooks attached
     each step s:
         sync.before_backward()         fresh (zero) gradients
+        with sync.no_sync():           optional, gradient accumulation (accumulation.py):
+            loss_i.backward()          micro-batches whose gradients only add up locally
         loss.backward()                all-reduce syncs may already communicate here
         sync.synchronize(s)            every replica's gradients of step s are combined
         sync.step(optimizer)           the update: afterwards every replica holds the
@@ -37,6 +39,7 @@ A sync reads its settings from `cfg`: a TrainConfig in strategies.train, or a
 SyncOptions (the same fields, nothing about models, data or batches) where
 the user brings the model and the loop (optimizer.py).
 """
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
 
@@ -106,6 +109,9 @@ class GradientSync:
                          replica holds the same parameters (rank 0's, or the servers' after
                          a resume) and `start_step` says which step comes next.
     before_backward()    Before each backward: the gradients start from zero.
+    no_sync()            A context: backwards inside it only add into the local gradients
+                         and communicate nothing (DDP's no_sync); the backward after it,
+                         outside, carries the sum.  Gradient accumulation (accumulation.py).
     synchronize(step)    After backward: waits until the gradients of `step` of every
                          replica are combined (averaged into .grad; ps: sent to the servers,
                          whose new parameters have come back but are not in the model yet).
@@ -121,12 +127,14 @@ class GradientSync:
 
     Read-only figures: name, bytes_sent and bytes_received (this rank's traffic so far;
     None where a library's traffic is not observable), staleness (ps: how many steps old
-    the parameters of the last step were; None elsewhere), start_step.
+    the parameters of the last step were; None elsewhere), start_step, comm_rounds
+    (the collectives or server round trips this rank has made so far).
     """
     name = "?"
     staleness = None
     start_step = 0               # ps / hybrid: where the servers resumed
     bytes_sent = bytes_received = 0
+    comm_rounds = 0
 
     def __init__(self, cfg, ctx, device):
         self.cfg, self.ctx, self.device = cfg, ctx, device
@@ -141,6 +149,12 @@ class GradientSync:
     def before_backward(self):
         for p in self.model.parameters():
             p.grad = None
+
+    @contextmanager
+    def no_sync(self):
+        """The default, right wherever nothing is sent before synchronize (local, the
+        parameter servers: autograd adds every micro-batch into .grad, pushed once)."""
+        yield
 
     def synchronize(self, step):
         pass
@@ -226,8 +240,15 @@ class AllReduceSync(GradientSync):
     def before_backward(self):
         self.buckets.zero_()
 
+    def no_sync(self):
+        return self.buckets.accumulating()      # the hooks hand no bucket to the thread
+
     def synchronize(self, step):
         self.buckets.wait()
+
+    @property
+    def comm_rounds(self):
+        return self.buckets.reductions
 
     # None for the mpi and torch baselines: their libraries' traffic is not observable
     @property

@@ -13,6 +13,9 @@ rank, one track each.  Categories:
     idle                waiting for a peer's activation or gradient: in a pipeline,
                         these are the bubbles of GPipe and 1F1B
     optimizer, step     the update; the whole step
+    recompute           --recompute: a block's forward re-run inside backward
+                        (recompute.py); nested in its backward span, so not added
+                        to the busy time again
 
 Timestamps are `time.perf_counter()`, CLOCK_MONOTONIC on Linux, which every
 process on one host shares, so the ranks' tracks line up; on several hosts
@@ -68,7 +71,8 @@ def chrome_events(events, pid, label):
 
 # Chrome's reserved colour names, so that the kinds stand apart in Perfetto too
 COLOURS = {"forward": "good", "backward": "rail_animation", "comm": "terrible",
-           "idle": "grey", "optimizer": "yellow", "step": "black"}
+           "idle": "grey", "optimizer": "yellow", "step": "black",
+           "recompute": "olive"}
 
 
 def write_chrome_trace(path, events_per_rank, labels):

@@ -22,7 +22,8 @@ RANK/WORLD_SIZE/MASTER_ADDR from torchrun):
     torchrun --nproc-per-node 2 -m strategies.train --sync torch --device cuda
 
 Each step: this rank's B/P samples of the global batch -> forward -> backward
-(buckets all-reduced meanwhile) -> sync.synchronize (wait for the rest) ->
+(buckets all-reduced meanwhile; --grad-accum k: in k micro-steps, the first k-1
+under sync.no_sync, accumulation.py) -> sync.synchronize (wait for the rest) ->
 sync.step (the update).  The syncs are built by strategies.DistributedOptimizer,
 the API a user's own loop has (optimizer.py); the loop around the step
 (records, checkpoints, summary) is loop.py's, shared with the dp x pp x tp grid
@@ -37,7 +38,8 @@ import torch
 
 from allreduce.torch_transport import under_torchrun
 
-from . import checkpoint, loop
+from . import checkpoint, loop, recompute
+from .accumulation import accumulate
 from .choices import ConfigError
 from .config import parse_args
 from .context import MPIControl, RunContext
@@ -100,8 +102,10 @@ def control_rank(ctx):
 
 
 def one_step(step, cfg, ctx, data, model, sync, optimizer, device, forward=None, tracer=None,
-             precision=None):
+             recompute=None, precision=None):
     """One training step; returns (local loss, compute s, exposed comm s, step s).
+    Forward and backward run in --grad-accum micro-steps (accumulation.py), the
+    communication once; recompute: recompute.Recompute of --recompute, or None;
     precision: a precision.MixedPrecision (None: fp32) around the forward, the backward
     and the update (fp16: skipped where the synchronised gradients overflowed)."""
     precision = precision or MixedPrecision()
@@ -110,10 +114,8 @@ def one_step(step, cfg, ctx, data, model, sync, optimizer, device, forward=None,
     sync.before_backward()
     if ctx.rank == cfg.straggler_rank:             # --straggler: a slow GPU, seen as compute
         time.sleep(cfg.straggler_seconds)
-    with precision.autocast():
-        loss = model.criterion((forward or model)(x), y)
-    t_forward = now(device) if tracer else None
-    precision.backward(loss)
+    loss = accumulate(step, model, forward or model, x, y, cfg.grad_accum, sync,
+                      lambda: now(device), tracer, recompute, precision)
     t1 = now(device)
     sync.synchronize(step)
     t2 = now(device)
@@ -121,8 +123,6 @@ def one_step(step, cfg, ctx, data, model, sync, optimizer, device, forward=None,
     precision.step([p.grad for p in model.parameters()], lambda: sync.step(optimizer))
     t3 = now(device)
     if tracer:                                     # --trace: the step's intervals, as lived
-        tracer.add(f"forward {step}", "forward", t0, t_forward)
-        tracer.add(f"backward {step}", "backward", t_forward, t1)
         tracer.add(f"wait for gradients {step}", "comm", t1, t2)
         tracer.add(f"optimizer {step}", "optimizer", t2, t3)
     return loss.item(), (t1 - t0) + (t3 - t2), t2 - t1, t3 - t0
@@ -149,14 +149,20 @@ class DataParallel(loop.StepEngine):
         self.tracer = Tracer(ctx.rank) if cfg.trace else None
         # the model's fp32 parameters are the master weights; autocast casts them per matmul
         self.precision = of_config(cfg, device.type)
+        self.recompute = recompute.enable(cfg, model, self.tracer)   # --recompute, or None
 
     def step(self, step):
+        rounds_before = self.sync.comm_rounds
         loss, compute_s, comm_s, step_s = one_step(step, self.cfg, self.ctx, self.data,
                                                    self.model, self.sync, self.optimizer,
                                                    self.device, tracer=self.tracer,
+                                                   recompute=self.recompute,
                                                    precision=self.precision)
+        # comm_rounds: this step's collectives (one per gradient bucket) or server round
+        # trips; the same with --grad-accum k as without, which is the point of no_sync
         return loss, {"step_time_s": step_s, "compute_time_s": compute_s,
                       "comm_time_s": comm_s, "staleness": self.sync.staleness,
+                      "comm_rounds": self.sync.comm_rounds - rounds_before,
                       **self.precision.record()}
 
     def trace_label(self, rank):

@@ -75,6 +75,9 @@ def check_pipeline(a):
     p = a["stages"]
     for key, got in a.get("bubble", {}).items():
         yield f"bubble.{key}", got, costmodel.bubble_fraction(p, int(key.lstrip("m")))
+    for key, got in a.get("bubble_interleaved", {}).items():       # "v2_m8": v chunks a rank
+        v, m = (int(part[1:]) for part in key.split("_"))
+        yield f"bubble_interleaved.{key}", got, costmodel.bubble_fraction(p, m, v)
     for key, got in a.get("in_flight_first_stage", {}).items():
         schedule, m = key.split("_m")
         yield f"in_flight_first_stage.{key}", got, costmodel.pipeline_activations_in_flight(

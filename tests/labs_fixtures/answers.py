@@ -52,6 +52,8 @@ PIPELINE = """stages = 4
 m1 = 0.75
 m4 = 0.4286
 m8 = 0.2727
+[bubble_interleaved]
+v2_m8 = 0.1579
 [in_flight_first_stage]
 gpipe_m8 = 8
 1f1b_m8 = 4

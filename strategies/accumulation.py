@@ -1,0 +1,73 @@
+"""Gradient accumulation: one step's batch in k micro-steps, communicated once.
+
+A rank that cannot hold the activations of its whole share b = B/P of the global
+batch splits it into k micro-batches of b/k samples, runs forward and backward on
+each in turn and lets autograd add their gradients up in .grad.  Each micro-batch's
+loss (a mean over its b/k samples) is scaled by 1/k, so the sum is the gradient of
+the mean over all b samples: the step is the one of the unsplit batch, up to the
+order of float additions (Goyal et al. 2017, "Accurate, Large Minibatch SGD:
+Training ImageNet in 1 Hour", on keeping the update a function of the global batch
+however it is cut).
+
+Communication is suppressed on the first k-1 micro-steps with the sync's no_sync()
+(PyTorch DDP's context of the same name: Li et al. 2020, "PyTorch Distributed:
+Experiences on Accelerating Data Parallel Training", section 3.2.4).  Only the last
+backward runs outside it, so the gradient buckets are all-reduced once per step,
+overlapped with that last backward, and a parameter server sees one push:
+
+    micro-step   batch rows           loss scale   inside no_sync   communication
+    1            [0, b/k)             1/k          yes              none: .grad += g_1
+    2            [b/k, 2b/k)          1/k          yes              none: .grad += g_2
+    ...
+    k            [(k-1)b/k, b)        1/k          no               buckets all-reduced as
+                                                                    backward fills them (ps:
+                                                                    one push_pull in
+                                                                    synchronize)
+    then         sync.synchronize(step), sync.step(optimizer): once, as with k = 1
+
+    memory:  activations of b/k samples at a time instead of b
+    time:    k smaller forwards and backwards (less efficient kernels), the same traffic
+
+In a loop of one's own, the same with DistributedOptimizer (optimizer.py):
+
+    opt.zero_grad()
+    for i, (x, y) in enumerate(micro_batches):          # k of them
+        with opt.no_sync() if i < k - 1 else contextlib.nullcontext():
+            (loss_fn(model(x), y) / k).backward()
+    opt.step()                                          # one all-reduce of the sum
+
+On the dp x pp x tp grid the pipeline accumulates over --micro-batches already
+(parallel.py), so --grad-accum is refused there (config.py).
+"""
+from contextlib import nullcontext
+
+from .precision import MixedPrecision
+
+
+def accumulate(step, model, forward, x, y, k, sync, clock, tracer=None, recompute=None,
+               precision=None):
+    """Forward and backward of this rank's batch (x, y) in k micro-steps, communicating
+    on the last only; returns the loss of the whole batch (the mean over its samples),
+    detached.  clock() reads the device's time (metrics.now); tracer, recompute
+    (recompute.Recompute) and precision (precision.MixedPrecision: autocast, fp16's
+    scaled backward) are optional."""
+    precision = precision or MixedPrecision()
+    micro_x, micro_y = x.chunk(k), y.chunk(k)      # config.py checked that k divides b
+    total = 0.0
+    for i, (xi, yi) in enumerate(zip(micro_x, micro_y)):
+        last = i == k - 1
+        # the first k-1 micro-steps only add into .grad; the last one sends the sum
+        with nullcontext() if last else sync.no_sync():
+            t0 = clock()
+            with precision.autocast():
+                loss = model.criterion(forward(xi), yi) / k
+            t1 = clock()
+            with recompute.backward() if recompute else nullcontext():
+                precision.backward(loss)
+            t2 = clock()
+        total = total + loss.detach()
+        if tracer:                                  # --trace: each micro-step as lived
+            name = f"{step}" if k == 1 else f"{step}.{i}"
+            tracer.add(f"forward {name}", "forward", t0, t1)
+            tracer.add(f"backward {name}", "backward", t1, t2)
+    return total
