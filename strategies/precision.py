@@ -132,6 +132,17 @@ class MixedPrecision:
         return {"loss_scale": self.scaler.scale, "overflow_skips": self.scaler.overflow_skips}
 
 
+def any_rank(coll):
+    """agree() for MixedPrecision.step over an allreduce/ collective: whether any rank
+    saw an overflow (ZeRO stages 1-3, whose ranks each check their own shard)."""
+    def agree(overflow):
+        flag = torch.tensor([float(overflow)])
+        if coll.size > 1:
+            coll.allreduce(flag, op="max")
+        return bool(flag.item())
+    return agree
+
+
 def of_config(cfg, device_type="cpu"):
     """The MixedPrecision a TrainConfig (or SyncOptions) asks for."""
     return MixedPrecision(cfg.precision, device_type, cfg.loss_scale, cfg.loss_scale_window)

@@ -55,7 +55,7 @@ import torch.nn as nn
 from allreduce import shard_of
 
 from .memory import optimizer_tensors, state_bytes
-from .precision import MixedPrecision
+from .precision import MixedPrecision, any_rank
 from .sync import GradientSync, make_optimizer
 
 EMPTY = torch.empty(0)
@@ -256,10 +256,10 @@ class ZeRO(GradientSync):
                                "(every layer must take part in every micro-batch)")
 
     def step(self, optimizer):
-        if self.precision.mixed and not self._mixed_step(optimizer):
-            return                      # fp16 overflow: the step is skipped everywhere
         if not self.precision.mixed:
             optimizer.step()
+        elif not self._mixed_step(optimizer):
+            return                      # fp16 overflow: the step is skipped everywhere
         if self.stage in (1, 2):
             for unit in self.units:
                 unit.gather_updated()
@@ -270,19 +270,13 @@ class ZeRO(GradientSync):
         # fp32 copies for the check, the unscaling and the step (the paper unscales in fp32)
         grads = [u.gradient().float() for u in self.units]
 
-        def agree(overflow):
-            flag = torch.tensor([float(overflow)])
-            if self.dp_size > 1:
-                self.coll.allreduce(flag, op="max")
-            return bool(flag.item())
-
         def update():
             for unit, grad in zip(self.units, grads):
                 unit.master.grad = grad
             optimizer.step()
             for unit in self.units:
                 unit.master_step_done()
-        return self.precision.step(grads, update, agree if self.stage else None)
+        return self.precision.step(grads, update, any_rank(self.coll) if self.stage else None)
 
     def state_bytes(self, optimizer):
         """Params, grads and optimizer state this rank holds between steps, measured."""

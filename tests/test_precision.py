@@ -206,3 +206,17 @@ def test_distributed_optimizer_bf16_and_fp16_in_a_loop_of_ones_own():
     with pytest.raises(ConfigError, match="precision='bf16' with sync='ps'"):
         strategies.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
                                         sync="ps", precision="bf16")
+
+
+@pytest.mark.timeout(120)
+def test_fp16_zero_ranks_agree_to_skip(tmp_path):
+    """ZeRO-2, P = 2, fp16 at a scale that overflows: each rank checks only its shard,
+    yet both skip the same steps (one all-reduce(max) of a flag) and end equal."""
+    runs = launch(tmp_path, 2, [("zero2", MLP + ["--sync", "ring", "--zero", "2", "--dp", "2",
+                                                  "--precision", "fp16", "--loss-scale", "1e6",
+                                                  "--loss-scale-window", "5", "--steps", "8"])])
+    steps = [r for r in runs["zero2"] if r["kind"] == "step"]
+    for step in range(8):
+        mine = [r for r in steps if r["step"] == step]
+        assert len(mine) == 2 and len({(r["overflow_skips"], r["loss_scale"]) for r in mine}) == 1
+    assert 0 < steps[-1]["overflow_skips"] < 8
