@@ -57,6 +57,8 @@ from allreduce.twolevel import (cluster_allreduce_time, link_from_calibration,  
 from strategies.bubble import (  # noqa: F401 (re-exported)
     activations_in_flight as pipeline_activations_in_flight, bubble_fraction, bubble_to_compute)
 
+from strategies.memory import bytes_per_parameter, zero_memory  # noqa: F401 (re-exported)
+
 
 # ------------------------------------------------------------- parameter server
 def ps_push_pull(n, W, S, beta_worker, beta_server, alpha=0.0, duplex=True):
@@ -107,18 +109,8 @@ def ps_round_trip(n, m):
 
 
 # ------------------------------------------------------------------------- ZeRO
-ZERO_BYTES_PER_PARAM = {"params": 4, "grads": 4, "optimizer": 8}     # fp32 weights, Adam m and v
-
-
-def zero_memory(psi, N, stage):
-    """Bytes per rank of parameters, gradients and optimizer state with fp32 Adam:
-    Rajbhandari et al., "ZeRO: memory optimizations toward training trillion
-    parameter models" (SC 2020), Figure 1 with K = 8 (Adam's m and v in fp32):
-    stage 0: 16 psi, 1: 8 psi + 8 psi / N, 2: 4 psi + 12 psi / N, 3: 16 psi / N."""
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
-    shard = {"params": stage >= 3, "grads": stage >= 2, "optimizer": stage >= 1}
-    return {part: psi * b / (N if shard[part] else 1) for part, b in ZERO_BYTES_PER_PARAM.items()}
+# zero_memory, the memory formula, lives beside the measurement it predicts
+# (strategies/memory.py) and is imported above.
 
 
 def zero_comm_bytes(psi, N, stage, bytes_per_param=4):

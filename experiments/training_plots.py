@@ -96,7 +96,8 @@ MEMORY_PARTS = ("params", "grads", "optimizer", "activations")
 
 
 def zero_memory_data(records):
-    """(title, {stage: {part: bytes on the largest rank}}) of the ZeRO comparison, or None.
+    """(title, {(precision, stage): {part: bytes on the largest rank}}) of the ZeRO
+    comparison, or None; fp32 and mixed precision (--precision) runs side by side.
     Only runs on data parallelism alone (pp = tp = 1: every rank holds the whole model,
     so stage 0 holds 4Ψ bytes of fp32 parameters) of one model, world, optimizer and
     micro-batching, that differ in the stage; a pipeline run is not a ZeRO-0 run."""
@@ -107,16 +108,17 @@ def zero_memory_data(records):
                 isinstance(r.get("memory"), dict) and c.get("pp", 1) == 1 and c.get("tp", 1) == 1:
             runs[r.get("point")].append(r)
     runs = one_comparison(runs, lambda c: model_of(c, "optimizer", "micro_batches"),
-                          lambda k, c: c.get("zero", 0))
+                          lambda k, c: (c.get("precision", "fp32"), c.get("zero", 0)))
     if not runs:
         return None
     by_stage = defaultdict(lambda: defaultdict(int))
     for steps in runs.values():
         for r in steps:
-            stage, memory = r["config"].get("zero", 0), r["memory"]
+            c, memory = r["config"], r["memory"]
+            bar = (c.get("precision", "fp32"), c.get("zero", 0))
             for part in MEMORY_PARTS:
                 value = memory.get(part, memory.get(f"{part}_peak", 0))
-                by_stage[stage][part] = max(by_stage[stage][part], value)
+                by_stage[bar][part] = max(by_stage[bar][part], value)
     first = next(iter(runs.values()))
     c = first[0]["config"]
     return f"{describe(c)}, {c.get('optimizer', 'sgd')}{cores_of(first)}", by_stage
@@ -130,19 +132,25 @@ def zero_memory(records, out_dir):
     if not data:
         return None
     title, by_stage = data
-    stages = sorted(by_stage)
-    fig, ax = plt.subplots(figsize=(6.6, 4.4))
-    bottom = [0.0] * len(stages)
+    # fp32 first, then each 16-bit precision, each by stage
+    bars = sorted(by_stage, key=lambda b: (b[0] != "fp32", b))
+    names = [f"ZeRO-{s}" if p == "fp32" else f"ZeRO-{s} {p}" for p, s in bars]
+    fig, ax = plt.subplots(figsize=(6.6 + 0.5 * max(0, len(bars) - 4), 4.4))
+    bottom = [0.0] * len(bars)
     for part in MEMORY_PARTS:
-        mib = [by_stage[s][part] / 2**20 for s in stages]
-        ax.bar([f"ZeRO-{s}" for s in stages], mib, bottom=bottom, label=part, color=PARTS[part],
+        mib = [by_stage[b][part] / 2**20 for b in bars]
+        ax.bar(names, mib, bottom=bottom, label=part, color=PARTS[part],
                edgecolor="0.3", lw=0.5)
         bottom = [b + m for b, m in zip(bottom, mib)]
     ax.set(ylabel="MiB per rank (largest rank)", title=f"memory per rank by ZeRO stage\n{title}")
     ax.legend(fontsize=8)
+    if any(p != "fp32" for p, _ in bars):
+        ax.tick_params(axis="x", rotation=20)
     return save(fig, out_dir, "zero_memory", note=(
         "measured from the tensors each rank holds; ZeRO-1 shards the optimizer's state,\n"
-        "ZeRO-2 also the gradients, ZeRO-3 also the parameters (each over the dp ranks)."))
+        "ZeRO-2 also the gradients, ZeRO-3 also the parameters (each over the dp ranks).\n"
+        "bf16/fp16 (--precision): 16-bit params and grads, the fp32 master weights counted\n"
+        "with the optimizer's state: 2 + 2 + 12 bytes a parameter with Adam, as in the paper."))
 
 
 def last_step(events):

@@ -15,6 +15,7 @@ Read in this order:
     moe.py         the MoE layer: top-1/top-2 gating, expert capacity per group, balance loss
     buckets.py     flat gradient buckets, all-reduced during backward by a comm thread
     compress.py    none / fp16 / bf16 on the wire
+    precision.py   --precision bf16 / fp16: autocast, fp32 master weights, loss scaling
     compressor.py  the --compress spec (topk:RATIO, powersgd:RANK) and its refusals
     error_feedback.py  residuals per rank: what compression did not send comes next step
     topk.py        top-k sparsification over an all-gather (DGC's momentum correction)

@@ -41,12 +41,17 @@ On the dp x pp x tp grid the pipeline accumulates over --micro-batches already
 """
 from contextlib import nullcontext
 
+from .precision import MixedPrecision
 
-def accumulate(step, model, forward, x, y, k, sync, clock, tracer=None, recompute=None):
+
+def accumulate(step, model, forward, x, y, k, sync, clock, tracer=None, recompute=None,
+               precision=None):
     """Forward and backward of this rank's batch (x, y) in k micro-steps, communicating
     on the last only; returns the loss of the whole batch (the mean over its samples),
     detached.  clock() reads the device's time (metrics.now); tracer, recompute
-    (recompute.Recompute) are optional."""
+    (recompute.Recompute) and precision (precision.MixedPrecision: autocast, fp16's
+    scaled backward) are optional."""
+    precision = precision or MixedPrecision()
     micro_x, micro_y = x.chunk(k), y.chunk(k)      # config.py checked that k divides b
     total = 0.0
     for i, (xi, yi) in enumerate(zip(micro_x, micro_y)):
@@ -54,10 +59,11 @@ def accumulate(step, model, forward, x, y, k, sync, clock, tracer=None, recomput
         # the first k-1 micro-steps only add into .grad; the last one sends the sum
         with nullcontext() if last else sync.no_sync():
             t0 = clock()
-            loss = model.criterion(forward(xi), yi) / k
+            with precision.autocast():
+                loss = model.criterion(forward(xi), yi) / k
             t1 = clock()
             with recompute.backward() if recompute else nullcontext():
-                loss.backward()
+                precision.backward(loss)
             t2 = clock()
         total = total + loss.detach()
         if tracer:                                  # --trace: each micro-step as lived

@@ -11,8 +11,9 @@ records back and prints the tables (and appends them to --jsonl FILE as records)
 without TOPOLAB_CHECK=1: that mode adds a signature exchange to every collective,
 which the byte counters would see.
 
-zero:     MLP with Adam (fp32).  Per rank, measured: params + grads + optimizer
-          bytes against memory.py's fp32 form of the ZeRO paper's formulas; bytes
+zero:     MLP with Adam, in fp32 and in mixed precision (bf16, --precision).  Per
+          rank, measured: params + grads + optimizer bytes against the ZeRO paper's
+          formulas (memory.zero_memory: fp32 4+4+8, mixed 2+2+12 bytes a parameter); bytes
           sent per step against 2(N-1)/N * 4Ψ (stages 0-2; ring all-reduce, or
           reduce-scatter + all-gather) and 3(N-1)/N * 4Ψ (stage 3); median step
           time of ZeRO-3 over plain data parallelism, run interleaved
@@ -33,6 +34,7 @@ from allreduce.harness import Timings
 from allreduce.records import append_jsonl, provenance, read_jsonl
 
 from .bubble import bubble_fraction
+from .memory import zero_memory
 
 MLP = ["--model", "mlp", "--width", "512", "--depth", "4", "--in-dim", "512", "--classes", "16",
        "--dataset-size", "2048", "--global-batch", "64", "--threads", "1", "--no-progress",
@@ -67,13 +69,16 @@ def zero_part(world, directory, rounds, n_steps):
                 ["--zero", str(stage), "--dp", str(world)]
             train(MLP + flags + ["--steps", str(n_steps)], os.path.join(directory, name + ".jsonl"))
             runs.append((stage, name))
+    for stage in range(4):              # memory only: the same stages in mixed precision
+        train(MLP + ["--zero", str(stage), "--dp", str(world), "--precision", "bf16",
+                     "--steps", "2"], os.path.join(directory, f"bf16_{stage}.jsonl"))
     if comm.rank:
         return []
     rows = []
     first = steps(os.path.join(directory, "0_0.jsonl"))[0]["memory"]
     psi = first["params"] / 4
     N = world
-    formula = {0: 16 * psi, 1: 8 * psi + 8 * psi / N, 2: 4 * psi + 12 * psi / N, 3: 16 * psi / N}
+    formula = {s: sum(zero_memory(psi, N, s, "fp32", "adam").values()) for s in range(4)}
     traffic = {s: (2 if s < 3 else 3) * (N - 1) / N * 4 * psi for s in range(4)}
     times = {}
     for stage, name in runs:
@@ -86,7 +91,8 @@ def zero_part(world, directory, rounds, n_steps):
         sent = statistics.median(r["bytes_sent"] for r in records)
         rows.append({"kind": "zero", "stage": stage, "N": N, "psi": psi, "state_bytes": state,
                      "formula_bytes": formula[stage], "state_over_formula": state / formula[stage],
-                     "gathered_peak": mem["gathered_peak"], "bytes_sent": sent,
+                     "precision": "fp32", "gathered_peak": mem["gathered_peak"],
+                     "bytes_sent": sent,
                      "theory_bytes": traffic[stage], "sent_over_theory": sent / traffic[stage]})
     # Step k of round i of each configuration ran minutes apart from the others' at
     # most: Timings pairs them, and the ratio is the median over those pairs.
@@ -110,6 +116,29 @@ def zero_part(world, directory, rounds, n_steps):
               f"{r['theory_bytes']:>12,.0f} "
               f"{r['sent_over_theory']:>6.3f} {r['gathered_peak']:>9,} "
               f"{1000 * r['median_step_s']:>8.1f} {r['over_dp']:>9.2f} {r['over_plain']:>7.2f}")
+    return rows + mixed_rows(directory, psi, N)
+
+
+def mixed_rows(directory, psi, N):
+    """The ZeRO memory table again in mixed precision: 16-bit params and grads, the fp32
+    master weights counted with Adam's state (the paper's K = 12)."""
+    print(f"ZeRO, bf16 Adam (fp32 master weights), Ψ = {psi:,.0f}, N = {N}")
+    print(f"{'stage':>5} {'params B':>10} {'grads B':>10} {'optim B':>10} {'measured B':>12} "
+          f"{'formula B':>12} {'ratio':>6} {'fp32 form. B':>12} {'saved':>6}")
+    rows = []
+    for stage in range(4):
+        mem = steps(os.path.join(directory, f"bf16_{stage}.jsonl"))[-1]["memory"]
+        state = mem["params"] + mem["grads"] + mem["optimizer"]
+        want = sum(zero_memory(psi, N, stage, "bf16", "adam").values())
+        fp32 = sum(zero_memory(psi, N, stage, "fp32", "adam").values())
+        rows.append({"kind": "zero", "stage": stage, "N": N, "psi": psi, "precision": "bf16",
+                     "params": mem["params"], "grads": mem["grads"],
+                     "optimizer": mem["optimizer"], "state_bytes": state,
+                     "formula_bytes": want, "state_over_formula": state / want,
+                     "fp32_formula_bytes": fp32})
+        print(f"{stage:>5} {mem['params']:>10,} {mem['grads']:>10,} {mem['optimizer']:>10,} "
+              f"{state:>12,} {want:>12,.0f} {state / want:>6.3f} {fp32:>12,.0f} "
+              f"{1 - want / fp32:>6.0%}")
     return rows
 
 

@@ -19,6 +19,8 @@ CONSISTENCIES = ("bsp", "ssp", "asp")
 DEVICES = ("cpu", "cuda")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ZERO_STAGES = (0, 1, 2, 3)
+# compute under autocast, fp32 master weights (precision.py)
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 class ConfigError(ValueError):

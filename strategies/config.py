@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from allreduce.cli import dataclass_flags
 
 from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, DEVICES, EMULATED_SYNCS,
-                      MODELS, OPTIMIZERS, PS_SYNCS, SCHEDULES, SYNCS, ZERO_STAGES, ConfigError)
+                      MODELS, OPTIMIZERS, PRECISIONS, PS_SYNCS, SCHEDULES, SYNCS, ZERO_STAGES,
+                      ConfigError)
 from .compressor import check_compress
 from .grid import ProcessGrid
 
@@ -57,6 +58,11 @@ class TrainConfig:
     device: str = "cpu"           # cpu or cuda (one GPU per rank of a host)
     threads: int = 0              # torch intra-op threads per rank; 0 = cores / ranks on host
     timeout: float = 60.0         # seconds any rank waits for a peer before giving up
+    precision: str = "fp32"       # compute in fp32, or bf16 / fp16 under autocast with fp32
+                                  # master weights (Micikevicius et al. 2018)
+    loss_scale: float = 65536.0   # fp16: the initial loss scale (halved on inf/NaN, the step
+                                  # skipped; doubled after --loss-scale-window clean steps)
+    loss_scale_window: int = 1000  # fp16: clean steps in a row before the scale doubles
     # model
     model: str = "mlp"            # mlp, gpt, or moe (the gpt with mixture-of-experts MLPs)
     width: int = 128              # mlp hidden width
@@ -161,6 +167,7 @@ class TrainConfig:
         if self.consistency == "bsp" and self.staleness:
             raise ConfigError("--staleness needs --consistency ssp (bsp waits for every worker)")
         self.check_moe()
+        self.check_precision()
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir")
         if self.sequence_parallel and self.tp < 2:
@@ -251,6 +258,33 @@ class TrainConfig:
                                   ("--device cuda", self.device != "cpu")):
             if unsupported:
                 raise ConfigError(f"--ep {self.ep} with {flag} is not supported")
+
+    def check_precision(self):
+        """--precision against the rest: where mixed precision has no implementation,
+        the error names the combination (precision.py says what each part does)."""
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"--precision {self.precision!r} is not one of "
+                              f"{', '.join(PRECISIONS)}")
+        if not self.loss_scale > 0 or self.loss_scale_window < 1:
+            raise ConfigError(f"--loss-scale must be > 0 and --loss-scale-window >= 1, got "
+                              f"{self.loss_scale} and {self.loss_scale_window}")
+        if self.precision == "fp32":
+            return
+        what = f"--precision {self.precision}"
+        if self.sync in PS_SYNCS:
+            raise ConfigError(f"{what} with --sync {self.sync} is not supported: the servers "
+                              f"run the optimizer on what they are sent, with no loss scale")
+        # pp, tp: activations and their gradients cross ranks in fp32 buffers so far;
+        # fp16 checkpoints would lose the loss scale
+        for flag, unsupported in ((f"--pp {self.pp}", self.pp > 1),
+                                  (f"--tp {self.tp}", self.tp > 1),
+                                  (f"--ep {self.ep}", self.ep > 1),
+                                  ("--checkpoint-dir", self.checkpoint_dir and
+                                   self.precision == "fp16")):
+            if unsupported:
+                raise ConfigError(f"{what} with {flag} is not supported yet: only data "
+                                  f"parallelism (an all-reduce --sync, --zero 0-3) computes in "
+                                  f"16 bit")
 
     @property
     def straggler_rank(self):

@@ -1,6 +1,7 @@
 """Memory accounting per rank, measured from the tensors that exist, not from formulas.
 
     state_bytes(params, grads, optimizer)    # {"params", "grads", "optimizer"} in bytes
+    zero_memory(psi, N, stage, precision)    # the ZeRO paper's formula for the same
     meter = ActivationMeter(params_of)       # bytes autograd saved for the backward
     with meter:                              # (saved-tensor hooks)
         loss = model(x) ...                  # meter.live_bytes grows
@@ -12,17 +13,55 @@ storage's full size.  This is what the allocator holds, so a ZeRO-1 shard view
 into the full parameter buffer costs nothing extra, while a ZeRO-3 shard that
 is its own tensor costs its own bytes.
 
-The ZeRO paper (Rajbhandari et al., 2020, section 3.1) counts 16 bytes per
-parameter for mixed-precision Adam: fp16 parameters (2) and gradients (2),
-fp32 master parameters, momentum and variance (4 + 4 + 4).  We train in pure
-fp32, where the same 16 bytes are fp32 parameters (4) + fp32 gradients (4) +
-Adam's m and v (4 + 4), with the master copy being the parameters themselves;
-the split is then params 4, grads 4, optimizer 8 (not 2, 2, 12), and the
-stage formulas become  0: 16Ψ   1: 8Ψ + 8Ψ/N   2: 4Ψ + 12Ψ/N   3: 16Ψ/N.
+The formula beside the measurement, `zero_memory(psi, N, stage, precision,
+optimizer)`: the ZeRO paper (Rajbhandari et al., 2020, section 3.1 and
+Figure 1) counts 2Ψ + 2Ψ + KΨ bytes for mixed precision: 16-bit parameters
+and gradients, and K = 12 bytes of optimizer state for Adam (fp32 master
+weights, momentum and variance, 4 + 4 + 4).  Per parameter:
+
+    precision   params  grads  optimizer K                      Adam total
+    fp32        4       4      Adam 8 (m, v), momentum 4, SGD 0  16
+    bf16, fp16  2       2      4 (master) + the same:           16
+                               Adam 12, momentum 8, SGD 4
+
+In pure fp32 the master copy is the parameters themselves, so Adam's 16 bytes
+split 4 + 4 + 8 (not 2 + 2 + 12) and the stages come to
+0: 16Ψ   1: 8Ψ + 8Ψ/N   2: 4Ψ + 12Ψ/N   3: 16Ψ/N;
+with mixed precision they are the paper's 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N.
 """
 import weakref
 
 import torch
+
+
+# optimizer state in fp32 bytes per parameter: Adam's m and v, SGD's momentum buffer
+OPTIMIZER_STATE_BYTES = {"adam": 8, "momentum": 4, "sgd": 0}
+
+
+def bytes_per_parameter(precision="fp32", optimizer="adam"):
+    """{"params", "grads", "optimizer"}: bytes per parameter (the table above).
+    optimizer: adam, momentum (SGD with a momentum buffer) or sgd (none)."""
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATE_BYTES)}, "
+                         f"got {optimizer!r}")
+    if precision == "fp32":
+        return {"params": 4, "grads": 4, "optimizer": OPTIMIZER_STATE_BYTES[optimizer]}
+    if precision in ("bf16", "fp16"):           # + the fp32 master weights
+        return {"params": 2, "grads": 2, "optimizer": 4 + OPTIMIZER_STATE_BYTES[optimizer]}
+    raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
+
+
+def zero_memory(psi, N, stage, precision="fp32", optimizer="adam"):
+    """Bytes per rank {"params", "grads", "optimizer"} of ZeRO stage 0-3 for Ψ = psi
+    parameters over N data-parallel ranks (Rajbhandari et al., Figure 1): stage 1
+    shards the optimizer state, stage 2 the gradients too, stage 3 the parameters too.
+    fp32 Adam: 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N;
+    mixed Adam: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
+    shard = {"params": stage >= 3, "grads": stage >= 2, "optimizer": stage >= 1}
+    return {part: psi * b / (N if shard[part] else 1)
+            for part, b in bytes_per_parameter(precision, optimizer).items()}
 
 
 def _storage(t):

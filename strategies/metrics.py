@@ -9,6 +9,7 @@ run's `run_id`, so that several runs can share a file:
      "comm_time_s", "bytes_sent", "bytes_received", "peak_mem_mb", ...}   per rank
         plain loop: "staleness";  grid: "coords" [dp, pp, tp], "idle_time_s",
         "bubble_fraction", "peak_in_flight", "micro_batch_activation_bytes", "memory"
+        --precision fp16: "loss_scale", "overflow_skips" (so far; the summary has the total)
         --ep: "alltoall_time_s", "alltoall_bytes" (sent by this rank), "dropped_fraction"
         all-reduce syncs: "wire_bytes" (gradient bytes this rank handed to the collectives,
         after --compress), "dense_bytes" (the same as float32 all-reduces)
@@ -57,6 +58,7 @@ class Metrics:
         self.flush_every = 1 if cfg.synchronous else 20
         self.pending, self.steps = [], []
         self.wire = []                             # per step: (wire, dense) bytes, all ranks
+        self.overflow_skips = None                 # fp16: steps skipped so far (precision.py)
         self._bytes = traffic()                    # setup's broadcast is not a step
         self.file = cfg.jsonl if self.is_writer else ""
         self.bar = None
@@ -100,6 +102,7 @@ class Metrics:
                 r["loss"] = loss
             if self.file:
                 self._write(*per_rank)
+            self.overflow_skips = per_rank[0].get("overflow_skips", self.overflow_skips)
             self.steps.append((per_rank[0]["step"], loss,
                                max(r["step_time_s"] for r in per_rank),
                                max(r["comm_time_s"] for r in per_rank),
@@ -135,12 +138,16 @@ class Metrics:
                "peak_mem_mb": max(s[5] for s in self.steps), "wall_s": wall_s,
                **wire_summary(self.wire),
                "config": self.cfg.as_dict()}
+        if self.overflow_skips is not None:        # fp16: every rank skipped the same steps
+            out["overflow_skips"] = self.overflow_skips
         print(f"[{self.cfg.sync}] {world}: steps={out['steps']} "
               f"loss {out['first_loss']:.4f} -> {out['final_loss']:.4f}  "
               f"{out['samples_per_s']:.0f} samples/s  step {1000 * step_s:.1f} ms  "
               f"exposed comm {100 * out['exposed_comm_fraction']:.0f}%  "
               f"{_size(out['bytes_sent_per_step_all_ranks'])} sent/step  "
-              f"peak {out['peak_mem_mb']:.0f} MB  wall {wall_s:.1f} s", flush=True)
+              f"peak {out['peak_mem_mb']:.0f} MB  wall {wall_s:.1f} s" +
+              (f"  overflow skips {self.overflow_skips}" if "overflow_skips" in out else ""),
+              flush=True)
         if self.file:
             self._write(out)
         return out

@@ -36,6 +36,16 @@ inside `opt.no_sync()` only add into .grad; the one after it carries the sum:
             (loss_fn(model(x), y) / k).backward()
     opt.step()                                          # one all-reduce (ps: one push)
 
+Mixed precision (precision.py): precision="bf16" or "fp16" (loss_scale,
+loss_scale_window); the model's parameters stay fp32, the master weights.  Three
+lines of the loop change:
+
+    with opt.autocast():               # the forward's matmuls in 16 bit
+        loss = loss_fn(model(x), y)
+    opt.backward(loss)                 # fp16: backward of the scaled loss
+    opt.step()                         # fp16: unscaled, or skipped on an inf / NaN
+                                       # (opt.overflow_skips counts those)
+
 Gradient clipping sees averaged gradients after `opt.synchronize()`; `step`
 then does not wait again.  Under torchrun there is no MPI: sync="torch", or a
 textbook algorithm over torch.distributed (the transport chosen for you).
@@ -66,6 +76,7 @@ from .choices import PS_SYNCS, SYNCS, ConfigError
 from .context import MPIControl, RunContext, ps_role
 from .optimizer_checks import (check_comm, check_model, check_same_everywhere, gathered,
                                server_settings, transport_for)
+from .precision import MixedPrecision
 from .ps_sync import HybridSync, PSSync
 from .sync import AllReduceSync, LocalSync, SyncOptions, broadcast_tensor, collective_for
 
@@ -89,12 +100,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  overlap=True, compress="none", error_feedback=True, momentum_correction=0.0,
                  ranks_per_node=0, timeout=60.0,
                  transport=None, role=None, consistency="bsp", staleness=0,
-                 link_latency_us=0.0, link_gbps=0.0):
+                 link_latency_us=0.0, link_gbps=0.0, precision="fp32", loss_scale=2.0**16,
+                 loss_scale_window=1000):
         # No Optimizer.__init__: the wrapped optimizer owns the parameter groups and state.
         if isinstance(optimizer, DistributedOptimizer):
             raise ConfigError("the optimizer is a DistributedOptimizer already; wrap the "
                               "plain one")
         params, device = check_model(optimizer, model)
+        self.precision = MixedPrecision(precision, device.type, loss_scale, loss_scale_window)
         if isinstance(sync, allreduce.Collective):
             if comm is not None or transport is not None:
                 raise ConfigError("sync is a collective already: it has its communicator and "
@@ -106,6 +119,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"sync={sync!r} is not one of {', '.join(SYNCS)} "
                               "(or a collective from allreduce.create)")
         server_optimizer = {}
+        if name in PS_SYNCS and self.precision.mixed:
+            raise ConfigError(f"precision={precision!r} with sync={name!r} is not supported: "
+                              "the servers run the optimizer, with no loss scale")
         if name in PS_SYNCS:
             server_optimizer = server_settings(optimizer)
         elif role is not None:
@@ -228,10 +244,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"sync={self.options.sync!r}: the servers run the optimizer with "
                               f"lr={self.options.lr}; a schedule cannot change it to {lr}")
         self.synchronize()
-        self.sync.step(self.optimizer)
+        # every rank holds the same averaged gradients: all skip the same fp16 steps
+        self.precision.step([p.grad for p in self.model.parameters()],
+                            lambda: self.sync.step(self.optimizer))
         self._synchronized = False
         self._step += 1
         return loss
+
+    def autocast(self):
+        """The forward's context: torch.autocast in bf16 / fp16, nothing in fp32."""
+        return self.precision.autocast()
+
+    def backward(self, loss):
+        """loss.backward(), of the scaled loss under fp16 (the scale: opt.loss_scale)."""
+        self._require_open()
+        self.precision.backward(loss)
+
+    @property
+    def loss_scale(self):
+        """fp16: the loss scale now; None otherwise."""
+        return self.precision.scaler.scale if self.precision.scaler else None
+
+    @property
+    def overflow_skips(self):
+        """fp16: how many steps were skipped for an inf or NaN gradient; 0 otherwise."""
+        return self.precision.scaler.overflow_skips if self.precision.scaler else 0
 
     def _require_open(self):
         if self._closed:

@@ -41,6 +41,7 @@ from .interleaved import check as check_interleaved
 from .loop import StepEngine
 from .memory import ActivationMeter
 from .pipeline import Pipeline, Stage
+from .precision import of_config
 from .sequence_parallel import positions_per_rank, split_sequence
 from .sync import collective_for
 from .tensor_parallel import TensorParallel, parallelize_blocks
@@ -107,8 +108,9 @@ class GridEngine(StepEngine):
         stages = [Stage(layers[sum(sizes[:c]):sum(sizes[:c + 1])]) for c in range(len(sizes))]
         self.model = stages[0] if len(stages) == 1 else nn.ModuleList(stages)
         units = [(name, module, list(module.parameters())) for name, module in layers]
+        self.precision = of_config(cfg)            # --precision: ZeRO's 16-bit buffers
         self.sync = ZeRO(cfg.zero, units, collective_for(cfg.sync, cfg, comms.dp), cfg,
-                         cfg.micro_batches, self.tracer)
+                         cfg.micro_batches, self.tracer, self.precision)
         self.sync.setup(self.model)
         self.optimizer = self.sync.make_optimizer()
         self.meter = ActivationMeter(self.sync.param_storages,
@@ -119,7 +121,7 @@ class GridEngine(StepEngine):
         kind = InterleavedPipeline if cfg.schedule == "interleaved" else Pipeline
         self.pipeline = kind(stages, self.criterion, self.p2p, comms.pp_rank, comms.pp_size,
                              cfg.micro_batches, cfg.schedule, lambda n: (n, *feature),
-                             self.tracer, self.meter)
+                             self.tracer, self.meter, self.precision)
         grid = comms.grid
         self.layout = {"world_size": grid.world_size, "dp_size": grid.dp, "pp_size": grid.pp,
                        "tp_size": grid.tp}
@@ -171,7 +173,8 @@ class GridEngine(StepEngine):
             "idle_time_s": busy_seconds(events, ("idle",)),
             "bubble_fraction": 1.0 - busy / self.pipeline_span(start, pipeline_end),
             "peak_in_flight": self.pipeline.peak_in_flight,
-            "micro_batch_activation_bytes": self.pipeline.micro_batch_bytes, "memory": memory}
+            "micro_batch_activation_bytes": self.pipeline.micro_batch_bytes, "memory": memory,
+            **self.precision.record()}
 
     def pipeline_span(self, start, end):
         """The flush-to-flush time of this step's pipeline: from the first stage's start to

@@ -38,6 +38,7 @@ from allreduce import shard_bounds
 from allreduce.transport import MPITransport
 
 from .models import GPT, MLP
+from .precision import MixedPrecision
 
 SPINS = 200_000        # polls (~0.1 s) before falling back to the transport's yielding wait
 
@@ -111,16 +112,18 @@ class Pipeline:
         for the first one's next chunk).
     transport: point-to-point over the pp communicator (rank i = stage i).
     activation_shape(n): shape of the activation between stages for n samples.
-    meter: memory.ActivationMeter around every forward; tracer: trace.Tracer."""
+    meter: memory.ActivationMeter around every forward; tracer: trace.Tracer;
+    precision: precision.MixedPrecision (autocast, the scaled loss; None: fp32)."""
 
     def __init__(self, stage_module, criterion, transport, stage, stages, micro_batches,
-                 schedule, activation_shape, tracer, meter):
+                 schedule, activation_shape, tracer, meter, precision=None):
         self.chunks = list(stage_module) if isinstance(stage_module, (list, tuple)) \
             else [stage_module]
         self.criterion, self.transport = criterion, transport
         self.stage, self.stages, self.m = stage, stages, micro_batches
         self.schedule, self.activation_shape = schedule, activation_shape
         self.tracer, self.meter = tracer, meter
+        self.precision = precision or MixedPrecision()
         self.global_stages = stages * len(self.chunks)
         self.first, self.last = stage == 0, stage == stages - 1     # as a rank, chunk 0
         # an MPI request can be tested without blocking; other transports' handles wait
@@ -198,7 +201,8 @@ class Pipeline:
                 self.receive(inp, (self.stage - 1) % self.stages, self.tag(g - 1, i, 0))
             inp.requires_grad_()
         before = self.meter.live_bytes
-        with self.tracer.span(f"forward {self._name(i, chunk)}", "forward"), self.meter:
+        with self.tracer.span(f"forward {self._name(i, chunk)}", "forward"), self.meter, \
+                self.precision.autocast():
             out = self.chunks[chunk](inp)
             if last:
                 out = self.criterion(out, self.y[start:stop]) * ((stop - start) / self.n)
@@ -219,7 +223,7 @@ class Pipeline:
         name = self._name(i, chunk)
         if g == self.global_stages - 1:
             with self.tracer.span(f"backward {name}", "backward"):
-                out.backward()
+                self.precision.backward(out)          # fp16: of the scaled loss
         else:
             grad = torch.empty(out.shape)
             with self.tracer.span(f"wait gradient {name}", "idle"):

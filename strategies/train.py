@@ -49,6 +49,7 @@ from .metrics import now
 from .models import build_model, count_parameters
 from .optimizer import DistributedOptimizer
 from .parallel import GridEngine, check
+from .precision import MixedPrecision, of_config
 from .sync import make_optimizer
 from .trace import Tracer
 
@@ -101,21 +102,25 @@ def control_rank(ctx):
 
 
 def one_step(step, cfg, ctx, data, model, sync, optimizer, device, forward=None, tracer=None,
-             recompute=None):
+             recompute=None, precision=None):
     """One training step; returns (local loss, compute s, exposed comm s, step s).
     Forward and backward run in --grad-accum micro-steps (accumulation.py), the
-    communication once; recompute: recompute.Recompute of --recompute, or None."""
+    communication once; recompute: recompute.Recompute of --recompute, or None;
+    precision: a precision.MixedPrecision (None: fp32) around the forward, the backward
+    and the update (fp16: skipped where the synchronised gradients overflowed)."""
+    precision = precision or MixedPrecision()
     t0 = now(device)
     x, y = data.batch(step, ctx.dp_rank, ctx.dp_size, cfg.global_batch, device)
     sync.before_backward()
     if ctx.rank == cfg.straggler_rank:             # --straggler: a slow GPU, seen as compute
         time.sleep(cfg.straggler_seconds)
     loss = accumulate(step, model, forward or model, x, y, cfg.grad_accum, sync,
-                      lambda: now(device), tracer, recompute)
+                      lambda: now(device), tracer, recompute, precision)
     t1 = now(device)
     sync.synchronize(step)
     t2 = now(device)
-    sync.step(optimizer)
+    # every rank holds the same averaged gradients, so every rank skips the same steps
+    precision.step([p.grad for p in model.parameters()], lambda: sync.step(optimizer))
     t3 = now(device)
     if tracer:                                     # --trace: the step's intervals, as lived
         tracer.add(f"wait for gradients {step}", "comm", t1, t2)
@@ -144,6 +149,8 @@ class DataParallel(loop.StepEngine):
         self.layout = {"world_size": ctx.world_size, "dp_size": ctx.dp_size, "pp_size": 1,
                        "tp_size": 1}
         self.tracer = Tracer(ctx.rank) if cfg.trace else None
+        # the model's fp32 parameters are the master weights; autocast casts them per matmul
+        self.precision = of_config(cfg, device.type)
         self.recompute = recompute.enable(cfg, model, self.tracer)   # --recompute, or None
         self._wire = (0, 0)                        # wire and dense bytes after the last step
 
@@ -152,13 +159,14 @@ class DataParallel(loop.StepEngine):
         loss, compute_s, comm_s, step_s = one_step(step, self.cfg, self.ctx, self.data,
                                                    self.model, self.sync, self.optimizer,
                                                    self.device, tracer=self.tracer,
-                                                   recompute=self.recompute)
+                                                   recompute=self.recompute,
+                                                   precision=self.precision)
         # comm_rounds: this step's collectives (one per gradient bucket) or server round
         # trips; the same with --grad-accum k as without, which is the point of no_sync
         return loss, {"step_time_s": step_s, "compute_time_s": compute_s,
                       "comm_time_s": comm_s, "staleness": self.sync.staleness,
                       "comm_rounds": self.sync.comm_rounds - rounds_before,
-                      **self.wire_fields()}
+                      **self.wire_fields(), **self.precision.record()}
 
     def wire_fields(self):
         """This step's gradient bytes handed to the collectives (`wire_bytes`) and what

@@ -38,6 +38,14 @@ views of its weights for the backward (`W.t()` in a linear).  So the saved
 tensors whose storage is a gathered layer are replaced by a token (layer,
 size, stride, offset) and rebuilt from the re-gathered buffer at unpack time
 (`pack`/`unpack`, used through memory.ActivationMeter's saved-tensor hooks).
+
+Mixed precision (--precision bf16/fp16, precision.py) is the paper's own setting:
+the flat parameter and gradient buffers (and stage 3's parameter shards) are
+16-bit, and each rank keeps an fp32 master copy of its shard (of everything
+at stage 0) for the optimizer: 2Ψ + 2Ψ + 12Ψ with Adam, sharded as the table
+says (memory.zero_memory).  The gradients are reduced in 16 bit; the optimizer
+reads them as fp32, unscaled, for its step only, and the updated master shard
+is cast back into the 16-bit buffer before the all-gather.
 """
 from contextlib import nullcontext
 
@@ -47,6 +55,7 @@ import torch.nn as nn
 from allreduce import shard_of
 
 from .memory import optimizer_tensors, state_bytes
+from .precision import MixedPrecision, any_rank
 from .sync import GradientSync, make_optimizer
 
 EMPTY = torch.empty(0)
@@ -64,12 +73,18 @@ class ZeroUnit:
         self.arrivals = 0              # parameter gradients seen this step
         full = torch.cat([p.detach().reshape(-1) for p in params])
         zero.broadcast(full)           # rank 0's weights win, as in DDP
+        # mixed precision: the fp32 master weights of this rank's shard (all, at stage 0)
+        self.master = None
+        if zero.precision.mixed:
+            mine = full if zero.stage == 0 else full[self.start:self.stop]
+            self.master = nn.Parameter(mine.clone())
+            full = full.to(zero.precision.half)
         self.full = None
         self.grad_full = self.grad_shard = None
         if zero.stage < 3:
             self._bind(full)
         if zero.stage in (0, 1):       # a persistent full gradient; p.grad are views of it
-            self.grad_full = torch.zeros(self.numel)
+            self.grad_full = torch.zeros(self.numel, dtype=full.dtype)
             self._views(self.grad_full, "grad")
         if zero.stage == 0:
             self.shard = None
@@ -138,6 +153,16 @@ class ZeroUnit:
         with zero.comm_span(f"reduce-scatter grads {self.name}"):
             self.shard.grad = coll.reduce_scatter(flat, op="avg")
 
+    def gradient(self):
+        """The synchronised gradient the optimizer steps on (16-bit when mixed)."""
+        return self.grad_full if self.zero.stage == 0 else self.shard.grad
+
+    def master_step_done(self):
+        """Mixed precision: the updated fp32 master into the 16-bit weights (step 5)."""
+        with torch.no_grad():
+            (self.full if self.zero.stage == 0 else self.shard).copy_(self.master)
+        self.master.grad = None        # the fp32 gradient lived for the step only
+
     def gather_updated(self):
         """Stages 1 and 2: every rank's updated shard into the full parameters."""
         with self.zero.comm_span(f"all-gather params {self.name}"):
@@ -155,9 +180,11 @@ class ZeRO(GradientSync):
     coll: an allreduce/ collective over the dp communicator."""
     name = "zero"
 
-    def __init__(self, stage, units, coll, cfg, backwards_per_step=1, tracer=None):
+    def __init__(self, stage, units, coll, cfg, backwards_per_step=1, tracer=None,
+                 precision=None):
         super().__init__(cfg, None, torch.device("cpu"))   # the grid runs on CPUs so far
         self.stage, self.coll, self.tracer = stage, coll, tracer
+        self.precision = precision or MixedPrecision()
         self.dp_rank, self.dp_size = coll.rank, coll.size
         self.backwards_per_step = backwards_per_step
         self.gathered = {}              # storage ptr of a gathered layer -> its ZeroUnit
@@ -188,7 +215,7 @@ class ZeRO(GradientSync):
             out.register_hook(lambda grad: unit.gather("backward"))
 
     def note_gathered(self):
-        now = sum(u.numel * 4 for u in self.gathered.values())
+        now = sum(u.full.nbytes for u in self.gathered.values())
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, now)
 
     # ---------------------------------------------------- saved tensors (stage 3)
@@ -210,6 +237,8 @@ class ZeRO(GradientSync):
 
     def make_optimizer(self, model=None):
         """Over the shards (stages 1-3), not the model's parameters."""
+        if self.precision.mixed:
+            return make_optimizer(self.cfg, [u.master for u in self.units])
         params = self.parameters() if self.stage == 0 else [u.shard for u in self.units]
         return make_optimizer(self.cfg, params)
 
@@ -227,17 +256,36 @@ class ZeRO(GradientSync):
                                "(every layer must take part in every micro-batch)")
 
     def step(self, optimizer):
-        optimizer.step()
+        if not self.precision.mixed:
+            optimizer.step()
+        elif not self._mixed_step(optimizer):
+            return                      # fp16 overflow: the step is skipped everywhere
         if self.stage in (1, 2):
             for unit in self.units:
                 unit.gather_updated()
+
+    def _mixed_step(self, optimizer):
+        """precision.py's steps 4-5: agree on an overflow (each rank sees its shard only),
+        unscale, step the fp32 masters, cast them back.  Returns whether it stepped."""
+        # fp32 copies for the check, the unscaling and the step (the paper unscales in fp32)
+        grads = [u.gradient().float() for u in self.units]
+
+        def update():
+            for unit, grad in zip(self.units, grads):
+                unit.master.grad = grad
+            optimizer.step()
+            for unit in self.units:
+                unit.master_step_done()
+        return self.precision.step(grads, update, any_rank(self.coll) if self.stage else None)
 
     def state_bytes(self, optimizer):
         """Params, grads and optimizer state this rank holds between steps, measured."""
         params = [u.full for u in self.units] + [u.shard for u in self.units if u.shard is not None]
         grads = [u.grad_full for u in self.units] + \
             [u.shard.grad for u in self.units if u.shard is not None]
-        return state_bytes(params, grads, optimizer_tensors(optimizer))
+        masters = [u.master for u in self.units if u.master is not None]
+        # the fp32 master weights count with the optimizer's state, as in the paper's K = 12
+        return state_bytes(params, grads, masters + optimizer_tensors(optimizer))
 
     def param_storages(self):
         return [u.full.untyped_storage().data_ptr() for u in self.units if u.full is not None]

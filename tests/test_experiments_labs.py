@@ -161,6 +161,20 @@ def test_check_answers_zero_grades_without_giving_the_figures_away(tmp_path, cap
 
 
 @pytest.mark.timeout(30)
+def test_check_answers_precision_grades_mixed_precision_and_momentum(tmp_path, capsys):
+    def check(text):
+        return answer(tmp_path, capsys, check_answers.main, "precision", text,
+                      "my_precision.toml")
+    assert check(answers.PRECISION)[0] == 0
+    # the fp32 answers (lab 3's) are wrong here, and the right figures are not shown
+    status, out = check(answers.PRECISION.replace("stage1 = 7_000_000", "stage1 = 10_000_000")
+                        .replace("momentum_stage0 = 12_000_000", "momentum_stage0 = 8e6"))
+    assert status == 1 and "WRONG stage1: yours 10000000" in out
+    assert "WRONG momentum_stage0" in out and "ok    stage2" in out
+    assert not figures(out) & {7e6, 12e6}, out
+
+
+@pytest.mark.timeout(30)
 def test_check_answers_pipeline_grades_without_giving_the_figures_away(tmp_path, capsys):
     def check(text):
         return answer(tmp_path, capsys, check_answers.main, "pipeline", text, "my_pipe.toml")

@@ -74,7 +74,7 @@ def test_axes_expand_and_command_lines():
     settings, points = load_sweep(os.path.join(ROOT, "experiments", "demo.toml"))
     assert settings["name"] == "demo"
     commands = [c for c, *_ in points]
-    assert commands.count("allreduce.bench") == 5 and commands.count("strategies.train") == 13
+    assert commands.count("allreduce.bench") == 5 and commands.count("strategies.train") == 17
     params = {"world_size": 3, "sync": "ps", "overlap": False, "progress": True,
               "straggler": "1:0.02", "steps": 5}
     argv = command_line("strategies.train", params, "/tmp/r.jsonl")

@@ -41,7 +41,8 @@ BARE = re.compile(r"(?<![\w/.-])(python3?|mpiexec|mpirun|pip|pytest)\s+-")
 # What a student writes, and the right answer the test writes in its place.
 ANSWERS = {"my_ring.py": answers.ring(), "my_zero.toml": answers.ZERO,
            "my_pipeline.toml": answers.PIPELINE, "my_grid.py": answers.GRID,
-           "my_ps.toml": answers.PS, "my_compress.toml": answers.COMPRESS}
+           "my_ps.toml": answers.PS, "my_compress.toml": answers.COMPRESS,
+           "my_precision.toml": answers.PRECISION}
 VENV_BIN = os.path.dirname(sys.executable)
 
 

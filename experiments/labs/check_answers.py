@@ -1,6 +1,7 @@
-"""Self-check of the pen-and-paper parts of labs 3, 4, 5 and 8: your numbers against the formulas.
+"""Self-check of the pen-and-paper parts of labs 3, 4, 5, 7 and 8: your numbers against the formulas.
 
     .venv/bin/python -m experiments.labs.check_answers zero my_zero.toml
+    .venv/bin/python -m experiments.labs.check_answers precision my_precision.toml
     .venv/bin/python -m experiments.labs.check_answers pipeline my_pipeline.toml
     .venv/bin/python -m experiments.labs.check_answers grid my_grid.py
     .venv/bin/python -m experiments.labs.check_answers compress my_compress.toml
@@ -15,6 +16,13 @@ Answer files (templates in the lab sheets):
     params = ...
     grads = ...
     optimizer = ...
+
+    # my_precision.toml: the same in mixed precision (16-bit params and grads, fp32
+    # master weights and Adam's moments), and SGD with momentum at stage 0
+    params = 1_000_000
+    ranks = 4
+    stage0 = ...              # (a total, or [stageN] parts, as above)
+    momentum_stage0 = ...
 
     # my_pipeline.toml
     stages = 4
@@ -55,10 +63,10 @@ def close(got, want):
     return isinstance(got, (int, float)) and abs(got - want) <= 0.01 * max(abs(want), 1e-12)
 
 
-def check_zero(a):
+def check_zero(a, precision="fp32"):
     psi, N = a["params"], a["ranks"]
     for stage in range(4):
-        want = costmodel.zero_memory(psi, N, stage)
+        want = costmodel.zero_memory(psi, N, stage, precision)
         got = a.get(f"stage{stage}")
         if isinstance(got, dict):           # graded part by part
             for part in want:
@@ -67,7 +75,15 @@ def check_zero(a):
             yield f"stage{stage}", got, sum(want.values())
 
 
+def check_precision(a):
+    """Lab 7: ZeRO's stages in mixed precision, and how the optimizer changes K."""
+    yield from check_zero(a, "bf16")
+    want = costmodel.zero_memory(a["params"], a["ranks"], 0, "bf16", "momentum")
+    yield "momentum_stage0", a.get("momentum_stage0"), sum(want.values())
+
+
 def check_compress(a):
+    """Lab 8: dense and top-k bytes a rank sends, and where top-k stops saving."""
     n, P, ratio = a["params"], a["ranks"], a["ratio"]
     topk, dense = wire_bytes_sent(n, ratio, P)
     yield "dense_bytes", a.get("dense_bytes"), dense
@@ -141,7 +157,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m experiments.labs.check_answers",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("lab", choices=("zero", "pipeline", "grid", "compress"))
+    ap.add_argument("lab", choices=("zero", "precision", "pipeline", "grid", "compress"))
     ap.add_argument("file")
     a = ap.parse_args(argv)
     if a.lab == "grid":
@@ -149,8 +165,8 @@ def main(argv=None):
     else:
         with open(a.file, "rb") as f:
             answers = tomllib.load(f)
-        checks = {"zero": check_zero, "pipeline": check_pipeline,
-                  "compress": check_compress}[a.lab](answers)
+        checks = {"zero": check_zero, "precision": check_precision,
+                  "pipeline": check_pipeline, "compress": check_compress}[a.lab](answers)
     wrong = total = 0
     shown = 0
     for name, got, want in checks:

@@ -1,4 +1,4 @@
-"""Right answers to labs 1-5, for the tests only (the teacher's keys in
+"""Right answers to labs 1-5 and 7, for the tests only (the teacher's keys in
 experiments/labs/teacher/ explain them).  Students never need this file."""
 import os
 
@@ -35,6 +35,16 @@ stage0 = 16_000_000
 stage1 = 10_000_000
 stage2 = 7_000_000
 stage3 = 4_000_000
+"""
+
+# Lab 7: mixed-precision Adam, 2 + 2 + 12 bytes a parameter; SGD with momentum K = 8.
+PRECISION = """params = 1_000_000
+ranks = 4
+stage0 = 16_000_000
+stage1 = 7_000_000
+stage2 = 5_500_000
+stage3 = 4_000_000
+momentum_stage0 = 12_000_000
 """
 
 PIPELINE = """stages = 4

@@ -1,0 +1,148 @@
+"""Mixed precision: 16-bit compute, fp32 master weights, and dynamic loss scaling for fp16.
+
+Micikevicius et al., "Mixed Precision Training" (ICLR 2018); for bfloat16,
+Kalamkar et al., "A Study of BFLOAT16 for Deep Learning Training" (2019).
+
+    --precision fp32   everything in fp32 (the reference)
+    --precision bf16   forward and backward under torch.autocast(bfloat16); bf16 has
+                       fp32's 8 exponent bits, so gradients neither overflow nor
+                       underflow where fp32's would not: no loss scaling (Kalamkar)
+    --precision fp16   the same in float16, whose 5 exponent bits flush small
+                       gradients to zero: the loss is multiplied by a scale S before
+                       backward, and the gradients divided by S before the update
+
+One step (Micikevicius, Figure 1 and section 3.2), with a dynamic scale S:
+
+    step  what                                             dtype
+    1     forward under autocast                           matmuls in 16 bit,
+                                                           reductions / losses in fp32
+    2     backward of S x loss                             gradients of 16-bit tensors
+    3     synchronise the gradients (all-reduce, ZeRO)     as the gradients are stored
+    4     any inf or NaN in the synchronised gradients?    -
+          yes: skip the update, S = S / 2, overflow_skips += 1
+          no:  gradients / S, the optimizer's step on the fp32 master weights;
+               after `window` clean steps in a row S = 2 S
+    5     the 16-bit copies (ZeRO's buffers) := the fp32 master weights
+
+The overflow check (4) reads the *synchronised* gradients: after an all-reduce
+every rank holds the same values, so every rank sees the same inf and skips
+the same steps.  A rank of ZeRO stages 1-3 holds only its shard: there one
+all-reduce(max) of a flag makes the ranks agree (`agree`).
+
+Where the master weights are:
+  the data-parallel loop (train.py)  the model's parameters stay fp32: they are the
+                                     master weights; autocast casts them for each matmul
+  ZeRO (zero.py)                     parameters and gradients are 16-bit buffers, the
+                                     fp32 master copy lives beside Adam's state: the
+                                     paper's 2Ψ + 2Ψ + 12Ψ = 16Ψ (memory.py, zero_memory)
+"""
+from contextlib import nullcontext
+
+import torch
+
+from .choices import PRECISIONS, ConfigError
+
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LossScaler:
+    """Dynamic loss scaling (Micikevicius section 3.2; the same rule as torch.amp's
+    GradScaler): halve on overflow and skip the step, double after `window` clean steps."""
+
+    def __init__(self, scale=2.0**16, window=2000):
+        if not scale > 0 or window < 1:
+            raise ConfigError(f"loss scale {scale} must be > 0 and its window {window} >= 1")
+        self.scale, self.window = float(scale), int(window)
+        self.clean_steps = 0            # in a row, since the last overflow or growth
+        self.overflow_skips = 0         # steps skipped so far
+
+    @staticmethod
+    def overflowed(grads):
+        """Whether any of the gradients holds an inf or a NaN."""
+        return any(not torch.isfinite(g).all() for g in grads if g is not None)
+
+    def update(self, overflow):
+        """The scale after this step; True where the step is to be taken."""
+        if overflow:
+            self.scale /= 2
+            self.clean_steps = 0
+            self.overflow_skips += 1
+            return False
+        self.clean_steps += 1
+        if self.clean_steps == self.window:
+            self.scale *= 2
+            self.clean_steps = 0
+        return True
+
+
+class MixedPrecision:
+    """The precision of a run: its autocast, its scaled backward and its guarded update.
+
+    precision: fp32, bf16 or fp16; device_type: "cpu" or "cuda"."""
+
+    def __init__(self, precision="fp32", device_type="cpu", loss_scale=2.0**16,
+                 loss_scale_window=2000):
+        if precision not in PRECISIONS:
+            raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+        self.name, self.device_type = precision, device_type
+        self.half = HALF_DTYPES.get(precision)        # None: fp32
+        self.scaler = LossScaler(loss_scale, loss_scale_window) if precision == "fp16" else None
+
+    @property
+    def mixed(self):
+        return self.half is not None
+
+    def autocast(self):
+        """Step 1: the forward's matmuls in 16 bit, what needs the range in fp32."""
+        if not self.mixed:
+            return nullcontext()
+        return torch.autocast(self.device_type, dtype=self.half)
+
+    def backward(self, loss):
+        """Step 2: backward of S x loss (fp16), of the loss itself otherwise."""
+        if self.scaler is None:
+            loss.backward()
+        else:
+            (loss * self.scaler.scale).backward()
+
+    def step(self, grads, update, agree=None):
+        """Steps 4-5 on the synchronised `grads`: skip (fp16 overflow) or unscale them
+        and run `update()`.  agree(bool) -> bool: every rank's vote (ZeRO's shards);
+        None where every rank holds the same gradients.  Returns whether it stepped."""
+        if self.scaler is None:
+            update()
+            return True
+        overflow = self.scaler.overflowed(grads)
+        if agree is not None:
+            overflow = agree(overflow)
+        scale = self.scaler.scale
+        if not self.scaler.update(overflow):
+            return False
+        with torch.no_grad():
+            for g in grads:
+                if g is not None:
+                    g.mul_(1.0 / scale)
+        update()
+        return True
+
+    def record(self):
+        """The step record's fields: the scale and the skips so far (fp16 only)."""
+        if self.scaler is None:
+            return {}
+        return {"loss_scale": self.scaler.scale, "overflow_skips": self.scaler.overflow_skips}
+
+
+def any_rank(coll):
+    """agree() for MixedPrecision.step over an allreduce/ collective: whether any rank
+    saw an overflow (ZeRO stages 1-3, whose ranks each check their own shard)."""
+    def agree(overflow):
+        flag = torch.tensor([float(overflow)])
+        if coll.size > 1:
+            coll.allreduce(flag, op="max")
+        return bool(flag.item())
+    return agree
+
+
+def of_config(cfg, device_type="cpu"):
+    """The MixedPrecision a TrainConfig (or SyncOptions) asks for."""
+    return MixedPrecision(cfg.precision, device_type, cfg.loss_scale, cfg.loss_scale_window)
