@@ -23,7 +23,8 @@ per iteration, both ways:
 psrv and raw_zmq use one transport (--transport: ipc, Unix sockets, the default
 for servers on this host; or tcp on loopback).  All kinds run interleaved in the
 same processes (psrv, raw, rpc, psrv, raw, rpc, ... `--reps` times, a barrier
-before each block) because this machine changes speed every minute or two.
+before each block: allreduce/harness.py's rounds) because this machine changes
+speed every minute or two.
 Reported: median time per iteration (the slowest worker), and
 gbps = W * 2 * size / time, the aggregate bytes moved per second (1 GB = 1e9 B).
 
@@ -40,13 +41,12 @@ import os
 import platform
 import shutil
 import socket
-import statistics
 import tempfile
-import time
 
 import numpy as np
 import zmq
 
+from allreduce.harness import Timings, interleaved, slowest
 from allreduce.records import append_jsonl
 from allreduce.units import parse_sizes
 
@@ -149,22 +149,29 @@ def worker(w, num_workers, endpoints, echoes, rpc_port, sizes, reps, barrier, re
 
     runs = {"psrv": run_psrv, "raw_zmq": run_raw, "torch_rpc": run_rpc}
     kinds = [k for k in runs if k in pids]
+    cpu_start, cpu = {}, {kind: [] for kind in kinds}
+
+    def cpu_now(kind):            # worker 0 reads the servers' CPU too, once for all workers
+        return sum(map(cpu_seconds, [os.getpid()] + (pids[kind] if w == 0 else [])))
+
+    def read_cpu_after(kind):
+        barrier.wait(120)         # the servers' work for the slower workers counts too
+        cpu[kind].append((cpu_now(kind) - cpu_start[kind]) / iters)
+
     for size in sizes:
         name = f"s{size:012d}"
         iters = max(2, min(200, int(2e8 / size / num_workers)))
         for kind in kinds:
             runs[kind](name, 2)              # warm-up: connections, page faults
-        for rep in range(reps):
-            for kind in kinds:
-                servers = pids[kind] if w == 0 else []     # worker 0 reads the servers' CPU
-                barrier.wait(120)
-                cpu = sum(map(cpu_seconds, [os.getpid()] + servers))
-                start = time.perf_counter()
-                runs[kind](name, iters)
-                elapsed = time.perf_counter() - start
-                barrier.wait(120)           # the servers' work for the slower workers counts too
-                cpu = sum(map(cpu_seconds, [os.getpid()] + servers)) - cpu
-                results.put((kind, size, rep, w, elapsed / iters, cpu / iters))
+        for kind in kinds:
+            cpu[kind].clear()
+        # one sample: `iters` iterations of one kind, after a barrier, per iteration
+        timings = interleaved({kind: (lambda kind=kind: runs[kind](name, 1)) for kind in kinds},
+                              rounds=reps, warmup=0, calls=iters,
+                              barrier=lambda: barrier.wait(120),
+                              before=lambda kind: cpu_start.__setitem__(kind, cpu_now(kind)),
+                              after=read_cpu_after)
+        results.put((size, timings.samples, {kind: list(cpu[kind]) for kind in kinds}))
     client.close()
     for sock in raw:
         sock.close(linger=0)
@@ -199,12 +206,10 @@ def run_config(num_servers, num_workers, sizes, reps, transport="ipc", with_rpc=
                  for w in range(num_workers)]
         for p in procs:
             p.start()
-        times, cpus = {}, {}
-        for kind, size, rep, w, t, cpu in collect(results, len(sizes) * reps * len(pids) * num_workers,
-                                                  procs + echo_procs + rpc_procs):
-            key = (kind, size, rep)
-            times[key] = max(times.get(key, 0.0), t)      # the slowest worker sets the pace
-            cpus[key] = cpus.get(key, 0.0) + cpu
+        per_size = {}                          # size -> [(Timings, cpu) of each worker]
+        for size, samples, cpu in collect(results, len(sizes) * num_workers,
+                                          procs + echo_procs + rpc_procs):
+            per_size.setdefault(size, []).append((Timings(samples), cpu))
         for p in procs + rpc_procs:
             p.join(60)
         servers.wait(60)
@@ -218,14 +223,15 @@ def run_config(num_servers, num_workers, sizes, reps, transport="ipc", with_rpc=
     shutil.rmtree(socket_dir, ignore_errors=True)
     rows = []
     for size in sizes:
+        timings = slowest(t for t, _ in per_size[size])       # the slowest worker sets the pace
         for kind in pids:
-            t = statistics.median(times[(kind, size, r)] for r in range(reps))
-            cpu = statistics.median(cpus[(kind, size, r)] for r in range(reps))
+            cpus = np.sum([cpu[kind] for _, cpu in per_size[size]], axis=0)  # every process's
+            t, rounds = timings.median(kind), timings.samples[kind]
             rows.append({"kind": kind, "bytes": size, "workers": num_workers,
                          "servers": num_servers, "transport": "tcp" if kind == "torch_rpc" else transport,
-                         "time_us": round(t * 1e6, 1), "cpu_ms": round(cpu * 1e3, 2),
+                         "time_us": round(t * 1e6, 1), "cpu_ms": round(float(np.median(cpus)) * 1e3, 2),
                          "cores": os.cpu_count(), "gbps": round(num_workers * 2 * size / t / 1e9, 3),
-                         "round_us": [round(times[(kind, size, r)] * 1e6, 1) for r in range(reps)],
+                         "round_us": [round(r * 1e6, 1) for r in rounds],
                          "reps": reps, "host": platform.node(), "loadavg": os.getloadavg()[0]})
     return rows
 
