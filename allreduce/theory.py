@@ -7,6 +7,10 @@ prints it beside what the transport actually counted.
 busbw (nccl-tests, doc/PERFORMANCE.md) turns the time of a collective into the
 bandwidth each link must have sustained, so algorithms and P compare directly:
     allreduce 2(P-1)/P,  reduce_scatter, allgather and alltoall (P-1)/P,  broadcast 1.
+
+Last, the training formulas built on them: ZeRO's memory and bytes per rank
+(`zero_memory`, `zero_comm_bytes`) and the pipeline bubble (`bubble_fraction`),
+read by the cost model, its labs and strategies/bench_parallel.py alike.
 """
 import math
 
@@ -207,3 +211,37 @@ def allreduce_steps(algo, n, P, ranks_per_node=None, outer="ring", short=None):
             steps.append(Step(chain, exchange=False, segmented=True, fill=R - 2))
         return steps
     raise ValueError(f"no textbook schedule for {algo!r}")
+
+
+# ------------------------------------------------- ZeRO (fp32 Adam) and pipelines
+ZERO_BYTES_PER_PARAM = {"params": 4, "grads": 4, "optimizer": 8}     # fp32 weights, Adam m and v
+
+
+def zero_memory(psi, N, stage):
+    """Bytes per rank of parameters, gradients and optimizer state with fp32 Adam:
+    Rajbhandari et al., "ZeRO: memory optimizations toward training trillion
+    parameter models" (SC 2020), Figure 1 with K = 8 (Adam's m and v in fp32):
+    stage 0: 16 psi, 1: 8 psi + 8 psi / N, 2: 4 psi + 12 psi / N, 3: 16 psi / N."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
+    shard = {"params": stage >= 3, "grads": stage >= 2, "optimizer": stage >= 1}
+    return {part: psi * b / (N if shard[part] else 1) for part, b in ZERO_BYTES_PER_PARAM.items()}
+
+
+def zero_comm_bytes(psi, N, stage, bytes_per_param=4):
+    """Bytes one rank sends per step (ZeRO paper, section 7): stages 0-2 move what
+    data parallelism moves, 2 (N-1)/N x gradient bytes (a reduce-scatter and an
+    all-gather); stage 3 adds a second all-gather of the parameters: 1.5 x."""
+    base = 2 * (N - 1) / N * psi * bytes_per_param
+    return base * (1.5 if stage == 3 else 1.0)
+
+
+# -------------------------------------------------------------------- pipelines
+def bubble_fraction(p, m):
+    """Idle share of a GPipe or 1F1B step with p stages and m micro-batches:
+    (p - 1) / (m + p - 1) (Huang et al., "GPipe", NeurIPS 2019; 1F1B of
+    Narayanan et al., "PipeDream-2BW"/"Efficient large-scale language model
+    training on GPU clusters using Megatron-LM", SC 2021, has the same bubble)."""
+    if p < 1 or m < 1:
+        raise ValueError(f"need p >= 1 stages and m >= 1 micro-batches, got p={p}, m={m}")
+    return (p - 1) / (m + p - 1)

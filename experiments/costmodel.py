@@ -3,7 +3,8 @@
 The collectives' formulas and the calibrated Machine live in allreduce/costs.py
 (one host) and allreduce/twolevel.py (hosts joined by links), below their users:
 `allreduce.bench --predict` needs them and must not import this package.  They
-are imported here under their old names.
+are imported here under their old names, and so are ZeRO's memory and traffic
+and the pipeline bubble (allreduce/theory.py, which the benchmarks read too).
 
     m = Machine(alpha=5e-6, beta=1 / 10e9, gamma=1 / 40e9)     # s, s/byte, s/byte
     ring_allreduce(64 << 20, P=8, m)          # predicted seconds
@@ -52,6 +53,8 @@ from allreduce.costs import (ALLREDUCE, Machine, allreduce_time,  # noqa: F401 (
                              halving_doubling_allreduce, hierarchical_allreduce, interpolate,
                              lg, ring_allgather, ring_allreduce, ring_reduce_scatter,
                              tree_allreduce)
+from allreduce.theory import (ZERO_BYTES_PER_PARAM, bubble_fraction,  # noqa: F401
+                              zero_comm_bytes, zero_memory)
 from allreduce.twolevel import (cluster_allreduce_time, link_from_calibration,  # noqa: F401
                                 link_of_rate)
 
@@ -104,40 +107,7 @@ def ps_round_trip(n, m):
     return m.ps_alpha + n * interpolate(per_byte, n)
 
 
-# ------------------------------------------------------------------------- ZeRO
-ZERO_BYTES_PER_PARAM = {"params": 4, "grads": 4, "optimizer": 8}     # fp32 weights, Adam m and v
-
-
-def zero_memory(psi, N, stage):
-    """Bytes per rank of parameters, gradients and optimizer state with fp32 Adam:
-    Rajbhandari et al., "ZeRO: memory optimizations toward training trillion
-    parameter models" (SC 2020), Figure 1 with K = 8 (Adam's m and v in fp32):
-    stage 0: 16 psi, 1: 8 psi + 8 psi / N, 2: 4 psi + 12 psi / N, 3: 16 psi / N."""
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
-    shard = {"params": stage >= 3, "grads": stage >= 2, "optimizer": stage >= 1}
-    return {part: psi * b / (N if shard[part] else 1) for part, b in ZERO_BYTES_PER_PARAM.items()}
-
-
-def zero_comm_bytes(psi, N, stage, bytes_per_param=4):
-    """Bytes one rank sends per step (ZeRO paper, section 7): stages 0-2 move what
-    data parallelism moves, 2 (N-1)/N x gradient bytes (a reduce-scatter and an
-    all-gather); stage 3 adds a second all-gather of the parameters: 1.5 x."""
-    base = 2 * (N - 1) / N * psi * bytes_per_param
-    return base * (1.5 if stage == 3 else 1.0)
-
-
 # -------------------------------------------------------------------- pipelines
-def bubble_fraction(p, m):
-    """Idle share of a GPipe or 1F1B step with p stages and m micro-batches:
-    (p - 1) / (m + p - 1) (Huang et al., "GPipe", NeurIPS 2019; 1F1B of
-    Narayanan et al., "PipeDream-2BW"/"Efficient large-scale language model
-    training on GPU clusters using Megatron-LM", SC 2021, has the same bubble)."""
-    if p < 1 or m < 1:
-        raise ValueError(f"need p >= 1 stages and m >= 1 micro-batches, got p={p}, m={m}")
-    return (p - 1) / (m + p - 1)
-
-
 def pipeline_step_time(p, m, t_forward, t_backward, activation_bytes, link):
     """(m + p - 1) slots of one micro-batch's forward + backward on one stage, each
     slot also sending an activation (forward) and its gradient (backward)."""

@@ -12,7 +12,7 @@ without TOPOLAB_CHECK=1: that mode adds a signature exchange to every collective
 which the byte counters would see.
 
 zero:     MLP with Adam (fp32).  Per rank, measured: params + grads + optimizer
-          bytes against memory.py's fp32 form of the ZeRO paper's formulas; bytes
+          bytes against the ZeRO paper's formulas in fp32 (allreduce/theory.py); bytes
           sent per step against 2(N-1)/N * 4Ψ (stages 0-2; ring all-reduce, or
           reduce-scatter + all-gather) and 3(N-1)/N * 4Ψ (stage 3); median step
           time of ZeRO-3 over plain data parallelism, run interleaved
@@ -28,8 +28,9 @@ import statistics
 import tempfile
 
 from allreduce.cli import add_output_flags, out_dir
-from allreduce.harness import Timings
+from allreduce.harness import interleaved
 from allreduce.records import append_jsonl, provenance, read_jsonl
+from allreduce.theory import bubble_fraction, zero_comm_bytes, zero_memory
 
 MLP = ["--model", "mlp", "--width", "512", "--depth", "4", "--in-dim", "512", "--classes", "16",
        "--dataset-size", "2048", "--global-batch", "64", "--threads", "1", "--no-progress",
@@ -53,31 +54,37 @@ def steps(path, skip=1):
 def zero_part(world, directory, rounds, n_steps):
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
-    runs = []
-    # Interleaved rounds of whole training runs: dp, zero-3, plain, dp, zero-3, plain ...
-    # Not allreduce.harness.interleaved, which times calls: a sample here is a step
-    # time the trainer records itself, setup left out; the statistics are the harness's.
-    for i in range(rounds):
-        for stage in (0, 3, "plain") if i else (0, 1, 2, 3, "plain"):
-            name = f"{stage}_{i}"
-            flags = ["--sync", "ring"] if stage == "plain" else \
-                ["--zero", str(stage), "--dp", str(world)]
-            train(MLP + flags + ["--steps", str(n_steps)], os.path.join(directory, name + ".jsonl"))
-            runs.append((stage, name))
+
+    def flags(stage):
+        return ["--sync", "ring"] if stage == "plain" else ["--zero", str(stage), "--dp", str(world)]
+
+    def path(stage, i):
+        return os.path.join(directory, f"{stage}_{i}.jsonl")
+
+    # Stages 1 and 2 once, for their memory and traffic; then interleaved rounds of whole
+    # training runs: 0, 3, plain, 0, 3, plain ...  A sample is a step time the trainer
+    # records itself (setup left out), read back by rank 0: the harness's own_clock.
+    for stage in (1, 2):
+        train(MLP + flags(stage) + ["--steps", str(n_steps)], path(stage, 0))
+    launches = {0: 0, 3: 0, "plain": 0}
+
+    def launch(stage):
+        i, launches[stage] = launches[stage], launches[stage] + 1
+        train(MLP + flags(stage) + ["--steps", str(n_steps)], path(stage, i))
+        return [r["step_time_s"] for r in steps(path(stage, i))] if comm.rank == 0 else []
+
+    timed = interleaved({stage: (lambda stage=stage: launch(stage)) for stage in launches},
+                        rounds=rounds, warmup=0, own_clock=True)
     if comm.rank:
         return []
     rows = []
-    first = steps(os.path.join(directory, "0_0.jsonl"))[0]["memory"]
-    psi = first["params"] / 4
+    psi = steps(path(0, 0))[0]["memory"]["params"] / 4
     N = world
-    formula = {0: 16 * psi, 1: 8 * psi + 8 * psi / N, 2: 4 * psi + 12 * psi / N, 3: 16 * psi / N}
-    traffic = {s: (2 if s < 3 else 3) * (N - 1) / N * 4 * psi for s in range(4)}
-    times = {}
-    for stage, name in runs:
-        records = steps(os.path.join(directory, name + ".jsonl"))
-        times.setdefault(stage, []).extend(r["step_time_s"] for r in records)
-        if stage == "plain" or not name.endswith("_0"):
-            continue
+    formula = {s: sum(zero_memory(psi, N, s).values()) for s in range(4)}
+    traffic = {s: zero_comm_bytes(psi, N, s) for s in range(4)}
+    times = {**timed.samples, **{s: [r["step_time_s"] for r in steps(path(s, 0))] for s in (1, 2)}}
+    for stage in range(4):
+        records = steps(path(stage, 0))
         mem = records[-1]["memory"]
         state = mem["params"] + mem["grads"] + mem["optimizer"]
         sent = statistics.median(r["bytes_sent"] for r in records)
@@ -87,7 +94,6 @@ def zero_part(world, directory, rounds, n_steps):
                      "theory_bytes": traffic[stage], "sent_over_theory": sent / traffic[stage]})
     # Step k of round i of each configuration ran minutes apart from the others' at
     # most: Timings pairs them, and the ratio is the median over those pairs.
-    timed = Timings({stage: times[stage] for stage in (0, 3, "plain")})
     for row in rows:
         row["median_step_s"] = statistics.median(times[row["stage"]])
         row["over_dp"] = row["median_step_s"] / timed.median(0) if row["stage"] in (1, 2) \
@@ -131,7 +137,7 @@ def pipeline_part(world, directory, n_steps):
         live = max(r["memory"]["activations_peak"] / r["micro_batch_activation_bytes"]
                    for r in first)
         row = {"kind": "pipeline", "schedule": s, "m": m, "p": p,
-               "bubble": statistics.mean(per_stage), "theory": (p - 1) / (m + p - 1),
+               "bubble": statistics.mean(per_stage), "theory": bubble_fraction(p, m),
                "per_stage": per_stage, "stage0_live_micro_batches": live,
                "stage0_peak_in_flight": max(r["peak_in_flight"] for r in first)}
         rows.append(row)
