@@ -51,3 +51,21 @@ def check_ok(result):
     assert result.returncode == 0, (
         f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}")
     return result
+
+
+@pytest.fixture(scope="session")
+def namespaces():
+    """Skips unless this process can create (and remove) a network namespace: the
+    emulated clusters' hosts (tests/cluster/, tests/test_sweep_launchers.py)."""
+    from experiments.cluster.net import ClusterError, require_privileges
+    try:
+        require_privileges()
+    except ClusterError as e:
+        pytest.skip(f"cannot create network namespaces: {e}")
+    probe = f"tlt-probe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True,
+                          timeout=30)
+    if made.returncode:
+        pytest.skip(f"cannot create network namespaces: `ip netns add` says "
+                    f"{made.stderr.strip()}")
+    subprocess.run(["ip", "netns", "del", probe], timeout=30, check=True)
