@@ -38,7 +38,7 @@ from allreduce.harness import interleaved
 from allreduce.records import append_jsonl, provenance
 
 from .config import ALLREDUCE_SYNCS, ConfigError, TrainConfig
-from .context import MPIControl, RunContext
+from .context import RunContext
 from .data import load_data
 from .metrics import now
 from .models import build_model, count_parameters
@@ -123,7 +123,6 @@ def bench(argv=None):
     device = ctx.device(base)
     data = load_data(base)
     built = {m: make_method(m, base, ctx, data, device) for m in methods}
-    control = MPIControl(comm)
     params = count_parameters(next(iter(built.values()))[1])
     if ctx.rank == 0:
         print(f"bench: {base.model} with {params:,} parameters ({4 * params / 2**20:.0f} MiB of "
@@ -171,7 +170,7 @@ def bench(argv=None):
                   f"{1000 * row['median_exposed_comm_s']:>17.1f}{ratio:>8}", flush=True)
         if args.jsonl:
             append_jsonl(args.jsonl, rows)
-    control.barrier()
+    comm.Barrier()
     return rows
 
 
