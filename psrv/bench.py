@@ -149,7 +149,7 @@ def worker(w, num_workers, endpoints, echoes, rpc_port, sizes, reps, barrier, re
 
     runs = {"psrv": run_psrv, "raw_zmq": run_raw, "torch_rpc": run_rpc}
     kinds = [k for k in runs if k in pids]
-    cpu_start, cpu = {}, {kind: [] for kind in kinds}
+    cpu_start = {}
 
     def cpu_now(kind):            # worker 0 reads the servers' CPU too, once for all workers
         return sum(map(cpu_seconds, [os.getpid()] + (pids[kind] if w == 0 else [])))
@@ -163,15 +163,14 @@ def worker(w, num_workers, endpoints, echoes, rpc_port, sizes, reps, barrier, re
         iters = max(2, min(200, int(2e8 / size / num_workers)))
         for kind in kinds:
             runs[kind](name, 2)              # warm-up: connections, page faults
-        for kind in kinds:
-            cpu[kind].clear()
+        cpu = {kind: [] for kind in kinds}   # CPU seconds per iteration, sample by sample
         # one sample: `iters` iterations of one kind, after a barrier, per iteration
         timings = interleaved({kind: (lambda kind=kind: runs[kind](name, 1)) for kind in kinds},
                               rounds=reps, warmup=0, calls=iters,
                               barrier=lambda: barrier.wait(120),
                               before=lambda kind: cpu_start.__setitem__(kind, cpu_now(kind)),
                               after=read_cpu_after)
-        results.put((size, timings.samples, {kind: list(cpu[kind]) for kind in kinds}))
+        results.put((size, timings.samples, cpu))
     client.close()
     for sock in raw:
         sock.close(linger=0)
