@@ -45,15 +45,7 @@ def dtype_code(x):
         f"{', '.join(np.dtype(d).name for d in NUMPY_DTYPES)}")
 
 
-def dtype_name(x):
-    return DTYPE_NAMES[dtype_code(x)]
-
-
 INTEGER_CODES = (2, 3)
-
-
-def is_float(x):
-    return dtype_code(x) not in INTEGER_CODES
 
 
 def validate(x, what, writable=True):

@@ -18,6 +18,10 @@ calls after one barrier, as the OSU benchmarks do, which hides the barrier's
 own wake-up at small sizes.  `each_call=True` instead keeps every one of the N
 calls as a sample of its own, `before` run untimed ahead of each
 (experiments/calibrate.py: a probe that must start from the same caches every time).
+`after(name)`, untimed, follows every sample: a closing barrier and a reading of
+the servers' CPU time (psrv/bench.py).  `own_clock=True` is for a sample this
+clock cannot see: each call returns its own seconds, one number or a list (a whole
+training launch that records its steps' times, strategies/bench_parallel.py).
 
 The slowest rank.  A collective is as slow as its slowest rank, so with `comm`
 (an mpi4py communicator) every sample becomes the maximum over ranks of that
@@ -92,7 +96,7 @@ def time_sample(call, calls=1, barrier=None, settle=None):
 
 
 def interleaved(candidates, rounds, warmup=1, calls=1, comm=None, barrier=None, before=None,
-                settle=None, each_call=False, prime=0):
+                settle=None, each_call=False, prime=0, after=None, own_clock=False):
     """Time named candidates in interleaved rounds; returns Timings (the slowest rank's).
 
     candidates  {name: call}: a call takes no arguments; one call is what is timed.
@@ -108,6 +112,8 @@ def interleaved(candidates, rounds, warmup=1, calls=1, comm=None, barrier=None, 
     each_call   keep each of the calls as a sample (one barrier ahead of them all)
     prime       untimed calls of a candidate right before each of its samples: its
                 caches as a repeated call leaves them, whatever ran before it
+    after       after(name), untimed, behind every sample
+    own_clock   a call returns its own sample(s) in seconds: a number or a list
     """
     if rounds < 1 or warmup < 0:
         raise ValueError(f"interleaved: rounds must be >= 1 and warmup >= 0, "
@@ -127,7 +133,10 @@ def interleaved(candidates, rounds, warmup=1, calls=1, comm=None, barrier=None, 
             else:
                 if before:
                     before(name)
-                seconds = [time_sample(call, per_name[name], barrier, settle)]
+                seconds = own_clock_samples(call, barrier) if own_clock else \
+                    [time_sample(call, per_name[name], barrier, settle)]
+            if after:
+                after(name)
             if rnd >= warmup:
                 samples[name].extend(seconds)
     timings = Timings(samples)
@@ -144,6 +153,14 @@ def each_call_samples(name, call, calls, barrier, before, settle):
             before(name)
         seconds.append(time_sample(call, 1, None, settle))
     return seconds
+
+
+def own_clock_samples(call, barrier):
+    """The seconds one call says it took, after one barrier: always a list."""
+    if barrier:
+        barrier()
+    seconds = call()
+    return [float(seconds)] if np.isscalar(seconds) else [float(s) for s in seconds]
 
 
 def slowest_rank(timings, comm):

@@ -45,12 +45,6 @@ def append_jsonl(path, records):
         f.write(data)
 
 
-def truncate_jsonl(path):
-    """Empty `path` (create it if missing): for writers whose file holds one run only."""
-    with open(path, "w"):
-        pass
-
-
 def rewrite_jsonl(path, records):
     """Replace `path` with exactly `records`: written to a temporary file beside it,
     then renamed over it (atomic), so a crash leaves the old file or the new one."""

@@ -7,6 +7,11 @@ prints it beside what the transport actually counted.
 busbw (nccl-tests, doc/PERFORMANCE.md) turns the time of a collective into the
 bandwidth each link must have sustained, so algorithms and P compare directly:
     allreduce 2(P-1)/P,  reduce_scatter, allgather and alltoall (P-1)/P,  broadcast 1.
+
+Last, ZeRO's bytes sent per rank and step (`zero_comm_bytes`), built on them and
+read by the cost model and strategies/bench_parallel.py alike.  ZeRO's memory and
+the pipeline bubble live beside what they predict: strategies/memory.py and
+strategies/bubble.py.
 """
 import math
 
@@ -85,6 +90,18 @@ def host_link_bytes(algo, nbytes, nodes, ranks_per_node, outer="ring"):
     return sent
 
 
+def _folded(P, n):
+    """Halving-doubling on P ranks: p2, the largest power of two <= P; `real`, the
+    world rank of rank v of those p2; the fold's messages (rank 2i hands its n bytes
+    to 2i + 1 for each of the P - p2 extra ranks)."""
+    p2 = 1 << (P.bit_length() - 1)
+    extra = P - p2
+
+    def real(v):
+        return 2 * v + 1 if v < extra else v + extra
+    return p2, real, [(2 * i, 2 * i + 1, n) for i in range(extra)]
+
+
 def _allreduce_messages(algo, n, P):
     """(sender, receiver, bytes) of every message of one all-reduce of n bytes on P
     ranks, as the textbook schedules them (ring.py, tree.py, halving_doubling.py)."""
@@ -96,12 +113,7 @@ def _allreduce_messages(algo, n, P):
         up = [(v, v & (v - 1), n) for v in range(1, P)]      # to the parent: lowest bit cleared
         return up + [(parent, child, m) for child, parent, m in up]
     if algo == "halving_doubling":
-        p2 = 1 << (P.bit_length() - 1)
-        extra = P - p2
-
-        def real(v):
-            return 2 * v + 1 if v < extra else v + extra
-        fold = [(2 * i, 2 * i + 1, n) for i in range(extra)]
+        p2, real, fold = _folded(P, n)
         back = [(b, a, m) for a, b, m in fold]
         if recursive_doubling(n):                        # short: the whole vector, lg p2 times
             swaps = [(real(v), real(v ^ d), n) for d in _distances(p2) for v in range(p2)]
@@ -169,14 +181,9 @@ def allreduce_steps(algo, n, P, ranks_per_node=None, outer="ring", short=None):
                 for msgs in rounds[::-1]]
         return up + down
     if algo == "halving_doubling":
-        p2 = 1 << (P.bit_length() - 1)
-        extra = P - p2
-
-        def real(v):
-            return 2 * v + 1 if v < extra else v + extra
-        fold = [(2 * i, 2 * i + 1, n) for i in range(extra)]
-        fold_in = [Step(fold, exchange=False, reduces=True)] if extra else []
-        fold_out = [Step([(b, a, m) for a, b, m in fold], exchange=False)] if extra else []
+        p2, real, fold = _folded(P, n)
+        fold_in = [Step(fold, exchange=False, reduces=True)] if fold else []
+        fold_out = [Step([(b, a, m) for a, b, m in fold], exchange=False)] if fold else []
         if recursive_doubling(n if short is None else 0 if short else math.inf):
             return fold_in + [Step([(real(v), real(v ^ d), n) for v in range(p2)], reduces=True)
                               for d in _distances(p2)] + fold_out
@@ -207,3 +214,12 @@ def allreduce_steps(algo, n, P, ranks_per_node=None, outer="ring", short=None):
             steps.append(Step(chain, exchange=False, segmented=True, fill=R - 2))
         return steps
     raise ValueError(f"no textbook schedule for {algo!r}")
+
+
+# ------------------------------------------------------------------------- ZeRO
+def zero_comm_bytes(psi, N, stage, bytes_per_param=4):
+    """Bytes one rank sends per step (ZeRO paper, section 7): stages 0-2 move what
+    data parallelism moves, 2 (N-1)/N x gradient bytes (a reduce-scatter and an
+    all-gather); stage 3 adds a second all-gather of the parameters: 1.5 x."""
+    base = 2 * (N - 1) / N * psi * bytes_per_param
+    return base * (1.5 if stage == 3 else 1.0)

@@ -276,16 +276,13 @@ def ps_part(reps, verify=True):
         timings = slowest(Timings(s) for s in collect(results, len(procs), procs))
         for p in procs:
             p.join(60)
-    times = {(W, n, r): timings.samples[(W, n)][r - 1] for W, n in timings.names
-             for r in range(1, reps + 1)}
-    runs = range(1, reps + 1)
-    seconds = [float(np.median([times[(1, n, r)] for r in runs])) for n in PS_SIZES]
+    seconds = [timings.median((1, n)) for n in PS_SIZES]
     alpha, two_beta = fit_two_regimes(PS_SIZES, seconds)
     # what the second worker adds, from W=2 minus W=1 of the same rep (drift cancels)
-    marginal = [max(0.0, float(np.median([times[(2, n, r)] - times[(1, n, r)] for r in runs])))
+    marginal = [max(0.0, float(np.median(np.subtract(timings.samples[(2, n)],
+                                                     timings.samples[(1, n)]))))
                 for n in PS_SIZES]
-    median = {(W, n): float(np.median([times[(W, n, r)] for r in runs]))
-              for W in workers for n in PS_SIZES}
+    median = {(W, n): timings.median((W, n)) for W in workers for n in PS_SIZES}
     return {"ps_alpha_s": alpha, "ps_beta_s_per_byte": two_beta / 2, "ps_bytes": PS_SIZES,
             "ps_s": seconds, "ps_marginal_s": marginal,
             "ps_measured": [{"workers": W, "servers": 1, "bytes": n, "time_us": t * 1e6}

@@ -41,6 +41,7 @@ import time
 
 import numpy as np
 
+from allreduce.harness import interleaved
 from allreduce.records import append_jsonl, provenance, write_calibration
 
 LINK_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
@@ -75,14 +76,13 @@ def shaped_gbps():
 
 
 def link_part(t, a, b, a2, b2, reps):
-    """Medians of the link probes, {(kind, bytes): seconds}, the slowest rank's.
-    Every probe starts at a barrier; ranks not in it wait there.  Kinds and sizes
-    take turns, round after round, so a machine that changes speed hits all alike."""
-    from mpi4py import MPI
+    """Medians of the link probes, {(kind, bytes): seconds per message}, the slowest
+    rank's.  Every probe starts at a barrier; ranks not in it wait there.  Kinds and
+    sizes take turns, round after round (allreduce/harness.py's rounds, the first
+    one a warm-up: connections), so a machine that changes speed hits all alike."""
     me = t.rank
     bufs = {n: (np.ones(n // 4, np.float32), np.empty(n // 4, np.float32)) for n in LINK_SIZES}
     kinds = KINDS if a2 is not None else KINDS[:2]
-    times = {}
     calls = 0
 
     def one_way(pairs, send, recv):
@@ -97,7 +97,8 @@ def link_part(t, a, b, a2, b2, reps):
         t.wait_all(handles)
 
     def probe(kind, n):
-        """One probe; returns how many messages its time covers one after another."""
+        """One probe (a ping_pong covers 2 PING_PONGS messages one after another)."""
+        nonlocal calls
         send, recv = bufs[n]
         if kind == "one_way":
             one_way([(a, b)], send, recv)
@@ -111,25 +112,19 @@ def link_part(t, a, b, a2, b2, reps):
                 elif me == b:
                     t.recv(recv, a)
                     t.send(send, a)
-            return 2 * PING_PONGS
         elif me in ((a, b) if kind == "exchange" else (a, b, a2, b2)):
             peer = {a: b, b: a, a2: b2, b2: a2}[me]
             t.sendrecv(send, peer, recv, peer)
-        return 1
+        calls += 1
 
-    for rnd in range(reps + 1):                      # round 0 warms up (connections)
-        for n in LINK_SIZES:
-            for kind in kinds + (("ping_pong",) if n == LINK_SIZES[0] else ()):
-                for _ in range(1 if n >= 1 << 20 else 5):
-                    t.barrier()
-                    start = time.perf_counter()
-                    messages = probe(kind, n)
-                    if rnd:
-                        times.setdefault((kind, n), []).append(
-                            (time.perf_counter() - start) / messages)
-                    calls += 1
-    mine = {k: float(np.median(v)) for k, v in times.items()}
-    return {k: t.comm.allreduce(v, op=MPI.MAX) for k, v in sorted(mine.items())}
+    probes = {(kind, n): (lambda kind=kind, n=n: probe(kind, n)) for n in LINK_SIZES
+              for kind in kinds + (("ping_pong",) if n == LINK_SIZES[0] else ())}
+    # each call a sample of its own, a barrier ahead of each: 5 a round below 1 MiB
+    timings = interleaved(probes, rounds=reps, warmup=1, comm=t.comm, each_call=True,
+                          calls={key: 1 if key[1] >= 1 << 20 else 5 for key in probes},
+                          before=lambda key: t.barrier())
+    messages = {"ping_pong": 2 * PING_PONGS}
+    return {k: timings.median(k) / messages.get(k[0], 1) for k in sorted(probes)}
 
 
 def fit_link(medians, flows):

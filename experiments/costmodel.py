@@ -3,7 +3,9 @@
 The collectives' formulas and the calibrated Machine live in allreduce/costs.py
 (one host) and allreduce/twolevel.py (hosts joined by links), below their users:
 `allreduce.bench --predict` needs them and must not import this package.  They
-are imported here under their old names.
+are imported here under their old names, and so are ZeRO's traffic
+(allreduce/theory.py), ZeRO's memory (strategies/memory.py) and the pipeline
+bubble (strategies/bubble.py), which the benchmarks read too.
 
     m = Machine(alpha=5e-6, beta=1 / 10e9, gamma=1 / 40e9)     # s, s/byte, s/byte
     ring_allreduce(64 << 20, P=8, m)          # predicted seconds
@@ -52,6 +54,7 @@ from allreduce.costs import (ALLREDUCE, Machine, allreduce_time,  # noqa: F401 (
                              halving_doubling_allreduce, hierarchical_allreduce, interpolate,
                              lg, ring_allgather, ring_allreduce, ring_reduce_scatter,
                              tree_allreduce)
+from allreduce.theory import zero_comm_bytes  # noqa: F401 (re-exported)
 from allreduce.twolevel import (cluster_allreduce_time, link_from_calibration,  # noqa: F401
                                 link_of_rate)
 from strategies.bubble import (  # noqa: F401 (re-exported)
@@ -110,15 +113,8 @@ def ps_round_trip(n, m):
 
 # ------------------------------------------------------------------------- ZeRO
 # zero_memory, the memory formula, lives beside the measurement it predicts
-# (strategies/memory.py) and is imported above.
-
-
-def zero_comm_bytes(psi, N, stage, bytes_per_param=4):
-    """Bytes one rank sends per step (ZeRO paper, section 7): stages 0-2 move what
-    data parallelism moves, 2 (N-1)/N x gradient bytes (a reduce-scatter and an
-    all-gather); stage 3 adds a second all-gather of the parameters: 1.5 x."""
-    base = 2 * (N - 1) / N * psi * bytes_per_param
-    return base * (1.5 if stage == 3 else 1.0)
+# (strategies/memory.py); zero_comm_bytes, the traffic, beside the collectives'
+# bytes (allreduce/theory.py).  Both are imported above.
 
 
 # -------------------------------------------------------------------- pipelines

@@ -53,7 +53,6 @@ SPARE = ("#17becf", "#9467bd", "#bcbd22", "#e377c2", "#8c564b", "#7f7f7f")
 
 MEASURED = {"linestyle": "-", "marker": "o", "markersize": 4}
 PREDICTED = {"linestyle": "--", "marker": None, "alpha": 0.8}
-SPREAD_NOTE = {"minmax": "bars: min-max over rounds", "iqr": "bars: interquartile range"}
 
 
 def base_name(label):

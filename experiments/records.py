@@ -22,12 +22,6 @@ def load(results_dir):
     return read_jsonl(os.path.join(results_dir, "records.jsonl"))
 
 
-def of_command(records, command, **match):
-    """The records of one command whose fields equal `match`."""
-    return [r for r in records if r.get("command") == command
-            and all(r.get(k) == v for k, v in match.items())]
-
-
 # Which records compare: a figure draws one group of runs that differ only in what
 # it compares (experiments/plots.py).
 def most_common(values):

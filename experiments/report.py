@@ -265,12 +265,7 @@ def write_report(argv=None):
     ap = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results_dir", help="a sweep's results directory (records.jsonl)")
-    ap.add_argument("--cluster-ranks-per-node", type=int, default=8,
-                    help="the simulated cluster of the crossover figure: ranks a host")
-    ap.add_argument("--inter-gbps", type=float, default=100.0,
-                    help="the simulated cluster's link between hosts, Gbit/s")
-    ap.add_argument("--inter-latency-us", type=float, default=10.0,
-                    help="the simulated cluster's latency between hosts, us")
+    simulate.add_cluster_flags(ap, "--cluster-ranks-per-node")   # of the crossover figure
     ap.add_argument("--gallery", default="", help="also copy every PNG here (make gallery: "
                                                   "docs/gallery, the README's pictures)")
     ap.add_argument("--screenshot", default="", metavar="FILE.png",
@@ -279,13 +274,11 @@ def write_report(argv=None):
     d = a.results_dir
     everything, points = load(d), read_jsonl(os.path.join(d, "points.jsonl"))
     records = [r for r in everything if not cluster_figures.on_cluster(r)]     # this host's
-    sim_args = ["--ranks-per-node", str(a.cluster_ranks_per_node), "--inter-gbps",
-                str(a.inter_gbps), "--inter-latency-us", str(a.inter_latency_us)]
     sim_file = os.path.join(d, "simulation.jsonl")
     if os.path.exists(sim_file):
         os.unlink(sim_file)
     os.makedirs(d, exist_ok=True)
-    _, cross = simulate.main(sim_args + ["--jsonl", sim_file])
+    _, cross = simulate.main(simulate.cluster_argv(a) + ["--jsonl", sim_file])
     sim_records = read_jsonl(sim_file)
     blocks = [("h", 1, f"topolab report: {os.path.normpath(d)}")]     # as given: no host paths
     blocks += provenance_block(everything, points)
@@ -293,7 +286,7 @@ def write_report(argv=None):
     blocks.append(("swatches", [(name, COLOURS[name]) for name in SWATCHES]))
     written = []
     traces, about = pipeline_traces(d, points)
-    cluster = (f"{a.cluster_ranks_per_node} ranks a node, {a.inter_gbps:g} Gbit/s and "
+    cluster = (f"{a.ranks_per_node} ranks a node, {a.inter_gbps:g} Gbit/s and "
                f"{a.inter_latency_us:g} us between nodes")
     cluster_only = len(records) == 0 < len(everything)
     if cluster_only:
@@ -317,14 +310,14 @@ def write_report(argv=None):
     blocks += more
     written += paths
     blocks.append(("h", 2, "Simulated crossovers (cost model, not measured)"))
-    blocks.append(("p", f"{a.cluster_ranks_per_node} ranks a node, NVLink-like 150 GB/s and "
-                        f"2 us inside, {a.inter_gbps:g} Gbit/s and {a.inter_latency_us:g} us between "
+    blocks.append(("p", f"{a.ranks_per_node} ranks a node, {a.intra_gbps:g} GB/s and "
+                        f"{a.intra_latency_us:g} us inside, {a.inter_gbps:g} Gbit/s and {a.inter_latency_us:g} us between "
                         f"nodes; `python -m experiments.simulate --help` for other clusters."))
     blocks.append(("table", ["P", "nodes", "PS servers to beat ring (256 MiB)",
                              "tree beats ring up to", "hierarchical beats ring from"],
                    [(x["P"], x["nodes"], x["ps_servers_to_beat_ring"] or "never",
-                     never_or_size(x["tree_beats_ring_up_to_bytes"]),
-                     never_or_size(x["hierarchical_beats_ring_from_bytes"])) for x in cross]))
+                     simulate.human(x["tree_beats_ring_up_to_bytes"]),
+                     simulate.human(x["hierarchical_beats_ring_from_bytes"])) for x in cross]))
     for fmt in ("md", "html"):
         with open(os.path.join(d, f"report.{fmt}"), "w") as f:
             f.write(render(blocks, fmt))
@@ -337,10 +330,6 @@ def write_report(argv=None):
     if a.screenshot:
         print(screenshot(os.path.join(d, "report.html"), a.screenshot))
     return written
-
-
-def never_or_size(n):
-    return "never" if n is None else format_size(n)
 
 
 SWATCHES = ("ring", "tree", "halving_doubling", "hierarchical", "mpi", "torch", "ps/bsp",

@@ -148,10 +148,16 @@ def cluster_from_args(a):
     return Cluster(a.ranks_per_node, intra, inter)
 
 
-def parser():
-    p = argparse.ArgumentParser(prog="python -m experiments.simulate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks-per-node", type=int, default=8, help="ranks (GPUs) a node")
+CLUSTER_FLAGS = ("ranks_per_node", "intra_gbps", "intra_latency_us", "inter_gbps",
+                 "inter_latency_us", "reduce_gbps", "calibration")
+
+
+def add_cluster_flags(p, ranks_flag="--ranks-per-node"):
+    """The simulated cluster's flags (CLUSTER_FLAGS), here and in experiments.report,
+    whose crossover figure runs this simulator with them (`cluster_argv`)."""
+    p = p.add_argument_group("the simulated cluster")
+    p.add_argument(ranks_flag, dest="ranks_per_node", type=int, default=8,
+                   help="ranks (GPUs) a node")
     p.add_argument("--intra-gbps", type=float, default=150.0, help="GB/s per direction (NVLink)")
     p.add_argument("--intra-latency-us", type=float, default=2.0,
                    help="latency of a message inside a node")
@@ -164,6 +170,18 @@ def parser():
                    help="take intra-node alpha/beta/gamma from a calibration (its file, or the "
                    "directory `experiments.calibrate --out DIR` wrote), and the inter-node "
                    "link's where it has inter_* (calibrated on a cluster)")
+
+
+def cluster_argv(a):
+    """The cluster flags of parsed arguments `a`, as this command's argv."""
+    return [arg for name in CLUSTER_FLAGS
+            for arg in (f"--{name.replace('_', '-')}", str(getattr(a, name)))]
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="python -m experiments.simulate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_cluster_flags(p)
     p.add_argument("--sizes", type=size_list, default="64K,16M,1G",
                    help="comma list of message sizes, e.g. 64K,16M,1G")
     add_output_flags(p, out=False)

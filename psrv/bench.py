@@ -23,7 +23,8 @@ per iteration, both ways:
 psrv and raw_zmq use one transport (--transport: ipc, Unix sockets, the default
 for servers on this host; or tcp on loopback).  All kinds run interleaved in the
 same processes (psrv, raw, rpc, psrv, raw, rpc, ... `--reps` times, a barrier
-before each block) because this machine changes speed every minute or two.
+before each block: allreduce/harness.py's rounds) because this machine changes
+speed every minute or two.
 Reported: median time per iteration (the slowest worker), and
 gbps = W * 2 * size / time, the aggregate bytes moved per second (1 GB = 1e9 B).
 
@@ -41,13 +42,12 @@ import os
 import platform
 import shutil
 import socket
-import statistics
 import tempfile
-import time
 
 import numpy as np
 import zmq
 
+from allreduce.harness import Timings, interleaved, slowest
 from allreduce.records import append_jsonl
 from allreduce.units import parse_sizes
 
@@ -150,24 +150,29 @@ def worker(w, num_workers, endpoints, echoes, rpc_port, sizes, reps, barrier, re
 
     runs = {"psrv": run_psrv, "raw_zmq": run_raw, "torch_rpc": run_rpc}
     kinds = [k for k in runs if k in pids]
+    start = {}
+
+    def usage(kind):     # CPU seconds and page faults; worker 0 reads the servers' too, once
+        procs = [os.getpid()] + (pids[kind] if w == 0 else [])
+        return np.array([sum(map(cpu_seconds, procs)), sum(map(minor_faults, procs))])
+
+    def read_usage_after(kind):
+        barrier.wait(120)         # the servers' work for the slower workers counts too
+        used[kind].append((usage(kind) - start[kind]) / iters)
+
     for size in sizes:
         name = f"s{size:012d}"
         iters = max(2, min(200, int(2e8 / size / num_workers)))
         for kind in kinds:
             runs[kind](name, 2)              # warm-up: connections, page faults
-        for rep in range(reps):
-            for kind in kinds:
-                servers = pids[kind] if w == 0 else []     # worker 0 reads the servers' CPU
-                barrier.wait(120)
-                cpu = sum(map(cpu_seconds, [os.getpid()] + servers))
-                faults = sum(map(minor_faults, [os.getpid()] + servers))
-                start = time.perf_counter()
-                runs[kind](name, iters)
-                elapsed = time.perf_counter() - start
-                barrier.wait(120)           # the servers' work for the slower workers counts too
-                cpu = sum(map(cpu_seconds, [os.getpid()] + servers)) - cpu
-                faults = sum(map(minor_faults, [os.getpid()] + servers)) - faults
-                results.put((kind, size, rep, w, elapsed / iters, cpu / iters, faults / iters))
+        used = {kind: [] for kind in kinds}  # (CPU s, faults) per iteration, sample by sample
+        # one sample: `iters` iterations of one kind, after a barrier, per iteration
+        timings = interleaved({kind: (lambda kind=kind: runs[kind](name, 1)) for kind in kinds},
+                              rounds=reps, warmup=0, calls=iters,
+                              barrier=lambda: barrier.wait(120),
+                              before=lambda kind: start.__setitem__(kind, usage(kind)),
+                              after=read_usage_after)
+        results.put((size, timings.samples, used))
     client.close()
     for sock in raw:
         sock.close(linger=0)
@@ -202,13 +207,10 @@ def run_config(num_servers, num_workers, sizes, reps, transport="ipc", with_rpc=
                  for w in range(num_workers)]
         for p in procs:
             p.start()
-        times, cpus, faults = {}, {}, {}
-        for kind, size, rep, w, t, cpu, flt in collect(results, len(sizes) * reps * len(pids) * num_workers,
-                                                  procs + echo_procs + rpc_procs):
-            key = (kind, size, rep)
-            times[key] = max(times.get(key, 0.0), t)      # the slowest worker sets the pace
-            cpus[key] = cpus.get(key, 0.0) + cpu
-            faults[key] = faults.get(key, 0.0) + flt
+        per_size = {}                          # size -> [(Timings, usage) of each worker]
+        for size, samples, used in collect(results, len(sizes) * num_workers,
+                                           procs + echo_procs + rpc_procs):
+            per_size.setdefault(size, []).append((Timings(samples), used))
         for p in procs + rpc_procs:
             p.join(60)
         servers.wait(60)
@@ -222,15 +224,18 @@ def run_config(num_servers, num_workers, sizes, reps, transport="ipc", with_rpc=
     shutil.rmtree(socket_dir, ignore_errors=True)
     rows = []
     for size in sizes:
+        timings = slowest(t for t, _ in per_size[size])       # the slowest worker sets the pace
         for kind in pids:
-            t = statistics.median(times[(kind, size, r)] for r in range(reps))
-            cpu = statistics.median(cpus[(kind, size, r)] for r in range(reps))
+            # every process's (CPU s, faults) per sample, summed over the workers
+            used = np.sum([u[kind] for _, u in per_size[size]], axis=0)
+            cpu, faults = np.median(used, axis=0)
+            t, rounds = timings.median(kind), timings.samples[kind]
             rows.append({"kind": kind, "bytes": size, "workers": num_workers,
                          "servers": num_servers, "transport": "tcp" if kind == "torch_rpc" else transport,
-                         "time_us": round(t * 1e6, 1), "cpu_ms": round(cpu * 1e3, 2),
-                         "faults": round(statistics.median(faults[(kind, size, r)] for r in range(reps))),
+                         "time_us": round(t * 1e6, 1), "cpu_ms": round(float(cpu) * 1e3, 2),
+                         "faults": round(float(faults)),
                          "cores": os.cpu_count(), "gbps": round(num_workers * 2 * size / t / 1e9, 3),
-                         "round_us": [round(times[(kind, size, r)] * 1e6, 1) for r in range(reps)],
+                         "round_us": [round(r * 1e6, 1) for r in rounds],
                          "reps": reps, "host": platform.node(), "loadavg": os.getloadavg()[0]})
     return rows
 

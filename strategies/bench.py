@@ -38,12 +38,12 @@ from allreduce.harness import interleaved
 from allreduce.records import append_jsonl, provenance
 
 from .config import ALLREDUCE_SYNCS, ConfigError, TrainConfig
-from .context import MPIControl, RunContext
+from .context import RunContext
 from .data import load_data
 from .metrics import now
 from .models import build_model, count_parameters
-from .sync import GradientSync, make_optimizer, make_sync
-from .train import one_step
+from .sync import GradientSync, make_optimizer
+from .train import DataParallel, one_step
 
 
 class DDPSync(GradientSync):
@@ -60,7 +60,8 @@ class DDPSync(GradientSync):
 
 
 def make_method(method, base, ctx, data, device):
-    """(cfg, model, sync, optimizer, forward) of one method name."""
+    """(cfg, model, sync, optimizer, forward) of one method name: the syncs of
+    strategies.train, built the way it builds them, or torch's DDP."""
     name, _, option = method.partition(":")
     if name != "ddp" and name not in ALLREDUCE_SYNCS + ("local",):
         raise ConfigError(f"bench: unknown method {method!r}; use ddp or one of "
@@ -76,13 +77,16 @@ def make_method(method, base, ctx, data, device):
     model = build_model(cfg, data.spec, device)
     if name == "ddp":
         sync = DDPSync(cfg, ctx, device)
-    else:
-        sync = make_sync(cfg, ctx, device)      # "local" at P > 1: no communication at all
-    sync.setup(model)
-    forward = sync.ddp if name == "ddp" else model
-    optimizer = make_optimizer(cfg, model.parameters()) if name == "ddp" else \
-        sync.make_optimizer(model)
-    return cfg, model, sync, optimizer, forward
+        sync.setup(model)
+        return cfg, model, sync, make_optimizer(cfg, model.parameters()), sync.ddp
+    # The trainer's own data-parallel engine: DistributedOptimizer builds the sync.
+    # "local" at P > 1 trains each rank's shard with no communication at all: the
+    # optimizer's world is the rank itself.
+    if name == "local":
+        from mpi4py import MPI
+        ctx = dataclasses.replace(ctx, dp_comm=MPI.COMM_SELF)
+    engine = DataParallel(cfg, ctx, device, data, model)
+    return cfg, model, engine.sync, engine.optimizer, model
 
 
 def parser():
@@ -119,7 +123,6 @@ def bench(argv=None):
     device = ctx.device(base)
     data = load_data(base)
     built = {m: make_method(m, base, ctx, data, device) for m in methods}
-    control = MPIControl(comm)
     params = count_parameters(next(iter(built.values()))[1])
     if ctx.rank == 0:
         print(f"bench: {base.model} with {params:,} parameters ({4 * params / 2**20:.0f} MiB of "
@@ -167,7 +170,7 @@ def bench(argv=None):
                   f"{1000 * row['median_exposed_comm_s']:>17.1f}{ratio:>8}", flush=True)
         if args.jsonl:
             append_jsonl(args.jsonl, rows)
-    control.barrier()
+    comm.Barrier()
     return rows
 
 

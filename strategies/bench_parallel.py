@@ -30,8 +30,9 @@ import statistics
 import tempfile
 
 from allreduce.cli import add_output_flags, out_dir
-from allreduce.harness import Timings
+from allreduce.harness import interleaved
 from allreduce.records import append_jsonl, provenance, read_jsonl
+from allreduce.theory import zero_comm_bytes
 
 from .bubble import bubble_fraction
 from .memory import zero_memory
@@ -58,34 +59,41 @@ def steps(path, skip=1):
 def zero_part(world, directory, rounds, n_steps):
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
-    runs = []
-    # Interleaved rounds of whole training runs: dp, zero-3, plain, dp, zero-3, plain ...
-    # Not allreduce.harness.interleaved, which times calls: a sample here is a step
-    # time the trainer records itself, setup left out; the statistics are the harness's.
-    for i in range(rounds):
-        for stage in (0, 3, "plain") if i else (0, 1, 2, 3, "plain"):
-            name = f"{stage}_{i}"
-            flags = ["--sync", "ring"] if stage == "plain" else \
-                ["--zero", str(stage), "--dp", str(world)]
-            train(MLP + flags + ["--steps", str(n_steps)], os.path.join(directory, name + ".jsonl"))
-            runs.append((stage, name))
-    for stage in range(4):              # memory only: the same stages in mixed precision
-        train(MLP + ["--zero", str(stage), "--dp", str(world), "--precision", "bf16",
-                     "--steps", "2"], os.path.join(directory, f"bf16_{stage}.jsonl"))
+
+    def flags(stage):
+        return ["--sync", "ring"] if stage == "plain" else ["--zero", str(stage), "--dp", str(world)]
+
+    def path(stage, i):
+        return os.path.join(directory, f"{stage}_{i}.jsonl")
+
+    # Stages 1 and 2 once, for their memory and traffic, and every stage once in mixed
+    # precision, for its memory; then interleaved rounds of whole training runs: 0, 3,
+    # plain, 0, 3, plain ...  A sample is a step time the trainer records itself (setup
+    # left out), read back by rank 0: the harness's own_clock.
+    for stage in (1, 2):
+        train(MLP + flags(stage) + ["--steps", str(n_steps)], path(stage, 0))
+    for stage in range(4):
+        train(MLP + flags(stage) + ["--precision", "bf16", "--steps", "2"],
+              path(f"bf16_{stage}", 0))
+    launches = {0: 0, 3: 0, "plain": 0}
+
+    def launch(stage):
+        i, launches[stage] = launches[stage], launches[stage] + 1
+        train(MLP + flags(stage) + ["--steps", str(n_steps)], path(stage, i))
+        return [r["step_time_s"] for r in steps(path(stage, i))] if comm.rank == 0 else []
+
+    timed = interleaved({stage: (lambda stage=stage: launch(stage)) for stage in launches},
+                        rounds=rounds, warmup=0, own_clock=True)
     if comm.rank:
         return []
     rows = []
-    first = steps(os.path.join(directory, "0_0.jsonl"))[0]["memory"]
-    psi = first["params"] / 4
+    psi = steps(path(0, 0))[0]["memory"]["params"] / 4
     N = world
     formula = {s: sum(zero_memory(psi, N, s, "fp32", "adam").values()) for s in range(4)}
-    traffic = {s: (2 if s < 3 else 3) * (N - 1) / N * 4 * psi for s in range(4)}
-    times = {}
-    for stage, name in runs:
-        records = steps(os.path.join(directory, name + ".jsonl"))
-        times.setdefault(stage, []).extend(r["step_time_s"] for r in records)
-        if stage == "plain" or not name.endswith("_0"):
-            continue
+    traffic = {s: zero_comm_bytes(psi, N, s) for s in range(4)}
+    times = {**timed.samples, **{s: [r["step_time_s"] for r in steps(path(s, 0))] for s in (1, 2)}}
+    for stage in range(4):
+        records = steps(path(stage, 0))
         mem = records[-1]["memory"]
         state = mem["params"] + mem["grads"] + mem["optimizer"]
         sent = statistics.median(r["bytes_sent"] for r in records)
@@ -96,7 +104,6 @@ def zero_part(world, directory, rounds, n_steps):
                      "theory_bytes": traffic[stage], "sent_over_theory": sent / traffic[stage]})
     # Step k of round i of each configuration ran minutes apart from the others' at
     # most: Timings pairs them, and the ratio is the median over those pairs.
-    timed = Timings({stage: times[stage] for stage in (0, 3, "plain")})
     for row in rows:
         row["median_step_s"] = statistics.median(times[row["stage"]])
         row["over_dp"] = row["median_step_s"] / timed.median(0) if row["stage"] in (1, 2) \
@@ -127,7 +134,7 @@ def mixed_rows(directory, psi, N):
           f"{'formula B':>12} {'ratio':>6} {'fp32 form. B':>12} {'saved':>6}")
     rows = []
     for stage in range(4):
-        mem = steps(os.path.join(directory, f"bf16_{stage}.jsonl"))[-1]["memory"]
+        mem = steps(os.path.join(directory, f"bf16_{stage}_0.jsonl"))[-1]["memory"]
         state = mem["params"] + mem["grads"] + mem["optimizer"]
         want = sum(zero_memory(psi, N, stage, "bf16", "adam").values())
         fp32 = sum(zero_memory(psi, N, stage, "fp32", "adam").values())

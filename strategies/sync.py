@@ -49,8 +49,7 @@ import allreduce
 from allreduce.buffers import TORCH_DTYPES
 
 from .buckets import GradBuckets
-from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, EMULATED_SYNCS, OPTIMIZERS,
-                      SYNCS, ConfigError)
+from .choices import CONSISTENCIES, EMULATED_SYNCS, OPTIMIZERS, SYNCS, ConfigError
 from .compress import make_compressor
 from .compressor import check_compress, parse_compress
 from .powersgd import PowerSGDCompressor
@@ -305,14 +304,3 @@ class AllReduceSync(GradientSync):
 
     def close(self):
         self.buckets.close()
-
-
-def make_sync(cfg, ctx, device):
-    """A sync of this file for cfg.sync (local or an all-reduce).  The parameter-server
-    syncs need psrv's role and are built by DistributedOptimizer, which builds every kind."""
-    if cfg.sync == "local":
-        return LocalSync(cfg, ctx, device)
-    if cfg.sync in ALLREDUCE_SYNCS:
-        return AllReduceSync(cfg, ctx, device)
-    raise ConfigError(f"--sync {cfg.sync!r} is not local or an all-reduce; build it through "
-                      "strategies.DistributedOptimizer")

@@ -3,6 +3,8 @@
 Every launch has a wall-clock limit; on expiry the whole process group is
 killed and the test fails, naming the command, instead of hanging CI.
 """
+import configparser
+import json
 import os
 import shutil
 import signal
@@ -51,3 +53,35 @@ def check_ok(result):
     assert result.returncode == 0, (
         f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}")
     return result
+
+
+@pytest.fixture(scope="session")
+def namespaces():
+    """Skips unless this process can create (and remove) a network namespace: the
+    emulated clusters' hosts (tests/cluster/, tests/test_sweep_launchers.py)."""
+    from experiments.cluster.net import ClusterError, require_privileges
+    try:
+        require_privileges()
+    except ClusterError as e:
+        pytest.skip(f"cannot create network namespaces: {e}")
+    probe = f"tlt-probe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True,
+                          timeout=30)
+    if made.returncode:
+        pytest.skip(f"cannot create network namespaces: `ip netns add` says "
+                    f"{made.stderr.strip()}")
+    subprocess.run(["ip", "netns", "del", probe], timeout=30, check=True)
+
+
+def console_scripts():
+    """{name: "module:function"} from setup.cfg [options.entry_points]."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    lines = cfg["options.entry_points"]["console_scripts"].strip().splitlines()
+    return dict(tuple(part.strip() for part in line.split("=", 1)) for line in lines if line)
+
+
+def drawn(out_dir, name):
+    """The numbers a figure drew: the JSON written beside its PNG."""
+    with open(Path(out_dir) / f"{name}.json") as f:
+        return json.load(f)

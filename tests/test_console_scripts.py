@@ -4,21 +4,13 @@ every flag of the tools that share allreduce/cli.py's flags says what it does.
 The scripts are those `pip install -e .` wrote beside this Python; after a change
 to setup.cfg's entry points run `.venv/bin/pip install -q -e . --no-deps` again.
 """
-import configparser
 import importlib
 import os
 import sys
 
 import pytest
 
-from conftest import ROOT, run
-
-
-def console_scripts():
-    cfg = configparser.ConfigParser()
-    cfg.read(ROOT / "setup.cfg")
-    lines = cfg["options.entry_points"]["console_scripts"].strip().splitlines()
-    return dict(line.replace(" ", "").split("=") for line in lines)
+from conftest import console_scripts, run
 
 
 SCRIPTS = console_scripts()

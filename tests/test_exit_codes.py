@@ -6,22 +6,13 @@ scheduler reads as a failure.  Each script is run as installed (.venv/bin/NAME);
 one that the editable install has not generated yet runs through the same
 `sys.exit(main())` line.
 """
-import configparser
 import sys
 
 import pytest
-from conftest import BIN, ROOT, mpi_env, run
+from conftest import BIN, console_scripts, mpi_env, run
 
 TINY_MLP = ["--model", "mlp", "--width", "8", "--depth", "1", "--in-dim", "4", "--classes", "3",
             "--dataset-size", "32", "--global-batch", "8", "--threads", "1", "--no-progress"]
-
-
-def console_scripts():
-    """{name: "module:function"} from setup.cfg [options.entry_points]."""
-    cfg = configparser.ConfigParser()
-    cfg.read(ROOT / "setup.cfg")
-    lines = cfg["options.entry_points"]["console_scripts"].strip().splitlines()
-    return dict(tuple(part.strip() for part in line.split("=", 1)) for line in lines if line)
 
 
 def command_of(name):

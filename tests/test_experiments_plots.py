@@ -1,10 +1,9 @@
 """Each figure draws exactly the runs it compares: records of other models, worlds,
 dtypes or settings in the same results are left out, and runs that share a strategy's
 name are told apart.  Checked on what the figure drew (plots/NAME.json)."""
-import json
-
 import pytest
 
+from conftest import drawn
 from experiments import plots
 
 MLP_A = {"model": "mlp", "width": 512, "depth": 3, "global_batch": 96, "world_size": 3}
@@ -16,10 +15,6 @@ def train_run(point, config, steps=3, ranks=2, step_s=0.01):
              "rank": r, "loss": 1.0 / (s + 1), "step_time_s": step_s, "compute_time_s": step_s / 2,
              "comm_time_s": step_s / 4, "staleness": 0, "config": config}
             for s in range(steps) for r in range(ranks)]
-
-
-def drawn(out_dir, name):
-    return json.load(open(out_dir / f"{name}.json"))
 
 
 @pytest.mark.timeout(60)

@@ -8,6 +8,7 @@ import statistics
 
 import pytest
 
+from conftest import drawn
 from experiments import palette, plots, report, screenshot, training_plots
 from experiments.palette import COLOURS
 from matplotlib.colors import to_hex
@@ -22,11 +23,6 @@ def bench(algo, n, P, time_us, rounds=None, **config):
          "bytes": n, "world_size": P, "time_us": time_us, "transport": "mpi",
          "busbw_gbps": 2 * (P - 1) / P * n / time_us / 1e3, "config": config, **PROV}
     return {**r, "round_us": rounds} if rounds else r
-
-
-def drawn(out_dir, name):
-    with open(out_dir / f"{name}.json") as f:
-        return json.load(f)
 
 
 @pytest.mark.timeout(60)

@@ -72,6 +72,21 @@ def test_prime_calls_come_before_the_barrier_and_are_not_timed(clock):
     assert log == ["call", "|", "call"] * 2 and timings.samples["a"] == [2.0, 2.0]
 
 
+def test_after_follows_every_sample_untimed(clock):
+    log = []
+    timings = interleaved({"a": lambda: (log.append("call"), clock.spend(1.0))}, rounds=2,
+                          warmup=1, barrier=lambda: log.append("|"),
+                          after=lambda n: (log.append("after " + n), clock.spend(5.0)))
+    assert log == ["|", "call", "after a"] * 3 and timings.samples["a"] == [1.0, 1.0]
+
+
+def test_own_clock_samples_are_what_the_calls_return(clock):
+    told = iter([9.0, [1.0, 2.0], 3.0, [4.0, 5.0], 6.0])
+    timings = interleaved({"run": lambda: (clock.spend(100.0), next(told))[1]}, rounds=2,
+                          warmup=1, own_clock=True)
+    assert timings.samples == {"run": [1.0, 2.0, 3.0]}   # warm-up's 9 dropped; lists extend
+
+
 def test_calls_per_candidate(clock):
     counts = {"big": 0, "small": 0}
     interleaved({n: (lambda n=n: counts.__setitem__(n, counts[n] + 1)) for n in counts},

@@ -45,12 +45,15 @@ SEVERAL = ["-c", "import json, sys\nfrom strategies.train import main\n"
                  "    except SystemExit as e:\n        sys.stdout.write(f'exit {e.code}\\n')"]
 
 
-def launch(tmp_path, nprocs, runs, timeout=200, **env):
-    """Train each (name, flags) in one launch; {name: (step records, parameters)}."""
+def launch(tmp_path, nprocs, runs, timeout=200, then="", expect="", **env):
+    """Train each (name, flags) in one launch; {name: (step records, parameters)}.
+    `then`: Python run after the runs in the same launch; `expect`: text its output holds."""
     argvs = [COMMON + [str(a) for a in flags] + ["--jsonl", str(tmp_path / f"{name}.jsonl"),
                                                  "--params-out", str(tmp_path / f"{name}.npz")]
              for name, flags in runs]
-    check_ok(mpirun(nprocs, SEVERAL + [json.dumps(argvs)], timeout=timeout, **env))
+    script = [SEVERAL[0], SEVERAL[1] + then]
+    result = check_ok(mpirun(nprocs, script + [json.dumps(argvs)], timeout=timeout, **env))
+    assert expect in result.stdout, result.stdout[-2000:]
     out = {}
     for name, _ in runs:
         records = [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")]

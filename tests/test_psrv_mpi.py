@@ -2,19 +2,17 @@
 train, rank 2 serves), on loopback and authenticated off it, the benchmark, the standalone
 launch on a network address, and the README's multi-host command (with keys) on one host."""
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+from conftest import MPIEXEC, ROOT
 
 
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec next to the python")
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
 @pytest.mark.parametrize("mode,bind_host", [("bsp", "127.0.0.1"), ("ssp", "127.0.0.1"),
                                             ("bsp", "0.0.0.0")])
 def test_example_under_mpiexec_one_server_two_workers(mode, bind_host):
@@ -105,7 +103,7 @@ def test_standalone_server_on_a_network_interface(tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.timeout(150)
-@pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec next to the python")
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
 def test_readme_multi_host_command_with_keys(tmp_path):
     """The README's across-hosts launch as written, on this host: keys, two servers on
     0.0.0.0 with --keys, then `mpiexec -f hostfile -n P ... psrv.example --ps A,B --keys`.

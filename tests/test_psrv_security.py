@@ -25,11 +25,11 @@ import pytest
 import zmq
 
 import psrv
+from conftest import ROOT
 from psrv import keys as K
 from psrv import protocol as P
 from psrv.config import Consistency, OptimizerConfig, pack_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {"w": (6, 4), "b": (4,)}
 SGD = OptimizerConfig("sgd", lr=0.5)
 

@@ -17,16 +17,12 @@ every other saved tensor is the same with and without the flag; bound: 1 % of th
 saving), and each rank sends exactly the bytes of `tp_bytes_sent` (ring; the
 launch runs without TOPOLAB_CHECK, whose argument checks send messages of their own).
 """
-import json
-
-import numpy as np
 import pytest
 
-from conftest import check_ok, mpirun
 from strategies.choices import ConfigError
 from strategies.config import TrainConfig, parse_args
 from strategies.sequence_parallel import saved_bytes_saving, tp_bytes_sent
-from test_parallel_runs import COMMON, GPT, SEVERAL, assert_same_run, launch
+from test_parallel_runs import GPT, assert_same_run, launch
 
 SP = ["--tp", "2", "--sequence-parallel"]
 # tp = 3 (odd on purpose): 3 heads, 6 positions, 2 per rank
@@ -54,19 +50,8 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     """The tp = 2 runs, then the pipeline-cut check, in one launch of two ranks."""
-    path = tmp_path_factory.mktemp("sp_two")
-    script = [SEVERAL[0], SEVERAL[1] + STAGES]
-    argvs = [COMMON + flags + ["--jsonl", str(path / f"{name}.jsonl"),
-                               "--params-out", str(path / f"{name}.npz")]
-             for name, flags in TWO]
-    result = check_ok(mpirun(2, script + [json.dumps(argvs)], timeout=300, TOPOLAB_CHECK=0))
-    assert "sequence-parallel stages: 29 gradients equal" in result.stdout
-    out = {}
-    for name, _ in TWO:
-        records = [json.loads(line) for line in open(path / f"{name}.jsonl")]
-        out[name] = ([r for r in records if r["kind"] == "step"],
-                     dict(np.load(path / f"{name}.npz")))
-    return out
+    return launch(tmp_path_factory.mktemp("sp_two"), 2, TWO, timeout=300, then=STAGES,
+                  expect="sequence-parallel stages: 29 gradients equal", TOPOLAB_CHECK=0)
 
 
 def test_flags_that_do_not_fit_are_config_errors():

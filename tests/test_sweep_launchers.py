@@ -201,23 +201,6 @@ def test_hostfile_of_localhost_runs_a_point(tmp_path):
     assert r["config"]["launcher"] == f"hostfile:{tmp_path / 'hosts'}"
 
 
-@pytest.fixture(scope="module")
-def namespaces():
-    """Skips unless this process can create (and remove) a network namespace."""
-    from experiments.cluster.net import ClusterError, require_privileges
-    try:
-        require_privileges()
-    except ClusterError as e:
-        pytest.skip(f"cannot create network namespaces: {e}")
-    probe = f"{PREFIX}probe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True,
-                          timeout=30)
-    if made.returncode:
-        pytest.skip(f"cannot create network namespaces: `ip netns add` says "
-                    f"{made.stderr.strip()}")
-    subprocess.run(["ip", "netns", "del", probe], timeout=30, check=True)
-
-
 @pytest.mark.mpi
 @pytest.mark.timeout(90)
 def test_emulated_point_records_the_bytes_on_each_hosts_link(tmp_path, namespaces):

@@ -15,25 +15,6 @@ import pytest
 
 from conftest import check_ok, mpi_env, run
 
-PROBE = "tlt-probe"
-
-
-@pytest.fixture(scope="session")
-def namespaces():
-    """Skips unless this process can create (and remove) a network namespace."""
-    from experiments.cluster.net import ClusterError, require_privileges
-    try:
-        require_privileges()
-    except ClusterError as e:
-        pytest.skip(f"cannot create network namespaces: {e}")
-    made = subprocess.run(["ip", "netns", "add", f"{PROBE}{os.getpid()}"], capture_output=True,
-                          text=True, timeout=30)
-    if made.returncode:
-        pytest.skip(f"cannot create network namespaces: `ip netns add` says "
-                    f"{made.stderr.strip()}")
-    subprocess.run(["ip", "netns", "del", f"{PROBE}{os.getpid()}"], timeout=30, check=True)
-
-
 class Cluster:
     """The command line of one cluster: `cli(...)` runs `python -m experiments.cluster`
     with this cluster's run directory, prefix and subnet."""

@@ -11,57 +11,28 @@ j of rank r is rank j's block r.  An all-to-all moves values and adds nothing,
 so the comparison is exact (tolerance 0).  Then bad input: a clear error on
 every rank, also where one rank alone passes it (TOPOLAB_CHECK=1).
 """
-import sys
-
 import numpy as np
 import torch
 from mpi4py import MPI
 
 import allreduce
 from allreduce import alltoall
-from allreduce.buffers import CollectiveError, empty_like, is_tensor
+from allreduce.buffers import empty_like, is_tensor
 from allreduce.native import MPIRaw
+from matrix_checks import NUMPY, TORCH, compare, expect_error, f64, failures, make, report
 
 world = MPI.COMM_WORLD
 P, rank = world.size, world.rank
-NUMPY = ["float32", "float64", "int32", "int64", "float16"]
-TORCH = ["float32", "float64", "int32", "int64", "float16", "bfloat16"]
 # empty, one element (P-1 empty blocks), fewer than P, not divisible, Bruck's size,
 # and one whose blocks (5001 elements) take pairwise exchange at 4-byte dtypes
 SIZES = sorted({0, 1, max(P - 1, 0), 7, 1003})
 BIG = 20_003
-failures = []
-
-
-def make(kind, dtype, r, n):
-    i = np.arange(n)
-    if dtype.startswith("int"):
-        values = (i * 7 + r * 1000) % 20011 - 10000
-    else:
-        values = np.sin(0.37 * i + 1.3 * r) * 4
-    if kind == "numpy":
-        return values.astype(dtype)
-    return torch.from_numpy(values.astype(np.float64)).to(getattr(torch, dtype))
-
-
-def f64(x):
-    return x.double().numpy() if is_tensor(x) else np.asarray(x, np.float64)
 
 
 def reference(kind, dtype, n):
     """Rank `rank`'s output: block `rank` of every rank's input, in rank order."""
     bounds = allreduce.shard_bounds(n, P)
     return np.concatenate([f64(make(kind, dtype, j, n))[slice(*bounds[rank])] for j in range(P)])
-
-
-def compare(label, got, want):
-    got = f64(got)
-    if got.shape != want.shape:
-        failures.append(f"{label}: shape {got.shape} != {want.shape}")
-    elif (got != want).any():
-        i = int(np.argmax(got != want))
-        failures.append(f"{label}: {int((got != want).sum())} wrong, first at {i}: "
-                        f"{got[i]} != {want[i]}")
 
 
 def check_collective(coll, label, dtypes):
@@ -99,16 +70,6 @@ def check_schedules(coll):
                     if t.bytes_sent - before != expected:
                         failures.append(f"{name} P={P} n={n}: sent {t.bytes_sent - before} "
                                         f"bytes, the formula says {expected}")
-
-
-def expect_error(label, fn, *words):
-    try:
-        fn()
-    except CollectiveError as e:
-        if not all(w in str(e) for w in words):
-            failures.append(f"{label}: error {e!r} does not name {words}")
-        return
-    failures.append(f"{label}: no error raised")
 
 
 def check_bad_input(coll):
@@ -155,12 +116,4 @@ for n in SIZES:                     # the benchmark's floor: MPI_Alltoallv with 
     compare(f"mpi-raw P={P} n={n}", MPIRaw(world).runner("alltoall", n)(x),
             reference("numpy", "float32", n))
 
-all_failures = world.gather(failures, root=0)
-if rank == 0:
-    flat = [f"rank {r}: {f}" for r, fs in enumerate(all_failures) for f in fs]
-    if flat:
-        print("\n".join(flat[:60]))
-        print(f"FAILED: {len(flat)} mismatches")
-        sys.stdout.flush()
-        world.Abort(1)
-    print(f"OK P={P}")
+report(world)

@@ -31,8 +31,8 @@ import torch
 from mpi4py import MPI
 
 import allreduce
-from allreduce.buffers import CollectiveError
 from allreduce.torch_transport import TorchTransport
+from matrix_checks import NUMPY, TORCH, compare, expect_error, f64, failures, make, report
 
 world = MPI.COMM_WORLD
 SPECS = [{"algo": "ring"}, {"algo": "tree"}, {"algo": "halving_doubling"},
@@ -48,36 +48,7 @@ SPECS = [{"algo": "ring"}, {"algo": "tree"}, {"algo": "halving_doubling"},
 specs = json.loads(sys.argv[1]) if len(sys.argv) > 1 else SPECS
 
 EPS = {"float32": 1.2e-7, "float64": 2.3e-16, "float16": 9.8e-4, "bfloat16": 7.9e-3}
-NUMPY = ["float32", "float64", "int32", "int64", "float16"]
-TORCH = ["float32", "float64", "int32", "int64", "float16", "bfloat16"]
 BIG = 1_000_003
-failures = []
-
-
-def make(kind, dtype, r, n, device="cpu"):
-    i = np.arange(n)
-    if dtype.startswith("int"):
-        values = (i * 7 + r * 1000) % 20011 - 10000
-    else:
-        values = np.sin(0.37 * i + 1.3 * r) * 4
-    if kind == "numpy":
-        return values.astype(dtype)
-    return torch.from_numpy(values.astype(np.float64)).to(getattr(torch, dtype)).to(device)
-
-
-def f64(x):
-    return x.double().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, np.float64)
-
-
-def compare(label, got, want, tol):
-    got = f64(got)
-    if got.shape != want.shape:
-        failures.append(f"{label}: shape {got.shape} != {want.shape}")
-        return
-    bad = np.abs(got - want) > tol
-    if bad.any():
-        i = int(np.argmax(bad))
-        failures.append(f"{label}: {int(bad.sum())} wrong, first at {i}: {got[i]} != {want[i]}")
 
 
 def digest(x):
@@ -117,16 +88,6 @@ def run_case(coll, comm, kind, dtype, n, ops, device="cpu"):
         x = make(kind, dtype, rank, n, device)
         coll.broadcast(x, root=root)
         compare(f"{label} broadcast root={root}", x, inputs[root], 0)
-
-
-def expect_error(label, fn, *words):
-    try:
-        fn()
-    except CollectiveError as e:
-        if not all(w in str(e) for w in words):
-            failures.append(f"{label}: error {e!r} does not name {words}")
-        return
-    failures.append(f"{label}: no error raised")
 
 
 def check_algorithm(coll, comm, quick=False, device="cpu"):
@@ -204,12 +165,4 @@ for spec in specs:
     if world.rank == 0:
         print(f"checked {coll.label} P={comm.size}", flush=True)
 
-all_failures = world.gather(failures, root=0)
-if world.rank == 0:
-    flat = [f"rank {r}: {f}" for r, fs in enumerate(all_failures) for f in fs]
-    if flat:
-        print("\n".join(flat[:60]))
-        print(f"FAILED: {len(flat)} mismatches")
-        sys.stdout.flush()
-        world.Abort(1)
-    print(f"OK P={world.size}")
+report(world)
