@@ -2,7 +2,8 @@
 
 strategies.bench builds its methods as strategies.train does (DistributedOptimizer's
 syncs) beside DDP; strategies.bench_parallel times whole training launches with the
-harness's own_clock rounds and sets ZeRO and the pipeline against allreduce/theory.py.
+harness's own_clock rounds and sets ZeRO's memory (strategies/memory.py, fp32 and bf16)
+and traffic (allreduce/theory.py) against the formulas.
 """
 import pytest
 
@@ -32,8 +33,10 @@ def test_bench_parallel_zero_matches_the_formulas(tmp_path):
     check_ok(mpirun(2, ["-m", "strategies.bench_parallel", "--part", "zero", "--rounds", "1",
                         "--steps", "2", "--jsonl", str(out)], timeout=130))
     rows = read_jsonl(str(out))
-    assert [r["stage"] for r in rows] == [0, 1, 2, 3]
+    assert [(r["precision"], r["stage"]) for r in rows] == \
+        [("fp32", s) for s in range(4)] + [("bf16", s) for s in range(4)]
     for r in rows:       # tolerance: a few bytes of buffers beside the parameters
         assert r["state_over_formula"] == pytest.approx(1.0, rel=1e-3)
+    for r in rows[:4]:
         assert r["sent_over_theory"] == pytest.approx(1.0, rel=1e-3)
         assert r["median_step_s"] > 0 and r["over_plain"] > 0
