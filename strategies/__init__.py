@@ -23,6 +23,7 @@ Read in this order:
     sync.py        the sync contract (GradientSync); local and the all-reduce backends
     ps_sync.py     parameter servers, and hybrid (all-reduce in a node, servers between)
     optimizer.py   DistributedOptimizer: builds every sync, for a loop of the user's own
+    optimizer_checks.py  its argument checks (model, comm, server settings)
     accumulation.py  --grad-accum: k micro-steps, communication once (sync.no_sync)
     recompute.py   --recompute: each block's forward re-run in backward (checkpointing)
     example_user_model.py  a complete run of it on a small CNN of its own
@@ -32,7 +33,7 @@ Read in this order:
     train.py       the command line: preflight, the data-parallel engine
     expert_parallel.py  --ep: experts split over ranks, tokens moved by all-to-alls
     bench.py       interleaved throughput benchmark
-  the dp x pp x tp grid (train.py hands over with --dp/--pp/--tp/--zero):
+  the dp x pp x tp grid (train.py hands over with --dp/--pp/--tp/--zero/--micro-batches):
     grid.py        ProcessGrid: arange(world).reshape(dp, pp, tp), a communicator per axis
     zero.py        ZeRO stages 0-3 over the dp axis, layer by layer
     tensor_parallel.py  Megatron's f and g, column/row-parallel linears, split heads

@@ -190,7 +190,8 @@ class TrainConfig:
             raise ConfigError("--recompute with --dp/--pp/--tp/--zero/--micro-batches is not "
                               "supported yet: it wraps the whole model's blocks (plain loop)")
         if self.on_grid and spec.kind != "none":
-            raise ConfigError(f"--compress {self.compress} with --dp/--pp/--tp/--zero is not "
+            raise ConfigError(f"--compress {self.compress} with --dp/--pp/--tp/--zero/"
+                              f"--micro-batches is not "
                               f"supported: the grid's axes reduce float32 (zero.py, "
                               f"parallel.py); use the plain data-parallel loop")
         if self.momentum_correction and not (spec.kind == "topk" and self.optimizer == "sgd"
