@@ -26,7 +26,7 @@ import matplotlib.pyplot as plt
 
 from allreduce.records import read_jsonl
 
-from .palette import MEASURED, SPARE, save
+from .palette import MEASURED, SPARE, figure_main, save
 
 
 def run_label(config):
@@ -82,12 +82,10 @@ def compression(records, out_dir):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        sys.exit("usage: python -m experiments.compression_plots RECORDS.jsonl OUT_DIR")
-    path = compression(read_jsonl(argv[0]), argv[1])
-    print(path or f"no runs with wire bytes in {argv[0]}")
-    return 0
+    return figure_main(argv, "experiments.compression_plots", __doc__,
+                       [("records", "strategies.train's --jsonl of the runs")],
+                       lambda path, out: compression(read_jsonl(path), out),
+                       "no runs with wire bytes in the records")
 
 
 if __name__ == "__main__":

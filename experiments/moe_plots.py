@@ -26,7 +26,7 @@ import matplotlib.pyplot as plt
 from allreduce.records import read_jsonl
 from strategies.expert_parallel import alltoall_bytes_per_step
 
-from .palette import MEASURED, PREDICTED, save
+from .palette import MEASURED, PREDICTED, figure_main, save
 
 TOP_K_COLOURS = {1: "#1f77b4", 2: "#d62728"}
 
@@ -79,12 +79,10 @@ def moe_capacity(records, out_dir):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        sys.exit("usage: python -m experiments.moe_plots RECORDS.jsonl OUT_DIR")
-    path = moe_capacity(read_jsonl(argv[0]), argv[1])
-    print(path or f"no --ep runs of --model moe in {argv[0]}")
-    return 0
+    return figure_main(argv, "experiments.moe_plots", __doc__,
+                       [("records", "strategies.train's --jsonl of the runs")],
+                       lambda path, out: moe_capacity(read_jsonl(path), out),
+                       "no --ep runs of --model moe in the records")
 
 
 if __name__ == "__main__":

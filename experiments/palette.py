@@ -12,6 +12,7 @@ A reader who learns that the ring is blue in one figure finds it blue in every
 other one and in the report's tables (experiments/report.py shows the swatches):
 the colour belongs to the name, never to its position in a legend.
 """
+import argparse
 import json
 import os
 import statistics
@@ -151,6 +152,22 @@ def save(fig, out_dir, name, note=""):
         json.dump(figure_data(fig), f, indent=1)
     plt.close(fig)
     return path
+
+
+def figure_main(argv, module, doc, inputs, draw, nothing):
+    """The command line of a module that draws one figure: INPUT ... OUT_DIR and --help
+    (`doc`, its docstring).  `inputs`: (name, help) of each input file, handed to
+    draw(*paths, out_dir) in that order.  Prints the PNG's path and exits 0, or prints
+    `nothing` and exits 1 when the inputs hold nothing to draw."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, what in inputs:
+        p.add_argument(name, help=what)
+    p.add_argument("out_dir", metavar="OUT_DIR", help="where NAME.png, .svg and .json go")
+    a = vars(p.parse_args(argv))
+    path = draw(*(a[name] for name, _ in inputs), a["out_dir"])
+    print(path or nothing)
+    return 0 if path else 1
 
 
 def figure_data(fig):

@@ -18,12 +18,11 @@ backward that contains them) the recompute spans, each block's forward run again
 (Chen et al. 2016).  The row's title gives the recompute share of the backward.
 """
 import json
-import sys
 
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from .palette import PARTS, save
+from .palette import PARTS, figure_main, save
 
 RECOMPUTE = "#8c564b"
 
@@ -78,15 +77,14 @@ def recompute_gantt(traces, out_dir):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 3:
-        print("usage: python -m experiments.recompute_gantt PLAIN.json RECOMPUTE.json OUT_DIR")
-        return 2
-    plain, recomputed, out_dir = argv
-    traces = {label: json.load(open(path))["traceEvents"]
-              for label, path in (("plain", plain), ("--recompute", recomputed))}
-    print(recompute_gantt(traces, out_dir))
-    return 0
+    def draw(plain, recomputed, out_dir):
+        traces = {label: json.load(open(path))["traceEvents"]
+                  for label, path in (("plain", plain), ("--recompute", recomputed))}
+        return recompute_gantt(traces, out_dir)
+    return figure_main(argv, "experiments.recompute_gantt", __doc__,
+                       [("plain", "--trace file of the run without --recompute"),
+                                        ("recomputed", "--trace file of the run with it")],
+                       draw, "nothing to draw")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import check_ok, mpirun
 import strategies
 from strategies.accumulation import accumulate
 from strategies.buckets import GradBuckets
@@ -26,6 +25,7 @@ from strategies.compress import make_compressor
 from strategies.config import TrainConfig, dp_size_of
 from strategies.models import MLP
 from strategies.sync import LocalSync
+from test_parallel_runs import launch as launch_runs
 
 RTOL, ATOL = 1e-5, 1e-6
 B, STEPS = 16, 3
@@ -149,22 +149,11 @@ def test_bad_combinations_name_their_flags(flags, world, message):
 COMMON = ["--steps", STEPS, "--threads", 1, "--no-progress", "--model", "mlp", "--width", 24,
           "--depth", 2, "--in-dim", 8, "--classes", 4, "--dataset-size", 120,
           "--global-batch", B, "--lr", 0.05, "--momentum", 0.9]
-SEVERAL = ["-c", "import json, sys\nfrom strategies.train import main\n"
-                 "for argv in json.loads(sys.argv[1]):\n    main(argv)"]
 
 
 def launch(tmp_path, nprocs, runs, timeout=200):
     """Each (name, flags) trained in one launch; {name: (step records, parameters)}."""
-    argvs = [[str(a) for a in COMMON + flags] + ["--jsonl", str(tmp_path / f"{name}.jsonl"),
-                                                 "--params-out", str(tmp_path / f"{name}.npz")]
-             for name, flags in runs]
-    check_ok(mpirun(nprocs, SEVERAL + [json.dumps(argvs)], timeout=timeout))
-    out = {}
-    for name, _ in runs:
-        records = [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")]
-        out[name] = ([r for r in records if r["kind"] == "step"],
-                     dict(np.load(tmp_path / f"{name}.npz")))
-    return out
+    return launch_runs(tmp_path, nprocs, runs, timeout=timeout, common=COMMON)
 
 
 def assert_same(run, ref):

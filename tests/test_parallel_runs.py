@@ -45,10 +45,11 @@ SEVERAL = ["-c", "import json, sys\nfrom strategies.train import main\n"
                  "    except SystemExit as e:\n        sys.stdout.write(f'exit {e.code}\\n')"]
 
 
-def launch(tmp_path, nprocs, runs, timeout=200, then="", expect="", **env):
+def launch(tmp_path, nprocs, runs, timeout=200, then="", expect="", common=COMMON, **env):
     """Train each (name, flags) in one launch; {name: (step records, parameters)}.
-    `then`: Python run after the runs in the same launch; `expect`: text its output holds."""
-    argvs = [COMMON + [str(a) for a in flags] + ["--jsonl", str(tmp_path / f"{name}.jsonl"),
+    `then`: Python run after the runs in the same launch; `expect`: text its output holds;
+    `common`: the flags every run shares."""
+    argvs = [[str(a) for a in common + flags] + ["--jsonl", str(tmp_path / f"{name}.jsonl"),
                                                  "--params-out", str(tmp_path / f"{name}.npz")]
              for name, flags in runs]
     script = [SEVERAL[0], SEVERAL[1] + then]

@@ -114,9 +114,9 @@ def measured_bytes(plain):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print(__doc__)
-        return 2
+        return 0 if argv in (["-h"], ["--help"]) else 2
     if argv[0].endswith(".toml"):
         return grade(argv[0])
     from experiments.records import load
