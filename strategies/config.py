@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from allreduce.cli import dataclass_flags
 
 from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, DEVICES, EMULATED_SYNCS,
-                      MODELS, OPTIMIZERS, PRECISIONS, PS_SYNCS, SCHEDULES, SYNCS, ZERO_STAGES,
+                      MODELS, OPTIMIZERS, PS_SYNCS, SCHEDULES, SYNCS, ZERO_STAGES,
                       ConfigError)
+from .combinations import check_moe, check_precision, check_schedule
 from .compressor import check_compress
 from .grid import ProcessGrid
 
@@ -166,8 +167,8 @@ class TrainConfig:
             raise ConfigError(f"--d-model {self.d_model} is not divisible by --heads {self.heads}")
         if self.consistency == "bsp" and self.staleness:
             raise ConfigError("--staleness needs --consistency ssp (bsp waits for every worker)")
-        self.check_moe()
-        self.check_precision()
+        check_moe(self)
+        check_precision(self)
         if self.resume and not self.checkpoint_dir:
             raise ConfigError("--resume needs --checkpoint-dir")
         if self.sequence_parallel and self.tp < 2:
@@ -177,7 +178,7 @@ class TrainConfig:
             raise ConfigError(f"--sequence-parallel: --seq-len {self.seq_len} is not divisible "
                               f"by tp({self.tp}): {self.seq_len} % {self.tp} = "
                               f"{self.seq_len % self.tp}")
-        self.check_schedule()
+        check_schedule(self)
         if self.on_grid and self.sync not in ALLREDUCE_SYNCS:
             what = f"--zero {self.zero}" if self.zero else "--dp/--pp/--tp/--micro-batches"
             raise ConfigError(f"{what} needs an all-reduce --sync ({', '.join(ALLREDUCE_SYNCS)}),"
@@ -209,83 +210,6 @@ class TrainConfig:
                               "(activations travel through the MPI transport, not NCCL)")
         if self.on_grid and self.checkpoint_dir:
             raise ConfigError("checkpoints are not supported with --dp/--pp/--tp/--zero yet")
-
-    def check_schedule(self):
-        """--schedule interleaved and --virtual-stages go together, on a pipeline;
-        interleaved.check adds the micro-batches and the model's cut."""
-        interleaved = self.schedule == "interleaved"
-        if self.virtual_stages > 1 and not interleaved:
-            raise ConfigError(f"--virtual-stages {self.virtual_stages} needs --schedule "
-                              f"interleaved, not --schedule {self.schedule}")
-        if interleaved and self.virtual_stages < 2:
-            raise ConfigError(f"--schedule interleaved needs --virtual-stages >= 2, got "
-                              f"--virtual-stages {self.virtual_stages} (with 1 it is 1f1b)")
-        if interleaved and self.pp < 2:
-            raise ConfigError(f"--schedule interleaved --virtual-stages {self.virtual_stages} "
-                              f"needs a pipeline: --pp >= 2, got --pp {self.pp}")
-
-    def check_moe(self):
-        """The mixture-of-experts flags alone; expert_parallel.check adds the world's."""
-        if self.experts < 1 or self.top_k not in (1, 2) or self.top_k > self.experts:
-            raise ConfigError(f"--top-k {self.top_k} must be 1 or 2 and at most --experts "
-                              f"{self.experts} (>= 1)")
-        if not self.capacity_factor > 0 or self.moe_group < 0 or self.balance_loss < 0 \
-                or self.ep < 1:
-            raise ConfigError("--capacity-factor must be > 0, --moe-group and --balance-loss "
-                              ">= 0, --ep >= 1")
-        if self.model == "moe" and self.grad_accum > 1:
-            raise ConfigError(f"--model moe with --grad-accum {self.grad_accum} is not "
-                              "supported: micro-steps would change the gating groups and "
-                              "each expert's capacity")
-        if self.model == "moe" and self.recompute:
-            raise ConfigError("--model moe with --recompute is not supported: it checkpoints "
-                              "the blocks of --model mlp and gpt")
-        if self.model == "moe" and self.on_grid:
-            raise ConfigError("--model moe with --dp/--pp/--tp/--zero/--micro-batches is not "
-                              "supported: micro-batches would change the gating groups")
-        if self.ep == 1:
-            return
-        if self.model != "moe":
-            raise ConfigError(f"--ep {self.ep} splits the experts of --model moe, not of "
-                              f"--model {self.model}")
-        if self.experts % self.ep:
-            raise ConfigError(f"--experts {self.experts} is not divisible by ep({self.ep}): "
-                              f"{self.experts} % {self.ep} = {self.experts % self.ep}")
-        if self.sync not in ALLREDUCE_SYNCS or self.sync == "torch":
-            raise ConfigError(f"--ep {self.ep} needs an all-reduce --sync over MPI "
-                              f"(ring, tree, ...), not --sync {self.sync}")
-        for flag, unsupported in (("--checkpoint-dir", self.checkpoint_dir),
-                                  ("--straggler", self.straggler),
-                                  ("--device cuda", self.device != "cpu")):
-            if unsupported:
-                raise ConfigError(f"--ep {self.ep} with {flag} is not supported")
-
-    def check_precision(self):
-        """--precision against the rest: where mixed precision has no implementation,
-        the error names the combination (precision.py says what each part does)."""
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"--precision {self.precision!r} is not one of "
-                              f"{', '.join(PRECISIONS)}")
-        if not self.loss_scale > 0 or self.loss_scale_window < 1:
-            raise ConfigError(f"--loss-scale must be > 0 and --loss-scale-window >= 1, got "
-                              f"{self.loss_scale} and {self.loss_scale_window}")
-        if self.precision == "fp32":
-            return
-        what = f"--precision {self.precision}"
-        if self.sync in PS_SYNCS:
-            raise ConfigError(f"{what} with --sync {self.sync} is not supported: the servers "
-                              f"run the optimizer on what they are sent, with no loss scale")
-        # pp, tp: activations and their gradients cross ranks in fp32 buffers so far;
-        # fp16 checkpoints would lose the loss scale
-        for flag, unsupported in ((f"--pp {self.pp}", self.pp > 1),
-                                  (f"--tp {self.tp}", self.tp > 1),
-                                  (f"--ep {self.ep}", self.ep > 1),
-                                  ("--checkpoint-dir", self.checkpoint_dir and
-                                   self.precision == "fp16")):
-            if unsupported:
-                raise ConfigError(f"{what} with {flag} is not supported yet: only data "
-                                  f"parallelism (an all-reduce --sync, --zero 0-3) computes in "
-                                  f"16 bit")
 
     @property
     def straggler_rank(self):
