@@ -199,6 +199,8 @@ class Pipeline:
             inp = torch.empty(self._shape(i))
             with self.tracer.span(f"wait activation {self._name(i, chunk)}", "idle"):
                 self.receive(inp, (self.stage - 1) % self.stages, self.tag(g - 1, i, 0))
+            if self.precision.mixed:    # fp32 on the wire; the stage computes as the last did
+                inp = inp.to(self.precision.half)
             inp.requires_grad_()
         before = self.meter.live_bytes
         with self.tracer.span(f"forward {self._name(i, chunk)}", "forward"), self.meter, \
@@ -210,7 +212,7 @@ class Pipeline:
         if i == 0:                      # what one micro-batch's saved activations cost
             self.micro_batch_bytes += self.meter.live_bytes - before
         if not last:
-            buf = out.detach().contiguous()
+            buf = out.detach().float().contiguous()     # fp32 on the wire, as received
             self.sends.append((self.transport.isend(buf, (self.stage + 1) % self.stages,
                                                     tag=self.tag(g, i, 0)), buf))
         self.saved[chunk, i] = (inp, out)
@@ -229,10 +231,10 @@ class Pipeline:
             with self.tracer.span(f"wait gradient {name}", "idle"):
                 self.receive(grad, (self.stage + 1) % self.stages, self.tag(g + 1, i, 1))
             with self.tracer.span(f"backward {name}", "backward"):
-                out.backward(grad)
+                out.backward(grad.to(out.dtype))      # bf16 under --precision bf16
         del out
         if g > 0:
-            g_in = inp.grad.contiguous()
+            g_in = inp.grad.float().contiguous()
             self.sends.append((self.transport.isend(g_in, (self.stage - 1) % self.stages,
                                                     tag=self.tag(g, i, 1)), g_in))
         self.in_flight -= 1

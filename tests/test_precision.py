@@ -81,7 +81,7 @@ def test_zero_memory_formula_fp32_and_mixed():
     ({"precision": "fp8"}, "--precision 'fp8' is not one of fp32, bf16, fp16"),
     ({"precision": "fp16", "sync": "ps"}, "--precision fp16 with --sync ps"),
     ({"precision": "bf16", "sync": "hybrid"}, "--precision bf16 with --sync hybrid"),
-    ({"precision": "bf16", "sync": "ring", "pp": 2}, "--precision bf16 with --pp 2"),
+    ({"precision": "fp16", "sync": "ring", "pp": 2}, "--precision fp16 with --pp 2"),
     ({"precision": "bf16", "sync": "ring", "tp": 2, "model": "gpt"},
      "--precision bf16 with --tp 2"),
     ({"precision": "fp16", "sync": "ring", "checkpoint_dir": "ck"},
@@ -144,7 +144,9 @@ def test_two_ranks_bf16_ring_and_zero_memory_per_rank_match_the_formula(tmp_path
         [(f"zero{s}", MLP + ["--sync", "ring", "--zero", str(s), "--dp", "2",
                              "--precision", "bf16", "--steps", "3"]) for s in range(4)] +
         [("zero2_fp16", MLP + ["--sync", "ring", "--zero", "2", "--dp", "2",
-                               "--precision", "fp16", "--steps", "3"])])
+                               "--precision", "fp16", "--steps", "3"])] +
+        [(f"pp_{p}", SMALL_GPT + ["--sync", "ring", "--pp", "2", "--micro-batches", "2",
+                                  "--precision", p]) for p in ("fp32", "bf16")])
     assert final_loss(runs["ring_bf16"]) == pytest.approx(final_loss(runs["ring_fp32"]),
                                                           rel=LOSS_RTOL)
     first = [r for r in runs["zero0"] if r["kind"] == "step"][0]["memory"]
@@ -157,6 +159,9 @@ def test_two_ranks_bf16_ring_and_zero_memory_per_rank_match_the_formula(tmp_path
                 assert mem[part] == pytest.approx(want[part], rel=MEMORY_RTOL), (s, part)
     bf16_loss, fp16_loss = final_loss(runs["zero2"]), final_loss(runs["zero2_fp16"])
     assert np.isfinite(fp16_loss) and fp16_loss == pytest.approx(bf16_loss, rel=LOSS_RTOL)
+    # a pipeline of 2 stages in bf16: fp32 on the wire, 16-bit compute on each stage
+    assert final_loss(runs["pp_bf16"]) == pytest.approx(final_loss(runs["pp_fp32"]),
+                                                        rel=LOSS_RTOL)
 
 
 def test_zero_memory_figure_draws_fp32_beside_mixed_precision(tmp_path):
