@@ -75,17 +75,17 @@ def check_precision(cfg):
     if cfg.sync in PS_SYNCS:
         raise ConfigError(f"{what} with --sync {cfg.sync} is not supported: the servers "
                           f"run the optimizer on what they are sent, with no loss scale")
-    if cfg.precision == "fp16" and cfg.pp > 1:
-        raise ConfigError(f"{what} with --pp {cfg.pp} is not supported yet: the ranks agree "
-                          f"to skip an overflowing step over the dp axis only, not across "
-                          f"the stages; --precision bf16 (no loss scale) works with --pp")
-    # tp, ep: activations cross ranks inside a layer, in fp32 buffers so far;
+    for axis, size in (("pp", cfg.pp), ("tp", cfg.tp)):
+        if cfg.precision == "fp16" and size > 1:
+            raise ConfigError(f"{what} with --{axis} {size} is not supported yet: the ranks "
+                              f"agree to skip an overflowing step over the dp axis only; "
+                              f"--precision bf16 (no loss scale) works with --{axis}")
+    # ep: tokens cross ranks in the all-to-alls' fp32 buffers so far;
     # fp16 checkpoints would lose the loss scale
-    for flag, unsupported in ((f"--tp {cfg.tp}", cfg.tp > 1),
-                              (f"--ep {cfg.ep}", cfg.ep > 1),
+    for flag, unsupported in ((f"--ep {cfg.ep}", cfg.ep > 1),
                               ("--checkpoint-dir", cfg.checkpoint_dir and
                                cfg.precision == "fp16")):
         if unsupported:
             raise ConfigError(f"{what} with {flag} is not supported yet: data parallelism "
-                              f"(an all-reduce --sync, --zero 0-3) and, in bf16, pipelines "
-                              f"compute in 16 bit")
+                              f"(an all-reduce --sync, --zero 0-3) and, in bf16, pipeline "
+                              f"and tensor parallelism compute in 16 bit")

@@ -101,18 +101,18 @@ def _span(tp, name):
 
 def all_gather_sequence(x, tp, what):
     """(B, T/tp, C) on each rank -> (B, T, C), rank r's positions at [r T/tp, (r+1) T/tp)."""
-    shard = _time_major(x)
+    shard = _time_major(x).float()          # fp32 across ranks, also under --precision bf16
     with _span(tp, f"sp all-gather ({what})"):
         full = tp.coll.allgather(shard.view(-1), n=shard.numel() * tp.size)
-    return _batch_major(full, x.shape[SEQUENCE] * tp.size, x)
+    return _batch_major(full, x.shape[SEQUENCE] * tp.size, x).to(x.dtype)
 
 
 def reduce_scatter_sequence(x, tp, what):
     """(B, T, C) partial sums on each rank -> this rank's (B, T/tp, C) of their sum."""
-    whole = _time_major(x)
+    whole = _time_major(x).float()          # summed in fp32, also under --precision bf16
     with _span(tp, f"sp reduce-scatter ({what})"):
         mine = tp.coll.reduce_scatter(whole.view(-1))
-    return _batch_major(mine, x.shape[SEQUENCE] // tp.size, x)
+    return _batch_major(mine, x.shape[SEQUENCE] // tp.size, x).to(x.dtype)
 
 
 def my_positions(x, tp):

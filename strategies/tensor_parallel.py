@@ -41,11 +41,15 @@ class TensorParallel:
         self.pieces = {}         # id(local parameter) -> ([(full index, local index)], shape)
 
     def allreduce(self, x, what):
-        x = x.contiguous().clone()
+        # a copy of its own, in fp32: under --precision bf16 the partial sums are 16-bit,
+        # but they are added, and cross ranks, in fp32 (as the pipeline's activations do)
+        out = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         if self.tracer is None:
-            return self.coll.allreduce(x)
-        with self.tracer.span(f"tp all-reduce ({what})", "comm"):
-            return self.coll.allreduce(x)
+            out = self.coll.allreduce(out)
+        else:
+            with self.tracer.span(f"tp all-reduce ({what})", "comm"):
+                out = self.coll.allreduce(out)
+        return out.to(x.dtype)
 
     def slice_of(self, n):
         """[start, stop) of this rank's equal part of n features."""

@@ -82,8 +82,10 @@ def test_zero_memory_formula_fp32_and_mixed():
     ({"precision": "fp16", "sync": "ps"}, "--precision fp16 with --sync ps"),
     ({"precision": "bf16", "sync": "hybrid"}, "--precision bf16 with --sync hybrid"),
     ({"precision": "fp16", "sync": "ring", "pp": 2}, "--precision fp16 with --pp 2"),
-    ({"precision": "bf16", "sync": "ring", "tp": 2, "model": "gpt"},
-     "--precision bf16 with --tp 2"),
+    ({"precision": "fp16", "sync": "ring", "tp": 2, "model": "gpt"},
+     "--precision fp16 with --tp 2"),
+    ({"precision": "bf16", "sync": "ring", "model": "moe", "ep": 2},
+     "--precision bf16 with --ep 2"),
     ({"precision": "fp16", "sync": "ring", "checkpoint_dir": "ck"},
      "--precision fp16 with --checkpoint-dir"),
     ({"precision": "fp16", "loss_scale": 0.0}, "--loss-scale must be > 0"),
@@ -146,6 +148,8 @@ def test_two_ranks_bf16_ring_and_zero_memory_per_rank_match_the_formula(tmp_path
         [("zero2_fp16", MLP + ["--sync", "ring", "--zero", "2", "--dp", "2",
                                "--precision", "fp16", "--steps", "3"])] +
         [(f"pp_{p}", SMALL_GPT + ["--sync", "ring", "--pp", "2", "--micro-batches", "2",
+                                  "--precision", p]) for p in ("fp32", "bf16")] +
+        [(f"tp_{p}", SMALL_GPT + ["--sync", "ring", "--tp", "2", "--sequence-parallel",
                                   "--precision", p]) for p in ("fp32", "bf16")])
     assert final_loss(runs["ring_bf16"]) == pytest.approx(final_loss(runs["ring_fp32"]),
                                                           rel=LOSS_RTOL)
@@ -159,9 +163,11 @@ def test_two_ranks_bf16_ring_and_zero_memory_per_rank_match_the_formula(tmp_path
                 assert mem[part] == pytest.approx(want[part], rel=MEMORY_RTOL), (s, part)
     bf16_loss, fp16_loss = final_loss(runs["zero2"]), final_loss(runs["zero2_fp16"])
     assert np.isfinite(fp16_loss) and fp16_loss == pytest.approx(bf16_loss, rel=LOSS_RTOL)
-    # a pipeline of 2 stages in bf16: fp32 on the wire, 16-bit compute on each stage
-    assert final_loss(runs["pp_bf16"]) == pytest.approx(final_loss(runs["pp_fp32"]),
-                                                        rel=LOSS_RTOL)
+    # a pipeline of 2 stages, and tp 2 with sequence parallelism, in bf16: 16-bit compute,
+    # fp32 across ranks (activations, their gradients and the tp axis's sums)
+    for split in ("pp", "tp"):
+        assert final_loss(runs[f"{split}_bf16"]) == pytest.approx(
+            final_loss(runs[f"{split}_fp32"]), rel=LOSS_RTOL), split
 
 
 def test_zero_memory_figure_draws_fp32_beside_mixed_precision(tmp_path):
