@@ -35,6 +35,9 @@ Where the master weights are:
   ZeRO (zero.py)                     parameters and gradients are 16-bit buffers, the
                                      fp32 master copy lives beside Adam's state: the
                                      paper's 2Ψ + 2Ψ + 12Ψ = 16Ψ (memory.py, zero_memory)
+  pipeline and tensor parallel       as ZeRO on each rank (bf16 only); what crosses
+  (pipeline.py, tensor_parallel.py,  ranks goes as fp32: a stage's activations and
+  sequence_parallel.py)              their gradients, the tp axis's partial sums
 """
 from contextlib import nullcontext
 
