@@ -75,11 +75,6 @@ def check_precision(cfg):
     if cfg.sync in PS_SYNCS:
         raise ConfigError(f"{what} with --sync {cfg.sync} is not supported: the servers "
                           f"run the optimizer on what they are sent, with no loss scale")
-    for axis, size in (("pp", cfg.pp), ("tp", cfg.tp)):
-        if cfg.precision == "fp16" and size > 1:
-            raise ConfigError(f"{what} with --{axis} {size} is not supported yet: the ranks "
-                              f"agree to skip an overflowing step over the dp axis only; "
-                              f"--precision bf16 (no loss scale) works with --{axis}")
     # ep: tokens cross ranks in the all-to-alls' fp32 buffers so far;
     # fp16 checkpoints would lose the loss scale
     for flag, unsupported in ((f"--ep {cfg.ep}", cfg.ep > 1),
@@ -87,5 +82,5 @@ def check_precision(cfg):
                                cfg.precision == "fp16")):
         if unsupported:
             raise ConfigError(f"{what} with {flag} is not supported yet: data parallelism "
-                              f"(an all-reduce --sync, --zero 0-3) and, in bf16, pipeline "
-                              f"and tensor parallelism compute in 16 bit")
+                              f"(an all-reduce --sync, --zero 0-3), pipeline and tensor "
+                              f"parallelism compute in 16 bit")

@@ -41,7 +41,7 @@ from .interleaved import check as check_interleaved
 from .loop import StepEngine
 from .memory import ActivationMeter
 from .pipeline import Pipeline, Stage
-from .precision import of_config
+from .precision import any_rank_of, of_config
 from .sequence_parallel import positions_per_rank, split_sequence
 from .sync import collective_for
 from .tensor_parallel import TensorParallel, parallelize_blocks
@@ -109,8 +109,10 @@ class GridEngine(StepEngine):
         self.model = stages[0] if len(stages) == 1 else nn.ModuleList(stages)
         units = [(name, module, list(module.parameters())) for name, module in layers]
         self.precision = of_config(cfg)            # --precision: ZeRO's 16-bit buffers
+        split = comms.grid.pp > 1 or comms.grid.tp > 1      # a rank sees part of the model
         self.sync = ZeRO(cfg.zero, units, collective_for(cfg.sync, cfg, comms.dp), cfg,
-                         cfg.micro_batches, self.tracer, self.precision)
+                         cfg.micro_batches, self.tracer, self.precision,
+                         agree=any_rank_of(comms.world) if split else None)
         self.sync.setup(self.model)
         self.optimizer = self.sync.make_optimizer()
         self.meter = ActivationMeter(self.sync.param_storages,

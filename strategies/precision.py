@@ -35,9 +35,10 @@ Where the master weights are:
   ZeRO (zero.py)                     parameters and gradients are 16-bit buffers, the
                                      fp32 master copy lives beside Adam's state: the
                                      paper's 2Ψ + 2Ψ + 12Ψ = 16Ψ (memory.py, zero_memory)
-  pipeline and tensor parallel       as ZeRO on each rank (bf16 only); what crosses
-  (pipeline.py, tensor_parallel.py,  ranks goes as fp32: a stage's activations and
-  sequence_parallel.py)              their gradients, the tp axis's partial sums
+  pipeline and tensor parallel       as ZeRO on each rank; what crosses ranks goes as
+  (pipeline.py, tensor_parallel.py,  fp32: a stage's activations and their gradients,
+  sequence_parallel.py)              the tp axis's partial sums; fp16's overflow vote
+                                     spans every rank (parallel.py, any_rank_of)
 """
 from contextlib import nullcontext
 
@@ -144,6 +145,12 @@ def any_rank(coll):
             coll.allreduce(flag, op="max")
         return bool(flag.item())
     return agree
+
+
+def any_rank_of(comm):
+    """agree() over an mpi4py communicator: the grid's vote over every rank."""
+    from mpi4py import MPI
+    return lambda overflow: bool(comm.allreduce(int(bool(overflow)), op=MPI.MAX))
 
 
 def of_config(cfg, device_type="cpu"):

@@ -181,10 +181,14 @@ class ZeRO(GradientSync):
     name = "zero"
 
     def __init__(self, stage, units, coll, cfg, backwards_per_step=1, tracer=None,
-                 precision=None):
+                 precision=None, agree=None):
         super().__init__(cfg, None, torch.device("cpu"))   # the grid runs on CPUs so far
         self.stage, self.coll, self.tracer = stage, coll, tracer
         self.precision = precision or MixedPrecision()
+        # fp16: how the ranks agree on an overflow.  Over dp where each holds a shard
+        # (stages 1-3); the grid passes a vote over every rank when pp or tp split the
+        # model, since a rank then sees its stage's or its piece's gradients only
+        self.agree = agree or (any_rank(coll) if stage else None)
         self.dp_rank, self.dp_size = coll.rank, coll.size
         self.backwards_per_step = backwards_per_step
         self.gathered = {}              # storage ptr of a gathered layer -> its ZeroUnit
@@ -276,7 +280,7 @@ class ZeRO(GradientSync):
             optimizer.step()
             for unit in self.units:
                 unit.master_step_done()
-        return self.precision.step(grads, update, any_rank(self.coll) if self.stage else None)
+        return self.precision.step(grads, update, self.agree)
 
     def state_bytes(self, optimizer):
         """Params, grads and optimizer state this rank holds between steps, measured."""
