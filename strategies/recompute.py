@@ -43,6 +43,7 @@ from torch.utils.checkpoint import checkpoint
 from .choices import ConfigError
 from .memory import ActivationMeter
 from .models import GPT, MLP
+from .trace import span
 
 
 class _KeptInput(torch.autograd.Function):
@@ -107,9 +108,7 @@ class Recompute:
         if not self.in_backward:
             return forward(*args)
         self.replays += 1                          # backward re-runs the block's forward
-        if self.tracer is None:
-            return forward(*args)
-        with self.tracer.span(f"recompute {name}", "recompute"):
+        with span(self.tracer, f"recompute {name}", "recompute"):
             return forward(*args)
 
     @contextmanager

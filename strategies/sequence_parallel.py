@@ -68,14 +68,13 @@ LayerNorm saves b s h + 2 b s.  So each micro-batch alive on a stage saves
 other 2 are the dropout masks, which we do not have.  Attention, the MLP's
 hidden activations and the head's logits are as under tensor parallelism.
 """
-from contextlib import nullcontext
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .models import Block
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from .trace import span
 
 SEQUENCE = 1                     # (B, T, C): the axis the shards split
 
@@ -95,14 +94,10 @@ def _batch_major(flat, positions, like):
     return flat.view(positions, B, C).transpose(0, 1)
 
 
-def _span(tp, name):
-    return nullcontext() if tp.tracer is None else tp.tracer.span(name, "comm")
-
-
 def all_gather_sequence(x, tp, what):
     """(B, T/tp, C) on each rank -> (B, T, C), rank r's positions at [r T/tp, (r+1) T/tp)."""
     shard = _time_major(x).float()          # fp32 across ranks, also under --precision bf16
-    with _span(tp, f"sp all-gather ({what})"):
+    with span(tp.tracer, f"sp all-gather ({what})", "comm"):
         full = tp.coll.allgather(shard.view(-1), n=shard.numel() * tp.size)
     return _batch_major(full, x.shape[SEQUENCE] * tp.size, x).to(x.dtype)
 
@@ -110,7 +105,7 @@ def all_gather_sequence(x, tp, what):
 def reduce_scatter_sequence(x, tp, what):
     """(B, T, C) partial sums on each rank -> this rank's (B, T/tp, C) of their sum."""
     whole = _time_major(x).float()          # summed in fp32, also under --precision bf16
-    with _span(tp, f"sp reduce-scatter ({what})"):
+    with span(tp.tracer, f"sp reduce-scatter ({what})", "comm"):
         mine = tp.coll.reduce_scatter(whole.view(-1))
     return _batch_major(mine, x.shape[SEQUENCE] // tp.size, x).to(x.dtype)
 

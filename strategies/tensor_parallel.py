@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .models import Block
+from .trace import span
 
 
 class TensorParallel:
@@ -44,11 +45,8 @@ class TensorParallel:
         # a copy of its own, in fp32: under --precision bf16 the partial sums are 16-bit,
         # but they are added, and cross ranks, in fp32 (as the pipeline's activations do)
         out = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-        if self.tracer is None:
+        with span(self.tracer, f"tp all-reduce ({what})", "comm"):
             out = self.coll.allreduce(out)
-        else:
-            with self.tracer.span(f"tp all-reduce ({what})", "comm"):
-                out = self.coll.allreduce(out)
         return out.to(x.dtype)
 
     def slice_of(self, n):

@@ -23,7 +23,7 @@ each host's track is shifted by its own clock's offset.
 """
 import json
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 BUSY = ("forward", "backward")
 
@@ -47,6 +47,11 @@ class Tracer:
     def since(self, start):
         """Events that began at or after `start`."""
         return [e for e in self.events if e[2] >= start]
+
+
+def span(tracer, name, category):
+    """tracer.span(name, category), or nothing where the run is not traced (tracer None)."""
+    return nullcontext() if tracer is None else tracer.span(name, category)
 
 
 def busy_seconds(events, categories=BUSY):

@@ -47,8 +47,6 @@ says (memory.zero_memory).  The gradients are reduced in 16 bit; the optimizer
 reads them as fp32, unscaled, for its step only, and the updated master shard
 is cast back into the 16-bit buffer before the all-gather.
 """
-from contextlib import nullcontext
-
 import torch
 import torch.nn as nn
 
@@ -57,6 +55,7 @@ from allreduce import shard_of
 from .memory import optimizer_tensors, state_bytes
 from .precision import MixedPrecision, any_rank
 from .sync import GradientSync, make_optimizer
+from .trace import span
 
 EMPTY = torch.empty(0)
 
@@ -113,7 +112,7 @@ class ZeroUnit:
     def gather(self, why):
         if self.full is not None:
             return
-        with self.zero.comm_span(f"zero-3 all-gather {self.name} ({why})"):
+        with span(self.zero.tracer, f"zero-3 all-gather {self.name} ({why})", "comm"):
             full = self.zero.coll.allgather(self.shard.detach(), self.numel)
         self._bind(full)
         self.zero.gathered[full.untyped_storage().data_ptr()] = self
@@ -137,12 +136,12 @@ class ZeroUnit:
     def reduce(self):
         zero, coll = self.zero, self.zero.coll
         if zero.stage == 0:
-            with zero.comm_span(f"all-reduce grads {self.name}"):
+            with span(zero.tracer, f"all-reduce grads {self.name}", "comm"):
                 if zero.dp_size > 1:
                     coll.allreduce(self.grad_full, op="avg")
             return
         if zero.stage == 1:
-            with zero.comm_span(f"reduce-scatter grads {self.name}"):
+            with span(zero.tracer, f"reduce-scatter grads {self.name}", "comm"):
                 shard = coll.reduce_scatter(self.grad_full, op="avg")
             self.grad_full[self.start:self.stop].copy_(shard)
             self.shard.grad = self.grad_full[self.start:self.stop]
@@ -150,7 +149,7 @@ class ZeroUnit:
         flat = torch.cat([p.grad.reshape(-1) for p in self.params])
         for p in self.params:
             p.grad = None               # stages 2 and 3 keep only the shard
-        with zero.comm_span(f"reduce-scatter grads {self.name}"):
+        with span(zero.tracer, f"reduce-scatter grads {self.name}", "comm"):
             self.shard.grad = coll.reduce_scatter(flat, op="avg")
 
     def gradient(self):
@@ -165,7 +164,7 @@ class ZeroUnit:
 
     def gather_updated(self):
         """Stages 1 and 2: every rank's updated shard into the full parameters."""
-        with self.zero.comm_span(f"all-gather params {self.name}"):
+        with span(self.zero.tracer, f"all-gather params {self.name}", "comm"):
             full = self.zero.coll.allgather(self.full[self.start:self.stop], self.numel)
         self.full.copy_(full)
 
@@ -208,9 +207,6 @@ class ZeRO(GradientSync):
     def broadcast(self, flat):
         if self.dp_size > 1:
             self.coll.broadcast(flat, root=0)
-
-    def comm_span(self, name):
-        return nullcontext() if self.tracer is None else self.tracer.span(name, "comm")
 
     def _after_forward(self, unit, out):
         unit.release()
