@@ -44,6 +44,15 @@ class MLP(nn.Module):
         return F.mse_loss(out, y)
 
 
+def causal_attention(q, k, v, heads):
+    """Causal attention of q, k, v (B, T, C), each cut into `heads` heads: (B, T, C)."""
+    B, T, C = q.shape
+    # (B, T, C) -> (B, heads, T, C / heads)
+    q, k, v = (t.view(B, T, heads, C // heads).transpose(1, 2) for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return y.transpose(1, 2).reshape(B, T, C)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model, heads):
         super().__init__()
@@ -52,12 +61,8 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # (B, T, C) -> (B, heads, T, C / heads)
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        return self.proj(causal_attention(q, k, v, self.heads))
 
 
 class Block(nn.Module):

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .models import Block
+from .models import Block, causal_attention
 from .trace import span
 
 
@@ -82,16 +82,17 @@ class ReduceFromTensorParallel(torch.autograd.Function):
 
 def _keep(full, pieces, tp):
     """A Parameter of the full tensor's pieces (full-index slices), concatenated on dim 0."""
-    local = nn.Parameter(torch.cat([full.detach()[index] for index, _ in pieces]).clone())
+    local = nn.Parameter(torch.cat([full.detach()[index] for index, _ in pieces]))
     tp.pieces[id(local)] = pieces, tuple(full.shape)
     return local
 
 
-def _row_pieces(ranges, cols=slice(None)):
-    """(full index, local index) pairs for row ranges stacked in order."""
+def _row_pieces(ranges, *cols):
+    """(full index, local index) pairs for row ranges stacked in order; `cols` indexes
+    the other dims alike (a weight's columns; nothing for a bias)."""
     pieces, at = [], 0
     for start, stop in ranges:
-        pieces.append(((slice(start, stop), cols), (slice(at, at + stop - start), cols)))
+        pieces.append(((slice(start, stop), *cols), (slice(at, at + stop - start), *cols)))
         at += stop - start
     return pieces
 
@@ -102,10 +103,8 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, tp, rows):
         super().__init__()
         self.tp = tp
-        self.weight = _keep(full.weight, _row_pieces(rows), tp)
-        self.bias = None if full.bias is None else \
-            _keep(full.bias, [((slice(a, b),), (slice(i, i + b - a),))
-                              for (a, b), i in zip(rows, _offsets(rows))], tp)
+        self.weight = _keep(full.weight, _row_pieces(rows, slice(None)), tp)
+        self.bias = None if full.bias is None else _keep(full.bias, _row_pieces(rows), tp)
 
     def forward(self, x):
         return F.linear(CopyToTensorParallel.apply(x, self.tp), self.weight, self.bias)
@@ -117,24 +116,13 @@ class RowParallelLinear(nn.Module):
     def __init__(self, full: nn.Linear, tp, cols):
         super().__init__()
         self.tp = tp
-        start, stop = cols
-        rows = slice(None)
-        self.weight = nn.Parameter(full.weight.detach()[:, start:stop].clone())
-        tp.pieces[id(self.weight)] = ([((rows, slice(start, stop)), (rows, slice(None)))],
-                                      tuple(full.weight.shape))
+        whole, mine = slice(None), slice(*cols)
+        self.weight = _keep(full.weight, [((whole, mine), (whole, whole))], tp)
         self.bias = full.bias          # whole on every tp rank
 
     def forward(self, x):
         z = ReduceFromTensorParallel.apply(F.linear(x, self.weight), self.tp)
         return z if self.bias is None else z + self.bias
-
-
-def _offsets(ranges):
-    out, at = [], 0
-    for a, b in ranges:
-        out.append(at)
-        at += b - a
-    return out
 
 
 class TensorParallelAttention(nn.Module):
@@ -151,14 +139,10 @@ class TensorParallelAttention(nn.Module):
         self.proj = RowParallelLinear(attn.proj, tp, (start, stop))
 
     def forward(self, x):
-        # B, T from qkv's output: under sequence parallelism x holds T / tp positions
-        # and qkv's entry gathers the whole sequence (sequence_parallel.py)
+        # the whole sequence even under sequence parallelism, where x holds T / tp
+        # positions: qkv's entry gathers them (sequence_parallel.py)
         q, k, v = self.qkv(x).chunk(3, dim=2)
-        B, T, local = q.shape
-        q, k, v = (t.view(B, T, self.heads, local // self.heads).transpose(1, 2)
-                   for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, local))
+        return self.proj(causal_attention(q, k, v, self.heads))
 
 
 def tensor_parallel_mlp(mlp, tp):
