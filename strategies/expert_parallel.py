@@ -62,7 +62,7 @@ from .config import dp_size_of
 from .loop import StepEngine
 from .metrics import now
 from .models import count_parameters
-from .moe import MoE, expert_capacity
+from .moe import MoE, expert_capacity, run_experts
 from .sync import (AllReduceSync, GradientSync, broadcast_tensor, collective_for,
                    make_optimizer)
 from .trace import Tracer
@@ -104,12 +104,9 @@ class ExpertPlacement:
         self.replicas = world_size // ep         # copies of each expert
         self.per_rank = experts // ep
 
-    def experts_of(self, ep_rank):
-        return range(ep_rank * self.per_rank, (ep_rank + 1) * self.per_rank)
-
     @property
     def local_experts(self):
-        return self.experts_of(self.ep_rank)
+        return range(self.ep_rank * self.per_rank, (self.ep_rank + 1) * self.per_rank)
 
 
 class AllToAll(torch.autograd.Function):
@@ -158,7 +155,7 @@ class AllToAllExperts:
         received = AllToAll.apply(expert_in, self, "dispatch").view(ep, mine, G, C, d)
         # 2. each of our experts on its tokens from every rank: (mine, ep * G * C, d)
         tokens = received.transpose(0, 1).reshape(mine, ep * G * C, d)
-        out = torch.stack([expert(tokens[i]) for i, expert in enumerate(experts.values())])
+        out = run_experts(experts, tokens)
         # 3. combine: every rank's outputs back to it, in the order it sent them
         out = out.reshape(mine, ep, G, C, d).transpose(0, 1)
         return AllToAll.apply(out, self, "combine").view(E, G, C, d)

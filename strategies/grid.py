@@ -100,10 +100,6 @@ class GridComms:
         self.dp_size, self.pp_size, self.tp_size = grid.dp, grid.pp, grid.tp
 
     @property
-    def is_first_stage(self):
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self):
         return self.pp_rank == self.pp_size - 1
 

@@ -107,7 +107,8 @@ def route(logits, top_k, capacity):
 
 def run_experts(experts, expert_in):
     """6. every expert of `experts` (a ModuleDict, in order) on its slice of expert_in
-    (E, ..., d): the whole step on one process; expert_parallel.py swaps this out."""
+    (E, ..., d): the whole step on one process, a rank's own experts between
+    expert_parallel.py's all-to-alls."""
     return torch.stack([expert(expert_in[i]) for i, expert in enumerate(experts.values())])
 
 

@@ -80,14 +80,10 @@ def layers_of(model):
     raise TypeError(f"no pipeline cut for {type(model).__name__}")
 
 
-def blocks_per_stage(n_blocks, pp):
-    return n_blocks // pp
-
-
 def stage_layers(model, stage, pp):
     """The (name, module) layers of `stage` of `pp`; the caller checked pp divides the blocks."""
     before, blocks, after = layers_of(model)
-    per = blocks_per_stage(len(blocks), pp)
+    per = len(blocks) // pp
     mine = blocks[stage * per:(stage + 1) * per]
     return (before if stage == 0 else []) + mine + (after if stage == pp - 1 else [])
 
