@@ -94,15 +94,10 @@ class Bucket:
         """Parameters that got no gradient in the last backward contribute the one they
         hold (accumulated under no_sync, or left by a loop that did not clear it), or zeros."""
         for p in self.params:
-            if p.grad is not None and p not in self.arrived:
+            if p not in self.arrived:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
                 self.take(p)
-            elif p.grad is None and self.alone:
-                p.grad = torch.zeros_like(p)
-                self.target = p.grad.view(-1)
-            elif p.grad is None:
-                self.views[p].zero_()
-                p.grad = self.views[p]
-                self.target = self.flat
 
 
 def plan_buckets(params, cap_bytes):
