@@ -58,19 +58,15 @@ def busy_seconds(events, categories=BUSY):
     return sum(end - start for _, cat, start, end in events if cat in categories)
 
 
-def bubble_fraction(events, start, end):
-    """The share of [start, end) that this rank spent neither in forward nor backward."""
-    inside = [e for e in events if e[2] >= start and e[3] <= end]
-    return 1.0 - busy_seconds(inside) / (end - start)
-
-
 def chrome_events(events, pid, label):
     out = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": label}},
            {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}}]
     for name, cat, start, end in events:
-        out.append({"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": 0,
-                    "ts": round(start * 1e6, 3), "dur": round((end - start) * 1e6, 3),
-                    "cname": COLOURS.get(cat)})
+        event = {"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": 0,
+                 "ts": round(start * 1e6, 3), "dur": round((end - start) * 1e6, 3)}
+        if cat in COLOURS:
+            event["cname"] = COLOURS[cat]
+        out.append(event)
     return out
 
 
@@ -85,8 +81,5 @@ def write_chrome_trace(path, events_per_rank, labels):
     trace = []
     for rank, events in enumerate(events_per_rank):
         trace.extend(chrome_events(events, rank, labels[rank]))
-    for e in trace:
-        if e.get("cname") is None:
-            e.pop("cname", None)
     with open(path, "w") as f:
         json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
