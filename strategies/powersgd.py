@@ -56,7 +56,6 @@ def orthonormalise(p):
 
 class PowerSGDCompressor(Compressor):
     """powersgd:RANK over any all-reduce."""
-    wire_dtype = torch.float32
 
     def __init__(self, rank, error_feedback=True, seed=0):
         self.name = f"powersgd:{rank}"

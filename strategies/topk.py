@@ -65,7 +65,6 @@ def unpack_sum(gathered, k, size, out):
 
 class TopKCompressor(Compressor):
     """topk:RATIO over a collective that can all-gather (every allreduce/ algorithm)."""
-    wire_dtype = torch.float32        # the buckets keep float32 (no cast buffer)
 
     def __init__(self, ratio, coll, error_feedback=True, momentum=0.0):
         self.name = f"topk:{ratio:g}"

@@ -232,14 +232,14 @@ class ZeRO(GradientSync):
         return unit.full.as_strided(size, stride, offset)
 
     # ------------------------------------------------------------ the step
-    def parameters(self):
-        return [p for u in self.units for p in u.params]
-
     def make_optimizer(self, model=None):
-        """Over the shards (stages 1-3), not the model's parameters."""
+        """Over the fp32 masters (mixed) or the shards (stages 1-3), not the model's."""
         if self.precision.mixed:
-            return make_optimizer(self.cfg, [u.master for u in self.units])
-        params = self.parameters() if self.stage == 0 else [u.shard for u in self.units]
+            params = [u.master for u in self.units]
+        elif self.stage == 0:
+            params = [p for u in self.units for p in u.params]
+        else:
+            params = [u.shard for u in self.units]
         return make_optimizer(self.cfg, params)
 
     def before_backward(self):
