@@ -38,7 +38,7 @@ from allreduce import shard_bounds
 from allreduce.transport import MPITransport
 
 from .models import GPT, MLP
-from .precision import MixedPrecision
+from .precision import MixedPrecision, as_wire
 
 SPINS = 200_000        # polls (~0.1 s) before falling back to the transport's yielding wait
 
@@ -208,7 +208,7 @@ class Pipeline:
         if i == 0:                      # what one micro-batch's saved activations cost
             self.micro_batch_bytes += self.meter.live_bytes - before
         if not last:
-            buf = out.detach().float().contiguous()     # fp32 on the wire, as received
+            buf = as_wire(out.detach())                 # fp32, as received
             self.sends.append((self.transport.isend(buf, (self.stage + 1) % self.stages,
                                                     tag=self.tag(g, i, 0)), buf))
         self.saved[chunk, i] = (inp, out)
@@ -230,7 +230,7 @@ class Pipeline:
                 out.backward(grad.to(out.dtype))      # bf16 under --precision bf16
         del out
         if g > 0:
-            g_in = inp.grad.float().contiguous()
+            g_in = as_wire(inp.grad)
             self.sends.append((self.transport.isend(g_in, (self.stage - 1) % self.stages,
                                                     tag=self.tag(g, i, 1)), g_in))
         self.in_flight -= 1

@@ -136,6 +136,13 @@ class MixedPrecision:
         return {"loss_scale": self.scaler.scale, "overflow_skips": self.scaler.overflow_skips}
 
 
+def as_wire(t, copy=False):
+    """t as it crosses ranks: 16-bit compute still sends, and adds, in fp32 (the table
+    above); contiguous; t itself where it is both already, unless `copy`."""
+    # to() hands back t itself, whatever its layout, where t is fp32 and copy is False
+    return t.to(torch.float32, memory_format=torch.contiguous_format, copy=copy).contiguous()
+
+
 def any_rank(coll):
     """agree() for MixedPrecision.step over an allreduce/ collective: whether any rank
     saw an overflow (ZeRO stages 1-3, whose ranks each check their own shard)."""

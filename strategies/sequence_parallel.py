@@ -73,6 +73,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .models import Block
+from .precision import as_wire
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .trace import span
 
@@ -81,11 +82,11 @@ SEQUENCE = 1                     # (B, T, C): the axis the shards split
 
 # ----------------------------------------------------------------- collectives on T
 def _time_major(x):
-    """(B, T, C) -> a contiguous (T, B, C) copy: the collectives split a flat buffer
+    """(B, T, C) -> a contiguous fp32 (T, B, C) copy: the collectives split a flat buffer
     into tp equal runs, which are then whole runs of positions.  Megatron keeps its
     activations (T, B, C) throughout for this reason; our GPT is batch-first, so
     each collective pays a transposing copy."""
-    return x.transpose(0, 1).contiguous()
+    return as_wire(x.transpose(0, 1))
 
 
 def _batch_major(flat, positions, like):
@@ -96,7 +97,7 @@ def _batch_major(flat, positions, like):
 
 def all_gather_sequence(x, tp, what):
     """(B, T/tp, C) on each rank -> (B, T, C), rank r's positions at [r T/tp, (r+1) T/tp)."""
-    shard = _time_major(x).float()          # fp32 across ranks, also under --precision bf16
+    shard = _time_major(x)
     with span(tp.tracer, f"sp all-gather ({what})", "comm"):
         full = tp.coll.allgather(shard.view(-1), n=shard.numel() * tp.size)
     return _batch_major(full, x.shape[SEQUENCE] * tp.size, x).to(x.dtype)
@@ -104,7 +105,7 @@ def all_gather_sequence(x, tp, what):
 
 def reduce_scatter_sequence(x, tp, what):
     """(B, T, C) partial sums on each rank -> this rank's (B, T/tp, C) of their sum."""
-    whole = _time_major(x).float()          # summed in fp32, also under --precision bf16
+    whole = _time_major(x)
     with span(tp.tracer, f"sp reduce-scatter ({what})", "comm"):
         mine = tp.coll.reduce_scatter(whole.view(-1))
     return _batch_major(mine, x.shape[SEQUENCE] // tp.size, x).to(x.dtype)

@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .models import Block, causal_attention
+from .precision import as_wire
 from .trace import span
 
 
@@ -42,9 +43,8 @@ class TensorParallel:
         self.pieces = {}         # id(local parameter) -> ([(full index, local index)], shape)
 
     def allreduce(self, x, what):
-        # a copy of its own, in fp32: under --precision bf16 the partial sums are 16-bit,
-        # but they are added, and cross ranks, in fp32 (as the pipeline's activations do)
-        out = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+        # a copy of its own (the all-reduce works in place), in fp32 also under bf16
+        out = as_wire(x, copy=True)
         with span(self.tracer, f"tp all-reduce ({what})", "comm"):
             out = self.coll.allreduce(out)
         return out.to(x.dtype)
