@@ -74,7 +74,7 @@ import torch.nn.functional as F
 
 from .models import Block
 from .precision import as_wire
-from .tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from .tensor_parallel import ColumnParallelLinear, Conjugate, RowParallelLinear
 from .trace import span
 
 SEQUENCE = 1                     # (B, T, C): the axis the shards split
@@ -119,46 +119,25 @@ def my_positions(x, tp):
 
 
 # ------------------------------------------------------------ the autograd operators
-class ScatterToSequence(torch.autograd.Function):
+def scatter_to_sequence(x, tp):
     """Into the sequence-parallel region (after the embedding): keep my positions;
     backward: all-gather the gradient, so the embedding's gradient is whole on every rank."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return my_positions(x, tp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_sequence(grad, ctx.tp, "scatter backward"), None
+    return Conjugate.apply(x, lambda x: my_positions(x, tp),
+                           lambda grad: all_gather_sequence(grad, tp, "scatter backward"))
 
 
-class GatherToReplicated(torch.autograd.Function):
+def gather_to_replicated(x, tp):
     """Out of the sequence-parallel region into a layer every rank runs whole (the head):
     all-gather; backward: every rank has the whole, equal gradient, so keep my positions."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return all_gather_sequence(x, tp, "before head")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return my_positions(grad, ctx.tp), None
+    return Conjugate.apply(x, lambda x: all_gather_sequence(x, tp, "before head"),
+                           lambda grad: my_positions(grad, tp))
 
 
-class ReduceScatterToSequence(torch.autograd.Function):
+def reduce_scatter_to_sequence(x, tp):
     """g-bar, the exit of the tensor-parallel region: reduce-scatter the row-parallel partial
     sums along the sequence; backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return reduce_scatter_sequence(x, tp, "g-bar forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_sequence(grad, ctx.tp, "g-bar backward"), None
+    return Conjugate.apply(x, lambda x: reduce_scatter_sequence(x, tp, "g-bar forward"),
+                           lambda grad: all_gather_sequence(grad, tp, "g-bar backward"))
 
 
 class GatheredLinear(torch.autograd.Function):
@@ -206,7 +185,7 @@ class SequenceParallelRowLinear(nn.Module):
         self.tp, self.weight, self.bias = row.tp, row.weight, row.bias
 
     def forward(self, x):
-        z = ReduceScatterToSequence.apply(F.linear(x, self.weight), self.tp)
+        z = reduce_scatter_to_sequence(F.linear(x, self.weight), self.tp)
         return z if self.bias is None else z + self.bias
 
 
@@ -218,7 +197,7 @@ class SequenceParallelEmbed(nn.Module):
         self.embed, self.tp = embed, tp
 
     def forward(self, idx):
-        return ScatterToSequence.apply(self.embed(idx), self.tp)
+        return scatter_to_sequence(self.embed(idx), self.tp)
 
 
 class SequenceParallelHead(nn.Module):
@@ -229,7 +208,7 @@ class SequenceParallelHead(nn.Module):
         self.ln_f, self.head, self.tp = head.ln_f, head.head, tp
 
     def forward(self, x):
-        return self.head(GatherToReplicated.apply(self.ln_f(x), self.tp))
+        return self.head(gather_to_replicated(self.ln_f(x), self.tp))
 
 
 # ---------------------------------------------------------------- the stage's layers

@@ -55,29 +55,30 @@ class TensorParallel:
         return self.rank * part, (self.rank + 1) * part
 
 
-class CopyToTensorParallel(torch.autograd.Function):
+class Conjugate(torch.autograd.Function):
+    """y = forward(x), whose backward is its conjugate: the gradient of x is
+    transpose(the gradient of y).  Megatron's f and g are such pairs, and so are
+    sequence parallelism's operators (sequence_parallel.py)."""
+
+    @staticmethod
+    def forward(ctx, x, forward, transpose):
+        ctx.transpose = transpose
+        return forward(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.transpose(grad), None, None
+
+
+def copy_to_tp(x, tp):
     """The f operator of Megatron: identity forward, all-reduce backward."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.tp.allreduce(grad, "f backward"), None
+    return Conjugate.apply(x, lambda x: x.view_as(x),
+                           lambda grad: tp.allreduce(grad, "f backward"))
 
 
-class ReduceFromTensorParallel(torch.autograd.Function):
+def reduce_from_tp(x, tp):
     """The g operator of Megatron: all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, tp):
-        return tp.allreduce(x, "g forward")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    return Conjugate.apply(x, lambda x: tp.allreduce(x, "g forward"), lambda grad: grad)
 
 
 def _keep(full, pieces, tp):
@@ -107,7 +108,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if full.bias is None else _keep(full.bias, _row_pieces(rows), tp)
 
     def forward(self, x):
-        return F.linear(CopyToTensorParallel.apply(x, self.tp), self.weight, self.bias)
+        return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -121,7 +122,7 @@ class RowParallelLinear(nn.Module):
         self.bias = full.bias          # whole on every tp rank
 
     def forward(self, x):
-        z = ReduceFromTensorParallel.apply(F.linear(x, self.weight), self.tp)
+        z = reduce_from_tp(F.linear(x, self.weight), self.tp)
         return z if self.bias is None else z + self.bias
 
 
