@@ -121,7 +121,7 @@ class Pipeline:
         self.tracer, self.meter = tracer, meter
         self.precision = precision or MixedPrecision()
         self.global_stages = stages * len(self.chunks)
-        self.first, self.last = stage == 0, stage == stages - 1     # as a rank, chunk 0
+        self.last = stage == stages - 1        # the rank that holds the loss
         # an MPI request can be tested without blocking; other transports' handles wait
         self.spins = isinstance(transport, MPITransport)
         self.peak_in_flight = 0         # micro-batches forwarded but not yet backwarded
@@ -178,10 +178,6 @@ class Pipeline:
                     return
         handle.wait()
 
-    def _shape(self, i):
-        start, stop = self.bounds[i]
-        return self.activation_shape(stop - start)
-
     def _name(self, i, chunk):
         return f"mb{i}" if len(self.chunks) == 1 else f"mb{i} chunk{chunk}"
 
@@ -192,7 +188,7 @@ class Pipeline:
         if first:
             inp = self.x[start:stop].clone()    # its own storage, as a loader would give
         else:
-            inp = torch.empty(self._shape(i))
+            inp = torch.empty(self.activation_shape(stop - start))
             with self.tracer.span(f"wait activation {self._name(i, chunk)}", "idle"):
                 self.receive(inp, (self.stage - 1) % self.stages, self.tag(g - 1, i, 0))
             if self.precision.mixed:    # fp32 on the wire; the stage computes as the last did
