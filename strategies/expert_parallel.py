@@ -34,7 +34,7 @@ One MoE forward on rank i of an expert group (G groups of C tokens per expert; m
     expert_out (E, G, C, d)  as if every expert had run here
 
 The all-to-all is its own transpose (rank i's block j is rank j's block i), so the
-backward of each is again an all-to-all of the gradients (AllToAll below).
+backward of each is again an all-to-all of the gradients (exchange_tokens below).
 
 Gradient averaging.  The loss is the mean over the global batch: L = (1/world) sum_r L_r.
   dense parameter:  rank r's backward gives dL_r/dw, averaged over the world (the
@@ -65,6 +65,7 @@ from .models import count_parameters
 from .moe import MoE, expert_capacity, run_experts
 from .sync import (AllReduceSync, GradientSync, broadcast_tensor, collective_for,
                    make_optimizer)
+from .tensor_parallel import Conjugate
 from .trace import Tracer
 
 
@@ -109,19 +110,6 @@ class ExpertPlacement:
         return range(self.ep_rank * self.per_rank, (self.ep_rank + 1) * self.per_rank)
 
 
-class AllToAll(torch.autograd.Function):
-    """y = all-to-all(x) over the expert group; backward: all-to-all of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, exchange, what):
-        ctx.exchange, ctx.what = exchange, what
-        return exchange.alltoall(x, what).view(x.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.exchange.alltoall(grad, ctx.what + " backward").view(grad.shape), None, None
-
-
 class AllToAllExperts:
     """Step 6 of moe.py over an expert group: dispatch, our experts, combine.  Counts
     the all-to-alls' bytes and seconds for the step records."""
@@ -148,17 +136,22 @@ class AllToAllExperts:
             self.tracer.add(f"all-to-all {what}", "comm", start, end)
         return out
 
+    def exchange_tokens(self, x, what):
+        """y = all-to-all(x) over the expert group; backward: all-to-all of the gradient."""
+        return Conjugate.apply(x, lambda x: self.alltoall(x, what).view(x.shape),
+                               lambda g: self.alltoall(g, what + " backward").view(g.shape))
+
     def __call__(self, experts, expert_in):
         E, G, C, d = expert_in.shape
         ep, mine = self.placement.ep, self.placement.per_rank
         # 1. dispatch: rank j gets the tokens of its experts from every rank of the group
-        received = AllToAll.apply(expert_in, self, "dispatch").view(ep, mine, G, C, d)
+        received = self.exchange_tokens(expert_in, "dispatch").view(ep, mine, G, C, d)
         # 2. each of our experts on its tokens from every rank: (mine, ep * G * C, d)
         tokens = received.transpose(0, 1).reshape(mine, ep * G * C, d)
         out = run_experts(experts, tokens)
         # 3. combine: every rank's outputs back to it, in the order it sent them
         out = out.reshape(mine, ep, G, C, d).transpose(0, 1)
-        return AllToAll.apply(out, self, "combine").view(E, G, C, d)
+        return self.exchange_tokens(out, "combine").view(E, G, C, d)
 
 
 def shard_experts(model, placement, exchange):

@@ -58,7 +58,8 @@ class TensorParallel:
 class Conjugate(torch.autograd.Function):
     """y = forward(x), whose backward is its conjugate: the gradient of x is
     transpose(the gradient of y).  Megatron's f and g are such pairs, and so are
-    sequence parallelism's operators (sequence_parallel.py)."""
+    sequence parallelism's operators (sequence_parallel.py) and expert parallelism's
+    all-to-all, its own transpose (expert_parallel.py)."""
 
     @staticmethod
     def forward(ctx, x, forward, transpose):
