@@ -38,6 +38,7 @@ import math
 from contextlib import contextmanager
 
 import torch
+import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from .choices import ConfigError
@@ -89,18 +90,15 @@ class Recompute:
         layers = list(model.net)                   # Linear, ReLU, ..., Linear (the head)
         hidden = [layers[i:i + 2] for i in range(0, len(layers) - 1, 2)]
         per = math.ceil(math.sqrt(len(hidden)))
-        segments = [sum(hidden[i:i + per], []) for i in range(0, len(hidden), per)]
-
-        def run_layers(seq, x):
-            for layer in seq:
-                x = layer(x)
-            return x
+        # each segment run in order, its modules shared with model.net (not registered)
+        segments = [nn.Sequential(*sum(hidden[i:i + per], []))
+                    for i in range(0, len(hidden), per)]
 
         def forward(x):
             for s, seq in enumerate(segments):
                 first = 1 + s * per
                 x = checkpointed(self._run, f"layers {first}-{first + len(seq) // 2 - 1}",
-                                 lambda x, seq=seq: run_layers(seq, x), x)
+                                 seq, x)
             return layers[-1](x)
         model.net.forward = forward                # the modules stay where they are
 
