@@ -18,6 +18,8 @@ handed to the collectives: the "wire bytes" of the step records.
 """
 import torch
 
+from .precision import HALF_DTYPES
+
 
 class Compressor:
     """The identity: float32 on the wire."""
@@ -61,8 +63,6 @@ def make_compressor(name):
     """A cast compressor; sync.build_compressor makes every kind of --compress."""
     if name == "none":
         return Compressor()
-    if name == "fp16":
-        return CastCompressor("fp16", torch.float16)
-    if name == "bf16":
-        return CastCompressor("bf16", torch.bfloat16)
+    if name in HALF_DTYPES:
+        return CastCompressor(name, HALF_DTYPES[name])
     raise ValueError(f"unknown compression {name!r}; choose none, fp16, bf16")
