@@ -56,12 +56,11 @@ def steps(path, skip=1):
     return [r for r in read_jsonl(path) if r["kind"] == "step" and r["step"] >= skip]
 
 
-def zero_part(world, directory, rounds, n_steps):
-    from mpi4py import MPI
-    comm = MPI.COMM_WORLD
+def zero_part(comm, directory, rounds, n_steps):
+    N = comm.size
 
     def flags(stage):
-        return ["--sync", "ring"] if stage == "plain" else ["--zero", str(stage), "--dp", str(world)]
+        return ["--sync", "ring"] if stage == "plain" else ["--zero", str(stage), "--dp", str(N)]
 
     def path(stage, i):
         return os.path.join(directory, f"{stage}_{i}.jsonl")
@@ -88,7 +87,6 @@ def zero_part(world, directory, rounds, n_steps):
         return []
     rows = []
     psi = steps(path(0, 0))[0]["memory"]["params"] / 4
-    N = world
     formula = {s: sum(zero_memory(psi, N, s, "fp32", "adam").values()) for s in range(4)}
     traffic = {s: zero_comm_bytes(psi, N, s) for s in range(4)}
     times = {**timed.samples, **{s: [r["step_time_s"] for r in steps(path(s, 0))] for s in (1, 2)}}
@@ -149,15 +147,14 @@ def mixed_rows(directory, psi, N):
     return rows
 
 
-def pipeline_part(world, directory, n_steps):
-    from mpi4py import MPI
+def pipeline_part(comm, directory, n_steps):
     # (schedule, m, v): the interleaved schedule needs m a multiple of p, 8 layers % (p v)
     runs = [(s, m, 1) for m in (1, 4, 8) for s in ("gpipe", "1f1b")] + \
         [("interleaved", 4, 2), ("interleaved", 8, 2), ("interleaved", 8, 4)]
     for s, m, v in runs:
         train(PIPE + ["--schedule", s, "--micro-batches", str(m), "--virtual-stages", str(v),
                       "--steps", str(n_steps)], os.path.join(directory, f"{s}_{m}_{v}.jsonl"))
-    if MPI.COMM_WORLD.rank:
+    if comm.rank:
         return []
     p = 2
     rows = []
@@ -201,9 +198,9 @@ def main(argv=None):
     directory = comm.bcast(out_dir(args.out) or tempfile.mkdtemp(prefix="bench_parallel_")
                            if comm.rank == 0 else None)
     if args.part == "zero":
-        rows = zero_part(comm.size, directory, args.rounds, args.steps)
+        rows = zero_part(comm, directory, args.rounds, args.steps)
     else:
-        rows = pipeline_part(comm.size, directory, args.steps)
+        rows = pipeline_part(comm, directory, args.steps)
     if comm.rank == 0 and args.jsonl:
         append_jsonl(args.jsonl, [{**r, **provenance()} for r in rows])
 
