@@ -99,7 +99,7 @@ class ExpertPlacement:
     """Who holds which experts (the docstring's table): pure arithmetic."""
 
     def __init__(self, world_size, ep, experts, rank):
-        self.world_size, self.ep, self.experts, self.rank = world_size, ep, experts, rank
+        self.ep, self.experts = ep, experts
         self.group = rank // ep                  # which expert group
         self.ep_rank = rank % ep                 # place inside it
         self.replicas = world_size // ep         # copies of each expert

@@ -79,7 +79,7 @@ class ZeroUnit:
             self.master = nn.Parameter(mine.clone())
             full = full.to(zero.precision.half)
         self.full = None
-        self.grad_full = self.grad_shard = None
+        self.grad_full = None
         if zero.stage < 3:
             self._bind(full)
         if zero.stage in (0, 1):       # a persistent full gradient; p.grad are views of it
@@ -191,7 +191,7 @@ class ZeRO(GradientSync):
         self.dp_rank, self.dp_size = coll.rank, coll.size
         self.backwards_per_step = backwards_per_step
         self.gathered = {}              # storage ptr of a gathered layer -> its ZeroUnit
-        self.gathered_bytes = self.peak_gathered_bytes = 0
+        self.peak_gathered_bytes = 0
         self.units = [ZeroUnit(name, module, params, self) for name, module, params in units]
         self._hooks = []
         for unit in self.units:
