@@ -28,13 +28,8 @@ overlapped with that last backward, and a parameter server sees one push:
     memory:  activations of b/k samples at a time instead of b
     time:    k smaller forwards and backwards (less efficient kernels), the same traffic
 
-In a loop of one's own, the same with DistributedOptimizer (optimizer.py):
-
-    opt.zero_grad()
-    for i, (x, y) in enumerate(micro_batches):          # k of them
-        with opt.no_sync() if i < k - 1 else contextlib.nullcontext():
-            (loss_fn(model(x), y) / k).backward()
-    opt.step()                                          # one all-reduce of the sum
+In a loop of one's own, DistributedOptimizer's `no_sync()` does the same (the loop is
+in optimizer.py's docstring).
 
 On the dp x pp x tp grid the pipeline accumulates over --micro-batches already
 (parallel.py), so --grad-accum is refused there (config.py).
