@@ -57,6 +57,7 @@ import torch.nn as nn
 
 from allreduce.alltoall import bytes_sent, uses_bruck
 
+from .accumulation import accumulate
 from .choices import ConfigError
 from .config import dp_size_of
 from .loop import StepEngine
@@ -259,24 +260,23 @@ class ExpertParallel(StepEngine):
         return sum(sent), sum(received)
 
     def step(self, step):
-        """train.one_step's calls, in its order, plus the all-to-alls' fields (train.py
-        picks this engine, so this file cannot import from it)."""
+        """train.one_step's calls, in its order (forward and backward through
+        accumulation.accumulate, as there), plus the all-to-alls' fields (train.py picks
+        this engine, so this file cannot import from it)."""
         cfg, ctx, device, tracer = self.cfg, self.ctx, self.device, self.tracer
         alltoall_bytes, alltoall_s = self.exchange.bytes_sent, self.exchange.seconds
         t0 = now(device)
         x, y = self.data.batch(step, ctx.dp_rank, ctx.dp_size, cfg.global_batch, device)
         self.sync.before_backward()
-        loss = self.model.criterion(self.model(x), y)     # two all-to-alls per MoE block
-        t_forward = now(device)
-        loss.backward()                                    # and two more in backward
+        # two all-to-alls per MoE block in the forward, two more in the backward
+        loss = accumulate(step, self.model, self.model, x, y, cfg.grad_accum, self.sync,
+                          lambda: now(device), tracer)
         t1 = now(device)
         self.sync.synchronize(step)
         t2 = now(device)
         self.sync.step(self.optimizer)
         t3 = now(device)
         if tracer:
-            tracer.add(f"forward {step}", "forward", t0, t_forward)
-            tracer.add(f"backward {step}", "backward", t_forward, t1)
             tracer.add(f"wait for gradients {step}", "comm", t1, t2)
             tracer.add(f"optimizer {step}", "optimizer", t2, t3)
         # the all-to-alls block the forward and backward: exposed communication
