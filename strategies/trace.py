@@ -39,7 +39,7 @@ class Tracer:
         try:
             yield
         finally:
-            self.events.append((name, category, start, time.perf_counter()))
+            self.add(name, category, start, time.perf_counter())
 
     def add(self, name, category, start, end):
         self.events.append((name, category, start, end))
