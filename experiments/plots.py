@@ -36,11 +36,6 @@ from .training_plots import (pipeline_gantt, ps_consistency, strategy_breakdown,
                              zero_memory)
 
 
-def emulated(r):
-    c = r.get("config", {})
-    return bool(c.get("link_latency_us") or c.get("link_gbps"))
-
-
 def rounds_us(r):
     """A bench record's time samples (us): its rounds where it keeps them (round_us),
     else its one median."""
@@ -50,7 +45,7 @@ def rounds_us(r):
 def busbw_vs_size(records, out_dir, world_size=None):
     """(a) busbw (nccl-tests) against message size, one line per algorithm, at the
     smallest world size measured without link emulation; memcpy is the ceiling."""
-    rows = [r for r in allreduce_rows(records) if not emulated(r)]
+    rows = [r for r in allreduce_rows(records) if not fidelity.emulated(r)]
     if not rows:
         return None
     P = world_size or min(r["world_size"] for r in rows)
@@ -64,10 +59,10 @@ def busbw_vs_size(records, out_dir, world_size=None):
     for variant, at in sorted(by_variant.items()):
         sizes = sorted(at)
         errorbar(ax, sizes, [at[b] for b in sizes], variant, **styles[variant])
-    cals = [r for r in records if r.get("kind") == "calibration"]
-    if cals and cals[-1].get("memcpy_gbps"):
-        ax.axhline(cals[-1]["memcpy_gbps"], color="k", ls=":", lw=1,
-                   label=f"memcpy {cals[-1]['memcpy_gbps']:.1f} GB/s (roofline)")
+    cal = fidelity.calibration_of(records)
+    if cal and cal.get("memcpy_gbps"):
+        ax.axhline(cal["memcpy_gbps"], color="k", ls=":", lw=1,
+                   label=f"memcpy {cal['memcpy_gbps']:.1f} GB/s (roofline)")
     size_axis(ax.xaxis, [r["bytes"] for r in rows])
     ax.set(xlabel="message size", ylabel="busbw (GB/s)",
            title=f"all-reduce bus bandwidth, P={P}, {rows[0]['dtype']}{cores_of(rows)}")
@@ -86,7 +81,7 @@ def measured_note(by_variant):
 def scaling(records, out_dir, nbytes=None):
     """(c) all-reduce time against the number of ranks at one size: measured
     points, the cost model's prediction as lines (calibrated, experiments.calibrate)."""
-    rows = [r for r in allreduce_rows(records) if not emulated(r)]
+    rows = [r for r in allreduce_rows(records) if not fidelity.emulated(r)]
     sizes = {r["bytes"] for r in rows}
     if not rows or len({r["world_size"] for r in rows}) < 2:
         return None
