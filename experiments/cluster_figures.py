@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt
 from allreduce.units import format_size
 
 from .launchers import describe_cluster
-from .palette import PREDICTED, errorbar, save, size_axis, styles_of
+from .palette import measured_and_predicted, save, size_axis
 from .records import variant_of
 
 
@@ -71,14 +71,8 @@ def busbw_on_cluster(records, out_dir, setting):
             predicted[variant_of(r)][r["bytes"]].append(
                 r["busbw_gbps"] * r["time_us"] / r["predicted_us"])
     fig, ax = plt.subplots(figsize=(7, 4.4))
-    styles = styles_of(by_variant)
-    for variant, at in sorted(by_variant.items()):
-        sizes = sorted(at)
-        errorbar(ax, sizes, [at[b] for b in sizes], variant, **styles[variant])
-        if predicted[variant]:
-            sizes = sorted(predicted[variant])
-            ax.plot(sizes, [statistics.median(predicted[variant][b]) for b in sizes],
-                    color=styles[variant]["color"], label=f"{variant} predicted", **PREDICTED)
+    measured_and_predicted(ax, by_variant, {v: {b: statistics.median(s) for b, s in at.items()}
+                                            for v, at in predicted.items()})
     _, nodes, rpn, gbps, _ = setting
     if gbps:
         ax.axhline(gbps / 8, color="k", ls=":", lw=1, label=f"host link {gbps:g} Gbit/s")

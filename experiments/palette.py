@@ -112,6 +112,21 @@ def errorbar(ax, x, samples, label, color, kind="minmax", **style):
     return med
 
 
+def measured_and_predicted(ax, measured, predicted=None, suffix=""):
+    """{label: {x: [samples]}} as error-bar lines (`label` + `suffix`), each followed by
+    its prediction {label: {x: y}} where `predicted` has one, dashed in the same colour.
+    Returns the styles (styles_of) the labels were drawn in."""
+    styles, predicted = styles_of(measured), predicted or {}
+    for label, at in sorted(measured.items()):
+        xs = sorted(at)
+        errorbar(ax, xs, [at[x] for x in xs], label + suffix, **styles[label])
+        if predicted.get(label):
+            xs = sorted(predicted[label])
+            ax.plot(xs, [predicted[label][x] for x in xs], color=styles[label]["color"],
+                    label=f"{label} predicted", **PREDICTED)
+    return styles
+
+
 def cores_of(records):
     """", 2 cores": the core count of the machine the records ran on, for a title."""
     cores = most_common(r["provenance"]["cores"] for r in records

@@ -29,7 +29,7 @@ from matplotlib.ticker import FuncFormatter, NullLocator
 from allreduce.units import format_size
 
 from . import fidelity
-from .palette import PREDICTED, colour_of, cores_of, errorbar, save, size_axis, styles_of
+from .palette import PREDICTED, colour_of, cores_of, measured_and_predicted, save, size_axis
 from .records import allreduce_rows
 # the report's one list of figures names them all as plots.NAME
 from .training_plots import (pipeline_gantt, ps_consistency, strategy_breakdown,  # noqa: F401
@@ -55,10 +55,7 @@ def busbw_vs_size(records, out_dir, world_size=None):
         by_variant[r["variant"]][r["bytes"]] += [r["busbw_gbps"] * r["time_us"] / t
                                                  for t in rounds_us(r)]
     fig, ax = plt.subplots(figsize=(7, 4.4))
-    styles = styles_of(by_variant)
-    for variant, at in sorted(by_variant.items()):
-        sizes = sorted(at)
-        errorbar(ax, sizes, [at[b] for b in sizes], variant, **styles[variant])
+    measured_and_predicted(ax, by_variant)
     cal = fidelity.calibration_of(records)
     if cal and cal.get("memcpy_gbps"):
         ax.axhline(cal["memcpy_gbps"], color="k", ls=":", lw=1,
@@ -89,22 +86,17 @@ def scaling(records, out_dir, nbytes=None):
                       if len({r["world_size"] for r in rows if r["bytes"] == s}) >= 2)
     rows = [r for r in rows if r["bytes"] == n]
     machine = fidelity.machine_of(records)
-    fig, ax = plt.subplots(figsize=(8.6, 4.4))
-    variants = sorted({r["variant"] for r in rows})
-    styles, by_variant = styles_of(variants), {}
-    for variant in variants:
-        at = by_variant[variant] = defaultdict(list)          # ranks -> ms of every round
-        for r in rows:
-            if r["variant"] == variant:
-                at[r["world_size"]] += [t / 1e3 for t in rounds_us(r)]
-        ranks = sorted(at)
-        errorbar(ax, ranks, [at[p] for p in ranks], f"{variant} measured", **styles[variant])
+    by_variant, predicted = defaultdict(lambda: defaultdict(list)), {}
+    for r in rows:                                            # ranks -> ms of every round
+        by_variant[r["variant"]][r["world_size"]] += [t / 1e3 for t in rounds_us(r)]
+    for variant, at in by_variant.items():
         if machine and not variant.endswith(" over torch"):   # the model has MPI's alpha-beta
             first = next(r for r in rows if r["variant"] == variant)
-            pred = [fidelity.predict({**first, "world_size": p}, machine) for p in ranks]
-            if all(x is not None for x in pred):
-                ax.plot(ranks, [1e3 * x for x in pred], color=styles[variant]["color"],
-                        label=f"{variant} predicted", **PREDICTED)
+            pred = {p: fidelity.predict({**first, "world_size": p}, machine) for p in at}
+            if None not in pred.values():
+                predicted[variant] = {p: 1e3 * x for p, x in pred.items()}
+    fig, ax = plt.subplots(figsize=(8.6, 4.4))
+    measured_and_predicted(ax, by_variant, predicted, " measured")
     ranks = sorted({r["world_size"] for r in rows})
     cores = machine.cores if machine else None
     if cores and ranks[-1] > cores:
