@@ -169,6 +169,14 @@ def save(fig, out_dir, name, note=""):
     return path
 
 
+def two_panels():
+    """A figure of two gridded panels side by side: what a setting buys beside what it costs."""
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    return fig, axes
+
+
 def figure_main(argv, module, doc, inputs, draw, nothing):
     """The command line of a module that draws one figure: INPUT ... OUT_DIR and --help
     (`doc`, its docstring).  `inputs`: (name, help) of each input file, handed to

@@ -31,6 +31,18 @@ def most_common(values):
     return max(counts, key=lambda v: (counts[v], v == "float32")) if counts else None
 
 
+def train_runs(records, config=lambda c: True, step=lambda s: True):
+    """{run_id: (config record, [step records])} of strategies.train's own --jsonl: the
+    runs whose config record passes `config`, with their steps that pass `step`, in the
+    order their steps were written."""
+    configs = {r["run_id"]: r for r in records if r.get("kind") == "config" and config(r)}
+    runs = {}
+    for r in records:
+        if r.get("kind") == "step" and r.get("run_id") in configs and step(r):
+            runs.setdefault(r["run_id"], (configs[r["run_id"]], []))[1].append(r)
+    return runs
+
+
 # Two training runs compare when these agree: the same model, of the same size, on
 # the same data and global batch, on as many ranks.
 MODEL_KEYS = ("model", "width", "depth", "in_dim", "classes", "layers", "d_model", "heads",
