@@ -22,7 +22,7 @@ from allreduce.units import format_size
 
 from .launchers import describe_cluster
 from .palette import measured_and_predicted, save, size_axis
-from .records import variant_of
+from .records import slowest_rank, variant_of
 
 
 def on_cluster(record):
@@ -147,9 +147,7 @@ def training_table(records):
             steps[r["point"]].append(r)
     rows = []
     for point, of_point in steps.items():
-        slowest = defaultdict(float)            # a step lasts as long as its slowest rank
-        for s in of_point:
-            slowest[s["step"]] = max(slowest[s["step"]], s["step_time_s"])
+        slowest = slowest_rank(of_point)
         timed = [t for step, t in slowest.items() if step > 0] or list(slowest.values())
         cfg = of_point[0]["config"]
         per_step = (mb(statistics.mean(w["tx_payload_bytes"] for w in wires[point])

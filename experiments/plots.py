@@ -108,11 +108,9 @@ def scaling(records, out_dir, nbytes=None):
            title=f"all-reduce of {format_size(n)}, {rows[0]['dtype']}, "
                  f"P = {ranks[0]}..{ranks[-1]}{cores_of(rows)}")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))   # beside: no point hidden
-    return save(fig, out_dir, "scaling", note=(
-        "solid with markers: " + measured_note(by_variant) + "\ndashed: predicted by the "
-        "cost model from this machine's calibration" if machine else
-        "solid with markers: " + measured_note(by_variant) + "\nno calibration record: "
-        "no predictions (add an experiments.calibrate run to the sweep)"))
+    return save(fig, out_dir, "scaling", note="solid with markers: " + measured_note(by_variant) + (
+        "\ndashed: predicted by the cost model from this machine's calibration" if machine else
+        "\nno calibration record: no predictions (add an experiments.calibrate run to the sweep)"))
 
 
 def crossovers(records, out_dir, cluster=""):

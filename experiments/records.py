@@ -10,7 +10,7 @@ A results directory (written by experiments.sweep) holds
 Plots and the report read records.jsonl only.
 """
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 # JSON Lines and provenance have one home below every package (allreduce/records.py);
 # imported here for the readers of results and the launchers of experiments.
@@ -25,9 +25,7 @@ def load(results_dir):
 # Which records compare: a figure draws one group of runs that differ only in what
 # it compares (experiments/plots.py).
 def most_common(values):
-    counts = defaultdict(int)
-    for v in values:
-        counts[v] += 1
+    counts = Counter(values)
     return max(counts, key=lambda v: (counts[v], v == "float32")) if counts else None
 
 
@@ -41,6 +39,14 @@ def train_runs(records, config=lambda c: True, step=lambda s: True):
         if r.get("kind") == "step" and r.get("run_id") in configs and step(r):
             runs.setdefault(r["run_id"], (configs[r["run_id"]], []))[1].append(r)
     return runs
+
+
+def slowest_rank(steps):
+    """{step: its slowest rank's step_time_s}: a step lasts as long as its slowest rank."""
+    slowest = defaultdict(float)
+    for s in steps:
+        slowest[s["step"]] = max(slowest[s["step"]], s["step_time_s"])
+    return slowest
 
 
 # Two training runs compare when these agree: the same model, of the same size, on

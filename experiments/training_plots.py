@@ -17,7 +17,7 @@ from strategies.bubble import bubble_fraction
 from strategies.choices import SCHEDULES
 
 from .palette import PARTS, colour_of, cores_of, save, spread
-from .records import describe, labels_of, model_of, one_comparison
+from .records import describe, labels_of, model_of, one_comparison, slowest_rank
 
 
 def strategy_name(r):
@@ -66,9 +66,7 @@ def strategy_breakdown(records, out_dir):
         names.append(name)
         compute.append(1e3 * mean("compute_time_s"))
         comm.append(1e3 * mean("comm_time_s"))
-        slowest = defaultdict(float)                 # a step lasts as long as its slowest rank
-        for s in timed:
-            slowest[s["step"]] = max(slowest[s["step"]], s["step_time_s"])
+        slowest = slowest_rank(timed)
         idle.append(1e3 * sum(slowest[s["step"]] - s["step_time_s"] for s in timed) / len(timed))
         batch = steps[0].get("config", {}).get("global_batch", 64)
         rate.append(spread([batch / t for t in slowest.values() if t > 0], "iqr"))
