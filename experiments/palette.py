@@ -26,6 +26,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.category import UnitData  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
 from matplotlib.container import BarContainer, ErrorbarContainer  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator  # noqa: E402
 
 from allreduce.units import format_size  # noqa: E402
@@ -175,6 +176,12 @@ def two_panels():
     for ax in axes:
         ax.grid(alpha=0.3)
     return fig, axes
+
+
+def timeline_legend(ax, *more):
+    """Beside a timeline: the forward and backward patches, then `more` handles."""
+    ax.legend(handles=[Patch(color=PARTS[p], label=p) for p in ("forward", "backward")] +
+              list(more), fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
 
 
 def figure_main(argv, module, doc, inputs, draw, nothing):

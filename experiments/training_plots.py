@@ -16,7 +16,7 @@ from matplotlib.patches import Patch
 from strategies.bubble import bubble_fraction
 from strategies.choices import SCHEDULES
 
-from .palette import PARTS, colour_of, cores_of, save, spread
+from .palette import PARTS, colour_of, cores_of, save, spread, timeline_legend
 from .records import describe, labels_of, model_of, one_comparison, slowest_rank
 
 
@@ -247,11 +247,8 @@ def pipeline_gantt(traces, out_dir, about=""):
         ax.set_title(f"at most {in_flight(events)} " + ("chunk-" if v > 1 else "") +
                      "micro-batches in flight", loc="right", fontsize=8)
         ax.invert_yaxis()
-    axes[0, 0].legend(handles=[Patch(color=PARTS["forward"], label="forward"),
-                               Patch(color=PARTS["backward"], label="backward"),
-                               Patch(facecolor="white", hatch="///", edgecolor="0.75",
-                                     label="bubble (idle)")],
-                      fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    timeline_legend(axes[0, 0], Patch(facecolor="white", hatch="///", edgecolor="0.75",
+                                      label="bubble (idle)"))
     axes[-1, 0].set_xlabel("time (ms) since the step's first forward")
     if about:
         fig.suptitle(f"pipeline schedules: {about}", fontsize=10)
