@@ -99,12 +99,8 @@ def zero_memory_data(records):
     Only runs on data parallelism alone (pp = tp = 1: every rank holds the whole model,
     so stage 0 holds 4Ψ bytes of fp32 parameters) of one model, world, optimizer and
     micro-batching, that differ in the stage; a pipeline run is not a ZeRO-0 run."""
-    runs = defaultdict(list)
-    for r in records:
-        c = r.get("config", {})
-        if r.get("command") == "strategies.train" and r.get("kind") == "step" and \
-                isinstance(r.get("memory"), dict) and c.get("pp", 1) == 1 and c.get("tp", 1) == 1:
-            runs[r.get("point")].append(r)
+    runs = {k: v for k, v in train_steps(records).items() if isinstance(v[0].get("memory"), dict)
+            and v[0]["config"].get("pp", 1) == 1 and v[0]["config"].get("tp", 1) == 1}
     runs = one_comparison(runs, lambda c: model_of(c, "optimizer", "micro_batches"),
                           lambda k, c: (c.get("precision", "fp32"), c.get("zero", 0)))
     if not runs:
