@@ -136,15 +136,17 @@ def cores_of(records):
 
 
 MARKERS = ("o", "s", "^", "D", "v", "P")
+DASHES = ("--", "-.", ":", (0, (5, 1, 1, 1)))
 
 
-def styles_of(labels):
-    """{label: {"color", "marker"}}: each label its name's colour; labels that share a
-    colour (two hierarchical compositions, ring and ring over torch) get other markers."""
+def styles_of(labels, kind="marker", choices=MARKERS):
+    """{label: {"color", kind}}: each label its name's colour; labels that share a colour
+    (two hierarchical compositions, ring and ring over torch) get other markers, or
+    other `choices` of another `kind` of style (dashes: "linestyle", DASHES)."""
     seen, out = {}, {}
     for label in sorted(labels):
         colour = colour_of(label)
-        out[label] = {"color": colour, "marker": MARKERS[seen.get(colour, 0) % len(MARKERS)]}
+        out[label] = {"color": colour, kind: choices[seen.get(colour, 0) % len(choices)]}
         seen[colour] = seen.get(colour, 0) + 1
     return out
 

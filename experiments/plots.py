@@ -29,7 +29,7 @@ from matplotlib.ticker import FuncFormatter, NullLocator
 from allreduce.units import format_size
 
 from . import fidelity
-from .palette import PREDICTED, colour_of, cores_of, measured_and_predicted, save, size_axis
+from .palette import DASHES, PREDICTED, cores_of, measured_and_predicted, save, size_axis, styles_of
 from .records import allreduce_rows
 # the report's one list of figures names them all as plots.NAME
 from .training_plots import (pipeline_gantt, ps_consistency, strategy_breakdown,  # noqa: F401
@@ -42,13 +42,13 @@ def rounds_us(r):
     return [t for t in r.get("round_us") or [r["time_us"]] if t > 0]
 
 
-def busbw_vs_size(records, out_dir, world_size=None):
+def busbw_vs_size(records, out_dir):
     """(a) busbw (nccl-tests) against message size, one line per algorithm, at the
     smallest world size measured without link emulation; memcpy is the ceiling."""
     rows = [r for r in allreduce_rows(records) if not fidelity.emulated(r)]
     if not rows:
         return None
-    P = world_size or min(r["world_size"] for r in rows)
+    P = min(r["world_size"] for r in rows)
     rows = [r for r in rows if r["world_size"] == P]
     by_variant = defaultdict(lambda: defaultdict(list))     # busbw of every round or record
     for r in rows:
@@ -75,15 +75,14 @@ def measured_note(by_variant):
         "record (the records keep no rounds, so no error bars)")
 
 
-def scaling(records, out_dir, nbytes=None):
+def scaling(records, out_dir):
     """(c) all-reduce time against the number of ranks at one size: measured
     points, the cost model's prediction as lines (calibrated, experiments.calibrate)."""
     rows = [r for r in allreduce_rows(records) if not fidelity.emulated(r)]
     sizes = {r["bytes"] for r in rows}
     if not rows or len({r["world_size"] for r in rows}) < 2:
         return None
-    n = nbytes or max(s for s in sizes
-                      if len({r["world_size"] for r in rows if r["bytes"] == s}) >= 2)
+    n = max(s for s in sizes if len({r["world_size"] for r in rows if r["bytes"] == s}) >= 2)
     rows = [r for r in rows if r["bytes"] == n]
     machine = fidelity.machine_of(records)
     by_variant, predicted = defaultdict(lambda: defaultdict(list)), {}
@@ -120,19 +119,15 @@ def crossovers(records, out_dir, cluster=""):
     if not rows:
         return None
     sizes = sorted({r["bytes"] for r in rows})
-    algos = sorted({r["algo"] for r in rows})
     # one colour a name: ps with 1, 4 and 16 servers share ps's, each its own dashes
-    dashes, taken = {}, defaultdict(int)
-    for algo in algos:
-        dashes[algo] = ("--", "-.", ":", (0, (5, 1, 1, 1)))[taken[colour_of(algo)] % 4]
-        taken[colour_of(algo)] += 1
+    styles = styles_of({r["algo"] for r in rows}, "linestyle", DASHES)
     fig, axes = plt.subplots(1, len(sizes), figsize=(4.4 * len(sizes), 4.2), squeeze=False)
     for ax, n in zip(axes[0], sizes):
-        for algo in algos:
+        for algo, style in sorted(styles.items()):
             pts = sorted((r["P"], r["time_s"]) for r in rows
                          if r["bytes"] == n and r["algo"] == algo)
-            ax.plot([p for p, _ in pts], [1e3 * t for _, t in pts], color=colour_of(algo),
-                    label=f"{algo} predicted", **{**PREDICTED, "linestyle": dashes[algo]})
+            ax.plot([p for p, _ in pts], [1e3 * t for _, t in pts],
+                    label=f"{algo} predicted", **{**PREDICTED, **style})
         ranks = sorted({r["P"] for r in rows})
         ax.set_xscale("log", base=2)
         ax.set(yscale="log", xlabel="ranks P", ylabel="predicted time (ms)",
