@@ -201,10 +201,9 @@ def pipeline_gantt(traces, out_dir, about=""):
     events} (strategies.train --trace; experiments.report collects them by schedule and
     says in `about` which model ran).  Forward and backward spans, each with its
     micro-batch; the hatched rest of each row is the bubble, measured beside the formula."""
-    names = {k: row_names(v) for k, v in (traces or {}).items()}
+    names = {k: row_names(v) for k, v in traces.items()}
     traces = {k: [e for e in last_step(v) if e.get("ph") == "X"
-                  and e.get("cat") in ("forward", "backward")]
-              for k, v in (traces or {}).items()}
+                  and e.get("cat") in ("forward", "backward")] for k, v in traces.items()}
     traces = {k: v for k, v in traces.items() if v}
     if not traces:
         return None
@@ -257,6 +256,15 @@ def pipeline_gantt(traces, out_dir, about=""):
         "The measured bubble parts from the formula's where stages are uneven and sends wait."))
 
 
+def step_ends(steps):
+    """{(rank, step): when that rank ended that step, on its own clock from the run's start}."""
+    ends, clock = {}, defaultdict(float)
+    for s in sorted(steps, key=lambda s: s["step"]):
+        clock[s["rank"]] += s["step_time_s"]
+        ends[(s["rank"], s["step"])] = clock[s["rank"]]
+    return ends
+
+
 def server_updates(steps, mode):
     """{(rank, step): the updates the server had applied when that rank ended that step}.
     From the records' server_version where they carry it; otherwise counted from the
@@ -264,12 +272,9 @@ def server_updates(steps, mode):
     a step, once every worker's push is in; under SSP and ASP one update a push."""
     if all(s.get("server_version") is not None for s in steps):
         return {(s["rank"], s["step"]): s["server_version"] for s in steps}
-    ends, clock = {}, defaultdict(float)
-    for s in sorted(steps, key=lambda s: s["step"]):
-        clock[s["rank"]] += s["step_time_s"]
-        ends[(s["rank"], s["step"])] = clock[s["rank"]]
+    ends = step_ends(steps)
     if mode == "bsp":
-        per_rank = {r: sorted(t for (q, _), t in ends.items() if q == r) for r in clock}
+        per_rank = {r: sorted(t for (q, _), t in ends.items() if q == r) for r, _ in ends}
         return {k: min(bisect_right(times, t) for times in per_rank.values())
                 for k, t in ends.items()}
     times = sorted(ends.values())
@@ -296,13 +301,8 @@ def ps_consistency(records, out_dir):
         by_step = defaultdict(list)
         for s in steps:
             by_step[s["step"]].append(s)
-        order = sorted(by_step)
-        clocks = defaultdict(float)                     # each rank's own elapsed time
-        wall = []
-        for st in order:
-            for s in by_step[st]:
-                clocks[s["rank"]] += s["step_time_s"]
-            wall.append(max(clocks[s["rank"]] for s in by_step[st]))
+        order, ends = sorted(by_step), step_ends(steps)
+        wall = [max(ends[(s["rank"], st)] for s in by_step[st]) for st in order]
         loss = [by_step[st][0]["loss"] for st in order]
         a1.plot(order, loss, label=name, color=colour)
         a2.plot(wall, loss, label=name, color=colour)
