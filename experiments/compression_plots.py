@@ -22,9 +22,7 @@ its bar.
 import sys
 from collections import defaultdict
 
-from allreduce.records import read_jsonl
-
-from .palette import MEASURED, SPARE, figure_main, save, two_panels
+from .palette import MEASURED, SPARE, records_main, save, two_panels
 from .records import train_runs
 
 
@@ -76,10 +74,8 @@ def compression(records, out_dir):
 
 
 def main(argv=None):
-    return figure_main(argv, "experiments.compression_plots", __doc__,
-                       [("records", "strategies.train's --jsonl of the runs")],
-                       lambda path, out: compression(read_jsonl(path), out),
-                       "no runs with wire bytes in the records")
+    return records_main(argv, "experiments.compression_plots", __doc__, compression,
+                        "no runs with wire bytes in the records")
 
 
 if __name__ == "__main__":

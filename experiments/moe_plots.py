@@ -21,10 +21,9 @@ backward), each of the (E, G, C, d) float32 buffer, (ep-1)/ep of it leaving the 
 import sys
 from collections import defaultdict
 
-from allreduce.records import read_jsonl
 from strategies.expert_parallel import alltoall_bytes_per_step
 
-from .palette import MEASURED, PREDICTED, figure_main, save, two_panels
+from .palette import MEASURED, PREDICTED, records_main, save, two_panels
 from .records import train_runs
 
 TOP_K_COLOURS = {1: "#1f77b4", 2: "#d62728"}
@@ -72,10 +71,8 @@ def moe_capacity(records, out_dir):
 
 
 def main(argv=None):
-    return figure_main(argv, "experiments.moe_plots", __doc__,
-                       [("records", "strategies.train's --jsonl of the runs")],
-                       lambda path, out: moe_capacity(read_jsonl(path), out),
-                       "no --ep runs of --model moe in the records")
+    return records_main(argv, "experiments.moe_plots", __doc__, moe_capacity,
+                        "no --ep runs of --model moe in the records")
 
 
 if __name__ == "__main__":

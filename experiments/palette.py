@@ -31,7 +31,7 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator  # noqa: 
 
 from allreduce.units import format_size  # noqa: E402
 
-from .records import most_common  # noqa: E402
+from .records import most_common, read_jsonl  # noqa: E402
 
 # The tab10 colours, each given to one name for good.  The three consistency models of
 # the parameter server are told apart (ps alone is ps/bsp, its default).
@@ -200,6 +200,12 @@ def figure_main(argv, module, doc, inputs, draw, nothing):
     path = draw(*(a[name] for name, _ in inputs), a["out_dir"])
     print(path or nothing)
     return 0 if path else 1
+
+
+def records_main(argv, module, doc, figure, nothing):
+    """figure_main of a figure of strategies.train's --jsonl: figure(records, out_dir)."""
+    return figure_main(argv, module, doc, [("records", "strategies.train's --jsonl of the runs")],
+                       lambda path, out_dir: figure(read_jsonl(path), out_dir), nothing)
 
 
 def figure_data(fig):
