@@ -80,8 +80,9 @@ def one_comparison(runs, same, variant):
         len({variant(k, v[0].get("config", {})) for k, v in g.items()}), len(g)))
 
 
-def labels_of(runs):
-    """{key: label}: the strategy's name; where runs share one, the config values that differ."""
+def labelled(runs):
+    """[(label, records)] of runs ({key: records}) in the order of their labels: the
+    strategy's name (key[0]); where runs share one, the config values that differ."""
     by_name = defaultdict(list)
     for key in runs:
         by_name[key[0]].append(key)
@@ -93,7 +94,7 @@ def labels_of(runs):
         for k in keys:
             extra = " ".join(f"{f}={configs[k].get(f)}" for f in varying)
             labels[k] = f"{name} {extra}" if len(keys) > 1 else name
-    return labels
+    return sorted(((labels[k], v) for k, v in runs.items()), key=lambda lv: lv[0])
 
 
 def allreduce_rows(records):

@@ -17,7 +17,7 @@ from strategies.bubble import bubble_fraction
 from strategies.choices import SCHEDULES
 
 from .palette import PARTS, colour_of, cores_of, save, spread, timeline_legend
-from .records import describe, labels_of, model_of, one_comparison, slowest_rank
+from .records import describe, labelled, model_of, one_comparison, slowest_rank
 
 
 def strategy_name(r):
@@ -57,10 +57,8 @@ def strategy_breakdown(records, out_dir):
     runs = one_comparison(runs, model_of, lambda k, c: k[0])
     if not runs:
         return None
-    labels = labels_of(runs)
     names, compute, comm, idle, rate = [], [], [], [], []
-    for run_key, steps in sorted(runs.items(), key=lambda kv: labels[kv[0]]):
-        name = labels[run_key]
+    for name, steps in labelled(runs):
         timed = [s for s in steps if s["step"] > 0] or steps      # step 0 warms up
         mean = lambda key: sum(s[key] for s in timed) / len(timed)  # noqa: E731
         names.append(name)
@@ -293,11 +291,10 @@ def ps_consistency(records, out_dir):
                           lambda k, c: k[0])
     if not runs:
         return None
-    labels = labels_of(runs)
     fig, ((a1, a2), (a3, a4)) = plt.subplots(2, 2, figsize=(11, 7.6))
     counted = False
-    for run_key, steps in sorted(runs.items(), key=lambda kv: labels[kv[0]]):
-        name, colour, cfg = labels[run_key], colour_of(labels[run_key]), steps[0]["config"]
+    for name, steps in labelled(runs):
+        colour, cfg = colour_of(name), steps[0]["config"]
         by_step = defaultdict(list)
         for s in steps:
             by_step[s["step"]].append(s)
