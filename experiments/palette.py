@@ -101,31 +101,24 @@ def spread(samples, kind="minmax"):
     return med, samples[0], samples[-1]
 
 
-def errorbar(ax, x, samples, label, color, kind="minmax", **style):
-    """Medians joined by a solid line with markers (measured), with error bars where
-    some point has more than one sample."""
-    points = [spread(s, kind) for s in samples]
-    med = [m for m, _, _ in points]
-    ax.plot(x, med, label=label, color=color, **{**MEASURED, **style})
-    if any(hi > lo for _, lo, hi in points):
-        ax.errorbar(x, med, yerr=[[m - lo for m, lo, _ in points], [hi - m for m, _, hi in points]],
-                    fmt="none", ecolor=color, elinewidth=1, capsize=2)
-    return med
-
-
 def measured_and_predicted(ax, measured, predicted=None, suffix=""):
-    """{label: {x: [samples]}} as error-bar lines (`label` + `suffix`), each followed by
-    its prediction {label: {x: y}} where `predicted` has one, dashed in the same colour.
-    Returns the styles (styles_of) the labels were drawn in."""
+    """{label: {x: [samples]}} as measured lines (`label` + `suffix`): the medians, solid
+    with markers, with min-max error bars where some point has more than one sample;
+    each followed by its prediction {label: {x: y}} where `predicted` has one, dashed."""
     styles, predicted = styles_of(measured), predicted or {}
     for label, at in sorted(measured.items()):
-        xs = sorted(at)
-        errorbar(ax, xs, [at[x] for x in xs], label + suffix, **styles[label])
+        xs, colour = sorted(at), styles[label]["color"]
+        points = [spread(at[x]) for x in xs]
+        med = [m for m, _, _ in points]
+        ax.plot(xs, med, label=label + suffix, **{**MEASURED, **styles[label]})
+        if any(hi > lo for _, lo, hi in points):
+            ax.errorbar(xs, med, yerr=[[m - lo for m, lo, _ in points],
+                                       [hi - m for m, _, hi in points]],
+                        fmt="none", ecolor=colour, elinewidth=1, capsize=2)
         if predicted.get(label):
             xs = sorted(predicted[label])
-            ax.plot(xs, [predicted[label][x] for x in xs], color=styles[label]["color"],
+            ax.plot(xs, [predicted[label][x] for x in xs], color=colour,
                     label=f"{label} predicted", **PREDICTED)
-    return styles
 
 
 def cores_of(records):
