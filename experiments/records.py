@@ -61,11 +61,11 @@ def model_of(config, *more):
 
 def describe(c):
     """The model, batch and world of a config in a few words, for a title."""
-    size = (f"gpt {c.get('layers')} blocks x d {c.get('d_model')}" if c.get("model") == "gpt"
-            else f"mlp {c.get('depth')} x {c.get('width')}")
+    size = f"mlp {c.get('depth')} x {c.get('width')}"
+    if c.get("model") in ("gpt", "moe"):
+        size = f"{c['model']} {c.get('layers')} blocks x d {c.get('d_model')}"
     if c.get("model") == "moe":
-        size = f"moe {c.get('layers')} blocks x d {c.get('d_model')} x {c.get('experts')} " \
-               f"experts, top-{c.get('top_k')}"
+        size += f" x {c.get('experts')} experts, top-{c.get('top_k')}"
     return f"{size}, batch {c.get('global_batch')}, {c.get('world_size', 1)} ranks"
 
 
