@@ -22,13 +22,6 @@ def load(results_dir):
     return read_jsonl(os.path.join(results_dir, "records.jsonl"))
 
 
-# Which records compare: a figure draws one group of runs that differ only in what
-# it compares (experiments/plots.py).
-def most_common(values):
-    counts = Counter(values)
-    return max(counts, key=lambda v: (counts[v], v == "float32")) if counts else None
-
-
 def train_runs(records, config=lambda c: True, step=lambda s: True):
     """{run_id: (config record, [step records])} of strategies.train's own --jsonl: the
     runs whose config record passes `config`, with their steps that pass `step`, in the
@@ -47,6 +40,13 @@ def slowest_rank(steps):
     for s in steps:
         slowest[s["step"]] = max(slowest[s["step"]], s["step_time_s"])
     return slowest
+
+
+# Which records compare: a figure draws one group of runs that differ only in what
+# it compares (experiments/plots.py).
+def most_common(values):
+    counts = Counter(values)
+    return max(counts, key=lambda v: (counts[v], v == "float32")) if counts else None
 
 
 # Two training runs compare when these agree: the same model, of the same size, on
