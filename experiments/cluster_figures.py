@@ -21,8 +21,8 @@ import matplotlib.pyplot as plt
 from allreduce.units import format_size
 
 from .launchers import describe_cluster
-from .palette import PREDICTED, errorbar, save, size_axis, styles_of
-from .records import variant_of
+from .palette import measured_and_predicted, save, size_axis
+from .records import slowest_rank, variant_of
 
 
 def on_cluster(record):
@@ -49,6 +49,15 @@ def cluster_settings(records):
     return sorted({setting_of(r) for r in records if on_cluster(r)})
 
 
+def by_point(records, kind, command=None):
+    """{point: [its records of `kind`]} of the points that ran on a cluster (of `command`)."""
+    out = defaultdict(list)
+    for r in records:
+        if on_cluster(r) and r.get("kind") == kind and command in (None, r.get("command")):
+            out[r["point"]].append(r)
+    return out
+
+
 def bench_rows(records, setting):
     return [r for r in records if on_cluster(r) and setting_of(r) == setting
             and r.get("command") == "allreduce.bench" and r.get("op") == "allreduce"
@@ -71,15 +80,9 @@ def busbw_on_cluster(records, out_dir, setting):
             predicted[variant_of(r)][r["bytes"]].append(
                 r["busbw_gbps"] * r["time_us"] / r["predicted_us"])
     fig, ax = plt.subplots(figsize=(7, 4.4))
-    styles = styles_of(by_variant)
-    for variant, at in sorted(by_variant.items()):
-        sizes = sorted(at)
-        errorbar(ax, sizes, [at[b] for b in sizes], variant, **styles[variant])
-        if predicted[variant]:
-            sizes = sorted(predicted[variant])
-            ax.plot(sizes, [statistics.median(predicted[variant][b]) for b in sizes],
-                    color=styles[variant]["color"], label=f"{variant} predicted", **PREDICTED)
-    _, nodes, rpn, gbps, _ = setting
+    measured_and_predicted(ax, by_variant, {v: {b: statistics.median(s) for b, s in at.items()}
+                                            for v, at in predicted.items()})
+    launcher, nodes, rpn, gbps, latency = setting
     if gbps:
         ax.axhline(gbps / 8, color="k", ls=":", lw=1, label=f"host link {gbps:g} Gbit/s")
     size_axis(ax.xaxis, [r["bytes"] for r in rows])
@@ -88,8 +91,7 @@ def busbw_on_cluster(records, out_dir, setting):
     ax.legend(fontsize=7)
     repeats = max(len(s) for at in by_variant.values() for s in at.values())
     name = f"busbw_cluster_{nodes}x{rpn}" + (f"_{gbps:g}gbps" if gbps else "") + (
-        f"_{setting[4]:g}us" if setting[4] else "") + ("" if setting[0] == "emulated" else
-                                                       f"_{setting[0]}")
+        f"_{latency:g}us" if latency else "") + ("" if launcher == "emulated" else f"_{launcher}")
     return save(fig, out_dir, name.replace(".", "p"), note=(
         "solid with markers: measured, " + (f"the median of up to {repeats} repeated points; "
                                             "bars min-max" if repeats > 1 else "one point each")
@@ -119,12 +121,8 @@ def mb(x):
 def wire_table(records):
     """(head, rows): per point, the mean bytes each host sent across its link (less
     TCP/IP framing) beside theory, and their ratio on the hosts (lowest..highest)."""
-    by_point = defaultdict(list)
-    for r in records:
-        if r.get("kind") == "wire" and on_cluster(r):
-            by_point[r["point"]].append(r)
     rows = []
-    for wires in by_point.values():
+    for wires in by_point(records, "wire").values():
         first = wires[0]
         sent = [w["tx_payload_bytes"] for w in wires]
         theory = [w.get("theory_tx_bytes") for w in wires]
@@ -143,19 +141,10 @@ def wire_table(records):
 def training_table(records):
     """(head, rows): per training point, samples/s, the median step of the slowest rank,
     and the MB each host sent across its link a step."""
-    steps, wires = defaultdict(list), defaultdict(list)
-    for r in records:
-        if not on_cluster(r) or r.get("command") != "strategies.train":
-            continue
-        if r.get("kind") == "wire":
-            wires[r["point"]].append(r)
-        elif r.get("kind") == "step":
-            steps[r["point"]].append(r)
+    wires = by_point(records, "wire", "strategies.train")
     rows = []
-    for point, of_point in steps.items():
-        slowest = defaultdict(float)            # a step lasts as long as its slowest rank
-        for s in of_point:
-            slowest[s["step"]] = max(slowest[s["step"]], s["step_time_s"])
+    for point, of_point in by_point(records, "step", "strategies.train").items():
+        slowest = slowest_rank(of_point)
         timed = [t for step, t in slowest.items() if step > 0] or list(slowest.values())
         cfg = of_point[0]["config"]
         per_step = (mb(statistics.mean(w["tx_payload_bytes"] for w in wires[point])

@@ -22,11 +22,8 @@ its bar.
 import sys
 from collections import defaultdict
 
-import matplotlib.pyplot as plt
-
-from allreduce.records import read_jsonl
-
-from .palette import MEASURED, SPARE, figure_main, save
+from .palette import MEASURED, SPARE, records_main, save, two_panels
+from .records import train_runs
 
 
 def run_label(config):
@@ -42,19 +39,16 @@ def run_label(config):
 def compression_runs(records):
     """[(label, [(step, loss)], wire bytes per step, ratio to float32)] of the all-reduce
     runs in records that counted their wire bytes, in the order they were written."""
-    configs = {r["run_id"]: r for r in records if r.get("kind") == "config"}
-    losses, wire = defaultdict(dict), defaultdict(lambda: defaultdict(lambda: [0, 0]))
-    for r in records:
-        if r.get("kind") == "step" and r.get("run_id") in configs and "wire_bytes" in r:
-            losses[r["run_id"]][r["step"]] = r["loss"]
-            wire[r["run_id"]][r["step"]][0] += r["wire_bytes"]
-            wire[r["run_id"]][r["step"]][1] += r["dense_bytes"]
     out = []
-    for run_id in losses:
-        per_step = list(wire[run_id].values())
-        sent, dense = sum(w for w, _ in per_step), sum(d for _, d in per_step)
-        out.append((run_label(configs[run_id]), sorted(losses[run_id].items()),
-                    sent / len(per_step), sent / dense if dense else None))
+    for config, steps in train_runs(records, step=lambda s: "wire_bytes" in s).values():
+        losses, wire = {}, defaultdict(lambda: [0, 0])            # wire: summed over ranks
+        for r in steps:
+            losses[r["step"]] = r["loss"]
+            wire[r["step"]][0] += r["wire_bytes"]
+            wire[r["step"]][1] += r["dense_bytes"]
+        sent, dense = sum(w for w, _ in wire.values()), sum(d for _, d in wire.values())
+        out.append((run_label(config), sorted(losses.items()), sent / len(wire),
+                    sent / dense if dense else None))
     return out
 
 
@@ -63,7 +57,7 @@ def compression(records, out_dir):
     runs = compression_runs(records)
     if not runs:
         return None
-    fig, (loss, traffic) = plt.subplots(1, 2, figsize=(9, 3.6))
+    fig, (loss, traffic) = two_panels()
     for i, (label, points, sent, ratio) in enumerate(runs):
         colour = SPARE[i % len(SPARE)] if i else "0.35"      # float32 first, in grey
         loss.plot([s for s, _ in points], [v for _, v in points], **dict(MEASURED, marker=None),
@@ -73,8 +67,6 @@ def compression(records, out_dir):
     loss.set(xlabel="step", ylabel="loss (global batch)", title="training loss")
     traffic.set(ylabel="KiB handed to collectives per step", title="gradient bytes, all ranks")
     traffic.tick_params(axis="x", labelrotation=20, labelsize=8)
-    for ax in (loss, traffic):
-        ax.grid(alpha=0.3)
     loss.legend(fontsize=8)
     return save(fig, out_dir, "compression", note=(
         "Error feedback keeps what top-k and PowerSGD did not send and adds it to the next "
@@ -82,10 +74,8 @@ def compression(records, out_dir):
 
 
 def main(argv=None):
-    return figure_main(argv, "experiments.compression_plots", __doc__,
-                       [("records", "strategies.train's --jsonl of the runs")],
-                       lambda path, out: compression(read_jsonl(path), out),
-                       "no runs with wire bytes in the records")
+    return records_main(argv, "experiments.compression_plots", __doc__, compression,
+                        "no runs with wire bytes in the records")
 
 
 if __name__ == "__main__":

@@ -25,10 +25,21 @@ SOURCES = ("interleaved", "sweep", "sweep, P > cores")
 OVERSUBSCRIBED = SOURCES[2]
 
 
+def calibration_of(records):
+    """The latest calibration record (experiments.calibrate), or None."""
+    return next((r for r in reversed(records) if r.get("kind") == "calibration"), None)
+
+
 def machine_of(records):
     """The Machine of the latest calibration record, or None."""
-    cals = [r for r in records if r.get("kind") == "calibration"]
-    return costmodel.Machine.from_calibration(cals[-1]) if cals else None
+    cal = calibration_of(records)
+    return costmodel.Machine.from_calibration(cal) if cal else None
+
+
+def emulated(r):
+    """Whether a benchmark record ran over an emulated link (allreduce/emulate.py)."""
+    c = r.get("config", {})
+    return bool(c.get("link_latency_us") or c.get("link_gbps"))
 
 
 def with_link(m, config):
@@ -73,22 +84,19 @@ def compare(records, m):
     rows = []
     if m is None:
         return rows
-    cals = [r for r in records if r.get("kind") == "calibration"]
     tagged = [(r, "sweep") for r in records] + \
-        [(r, "interleaved") for r in (calibration_checks(cals[-1]) if cals else [])]
+        [(r, "interleaved") for r in calibration_checks(calibration_of(records) or {})]
     for r, source in tagged:
         predicted = predict(r, m)
         if predicted is None or not r.get("time_us"):
             continue
         measured = r["time_us"] * 1e-6
-        emulated = bool(r.get("config", {}).get("link_latency_us") or
-                        r.get("config", {}).get("link_gbps"))
         what = r.get("algo") or r.get("kind")
         if source == "sweep" and m.cores and (r.get("world_size") or 0) > m.cores:
             source = OVERSUBSCRIBED
         rows.append({"what": what, "P": r.get("world_size") or
                      f"W{r.get('workers')}S{r.get('servers')}", "bytes": r["bytes"],
-                     "source": source, "emulated": emulated, "measured_s": measured,
+                     "source": source, "emulated": emulated(r), "measured_s": measured,
                      "predicted_s": predicted, "error": predicted / measured - 1})
     return rows
 

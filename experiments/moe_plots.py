@@ -21,12 +21,10 @@ backward), each of the (E, G, C, d) float32 buffer, (ep-1)/ep of it leaving the 
 import sys
 from collections import defaultdict
 
-import matplotlib.pyplot as plt
-
-from allreduce.records import read_jsonl
 from strategies.expert_parallel import alltoall_bytes_per_step
 
-from .palette import MEASURED, PREDICTED, figure_main, save
+from .palette import MEASURED, PREDICTED, records_main, save, two_panels
+from .records import train_runs
 
 TOP_K_COLOURS = {1: "#1f77b4", 2: "#d62728"}
 
@@ -34,15 +32,10 @@ TOP_K_COLOURS = {1: "#1f77b4", 2: "#d62728"}
 def capacity_runs(records):
     """{top_k: [(capacity factor, dropped share, bytes measured, bytes predicted)]} of the
     --ep runs in records, each run's means over its steps after the first."""
-    configs = {r["run_id"]: r for r in records if r.get("kind") == "config" and
-               r.get("model") == "moe" and r.get("ep", 1) > 1}
-    steps = defaultdict(list)
-    for r in records:
-        if r.get("kind") == "step" and r.get("run_id") in configs and r["step"] > 0:
-            steps[r["run_id"]].append(r)
+    runs = train_runs(records, lambda c: c.get("model") == "moe" and c.get("ep", 1) > 1,
+                      lambda s: s["step"] > 0)
     out = defaultdict(list)
-    for run_id, rs in steps.items():
-        c = configs[run_id]
+    for c, rs in runs.values():
         counted = [r["alltoall_bytes"] for r in rs if r.get("alltoall_bytes") is not None]
         out[c["top_k"]].append((c["capacity_factor"],
                                 sum(r["dropped_fraction"] for r in rs) / len(rs),
@@ -56,7 +49,7 @@ def moe_capacity(records, out_dir):
     runs = capacity_runs(records)
     if not runs:
         return None
-    fig, (dropped, traffic) = plt.subplots(1, 2, figsize=(9, 3.6))
+    fig, (dropped, traffic) = two_panels()
     for top_k, points in sorted(runs.items()):
         colour, factors = TOP_K_COLOURS.get(top_k), [p[0] for p in points]
         dropped.plot(factors, [p[1] for p in points], **MEASURED, color=colour,
@@ -71,7 +64,6 @@ def moe_capacity(records, out_dir):
     traffic.set(xlabel="capacity factor", ylabel="KiB sent per rank per step",
                 title="all-to-all traffic", ylim=(0, None))
     for ax in (dropped, traffic):
-        ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     return save(fig, out_dir, "moe_capacity", note=(
         "The buffers have a fixed shape (E, G, C, d): traffic grows with the capacity C "
@@ -79,10 +71,8 @@ def moe_capacity(records, out_dir):
 
 
 def main(argv=None):
-    return figure_main(argv, "experiments.moe_plots", __doc__,
-                       [("records", "strategies.train's --jsonl of the runs")],
-                       lambda path, out: moe_capacity(read_jsonl(path), out),
-                       "no --ep runs of --model moe in the records")
+    return records_main(argv, "experiments.moe_plots", __doc__, moe_capacity,
+                        "no --ep runs of --model moe in the records")
 
 
 if __name__ == "__main__":

@@ -26,11 +26,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.category import UnitData  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
 from matplotlib.container import BarContainer, ErrorbarContainer  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator  # noqa: E402
 
 from allreduce.units import format_size  # noqa: E402
 
-from .records import most_common  # noqa: E402
+from .records import most_common, read_jsonl  # noqa: E402
 
 # The tab10 colours, each given to one name for good.  The three consistency models of
 # the parameter server are told apart (ps alone is ps/bsp, its default).
@@ -100,16 +101,24 @@ def spread(samples, kind="minmax"):
     return med, samples[0], samples[-1]
 
 
-def errorbar(ax, x, samples, label, color, kind="minmax", **style):
-    """Medians joined by a solid line with markers (measured), with error bars where
-    some point has more than one sample."""
-    points = [spread(s, kind) for s in samples]
-    med = [m for m, _, _ in points]
-    ax.plot(x, med, label=label, color=color, **{**MEASURED, **style})
-    if any(hi > lo for _, lo, hi in points):
-        ax.errorbar(x, med, yerr=[[m - lo for m, lo, _ in points], [hi - m for m, _, hi in points]],
-                    fmt="none", ecolor=color, elinewidth=1, capsize=2)
-    return med
+def measured_and_predicted(ax, measured, predicted=None, suffix=""):
+    """{label: {x: [samples]}} as measured lines (`label` + `suffix`): the medians, solid
+    with markers, with min-max error bars where some point has more than one sample;
+    each followed by its prediction {label: {x: y}} where `predicted` has one, dashed."""
+    styles, predicted = styles_of(measured), predicted or {}
+    for label, at in sorted(measured.items()):
+        xs, colour = sorted(at), styles[label]["color"]
+        points = [spread(at[x]) for x in xs]
+        med = [m for m, _, _ in points]
+        ax.plot(xs, med, label=label + suffix, **{**MEASURED, **styles[label]})
+        if any(hi > lo for _, lo, hi in points):
+            ax.errorbar(xs, med, yerr=[[m - lo for m, lo, _ in points],
+                                       [hi - m for m, _, hi in points]],
+                        fmt="none", ecolor=colour, elinewidth=1, capsize=2)
+        if predicted.get(label):
+            xs = sorted(predicted[label])
+            ax.plot(xs, [predicted[label][x] for x in xs], color=colour,
+                    label=f"{label} predicted", **PREDICTED)
 
 
 def cores_of(records):
@@ -120,15 +129,17 @@ def cores_of(records):
 
 
 MARKERS = ("o", "s", "^", "D", "v", "P")
+DASHES = ("--", "-.", ":", (0, (5, 1, 1, 1)))
 
 
-def styles_of(labels):
-    """{label: {"color", "marker"}}: each label its name's colour; labels that share a
-    colour (two hierarchical compositions, ring and ring over torch) get other markers."""
+def styles_of(labels, kind="marker", choices=MARKERS):
+    """{label: {"color", kind}}: each label its name's colour; labels that share a colour
+    (two hierarchical compositions, ring and ring over torch) get other markers, or
+    other `choices` of another `kind` of style (dashes: "linestyle", DASHES)."""
     seen, out = {}, {}
     for label in sorted(labels):
         colour = colour_of(label)
-        out[label] = {"color": colour, "marker": MARKERS[seen.get(colour, 0) % len(MARKERS)]}
+        out[label] = {"color": colour, kind: choices[seen.get(colour, 0) % len(choices)]}
         seen[colour] = seen.get(colour, 0) + 1
     return out
 
@@ -154,6 +165,20 @@ def save(fig, out_dir, name, note=""):
     return path
 
 
+def two_panels():
+    """A figure of two gridded panels side by side: what a setting buys beside what it costs."""
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    return fig, axes
+
+
+def timeline_legend(ax, *more):
+    """Beside a timeline: the forward and backward patches, then `more` handles."""
+    ax.legend(handles=[Patch(color=PARTS[p], label=p) for p in ("forward", "backward")] +
+              list(more), fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+
+
 def figure_main(argv, module, doc, inputs, draw, nothing):
     """The command line of a module that draws one figure: INPUT ... OUT_DIR and --help
     (`doc`, its docstring).  `inputs`: (name, help) of each input file, handed to
@@ -168,6 +193,12 @@ def figure_main(argv, module, doc, inputs, draw, nothing):
     path = draw(*(a[name] for name, _ in inputs), a["out_dir"])
     print(path or nothing)
     return 0 if path else 1
+
+
+def records_main(argv, module, doc, figure, nothing):
+    """figure_main of a figure of strategies.train's --jsonl: figure(records, out_dir)."""
+    return figure_main(argv, module, doc, [("records", "strategies.train's --jsonl of the runs")],
+                       lambda path, out_dir: figure(read_jsonl(path), out_dir), nothing)
 
 
 def figure_data(fig):

@@ -29,16 +29,11 @@ from matplotlib.ticker import FuncFormatter, NullLocator
 from allreduce.units import format_size
 
 from . import fidelity
-from .palette import PREDICTED, colour_of, cores_of, errorbar, save, size_axis, styles_of
+from .palette import DASHES, PREDICTED, cores_of, measured_and_predicted, save, size_axis, styles_of
 from .records import allreduce_rows
 # the report's one list of figures names them all as plots.NAME
 from .training_plots import (pipeline_gantt, ps_consistency, strategy_breakdown,  # noqa: F401
                              zero_memory)
-
-
-def emulated(r):
-    c = r.get("config", {})
-    return bool(c.get("link_latency_us") or c.get("link_gbps"))
 
 
 def rounds_us(r):
@@ -47,27 +42,24 @@ def rounds_us(r):
     return [t for t in r.get("round_us") or [r["time_us"]] if t > 0]
 
 
-def busbw_vs_size(records, out_dir, world_size=None):
+def busbw_vs_size(records, out_dir):
     """(a) busbw (nccl-tests) against message size, one line per algorithm, at the
     smallest world size measured without link emulation; memcpy is the ceiling."""
-    rows = [r for r in allreduce_rows(records) if not emulated(r)]
+    rows = [r for r in allreduce_rows(records) if not fidelity.emulated(r)]
     if not rows:
         return None
-    P = world_size or min(r["world_size"] for r in rows)
+    P = min(r["world_size"] for r in rows)
     rows = [r for r in rows if r["world_size"] == P]
     by_variant = defaultdict(lambda: defaultdict(list))     # busbw of every round or record
     for r in rows:
         by_variant[r["variant"]][r["bytes"]] += [r["busbw_gbps"] * r["time_us"] / t
                                                  for t in rounds_us(r)]
     fig, ax = plt.subplots(figsize=(7, 4.4))
-    styles = styles_of(by_variant)
-    for variant, at in sorted(by_variant.items()):
-        sizes = sorted(at)
-        errorbar(ax, sizes, [at[b] for b in sizes], variant, **styles[variant])
-    cals = [r for r in records if r.get("kind") == "calibration"]
-    if cals and cals[-1].get("memcpy_gbps"):
-        ax.axhline(cals[-1]["memcpy_gbps"], color="k", ls=":", lw=1,
-                   label=f"memcpy {cals[-1]['memcpy_gbps']:.1f} GB/s (roofline)")
+    measured_and_predicted(ax, by_variant)
+    cal = fidelity.calibration_of(records)
+    if cal and cal.get("memcpy_gbps"):
+        ax.axhline(cal["memcpy_gbps"], color="k", ls=":", lw=1,
+                   label=f"memcpy {cal['memcpy_gbps']:.1f} GB/s (roofline)")
     size_axis(ax.xaxis, [r["bytes"] for r in rows])
     ax.set(xlabel="message size", ylabel="busbw (GB/s)",
            title=f"all-reduce bus bandwidth, P={P}, {rows[0]['dtype']}{cores_of(rows)}")
@@ -83,33 +75,27 @@ def measured_note(by_variant):
         "record (the records keep no rounds, so no error bars)")
 
 
-def scaling(records, out_dir, nbytes=None):
+def scaling(records, out_dir):
     """(c) all-reduce time against the number of ranks at one size: measured
     points, the cost model's prediction as lines (calibrated, experiments.calibrate)."""
-    rows = [r for r in allreduce_rows(records) if not emulated(r)]
+    rows = [r for r in allreduce_rows(records) if not fidelity.emulated(r)]
     sizes = {r["bytes"] for r in rows}
     if not rows or len({r["world_size"] for r in rows}) < 2:
         return None
-    n = nbytes or max(s for s in sizes
-                      if len({r["world_size"] for r in rows if r["bytes"] == s}) >= 2)
+    n = max(s for s in sizes if len({r["world_size"] for r in rows if r["bytes"] == s}) >= 2)
     rows = [r for r in rows if r["bytes"] == n]
     machine = fidelity.machine_of(records)
-    fig, ax = plt.subplots(figsize=(8.6, 4.4))
-    variants = sorted({r["variant"] for r in rows})
-    styles, by_variant = styles_of(variants), {}
-    for variant in variants:
-        at = by_variant[variant] = defaultdict(list)          # ranks -> ms of every round
-        for r in rows:
-            if r["variant"] == variant:
-                at[r["world_size"]] += [t / 1e3 for t in rounds_us(r)]
-        ranks = sorted(at)
-        errorbar(ax, ranks, [at[p] for p in ranks], f"{variant} measured", **styles[variant])
+    by_variant, predicted = defaultdict(lambda: defaultdict(list)), {}
+    for r in rows:                                            # ranks -> ms of every round
+        by_variant[r["variant"]][r["world_size"]] += [t / 1e3 for t in rounds_us(r)]
+    for variant, at in by_variant.items():
         if machine and not variant.endswith(" over torch"):   # the model has MPI's alpha-beta
             first = next(r for r in rows if r["variant"] == variant)
-            pred = [fidelity.predict({**first, "world_size": p}, machine) for p in ranks]
-            if all(x is not None for x in pred):
-                ax.plot(ranks, [1e3 * x for x in pred], color=styles[variant]["color"],
-                        label=f"{variant} predicted", **PREDICTED)
+            pred = {p: fidelity.predict({**first, "world_size": p}, machine) for p in at}
+            if None not in pred.values():
+                predicted[variant] = {p: 1e3 * x for p, x in pred.items()}
+    fig, ax = plt.subplots(figsize=(8.6, 4.4))
+    measured_and_predicted(ax, by_variant, predicted, " measured")
     ranks = sorted({r["world_size"] for r in rows})
     cores = machine.cores if machine else None
     if cores and ranks[-1] > cores:
@@ -121,11 +107,9 @@ def scaling(records, out_dir, nbytes=None):
            title=f"all-reduce of {format_size(n)}, {rows[0]['dtype']}, "
                  f"P = {ranks[0]}..{ranks[-1]}{cores_of(rows)}")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))   # beside: no point hidden
-    return save(fig, out_dir, "scaling", note=(
-        "solid with markers: " + measured_note(by_variant) + "\ndashed: predicted by the "
-        "cost model from this machine's calibration" if machine else
-        "solid with markers: " + measured_note(by_variant) + "\nno calibration record: "
-        "no predictions (add an experiments.calibrate run to the sweep)"))
+    return save(fig, out_dir, "scaling", note="solid with markers: " + measured_note(by_variant) + (
+        "\ndashed: predicted by the cost model from this machine's calibration" if machine else
+        "\nno calibration record: no predictions (add an experiments.calibrate run to the sweep)"))
 
 
 def crossovers(records, out_dir, cluster=""):
@@ -135,19 +119,15 @@ def crossovers(records, out_dir, cluster=""):
     if not rows:
         return None
     sizes = sorted({r["bytes"] for r in rows})
-    algos = sorted({r["algo"] for r in rows})
     # one colour a name: ps with 1, 4 and 16 servers share ps's, each its own dashes
-    dashes, taken = {}, defaultdict(int)
-    for algo in algos:
-        dashes[algo] = ("--", "-.", ":", (0, (5, 1, 1, 1)))[taken[colour_of(algo)] % 4]
-        taken[colour_of(algo)] += 1
+    styles = styles_of({r["algo"] for r in rows}, "linestyle", DASHES)
     fig, axes = plt.subplots(1, len(sizes), figsize=(4.4 * len(sizes), 4.2), squeeze=False)
     for ax, n in zip(axes[0], sizes):
-        for algo in algos:
+        for algo, style in sorted(styles.items()):
             pts = sorted((r["P"], r["time_s"]) for r in rows
                          if r["bytes"] == n and r["algo"] == algo)
-            ax.plot([p for p, _ in pts], [1e3 * t for _, t in pts], color=colour_of(algo),
-                    label=f"{algo} predicted", **{**PREDICTED, "linestyle": dashes[algo]})
+            ax.plot([p for p, _ in pts], [1e3 * t for _, t in pts],
+                    label=f"{algo} predicted", **{**PREDICTED, **style})
         ranks = sorted({r["P"] for r in rows})
         ax.set_xscale("log", base=2)
         ax.set(yscale="log", xlabel="ranks P", ylabel="predicted time (ms)",

@@ -22,7 +22,7 @@ import json
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from .palette import PARTS, figure_main, save
+from .palette import PARTS, figure_main, save, timeline_legend
 
 RECOMPUTE = "#8c564b"
 
@@ -65,10 +65,7 @@ def recompute_gantt(traces, out_dir):
     ax.set_yticks(range(len(rows)), list(rows))
     ax.invert_yaxis()
     ax.set_xlabel("time (ms) since the step's first forward")
-    ax.legend(handles=[Patch(color=PARTS["forward"], label="forward"),
-                       Patch(color=PARTS["backward"], label="backward"),
-                       Patch(color=RECOMPUTE, label="recompute (inside backward)")],
-              fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    timeline_legend(ax, Patch(color=RECOMPUTE, label="recompute (inside backward)"))
     ax.set_title("activation recomputation: each block's forward again, during backward",
                  fontsize=10)
     return save(fig, out_dir, "recompute_gantt", note=(

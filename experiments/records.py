@@ -10,7 +10,7 @@ A results directory (written by experiments.sweep) holds
 Plots and the report read records.jsonl only.
 """
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 # JSON Lines and provenance have one home below every package (allreduce/records.py);
 # imported here for the readers of results and the launchers of experiments.
@@ -22,12 +22,30 @@ def load(results_dir):
     return read_jsonl(os.path.join(results_dir, "records.jsonl"))
 
 
+def train_runs(records, config=lambda c: True, step=lambda s: True):
+    """{run_id: (config record, [step records])} of strategies.train's own --jsonl: the
+    runs whose config record passes `config`, with their steps that pass `step`, in the
+    order their steps were written."""
+    configs = {r["run_id"]: r for r in records if r.get("kind") == "config" and config(r)}
+    runs = {}
+    for r in records:
+        if r.get("kind") == "step" and r.get("run_id") in configs and step(r):
+            runs.setdefault(r["run_id"], (configs[r["run_id"]], []))[1].append(r)
+    return runs
+
+
+def slowest_rank(steps):
+    """{step: its slowest rank's step_time_s}: a step lasts as long as its slowest rank."""
+    slowest = defaultdict(float)
+    for s in steps:
+        slowest[s["step"]] = max(slowest[s["step"]], s["step_time_s"])
+    return slowest
+
+
 # Which records compare: a figure draws one group of runs that differ only in what
 # it compares (experiments/plots.py).
 def most_common(values):
-    counts = defaultdict(int)
-    for v in values:
-        counts[v] += 1
+    counts = Counter(values)
     return max(counts, key=lambda v: (counts[v], v == "float32")) if counts else None
 
 
@@ -43,11 +61,11 @@ def model_of(config, *more):
 
 def describe(c):
     """The model, batch and world of a config in a few words, for a title."""
-    size = (f"gpt {c.get('layers')} blocks x d {c.get('d_model')}" if c.get("model") == "gpt"
-            else f"mlp {c.get('depth')} x {c.get('width')}")
+    size = f"mlp {c.get('depth')} x {c.get('width')}"
+    if c.get("model") in ("gpt", "moe"):
+        size = f"{c['model']} {c.get('layers')} blocks x d {c.get('d_model')}"
     if c.get("model") == "moe":
-        size = f"moe {c.get('layers')} blocks x d {c.get('d_model')} x {c.get('experts')} " \
-               f"experts, top-{c.get('top_k')}"
+        size += f" x {c.get('experts')} experts, top-{c.get('top_k')}"
     return f"{size}, batch {c.get('global_batch')}, {c.get('world_size', 1)} ranks"
 
 
@@ -62,8 +80,9 @@ def one_comparison(runs, same, variant):
         len({variant(k, v[0].get("config", {})) for k, v in g.items()}), len(g)))
 
 
-def labels_of(runs):
-    """{key: label}: the strategy's name; where runs share one, the config values that differ."""
+def labelled(runs):
+    """[(label, records)] of runs ({key: records}) in the order of their labels: the
+    strategy's name (key[0]); where runs share one, the config values that differ."""
     by_name = defaultdict(list)
     for key in runs:
         by_name[key[0]].append(key)
@@ -75,7 +94,7 @@ def labels_of(runs):
         for k in keys:
             extra = " ".join(f"{f}={configs[k].get(f)}" for f in varying)
             labels[k] = f"{name} {extra}" if len(keys) > 1 else name
-    return labels
+    return sorted(((labels[k], v) for k, v in runs.items()), key=lambda lv: lv[0])
 
 
 def allreduce_rows(records):

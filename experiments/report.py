@@ -177,7 +177,7 @@ def fidelity_blocks(records):
                         f"; psrv alpha {machine.ps_alpha * 1e6:.0f} us, 1/beta "
                         f"{1e-9 / machine.ps_beta:.2f} GB/s at >= 1 MiB" if machine.ps_beta
                         else "") + ".")]
-    cal = [r for r in records if r.get("kind") == "calibration"][-1]
+    cal = fidelity.calibration_of(records)
     if cal.get("loadavg"):
         blocks.append(("p", f"Load during calibration: 1-min load average {cal['loadavg'][0]:.1f}"
                             f" on {cal.get('cores')} cores. Above the core count, other "

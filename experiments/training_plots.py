@@ -16,8 +16,8 @@ from matplotlib.patches import Patch
 from strategies.bubble import bubble_fraction
 from strategies.choices import SCHEDULES
 
-from .palette import PARTS, colour_of, cores_of, save, spread
-from .records import describe, labels_of, model_of, one_comparison
+from .palette import PARTS, colour_of, cores_of, save, spread, timeline_legend
+from .records import describe, labelled, model_of, one_comparison, slowest_rank
 
 
 def strategy_name(r):
@@ -57,18 +57,14 @@ def strategy_breakdown(records, out_dir):
     runs = one_comparison(runs, model_of, lambda k, c: k[0])
     if not runs:
         return None
-    labels = labels_of(runs)
     names, compute, comm, idle, rate = [], [], [], [], []
-    for run_key, steps in sorted(runs.items(), key=lambda kv: labels[kv[0]]):
-        name = labels[run_key]
+    for name, steps in labelled(runs):
         timed = [s for s in steps if s["step"] > 0] or steps      # step 0 warms up
         mean = lambda key: sum(s[key] for s in timed) / len(timed)  # noqa: E731
         names.append(name)
         compute.append(1e3 * mean("compute_time_s"))
         comm.append(1e3 * mean("comm_time_s"))
-        slowest = defaultdict(float)                 # a step lasts as long as its slowest rank
-        for s in timed:
-            slowest[s["step"]] = max(slowest[s["step"]], s["step_time_s"])
+        slowest = slowest_rank(timed)
         idle.append(1e3 * sum(slowest[s["step"]] - s["step_time_s"] for s in timed) / len(timed))
         batch = steps[0].get("config", {}).get("global_batch", 64)
         rate.append(spread([batch / t for t in slowest.values() if t > 0], "iqr"))
@@ -101,12 +97,8 @@ def zero_memory_data(records):
     Only runs on data parallelism alone (pp = tp = 1: every rank holds the whole model,
     so stage 0 holds 4Ψ bytes of fp32 parameters) of one model, world, optimizer and
     micro-batching, that differ in the stage; a pipeline run is not a ZeRO-0 run."""
-    runs = defaultdict(list)
-    for r in records:
-        c = r.get("config", {})
-        if r.get("command") == "strategies.train" and r.get("kind") == "step" and \
-                isinstance(r.get("memory"), dict) and c.get("pp", 1) == 1 and c.get("tp", 1) == 1:
-            runs[r.get("point")].append(r)
+    runs = {k: v for k, v in train_steps(records).items() if isinstance(v[0].get("memory"), dict)
+            and v[0]["config"].get("pp", 1) == 1 and v[0]["config"].get("tp", 1) == 1}
     runs = one_comparison(runs, lambda c: model_of(c, "optimizer", "micro_batches"),
                           lambda k, c: (c.get("precision", "fp32"), c.get("zero", 0)))
     if not runs:
@@ -207,10 +199,9 @@ def pipeline_gantt(traces, out_dir, about=""):
     events} (strategies.train --trace; experiments.report collects them by schedule and
     says in `about` which model ran).  Forward and backward spans, each with its
     micro-batch; the hatched rest of each row is the bubble, measured beside the formula."""
-    names = {k: row_names(v) for k, v in (traces or {}).items()}
+    names = {k: row_names(v) for k, v in traces.items()}
     traces = {k: [e for e in last_step(v) if e.get("ph") == "X"
-                  and e.get("cat") in ("forward", "backward")]
-              for k, v in (traces or {}).items()}
+                  and e.get("cat") in ("forward", "backward")] for k, v in traces.items()}
     traces = {k: v for k, v in traces.items() if v}
     if not traces:
         return None
@@ -249,11 +240,8 @@ def pipeline_gantt(traces, out_dir, about=""):
         ax.set_title(f"at most {in_flight(events)} " + ("chunk-" if v > 1 else "") +
                      "micro-batches in flight", loc="right", fontsize=8)
         ax.invert_yaxis()
-    axes[0, 0].legend(handles=[Patch(color=PARTS["forward"], label="forward"),
-                               Patch(color=PARTS["backward"], label="backward"),
-                               Patch(facecolor="white", hatch="///", edgecolor="0.75",
-                                     label="bubble (idle)")],
-                      fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    timeline_legend(axes[0, 0], Patch(facecolor="white", hatch="///", edgecolor="0.75",
+                                      label="bubble (idle)"))
     axes[-1, 0].set_xlabel("time (ms) since the step's first forward")
     if about:
         fig.suptitle(f"pipeline schedules: {about}", fontsize=10)
@@ -266,6 +254,15 @@ def pipeline_gantt(traces, out_dir, about=""):
         "The measured bubble parts from the formula's where stages are uneven and sends wait."))
 
 
+def step_ends(steps):
+    """{(rank, step): when that rank ended that step, on its own clock from the run's start}."""
+    ends, clock = {}, defaultdict(float)
+    for s in sorted(steps, key=lambda s: s["step"]):
+        clock[s["rank"]] += s["step_time_s"]
+        ends[(s["rank"], s["step"])] = clock[s["rank"]]
+    return ends
+
+
 def server_updates(steps, mode):
     """{(rank, step): the updates the server had applied when that rank ended that step}.
     From the records' server_version where they carry it; otherwise counted from the
@@ -273,12 +270,9 @@ def server_updates(steps, mode):
     a step, once every worker's push is in; under SSP and ASP one update a push."""
     if all(s.get("server_version") is not None for s in steps):
         return {(s["rank"], s["step"]): s["server_version"] for s in steps}
-    ends, clock = {}, defaultdict(float)
-    for s in sorted(steps, key=lambda s: s["step"]):
-        clock[s["rank"]] += s["step_time_s"]
-        ends[(s["rank"], s["step"])] = clock[s["rank"]]
+    ends = step_ends(steps)
     if mode == "bsp":
-        per_rank = {r: sorted(t for (q, _), t in ends.items() if q == r) for r in clock}
+        per_rank = {r: sorted(t for (q, _), t in ends.items() if q == r) for r, _ in ends}
         return {k: min(bisect_right(times, t) for times in per_rank.values())
                 for k, t in ends.items()}
     times = sorted(ends.values())
@@ -297,21 +291,15 @@ def ps_consistency(records, out_dir):
                           lambda k, c: k[0])
     if not runs:
         return None
-    labels = labels_of(runs)
     fig, ((a1, a2), (a3, a4)) = plt.subplots(2, 2, figsize=(11, 7.6))
     counted = False
-    for run_key, steps in sorted(runs.items(), key=lambda kv: labels[kv[0]]):
-        name, colour, cfg = labels[run_key], colour_of(labels[run_key]), steps[0]["config"]
+    for name, steps in labelled(runs):
+        colour, cfg = colour_of(name), steps[0]["config"]
         by_step = defaultdict(list)
         for s in steps:
             by_step[s["step"]].append(s)
-        order = sorted(by_step)
-        clocks = defaultdict(float)                     # each rank's own elapsed time
-        wall = []
-        for st in order:
-            for s in by_step[st]:
-                clocks[s["rank"]] += s["step_time_s"]
-            wall.append(max(clocks[s["rank"]] for s in by_step[st]))
+        order, ends = sorted(by_step), step_ends(steps)
+        wall = [max(ends[(s["rank"], st)] for s in by_step[st]) for st in order]
         loss = [by_step[st][0]["loss"] for st in order]
         a1.plot(order, loss, label=name, color=colour)
         a2.plot(wall, loss, label=name, color=colour)
