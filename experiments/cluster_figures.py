@@ -159,8 +159,10 @@ def training_table(records):
 
 def predicted_table(records):
     """(head, rows) of the bench rows that carry predicted_us, or None when none does."""
+    # allreduce.bench predicts its other collectives too; this table is the all-reduce's
     rows = [r for r in records if on_cluster(r) and r.get("predicted_us")
-            and r.get("command") == "allreduce.bench" and r.get("kind") != "wire"]
+            and r.get("command") == "allreduce.bench" and r.get("kind") != "wire"
+            and r.get("op", "allreduce") == "allreduce"]
     if not rows:
         return None
     return (["cluster", "algorithm", "size", "measured us", "predicted us", "error"],

@@ -344,6 +344,8 @@ def test_the_report_draws_each_cluster_and_its_link_bytes(tmp_path):
     assert rows == [("2 hosts x 2 ranks, 1 Gbit/s", "bench ring, 4K..1M", 2, "0.00", "0.00",
                      "1.010..1.010")]
     assert cf.predicted_table(records)[1][0][-1] == "-10%"
+    alltoall = [{**records[0], "op": "alltoall", "predicted_us": 50.0}]
+    assert cf.predicted_table(alltoall) is None        # the table is the all-reduce's
     written = report([str(tmp_path)])
     assert any(p.endswith("busbw_cluster_2x2_1gbps.png") for p in written)
     drawn = json.load(open(tmp_path / "plots" / "busbw_cluster_2x2_1gbps.json"))[0]
