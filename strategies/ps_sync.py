@@ -23,12 +23,12 @@ from .context import require_psrv
 from .sync import AllReduceSync, GradientSync, collective_for
 
 
-
 def check_servers_step(start_step, state):
     """On --resume: the servers' shards and the workers' checkpoint must be of one step."""
     if state.get("servers_step") != start_step:
         raise RuntimeError(f"--resume: the servers resumed at step {start_step}, "
                            f"the worker checkpoint is at step {state.get('servers_step')}")
+
 
 class PSSync(GradientSync):
     """Workers push gradients and pull parameters; no optimizer on the worker.
@@ -215,10 +215,7 @@ class HybridSync(GradientSync):
         self.next_step = step + 1
 
     def step(self, optimizer):
-        if self.ps is not None:
-            self.ps.step(optimizer)                 # into the model, on the leader
-            return
-        with torch.no_grad():
+        with torch.no_grad():                       # the leader's incoming: its servers' buffers
             for p, new in zip(self.model.parameters(), self.incoming):
                 p.copy_(new, non_blocking=True)
 
