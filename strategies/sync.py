@@ -263,14 +263,8 @@ class AllReduceSync(GradientSync):
                                    int(self.cfg.bucket_mb * 2**20),
                                    build_compressor(self.cfg.compress, self.coll,
                                                     self.cfg.error_feedback,
-                                                    self.correction_momentum()),
+                                                    self.cfg.momentum_correction),
                                    self.cfg.overlap)
-
-    def correction_momentum(self):
-        """DGC's momentum for topk.py: SyncOptions carries it, a TrainConfig says to take
-        its --momentum (and make_optimizer then builds SGD without)."""
-        correction = self.cfg.momentum_correction
-        return self.cfg.momentum if correction is True else float(correction)
 
     def before_backward(self):
         self.buckets.zero_()
