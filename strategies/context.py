@@ -91,21 +91,20 @@ class RunContext:
         visible = local.allgather(os.environ.get("CUDA_VISIBLE_DEVICES")) \
             if cfg.device == "cuda" and cfg.sync == "torch" else None
         local.Free()
+        control = MPIControl(comm)
         if cfg.sync in PS_SYNCS:          # psrv.launch decides who serves; we ask it
             role = ps_role(comm, cfg.servers, ps_checkpoint_options(cfg))
             workers = role.worker_comm            # None on a server
             return cls(comm.rank, comm.size, local_rank, local_size,
                        -1 if role.is_server else workers.rank, role.num_workers,
-                       role.is_server, comm, workers, MPIControl(comm),
+                       role.is_server, comm, workers, control,
                        None if role.is_server else MPIControl(workers), role=role, host=host,
                        host_visible_gpus=visible)
         if cfg.on_grid:
             grid = ProcessGrid(comm.size, cfg.dp, cfg.pp, cfg.tp).split(comm)
-            control = MPIControl(comm)
             return cls(comm.rank, comm.size, local_rank, local_size, grid.dp_rank, dp, False,
                        comm, grid.dp, control, control, host=host, grid=grid,
                        host_visible_gpus=visible)
-        control = MPIControl(comm)
         return cls(comm.rank, comm.size, local_rank, local_size, comm.rank, dp, False,
                    comm, comm, control, control, host=host, host_visible_gpus=visible)
 
@@ -114,7 +113,7 @@ class RunContext:
         if cfg.on_grid:
             raise ConfigError("--dp/--pp/--tp/--zero/--micro-batches/--trace run under "
                               "mpiexec, not torchrun")
-        if cfg.sync not in ("torch",):
+        if cfg.sync != "torch":
             raise ConfigError(f"under torchrun only --sync torch works (got --sync {cfg.sync}); "
                               "launch the others with mpiexec")
         import torch.distributed as dist
