@@ -2,7 +2,7 @@
 
     mpiexec -n 4 .venv/bin/python -m mpi4py -m strategies.train --sync ring --model gpt \\
         --layers 4 --pp 2 --tp 2 --micro-batches 4 --schedule 1f1b --trace run.json
-    mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.train --sync ring --model gpt \
+    mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.train --sync ring --model gpt \\
         --layers 4 --pp 2 --micro-batches 4 --schedule interleaved --virtual-stages 2
     mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.train --sync ring --zero 3 \\
         --optimizer adam --jsonl zero3.jsonl
