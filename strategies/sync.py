@@ -49,16 +49,18 @@ import allreduce
 from allreduce.buffers import TORCH_DTYPES
 
 from .buckets import GradBuckets
-from .choices import CONSISTENCIES, EMULATED_SYNCS, OPTIMIZERS, SYNCS, ConfigError
+from .choices import EMULATED_SYNCS, ConfigError
+from .combinations import check_sync, check_values
 from .compress import make_compressor
-from .compressor import check_compress, parse_compress
+from .compressor import parse_compress
 from .powersgd import PowerSGDCompressor
 from .topk import TopKCompressor
 
 
 @dataclass(frozen=True)
 class SyncOptions:
-    """The fields of TrainConfig that the syncs read, validated the same way."""
+    """The fields of TrainConfig that the syncs read, validated by the same checks
+    (combinations.check_sync), whose errors name DistributedOptimizer's keywords."""
     sync: str = "ring"
     bucket_mb: float = 25.0       # gradient bucket cap
     overlap: bool = True          # all-reduce buckets while backward runs
@@ -78,26 +80,10 @@ class SyncOptions:
     weight_decay: float = 0.0
 
     def __post_init__(self):
-        for field, options in (("sync", SYNCS),
-                               ("consistency", CONSISTENCIES), ("optimizer", OPTIMIZERS)):
-            if getattr(self, field) not in options:
-                raise ConfigError(f"{field}={getattr(self, field)!r} is not one of "
-                                  f"{', '.join(options)}")
+        spec = check_sync(self, cli=False)
+        check_values(self, cli=False, positive=("timeout",))
         if not isinstance(self.overlap, bool):
             raise ConfigError(f"overlap={self.overlap!r} must be True or False")
-        for field in ("bucket_mb", "timeout", "lr"):
-            if not getattr(self, field) > 0:
-                raise ConfigError(f"{field} must be > 0, got {getattr(self, field)!r}")
-        for field in ("ranks_per_node", "staleness", "link_latency_us", "link_gbps",
-                      "momentum", "weight_decay"):
-            if not getattr(self, field) >= 0:
-                raise ConfigError(f"{field} must be >= 0, got {getattr(self, field)!r}")
-        if (self.link_latency_us or self.link_gbps) and self.sync not in EMULATED_SYNCS:
-            raise ConfigError(f"link emulation slows the textbook all-reduces "
-                              f"({', '.join(EMULATED_SYNCS)}), not sync={self.sync!r}")
-        if self.consistency == "bsp" and self.staleness:
-            raise ConfigError("staleness needs consistency='ssp' (bsp waits for every worker)")
-        spec = check_compress(self.compress, self.sync, self.error_feedback, cli=False)
         if self.momentum_correction and not (spec.kind == "topk" and self.error_feedback and
                                              0 < self.momentum_correction < 1):
             raise ConfigError(f"momentum_correction={self.momentum_correction!r} needs "
