@@ -12,7 +12,6 @@ those parameters into the model.  So the model changes in `step` only, as with
 an all-reduce and a local optimizer, and whatever runs between the two (a
 gradient clip, a look at the parameters) sees the same state under every sync.
 """
-import socket
 import zlib
 
 import numpy as np
@@ -160,7 +159,7 @@ class HybridSync(GradientSync):
         super().__init__(cfg, ctx, device)
         comm = ctx.dp_comm
         per = cfg.ranks_per_node
-        node_id = comm.rank // per if per else zlib.crc32(socket.gethostname().encode())
+        node_id = comm.rank // per if per else zlib.crc32(ctx.host.encode())
         self.node = comm.Split(node_id % (2**31), comm.rank)
         self.is_leader = self.node.rank == 0
         leaders = comm.Split(0 if self.is_leader else 1, comm.rank)
