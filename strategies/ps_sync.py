@@ -59,7 +59,9 @@ class PSSync(GradientSync):
         super().setup(model)
         self.named = dict(model.named_parameters())
         # Host buffers the client reads gradients from and writes parameters into
-        # (pinned on a GPU; UNVERIFIED: no GPU here), with numpy views of them.
+        # (pinned on a GPU; UNVERIFIED: no GPU here), with numpy views of them;
+        # host_params: the servers' parameters for the next step, filled by
+        # synchronize and put into the model by step.
         pin = self.device.type == "cuda"
         self.host_params = {n: torch.empty(p.shape, pin_memory=pin) for n, p in self.named.items()}
         self.host_grads = {n: torch.zeros(p.shape, pin_memory=pin) for n, p in self.named.items()}
@@ -92,12 +94,6 @@ class PSSync(GradientSync):
 
     def step(self, optimizer):
         self._install()
-
-    @property
-    def pulled(self):
-        """{name: host tensor}: the servers' parameters for the next step, filled by
-        synchronize and put into the model by step."""
-        return self.host_params
 
     def _install(self):
         """The parameters the servers sent, into the model."""
@@ -150,8 +146,8 @@ class HybridSync(GradientSync):
     workers for that to be the mean over all workers.  It is made of two syncs
     and calls only their contract: an AllReduceSync over the node and, on a
     leader, a PSSync that reads the node's averaged gradients from .grad (and
-    whose `pulled` parameters the leader broadcasts, still in synchronize, so
-    that all the communication is there and the update in step).
+    whose pulled parameters, its host_params, the leader broadcasts, still in
+    synchronize, so that all the communication is there and the update in step).
     """
     name = "hybrid"
 
@@ -192,7 +188,7 @@ class HybridSync(GradientSync):
         # where the new parameters arrive before step: the leader's servers' buffers,
         # a copy of its own on every other worker of the node
         names = [n for n, _ in model.named_parameters()]
-        self.incoming = [self.ps.pulled[n] for n in names] if self.ps is not None else \
+        self.incoming = [self.ps.host_params[n] for n in names] if self.ps is not None else \
             [torch.empty(p.shape) for p in model.parameters()]
 
     def before_backward(self):
