@@ -49,7 +49,7 @@ class TorchControl:
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
 
     def allgather(self, obj):
-        out = [None] * self.dist.get_world_size()
+        out = [None] * self.size
         self.dist.all_gather_object(out, obj)
         return out
 
