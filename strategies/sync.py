@@ -204,8 +204,8 @@ def collective_for(name, cfg, comm, transport=None):
                             **options)
 
 
-def broadcast_tensor(coll, t, root=0):
-    """t (a tensor, no autograd) := root's t.  The collectives take a few dtypes and
+def broadcast_tensor(coll, t):
+    """t (a tensor, no autograd) := rank 0's t.  The collectives take a few dtypes and
     contiguous memory only; anything else travels through a copy that they take
     and exact for its values (int64 for bool and small integers, float64 for float8)."""
     if t.numel() == 0:
@@ -213,20 +213,20 @@ def broadcast_tensor(coll, t, root=0):
     if t.is_complex():
         t = torch.view_as_real(t)                  # a view: its pairs of reals are t's memory
     if t.dtype in TORCH_DTYPES and t.is_contiguous():
-        coll.broadcast(t, root=root)
+        coll.broadcast(t, root=0)
         return
     wire = t.dtype if t.dtype in TORCH_DTYPES else \
         torch.float64 if t.is_floating_point() else torch.int64
     staged = t.to(wire).contiguous()
-    coll.broadcast(staged, root=root)
+    coll.broadcast(staged, root=0)
     t.copy_(staged)
 
 
-def broadcast_module(coll, module, root=0):
-    """Rank root's parameters and buffers on every rank (DDP does the same at construction)."""
+def broadcast_module(coll, module):
+    """Rank 0's parameters and buffers on every rank (DDP does the same at construction)."""
     with torch.no_grad():
         for t in chain(module.parameters(), module.buffers()):
-            broadcast_tensor(coll, t.data, root)
+            broadcast_tensor(coll, t.data)
 
 
 class AllReduceSync(GradientSync):
