@@ -178,10 +178,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         local.Free()
         sync = (PSSync if options.sync == "ps" else HybridSync)(options, ctx, device)
         # The servers hand out worker 0's parameters; the buffers are not theirs to keep.
-        coll = allreduce.create("mpi", comm=workers, timeout=options.timeout)
-        with torch.no_grad():
-            for b in self.model.buffers():
-                broadcast_tensor(coll, b.data)
+        coll = collective_for("mpi", options, workers)
+        for b in self.model.buffers():
+            broadcast_tensor(coll, b.data)
         return sync
 
     # -------------------------------------------------------- the wrapped optimizer
