@@ -210,7 +210,7 @@ class HybridSync(GradientSync):
         self.next_step = step + 1
 
     def step(self, optimizer):
-        with torch.no_grad():                       # the leader's incoming: its servers' buffers
+        with torch.no_grad():
             for p, new in zip(self.model.parameters(), self.incoming):
                 p.copy_(new, non_blocking=True)
 
