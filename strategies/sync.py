@@ -35,9 +35,9 @@ Every data-parallel rank computes the mean loss over its B/P samples, and the
 syncs average over P ranks, so the update is the one of the mean over all B
 samples: exactly one process's update, up to the order of float additions.
 
-A sync reads its settings from `cfg`: a TrainConfig in strategies.train, or a
-SyncOptions (the same fields, nothing about models, data or batches) where
-the user brings the model and the loop (optimizer.py).
+A sync reads its settings from `cfg`: a SyncOptions (TrainConfig's fields of the
+syncs, nothing about models, data or batches) built by DistributedOptimizer, for a
+user's loop and strategies.train's alike, or the TrainConfig of ZeRO and --ep.
 """
 from contextlib import contextmanager
 from dataclasses import dataclass
