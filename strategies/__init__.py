@@ -9,7 +9,7 @@
 Read in this order:
     choices.py     ConfigError and the values of each choice flag (imports nothing)
     config.py      TrainConfig (frozen, validated) and the --key value command line
-    combinations.py  which flags go together: each technique's checks against the rest
+    combinations.py  which flags go together; the sync checks SyncOptions shares
     context.py     RunContext: ranks, data-parallel communicator, servers (psrv decides), device
     data.py        synthetic teacher / Markov data, user .npz / text, global-batch sharding
     models.py      MLP, a small GPT, and the GPT with mixture-of-experts MLPs

@@ -44,7 +44,7 @@ def save(cfg, ctx, step, model, optimizer, sync, run_id):
                "signature": signature(model), "dp_size": ctx.dp_size,
                "world_size": ctx.world_size, "config": cfg.as_dict(),
                "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-               "optimizer": optimizer.state_dict() if optimizer is not None else None}
+               "optimizer": optimizer.state_dict()}
     final = path_of(cfg)
     tmp = f"{final}.tmp.{os.getpid()}"
     with open(tmp, "wb") as f:
@@ -89,6 +89,5 @@ def restore(state, model, optimizer, sync):
     sync.load_state_dict(state["sync"])
     with torch.no_grad():
         model.load_state_dict(state["model"])
-    if state["optimizer"] is not None:
-        optimizer.load_state_dict(state["optimizer"])
+    optimizer.load_state_dict(state["optimizer"])
     return state["step"]

@@ -1,8 +1,8 @@
 """ConfigError and the values each choice flag may take: the bottom of strategies/.
 
-config.py (TrainConfig), grid.py (ProcessGrid), sync.py (SyncOptions) and the
-optimizer all check against these tuples and raise ConfigError, so they live
-in a module that imports nothing of the package: none of those files needs
+combinations.py (the checks of TrainConfig and SyncOptions), grid.py (ProcessGrid)
+and the optimizer all check against these tuples and raise ConfigError, so they
+live in a module that imports nothing of the package: none of those files needs
 another one of them for a name.
 """
 

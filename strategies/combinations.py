@@ -2,10 +2,57 @@
 
 TrainConfig.__post_init__ (config.py) calls each; a combination that has no
 implementation gets a ConfigError that names both flags, before any rank starts.
+The settings of the syncs are checked here once for TrainConfig and for
+SyncOptions (sync.py), which share those fields: `cli` names a field as a flag
+(`--link-gbps`), else as DistributedOptimizer's keyword (`link_gbps`).
 The checks that also need the world size are in config.dp_size_of,
 expert_parallel.check and interleaved.check.
 """
-from .choices import ALLREDUCE_SYNCS, PRECISIONS, PS_SYNCS, ConfigError
+from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, EMULATED_SYNCS, OPTIMIZERS, PS_SYNCS,
+                      SYNCS, ConfigError)
+from .compressor import check_compress
+
+
+def flag_of(field, cli=True):
+    return f"--{field.replace('_', '-')}" if cli else field
+
+
+def check_values(cfg, cli=True, choices=(), positive=(), at_least=()):
+    """Each field alone: `choices` pairs a field with the values it may take,
+    `positive` fields must be > 0, `at_least` pairs a least value with its fields."""
+    for field, options in choices:
+        value = getattr(cfg, field)
+        if value not in options:
+            raise ConfigError(f"{flag_of(field, cli)}{' ' if cli else '='}{value!r} is not "
+                              f"one of {', '.join(map(str, options))}")
+    for field in positive:
+        if not getattr(cfg, field) > 0:
+            raise ConfigError(f"{flag_of(field, cli)} must be > 0, got {getattr(cfg, field)!r}")
+    for least, fields in at_least:
+        for field in fields:
+            if not getattr(cfg, field) >= least:
+                raise ConfigError(f"{flag_of(field, cli)} must be >= {least}, "
+                                  f"got {getattr(cfg, field)!r}")
+
+
+def check_sync(cfg, cli=True):
+    """The settings the syncs read, for TrainConfig and SyncOptions alike; returns the
+    CompressSpec (compressor.py checks --compress against the sync)."""
+    def name(field, value):
+        return f"{flag_of(field)} {value}" if cli else f"{field}={value!r}"
+
+    check_values(cfg, cli, choices=(("sync", SYNCS), ("consistency", CONSISTENCIES),
+                                    ("optimizer", OPTIMIZERS)),
+                 positive=("bucket_mb", "lr"),
+                 at_least=((0, ("ranks_per_node", "staleness", "momentum", "weight_decay",
+                                "link_latency_us", "link_gbps")),))
+    if (cfg.link_latency_us or cfg.link_gbps) and cfg.sync not in EMULATED_SYNCS:
+        raise ConfigError(f"link emulation slows the textbook all-reduces "
+                          f"({', '.join(EMULATED_SYNCS)}), not {name('sync', cfg.sync)}")
+    if cfg.consistency == "bsp" and cfg.staleness:
+        raise ConfigError(f"{flag_of('staleness', cli)} needs {name('consistency', 'ssp')} "
+                          f"(bsp waits for every worker)")
+    return check_compress(cfg.compress, cfg.sync, cfg.error_feedback, cli)
 
 
 def check_schedule(cfg):
@@ -28,10 +75,8 @@ def check_moe(cfg):
     if cfg.experts < 1 or cfg.top_k not in (1, 2) or cfg.top_k > cfg.experts:
         raise ConfigError(f"--top-k {cfg.top_k} must be 1 or 2 and at most --experts "
                           f"{cfg.experts} (>= 1)")
-    if not cfg.capacity_factor > 0 or cfg.moe_group < 0 or cfg.balance_loss < 0 \
-            or cfg.ep < 1:
-        raise ConfigError("--capacity-factor must be > 0, --moe-group and --balance-loss "
-                          ">= 0, --ep >= 1")
+    check_values(cfg, positive=("capacity_factor",),
+                 at_least=((0, ("moe_group", "balance_loss")), (1, ("ep",))))
     if cfg.model == "moe" and cfg.grad_accum > 1:
         raise ConfigError(f"--model moe with --grad-accum {cfg.grad_accum} is not "
                           "supported: micro-steps would change the gating groups and "
@@ -63,12 +108,7 @@ def check_moe(cfg):
 def check_precision(cfg):
     """--precision against the rest: where mixed precision has no implementation,
     the error names the combination (precision.py says what each part does)."""
-    if cfg.precision not in PRECISIONS:
-        raise ConfigError(f"--precision {cfg.precision!r} is not one of "
-                          f"{', '.join(PRECISIONS)}")
-    if not cfg.loss_scale > 0 or cfg.loss_scale_window < 1:
-        raise ConfigError(f"--loss-scale must be > 0 and --loss-scale-window >= 1, got "
-                          f"{cfg.loss_scale} and {cfg.loss_scale_window}")
+    check_values(cfg, positive=("loss_scale",), at_least=((1, ("loss_scale_window",)),))
     if cfg.precision == "fp32":
         return
     what = f"--precision {cfg.precision}"

@@ -16,11 +16,9 @@ from dataclasses import dataclass
 
 from allreduce.cli import dataclass_flags
 
-from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, DEVICES, EMULATED_SYNCS,
-                      MODELS, OPTIMIZERS, PS_SYNCS, SCHEDULES, SYNCS, ZERO_STAGES,
-                      ConfigError)
-from .combinations import check_moe, check_precision, check_schedule
-from .compressor import check_compress
+from .choices import (ALLREDUCE_SYNCS, DEVICES, MODELS, PRECISIONS, PS_SYNCS, SCHEDULES, SYNCS,
+                      ZERO_STAGES, ConfigError)
+from .combinations import check_moe, check_precision, check_schedule, check_sync, check_values
 from .grid import ProcessGrid
 
 __all__ = ["ALLREDUCE_SYNCS", "PS_SYNCS", "SYNCS", "ConfigError", "TrainConfig", "dp_size_of",
@@ -125,48 +123,21 @@ class TrainConfig:
     progress: bool = True         # a tqdm bar on rank 0; --no-progress: none
 
     def __post_init__(self):
-        def choose(field, options):
-            value = getattr(self, field)
-            if value not in options:
-                raise ConfigError(f"--{field.replace('_', '-')} {value!r} is not one of "
-                                  f"{', '.join(map(str, options))}")
-
-        choose("sync", SYNCS)
-        choose("model", MODELS)
-        choose("optimizer", OPTIMIZERS)
-        spec = check_compress(self.compress, self.sync, self.error_feedback)
-        choose("consistency", CONSISTENCIES)
-        choose("device", DEVICES)
-        choose("schedule", SCHEDULES)
-        choose("zero", ZERO_STAGES)
-        for field in ("steps", "global_batch", "width", "depth", "layers", "d_model", "heads",
-                      "vocab", "seq_len", "in_dim", "classes", "dataset_size", "servers",
-                      "pp", "tp", "micro_batches", "virtual_stages", "grad_accum"):
-            if getattr(self, field) < 1:
-                raise ConfigError(f"--{field.replace('_', '-')} must be >= 1, "
-                                  f"got {getattr(self, field)}")
-        for field in ("staleness", "ranks_per_node", "checkpoint_every", "threads", "momentum",
-                      "weight_decay", "dp"):
-            if getattr(self, field) < 0:
-                raise ConfigError(f"--{field.replace('_', '-')} must be >= 0, "
-                                  f"got {getattr(self, field)}")
-        if self.link_latency_us < 0 or self.link_gbps < 0:
-            raise ConfigError("--link-latency-us and --link-gbps must be >= 0")
-        if (self.link_latency_us or self.link_gbps) and self.sync not in EMULATED_SYNCS:
-            raise ConfigError(f"link emulation slows the textbook all-reduces "
-                              f"({', '.join(EMULATED_SYNCS)}), not --sync {self.sync}")
+        check_values(self, choices=(("model", MODELS), ("device", DEVICES),
+                                    ("schedule", SCHEDULES), ("zero", ZERO_STAGES),
+                                    ("precision", PRECISIONS)),
+                     at_least=((1, ("steps", "global_batch", "width", "depth", "layers",
+                                    "d_model", "heads", "vocab", "seq_len", "in_dim", "classes",
+                                    "dataset_size", "servers", "pp", "tp", "micro_batches",
+                                    "virtual_stages", "grad_accum")),
+                               (0, ("checkpoint_every", "threads", "dp"))))
+        spec = check_sync(self)
         if self.straggler:
             parse_straggler(self.straggler)
             if self.on_grid:
                 raise ConfigError("--straggler is not supported with --dp/--pp/--tp/--zero yet")
-        if not self.lr > 0:
-            raise ConfigError(f"--lr must be > 0, got {self.lr}")
-        if not self.bucket_mb > 0:
-            raise ConfigError(f"--bucket-mb must be > 0, got {self.bucket_mb}")
         if self.model in ("gpt", "moe") and self.d_model % self.heads:
             raise ConfigError(f"--d-model {self.d_model} is not divisible by --heads {self.heads}")
-        if self.consistency == "bsp" and self.staleness:
-            raise ConfigError("--staleness needs --consistency ssp (bsp waits for every worker)")
         check_moe(self)
         check_precision(self)
         if self.resume and not self.checkpoint_dir:

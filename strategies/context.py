@@ -49,7 +49,7 @@ class TorchControl:
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
 
     def allgather(self, obj):
-        out = [None] * self.dist.get_world_size()
+        out = [None] * self.size
         self.dist.all_gather_object(out, obj)
         return out
 
@@ -91,21 +91,20 @@ class RunContext:
         visible = local.allgather(os.environ.get("CUDA_VISIBLE_DEVICES")) \
             if cfg.device == "cuda" and cfg.sync == "torch" else None
         local.Free()
+        control = MPIControl(comm)
         if cfg.sync in PS_SYNCS:          # psrv.launch decides who serves; we ask it
-            role = ps_role(comm, cfg.servers, ps_checkpoint_options(cfg))
+            role = ps_role(comm, cfg.servers, **ps_checkpoint_options(cfg))
             workers = role.worker_comm            # None on a server
             return cls(comm.rank, comm.size, local_rank, local_size,
                        -1 if role.is_server else workers.rank, role.num_workers,
-                       role.is_server, comm, workers, MPIControl(comm),
+                       role.is_server, comm, workers, control,
                        None if role.is_server else MPIControl(workers), role=role, host=host,
                        host_visible_gpus=visible)
         if cfg.on_grid:
             grid = ProcessGrid(comm.size, cfg.dp, cfg.pp, cfg.tp).split(comm)
-            control = MPIControl(comm)
             return cls(comm.rank, comm.size, local_rank, local_size, grid.dp_rank, dp, False,
                        comm, grid.dp, control, control, host=host, grid=grid,
                        host_visible_gpus=visible)
-        control = MPIControl(comm)
         return cls(comm.rank, comm.size, local_rank, local_size, comm.rank, dp, False,
                    comm, comm, control, control, host=host, host_visible_gpus=visible)
 
@@ -114,7 +113,7 @@ class RunContext:
         if cfg.on_grid:
             raise ConfigError("--dp/--pp/--tp/--zero/--micro-batches/--trace run under "
                               "mpiexec, not torchrun")
-        if cfg.sync not in ("torch",):
+        if cfg.sync != "torch":
             raise ConfigError(f"under torchrun only --sync torch works (got --sync {cfg.sync}); "
                               "launch the others with mpiexec")
         import torch.distributed as dist
@@ -177,19 +176,18 @@ def ps_checkpoint_options(cfg):
     state) under DIR/ps themselves, and --resume loads them."""
     if not cfg.checkpoint_dir:
         return {}
-    return {"checkpoint_dir": os.path.join(cfg.checkpoint_dir, "ps"),
-            "checkpoint_every": cfg.checkpoint_every, "resume": cfg.resume}
+    ps_dir = os.path.join(cfg.checkpoint_dir, "ps")
+    os.makedirs(ps_dir, exist_ok=True)                 # psrv does not make it
+    return {"checkpoint_dir": ps_dir, "checkpoint_every": cfg.checkpoint_every,
+            "resume": cfg.resume}
 
 
-def ps_role(comm, servers, server_options=None):
+def ps_role(comm, servers, **server_options):
     """psrv.launch's Role of this rank over `comm` (collective): psrv decides which ranks
     serve, everyone here asks it.  Servers listen on loopback when every rank shares
     this host, else on all interfaces (where psrv authenticates workers by CURVE keys)."""
     psrv = require_psrv()
-    server_options = server_options or {}
     one_host = len(set(comm.allgather(socket.gethostname()))) == 1
-    if server_options.get("checkpoint_dir"):
-        os.makedirs(server_options["checkpoint_dir"], exist_ok=True)   # psrv does not make it
     return psrv.launch.mpi_roles(comm, num_servers=servers,
                                  bind_host="127.0.0.1" if one_host else "0.0.0.0",
                                  **server_options)

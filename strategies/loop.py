@@ -5,7 +5,7 @@ for every kind of run.  What differs between kinds is the step engine.
                                                              model whole on each rank
     engine = GridEngine(cfg, ctx, device, data, model)      parallel.py: ZeRO, pipeline
                                                              and tensor parallel
-    summary = run(cfg, ctx, device, data, engine, checkpoint_state)
+    summary = run(cfg, ctx, device, data, engine, checkpoint_state, started)
 
 An engine has three parts of the sync contract (sync.py) and a step:
 
@@ -58,10 +58,10 @@ class StepEngine:
         return f"rank {rank}"
 
 
-def run(cfg, ctx, device, data, engine, state=None, started=None):
+def run(cfg, ctx, device, data, engine, state, started):
     """Train `engine` as cfg says; returns the summary on the writing rank, else None.
-    state: a checked checkpoint (checkpoint.read) to resume from, or None."""
-    started = time.perf_counter() if started is None else started
+    state: a checked checkpoint (checkpoint.read) to resume from, or None; started:
+    the run's time.perf_counter() before preflight, for the summary's wall time."""
     control = ctx.workers                          # the ranks that train
     writer = control.rank == 0
     start = checkpoint.restore(state, engine.model, engine.optimizer, engine.sync) \

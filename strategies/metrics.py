@@ -65,15 +65,12 @@ class Metrics:
         if self.file:
             if cfg.resume:
                 forget_steps_from(self.file, start_step, run_id)
-            self._write({"kind": "config", "run_id": run_id, **cfg.as_dict(), **layout,
-                         "host": ctx.host, "start_step": start_step})
+            append_jsonl(self.file, [{"kind": "config", "run_id": run_id, **cfg.as_dict(),
+                                      **layout, "host": ctx.host, "start_step": start_step}])
         if self.is_writer and cfg.progress:
             from tqdm import tqdm
             self.bar = tqdm(total=cfg.steps, initial=start_step, desc=cfg.sync, unit="step",
                             dynamic_ncols=True)
-
-    def _write(self, *records):
-        append_jsonl(self.file, records)
 
     def record(self, step, local_loss, fields):
         """This rank's step: its local loss (None where it computes none) and the
@@ -101,7 +98,7 @@ class Metrics:
             for r in per_rank:
                 r["loss"] = loss
             if self.file:
-                self._write(*per_rank)
+                append_jsonl(self.file, per_rank)
             self.overflow_skips = per_rank[0].get("overflow_skips", self.overflow_skips)
             self.steps.append((per_rank[0]["step"], loss,
                                max(r["step_time_s"] for r in per_rank),
@@ -149,7 +146,7 @@ class Metrics:
               (f"  overflow skips {self.overflow_skips}" if "overflow_skips" in out else ""),
               flush=True)
         if self.file:
-            self._write(out)
+            append_jsonl(self.file, [out])
         return out
 
 

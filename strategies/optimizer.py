@@ -80,6 +80,7 @@ from .precision import MixedPrecision
 from .ps_sync import HybridSync, PSSync
 from .sync import AllReduceSync, LocalSync, SyncOptions, broadcast_tensor, collective_for
 
+
 def ps_roles(servers=1, comm=None):
     """psrv.launch's roles over `comm` (default COMM_WORLD): psrv decides who serves (the
     last `servers` ranks), the others train.  Collective over comm."""
@@ -119,23 +120,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"sync={sync!r} is not one of {', '.join(SYNCS)} "
                               "(or a collective from allreduce.create)")
         server_optimizer = {}
-        if name in PS_SYNCS and self.precision.mixed:
-            raise ConfigError(f"precision={precision!r} with sync={name!r} is not supported: "
-                              "the servers run the optimizer, with no loss scale")
         if name in PS_SYNCS:
+            if self.precision.mixed:
+                raise ConfigError(f"precision={precision!r} with sync={name!r} is not supported: "
+                                  "the servers run the optimizer, with no loss scale")
             server_optimizer = server_settings(optimizer)
         elif role is not None:
             raise ConfigError(f"role= is for sync='ps' or 'hybrid', not {name!r}")
         options = SyncOptions(sync=name, bucket_mb=bucket_mb, overlap=overlap, compress=compress,
                               error_feedback=error_feedback,
-                              momentum_correction=momentum_correction, timeout=timeout, ranks_per_node=ranks_per_node,
+                              momentum_correction=momentum_correction, timeout=timeout,
+                              ranks_per_node=ranks_per_node,
                               link_latency_us=link_latency_us, link_gbps=link_gbps,
                               consistency=consistency, staleness=staleness, **server_optimizer)
         if momentum_correction and any(g.get("momentum", 0) for g in optimizer.param_groups):
             raise ConfigError(f"momentum_correction={momentum_correction} keeps the momentum "
                               f"in the compressor: wrap an optimizer without momentum")
         self.optimizer, self.model, self.options = optimizer, model, options
-        self._step, self._synchronized, self._closed = 0, False, True
         if name in PS_SYNCS:
             self.sync = self._parameter_server_sync(role, options, device, params)
         elif name == "local":              # one process: the reference the others reproduce
@@ -155,7 +156,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.sync = AllReduceSync(options, None, device, coll)
         self.sync.setup(model)             # rank 0's weights win; the bucket hooks attach
         self._step = self.sync.start_step  # > 0 where parameter servers resumed a run
-        self._closed = False
+        self._synchronized, self._closed = False, False
 
     def _parameter_server_sync(self, role, options, device, params):
         if role is None:
@@ -177,10 +178,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         local.Free()
         sync = (PSSync if options.sync == "ps" else HybridSync)(options, ctx, device)
         # The servers hand out worker 0's parameters; the buffers are not theirs to keep.
-        coll = allreduce.create("mpi", comm=workers, timeout=options.timeout)
-        with torch.no_grad():
-            for b in self.model.buffers():
-                broadcast_tensor(coll, b.data)
+        coll = collective_for("mpi", options, workers)
+        for b in self.model.buffers():
+            broadcast_tensor(coll, b.data)
         return sync
 
     # -------------------------------------------------------- the wrapped optimizer

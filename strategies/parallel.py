@@ -2,7 +2,7 @@
 
     mpiexec -n 4 .venv/bin/python -m mpi4py -m strategies.train --sync ring --model gpt \\
         --layers 4 --pp 2 --tp 2 --micro-batches 4 --schedule 1f1b --trace run.json
-    mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.train --sync ring --model gpt \
+    mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.train --sync ring --model gpt \\
         --layers 4 --pp 2 --micro-batches 4 --schedule interleaved --virtual-stages 2
     mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.train --sync ring --zero 3 \\
         --optimizer adam --jsonl zero3.jsonl
@@ -139,12 +139,9 @@ class GridEngine(StepEngine):
         d, p, t = self.comms.grid.coords_of(rank)
         return f"rank {rank} (dp {d}, pp {p}, tp {t})"
 
-    def transports(self):
-        colls = [self.sync.coll] + ([self.tp_coll] if self.tp_coll else [])
-        return [c.transport for c in colls] + [self.p2p]
-
     def traffic(self):
-        ts = self.transports()
+        colls = [self.sync.coll] + ([self.tp_coll] if self.tp_coll else [])
+        ts = [c.transport for c in colls] + [self.p2p]
         return sum(t.bytes_sent for t in ts), sum(t.bytes_received for t in ts)
 
     def step(self, step):

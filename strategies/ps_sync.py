@@ -12,7 +12,6 @@ those parameters into the model.  So the model changes in `step` only, as with
 an all-reduce and a local optimizer, and whatever runs between the two (a
 gradient clip, a look at the parameters) sees the same state under every sync.
 """
-import socket
 import zlib
 
 import numpy as np
@@ -23,12 +22,12 @@ from .context import require_psrv
 from .sync import AllReduceSync, GradientSync, collective_for
 
 
-
 def check_servers_step(start_step, state):
     """On --resume: the servers' shards and the workers' checkpoint must be of one step."""
     if state.get("servers_step") != start_step:
         raise RuntimeError(f"--resume: the servers resumed at step {start_step}, "
                            f"the worker checkpoint is at step {state.get('servers_step')}")
+
 
 class PSSync(GradientSync):
     """Workers push gradients and pull parameters; no optimizer on the worker.
@@ -60,7 +59,9 @@ class PSSync(GradientSync):
         super().setup(model)
         self.named = dict(model.named_parameters())
         # Host buffers the client reads gradients from and writes parameters into
-        # (pinned on a GPU; UNVERIFIED: no GPU here), with numpy views of them.
+        # (pinned on a GPU; UNVERIFIED: no GPU here), with numpy views of them;
+        # host_params: the servers' parameters for the next step, filled by
+        # synchronize and put into the model by step.
         pin = self.device.type == "cuda"
         self.host_params = {n: torch.empty(p.shape, pin_memory=pin) for n, p in self.named.items()}
         self.host_grads = {n: torch.zeros(p.shape, pin_memory=pin) for n, p in self.named.items()}
@@ -93,12 +94,6 @@ class PSSync(GradientSync):
 
     def step(self, optimizer):
         self._install()
-
-    @property
-    def pulled(self):
-        """{name: host tensor}: the servers' parameters for the next step, filled by
-        synchronize and put into the model by step."""
-        return self.host_params
 
     def _install(self):
         """The parameters the servers sent, into the model."""
@@ -151,8 +146,8 @@ class HybridSync(GradientSync):
     workers for that to be the mean over all workers.  It is made of two syncs
     and calls only their contract: an AllReduceSync over the node and, on a
     leader, a PSSync that reads the node's averaged gradients from .grad (and
-    whose `pulled` parameters the leader broadcasts, still in synchronize, so
-    that all the communication is there and the update in step).
+    whose pulled parameters, its host_params, the leader broadcasts, still in
+    synchronize, so that all the communication is there and the update in step).
     """
     name = "hybrid"
 
@@ -160,7 +155,7 @@ class HybridSync(GradientSync):
         super().__init__(cfg, ctx, device)
         comm = ctx.dp_comm
         per = cfg.ranks_per_node
-        node_id = comm.rank // per if per else zlib.crc32(socket.gethostname().encode())
+        node_id = comm.rank // per if per else zlib.crc32(ctx.host.encode())
         self.node = comm.Split(node_id % (2**31), comm.rank)
         self.is_leader = self.node.rank == 0
         leaders = comm.Split(0 if self.is_leader else 1, comm.rank)
@@ -193,7 +188,7 @@ class HybridSync(GradientSync):
         # where the new parameters arrive before step: the leader's servers' buffers,
         # a copy of its own on every other worker of the node
         names = [n for n, _ in model.named_parameters()]
-        self.incoming = [self.ps.pulled[n] for n in names] if self.ps is not None else \
+        self.incoming = [self.ps.host_params[n] for n in names] if self.ps is not None else \
             [torch.empty(p.shape) for p in model.parameters()]
 
     def before_backward(self):
@@ -215,9 +210,6 @@ class HybridSync(GradientSync):
         self.next_step = step + 1
 
     def step(self, optimizer):
-        if self.ps is not None:
-            self.ps.step(optimizer)                 # into the model, on the leader
-            return
         with torch.no_grad():
             for p, new in zip(self.model.parameters(), self.incoming):
                 p.copy_(new, non_blocking=True)

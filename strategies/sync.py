@@ -35,9 +35,9 @@ Every data-parallel rank computes the mean loss over its B/P samples, and the
 syncs average over P ranks, so the update is the one of the mean over all B
 samples: exactly one process's update, up to the order of float additions.
 
-A sync reads its settings from `cfg`: a TrainConfig in strategies.train, or a
-SyncOptions (the same fields, nothing about models, data or batches) where
-the user brings the model and the loop (optimizer.py).
+A sync reads its settings from `cfg`: a SyncOptions (TrainConfig's fields of the
+syncs, nothing about models, data or batches) built by DistributedOptimizer, for a
+user's loop and strategies.train's alike, or the TrainConfig of ZeRO and --ep.
 """
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,16 +49,18 @@ import allreduce
 from allreduce.buffers import TORCH_DTYPES
 
 from .buckets import GradBuckets
-from .choices import CONSISTENCIES, EMULATED_SYNCS, OPTIMIZERS, SYNCS, ConfigError
+from .choices import EMULATED_SYNCS, ConfigError
+from .combinations import check_sync, check_values
 from .compress import make_compressor
-from .compressor import check_compress, parse_compress
+from .compressor import parse_compress
 from .powersgd import PowerSGDCompressor
 from .topk import TopKCompressor
 
 
 @dataclass(frozen=True)
 class SyncOptions:
-    """The fields of TrainConfig that the syncs read, validated the same way."""
+    """The fields of TrainConfig that the syncs read, validated by the same checks
+    (combinations.check_sync), whose errors name DistributedOptimizer's keywords."""
     sync: str = "ring"
     bucket_mb: float = 25.0       # gradient bucket cap
     overlap: bool = True          # all-reduce buckets while backward runs
@@ -78,26 +80,10 @@ class SyncOptions:
     weight_decay: float = 0.0
 
     def __post_init__(self):
-        for field, options in (("sync", SYNCS),
-                               ("consistency", CONSISTENCIES), ("optimizer", OPTIMIZERS)):
-            if getattr(self, field) not in options:
-                raise ConfigError(f"{field}={getattr(self, field)!r} is not one of "
-                                  f"{', '.join(options)}")
+        spec = check_sync(self, cli=False)
+        check_values(self, cli=False, positive=("timeout",))
         if not isinstance(self.overlap, bool):
             raise ConfigError(f"overlap={self.overlap!r} must be True or False")
-        for field in ("bucket_mb", "timeout", "lr"):
-            if not getattr(self, field) > 0:
-                raise ConfigError(f"{field} must be > 0, got {getattr(self, field)!r}")
-        for field in ("ranks_per_node", "staleness", "link_latency_us", "link_gbps",
-                      "momentum", "weight_decay"):
-            if not getattr(self, field) >= 0:
-                raise ConfigError(f"{field} must be >= 0, got {getattr(self, field)!r}")
-        if (self.link_latency_us or self.link_gbps) and self.sync not in EMULATED_SYNCS:
-            raise ConfigError(f"link emulation slows the textbook all-reduces "
-                              f"({', '.join(EMULATED_SYNCS)}), not sync={self.sync!r}")
-        if self.consistency == "bsp" and self.staleness:
-            raise ConfigError("staleness needs consistency='ssp' (bsp waits for every worker)")
-        spec = check_compress(self.compress, self.sync, self.error_feedback, cli=False)
         if self.momentum_correction and not (spec.kind == "topk" and self.error_feedback and
                                              0 < self.momentum_correction < 1):
             raise ConfigError(f"momentum_correction={self.momentum_correction!r} needs "
@@ -218,8 +204,8 @@ def collective_for(name, cfg, comm, transport=None):
                             **options)
 
 
-def broadcast_tensor(coll, t, root=0):
-    """t (a tensor, no autograd) := root's t.  The collectives take a few dtypes and
+def broadcast_tensor(coll, t):
+    """t (a tensor, no autograd) := rank 0's t.  The collectives take a few dtypes and
     contiguous memory only; anything else travels through a copy that they take
     and exact for its values (int64 for bool and small integers, float64 for float8)."""
     if t.numel() == 0:
@@ -227,20 +213,20 @@ def broadcast_tensor(coll, t, root=0):
     if t.is_complex():
         t = torch.view_as_real(t)                  # a view: its pairs of reals are t's memory
     if t.dtype in TORCH_DTYPES and t.is_contiguous():
-        coll.broadcast(t, root=root)
+        coll.broadcast(t, root=0)
         return
     wire = t.dtype if t.dtype in TORCH_DTYPES else \
         torch.float64 if t.is_floating_point() else torch.int64
     staged = t.to(wire).contiguous()
-    coll.broadcast(staged, root=root)
+    coll.broadcast(staged, root=0)
     t.copy_(staged)
 
 
-def broadcast_module(coll, module, root=0):
-    """Rank root's parameters and buffers on every rank (DDP does the same at construction)."""
+def broadcast_module(coll, module):
+    """Rank 0's parameters and buffers on every rank (DDP does the same at construction)."""
     with torch.no_grad():
         for t in chain(module.parameters(), module.buffers()):
-            broadcast_tensor(coll, t.data, root)
+            broadcast_tensor(coll, t.data)
 
 
 class AllReduceSync(GradientSync):
@@ -263,14 +249,8 @@ class AllReduceSync(GradientSync):
                                    int(self.cfg.bucket_mb * 2**20),
                                    build_compressor(self.cfg.compress, self.coll,
                                                     self.cfg.error_feedback,
-                                                    self.correction_momentum()),
+                                                    self.cfg.momentum_correction),
                                    self.cfg.overlap)
-
-    def correction_momentum(self):
-        """DGC's momentum for topk.py: SyncOptions carries it, a TrainConfig says to take
-        its --momentum (and make_optimizer then builds SGD without)."""
-        correction = self.cfg.momentum_correction
-        return self.cfg.momentum if correction is True else float(correction)
 
     def before_backward(self):
         self.buckets.zero_()

@@ -87,18 +87,11 @@ def prepare(argv=None):
         rank, first = next((r, p) for r, p in enumerate(problems) if p)
         mine = problem or f"rank {rank} failed: {first}"
         # one write per line, so that the ranks' lines do not interleave
-        sys.stderr.write(f"strategies.train rank {control_rank(ctx)}: error: {mine}\n")
+        sys.stderr.write(f"strategies.train rank {control.rank}: error: {mine}\n")
         sys.stderr.flush()
         control.barrier()                          # everyone has printed before anyone exits
         sys.exit(2)
     return cfg, ctx, device, data, model, state
-
-
-def control_rank(ctx):
-    if ctx is not None:
-        return ctx.rank
-    from mpi4py import MPI
-    return MPI.COMM_WORLD.rank
 
 
 def one_step(step, cfg, ctx, data, model, sync, optimizer, device, forward=None, tracer=None,
