@@ -124,7 +124,7 @@ def describe_cluster(c):
     return text + (f", {c['inter_latency_us']:g} us" if c.get("inter_latency_us") else "")
 
 
-def launch_params(command, params, launcher, cluster):
+def launch_params(params, launcher, cluster):
     """The point's params with its launch: nothing is added for the local launcher
     (so the points of older sweeps keep their ids); otherwise "launcher", the
     cluster, and the world size the cluster implies."""

@@ -116,11 +116,9 @@ def command_line(command, p, raw, place=None):
     head = launchers.head(command, p, place)
     cluster = p.get("cluster")
     args = []
-    p = {k: v for k, v in p.items() if k not in LAUNCH_KEYS}
+    p = {k: v for k, v in p.items() if k not in LAUNCH_KEYS + ("world_size",)}  # head starts the ranks
     if command == "allreduce.bench":
         for k, v in p.items():
-            if k == "world_size":
-                continue
             if k == "predict":                   # the model's time beside each measured row
                 args += ["--predict", calibration_path(raw, cluster)] if v else []
                 continue
@@ -128,8 +126,6 @@ def command_line(command, p, raw, place=None):
         return head + args + ["--jsonl", raw]
     defaults = train_fields()
     for k, v in p.items():
-        if k == "world_size":
-            continue
         if k == "trace":                         # a Chrome trace beside the point's records
             args += ["--trace", trace_path(raw)] if v else []
             continue

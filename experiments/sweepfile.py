@@ -68,8 +68,7 @@ def key_lines(text):
 
 def schema_of(command):
     if command == "strategies.train":
-        return {**{k: "axis" for k in train_fields() if k not in ("jsonl", "progress")},
-                "world_size": "axis"}
+        return {**{k: "axis" for k in defaults_of(command)}, "world_size": "axis"}
     return SCHEMA[command]
 
 
@@ -219,7 +218,7 @@ def load_sweep(path):
         for params in expand(run, schema):
             problem = None
             for cluster in clusters:
-                point = launch_params(command, params, launcher, cluster)
+                point = launch_params(params, launcher, cluster)
                 problem = launch_problem(command, point) or check_point(command, point)
                 if problem:
                     shown = ", ".join(f"{k}={describe_cluster(v) if k == 'cluster' else v}"
