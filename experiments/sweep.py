@@ -101,9 +101,10 @@ def command_line(command, p, raw, place=None):
     """The argv of one point; its records go to `raw`.  `place`: where an emulated
     cluster lives (launchers.ClusterPlace; the default one when None)."""
     py = sys.executable
-    if command == "psrv.bench":
-        return [py, "-m", "psrv.bench", "--workers", str(p.get("workers", 1)), "--servers",
-                str(p.get("servers", 1)), "--reps", str(p.get("reps", 3)), "--jsonl", raw] + (
+    if command == "psrv.bench":              # the point's config: its defaults filled in
+        c = full_config(command, p)
+        return [py, "-m", "psrv.bench", "--workers", str(c["workers"]), "--servers",
+                str(c["servers"]), "--reps", str(c["reps"]), "--jsonl", raw] + (
                     ["--sizes", ",".join(map(str, p["sizes"]))] if "sizes" in p else [])
     if command == "experiments.calibrate":
         tail = ["--jsonl", raw, "--reps", str(p.get("reps", 15))] + (
