@@ -96,8 +96,9 @@ def resolve(launcher, cluster, base_dir="."):
         kind, hostfile = parse_launcher(launcher, base_dir)
     except ValueError as e:
         raise ValueError(("launcher", str(e))) from None
+    launcher = f"hostfile:{hostfile}" if hostfile else kind     # a hostfile's path made absolute
     if cluster is None:
-        return (f"hostfile:{hostfile}" if hostfile else kind), [None]
+        return launcher, [None]
     tables = cluster if isinstance(cluster, list) else [cluster]
     if not tables:
         raise ValueError(("cluster", "cluster = [] names no cluster; leave cluster out to "
@@ -111,7 +112,7 @@ def resolve(launcher, cluster, base_dir="."):
             raise ValueError(("cluster", problem))
     keys = ("nodes", "ranks_per_node") if kind == "slurm" else CLUSTER_KEYS
     filled = [{k: table.get(k, CLUSTER_KEYS[k][0]) for k in keys} for table in tables]
-    return (f"hostfile:{hostfile}" if hostfile else kind), filled
+    return launcher, filled
 
 
 def describe_cluster(c):

@@ -6,12 +6,10 @@ See experiments/sweep.py for the file's format.  A value of the wrong type (a
 name that is a number, a list where one command belongs, `[run]` for `[[run]]`,
 a timeout in words) is a problem like any other, never a traceback; the name
 must be a plain folder name, since the results go to results/NAME.  Every
-problem names its line:
-tomllib keeps no positions, so `key_lines` scans the text for table headers
-and `key =` lines.  A point is impossible when the command would refuse it
-anyway (a world size that does not split into the data-parallel ranks, the
-servers and the nodes; a straggler that is not a rank; link emulation of a
-baseline that cannot be slowed): better said before the first point runs
+problem names its line (`key_lines`).  A point is impossible when the command
+would refuse it anyway (a world size that does not split into the data-parallel
+ranks, the servers and the nodes; a straggler that is not a rank; link emulation
+of a baseline that cannot be slowed): better said before the first point runs
 than after an hour of sweeping.
 """
 import dataclasses
