@@ -134,9 +134,8 @@ def mpi_part(reps, verify=(), comm=None):
     a, b = np.ones(16 << 18, np.float32), np.ones(16 << 18, np.float32)     # 16 MiB each
     adds = {n: (a[:n // 4], b[:n // 4]) for n in GAMMA_SIZES}
     ring, tiny = allreduce.create("ring", comm=comm), np.zeros(2, np.float32)
-    ring.check = False
     colls = {name: allreduce.create(name, comm=comm) for name in verify}
-    for c in colls.values():
+    for c in (ring, *colls.values()):
         c.check = False
     work = {n: np.zeros(n // 4, np.float32) for n in VERIFY_SIZES}   # sums stay finite
     one_way_calls = 0   # the one-way probes alternate the sender call by call
