@@ -176,8 +176,7 @@ def run_on(state, job, jsonl):
     wire.print_table(records, theory)
     jsonl = jsonl or jsonl_of(job)
     if jsonl:
-        from allreduce.records import append_jsonl        # imports torch: only after a job
-        from experiments.records import provenance
+        from allreduce.records import append_jsonl, provenance  # imports torch: only after a job
         meta = provenance()
         append_jsonl(jsonl, [{**r, "provenance": meta} for r in records])
     return code

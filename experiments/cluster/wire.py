@@ -14,6 +14,8 @@ for an allreduce.bench job the number of all-reduces is known from its flags
 """
 import sys
 
+import numpy as np
+
 FRAME_HEADER_BYTES = 14 + 20 + 32
 
 
@@ -48,8 +50,8 @@ def bench_theory(job_args, nodes, ranks_per_node):
     from allreduce.bench_config import parse_args     # the bench's own flags and defaults
     from allreduce.theory import host_link_bytes
     args = parse_args(job_args)
-    itemsize = 2 if args.dtype in ("float16", "bfloat16") else \
-        {"float32": 4, "float64": 8, "int32": 4, "int64": 8}[args.dtype]
+    # as allreduce.bench sizes its buffers (numpy has no bfloat16)
+    itemsize = 2 if args.dtype in ("float16", "bfloat16") else np.dtype(args.dtype).itemsize
     calls = 1 + args.warmup + args.iters
     total = [0.0] * nodes
     for nbytes in args.sizes:
