@@ -82,11 +82,6 @@ def flag(key):
     return "--" + key.replace("_", "-")
 
 
-def trace_path(raw):
-    """Where a point's --trace goes: raw/POINT.trace.json beside raw/POINT.jsonl."""
-    return raw[:-len(".jsonl")] + ".trace.json"
-
-
 def calibration_path(raw, cluster):
     """The directory of the calibration of `cluster`: RESULTS/calibration/2x2-1gbit-0us/.
     The experiments.calibrate point on that cluster writes calibration.json there
@@ -116,8 +111,8 @@ def command_line(command, p, raw, place=None):
                                                              ["--no-ps"])
     head = launchers.head(command, p, place)
     cluster = p.get("cluster")
-    args = []
-    p = {k: v for k, v in p.items() if k not in LAUNCH_KEYS + ("world_size",)}  # head starts the ranks
+    args = []                                    # world_size: head starts the ranks
+    p = {k: v for k, v in p.items() if k not in LAUNCH_KEYS + ("world_size",)}
     if command == "allreduce.bench":
         for k, v in p.items():
             if k == "predict":                   # the model's time beside each measured row
@@ -128,7 +123,7 @@ def command_line(command, p, raw, place=None):
     defaults = train_fields()
     for k, v in p.items():
         if k == "trace":                         # a Chrome trace beside the point's records
-            args += ["--trace", trace_path(raw)] if v else []
+            args += ["--trace", raw[:-len(".jsonl")] + ".trace.json"] if v else []
             continue
         if isinstance(defaults.get(k), bool):
             if v != defaults[k]:
