@@ -183,7 +183,8 @@ def run_on(state, job, jsonl):
 
 
 def cmd_run(a, job):
-    launch.check_job(job)
+    if not job:
+        raise net.ClusterError("run needs a job after `--`: MODULE ARGS... (or SCRIPT.py ARGS...)")
     net.require_privileges()
     own = a.nodes is not None
     state = bring_up(a) if own else load_state()
