@@ -68,7 +68,7 @@ from . import launchers
 from .launchers import LAUNCH_KEYS, ClusterLock, ClusterPlace, describe_cluster
 from .points import Stopper, run_point
 from .records import append_jsonl, provenance, read_jsonl
-from .sweepfile import SweepError, full_config, load_sweep, train_fields
+from .sweepfile import SweepError, defaults_of, full_config, load_sweep
 
 __all__ = ["SweepError", "load_sweep", "command_line", "point_id", "main"]
 
@@ -110,28 +110,23 @@ def command_line(command, p, raw, place=None):
         return [py, "-m", "experiments.calibrate"] + tail + ([] if p.get("ps", True) else
                                                              ["--no-ps"])
     head = launchers.head(command, p, place)
-    cluster = p.get("cluster")
-    args = []                                    # world_size: head starts the ranks
-    p = {k: v for k, v in p.items() if k not in LAUNCH_KEYS + ("world_size",)}
-    if command == "allreduce.bench":
-        for k, v in p.items():
-            if k == "predict":                   # the model's time beside each measured row
-                args += ["--predict", calibration_path(raw, cluster)] if v else []
-                continue
-            args += [flag(k), ",".join(map(str, v)) if isinstance(v, list) else str(v)]
-        return head + args + ["--jsonl", raw]
-    defaults = train_fields()
+    cluster, defaults = p.get("cluster"), defaults_of(command)
+    args = []
     for k, v in p.items():
-        if k == "trace":                         # a Chrome trace beside the point's records
-            args += ["--trace", raw[:-len(".jsonl")] + ".trace.json"] if v else []
+        if k in LAUNCH_KEYS + ("world_size", "progress"):     # head's, or the sweep's own
             continue
-        if isinstance(defaults.get(k), bool):
+        if k == "predict":                       # the model's time beside each measured row
+            args += ["--predict", calibration_path(raw, cluster)] if v else []
+        elif k == "trace":                       # a Chrome trace beside the point's records
+            args += ["--trace", raw[:-len(".jsonl")] + ".trace.json"] if v else []
+        elif isinstance(defaults.get(k), bool):  # a switch: named when it differs
             if v != defaults[k]:
                 args.append(flag(k) if v else "--no-" + k.replace("_", "-"))
         else:
-            args += [flag(k), str(v)]
-    return head + args + ["--no-progress", "--jsonl", raw]
-
+            args += [flag(k), ",".join(map(str, v)) if isinstance(v, list) else str(v)]
+    if command == "strategies.train":
+        args.append("--no-progress")
+    return head + args + ["--jsonl", raw]
 
 def parser():
     ap = argparse.ArgumentParser(prog="python -m experiments.sweep", description=__doc__,
