@@ -82,10 +82,7 @@ def expand(run, schema):
 def check_point(command, p):
     """None, or (key, reason) for an impossible point."""
     emulated = bool(p.get("link_latency_us") or p.get("link_gbps"))
-    if command in ("allreduce.bench", "strategies.train"):
-        P = p.get("world_size", 1)
-        if not isinstance(P, int) or P < 1:
-            return "world_size", f"world_size must be a whole number >= 1, got {P!r}"
+    P = p.get("world_size", 1)                  # a whole number >= 1 (value_problems)
     if command == "allreduce.bench":
         from allreduce import ALGORITHMS
         from allreduce.bench_config import COLLECTIVES
@@ -108,10 +105,6 @@ def check_point(command, p):
         if k and P % k:
             return "ranks_per_node", (f"world_size {P} does not factor into nodes of "
                                       f"{k} ranks: {P} % {k} = {P % k}")
-    elif command == "psrv.bench":
-        for key in ("workers", "servers"):
-            if not isinstance(p.get(key, 1), int) or p.get(key, 1) < 1:
-                return key, f"{key} must be a whole number >= 1, got {p.get(key)!r}"
     elif command == "strategies.train":
         from strategies.config import ConfigError, TrainConfig, dp_size_of
         fields = {k: v for k, v in p.items()                    # TrainConfig checks the rest
@@ -255,7 +248,9 @@ def timeout_problem(value):
 # The type of value a key takes where the command's default does not show it
 # (None, or no default kept here), or where the sweep means something else by the
 # key (`trace = true`: a switch; the sweep picks the file).
-TYPE_EXAMPLES = {"ranks_per_node": 0, "link_gbps": 0.0, "reps": 0, "ps": True, "trace": True}
+TYPE_EXAMPLES = {"ranks_per_node": 0, "link_gbps": 0.0, "reps": 0, "ps": True, "trace": True,
+                 "world_size": 0}
+COUNTS = ("world_size", "workers", "servers")       # ranks or processes: at least one
 
 
 def type_problem(key, value, example):
@@ -264,6 +259,8 @@ def type_problem(key, value, example):
         ok, want = isinstance(value, bool), "true or false"
     elif isinstance(example, int):
         ok, want = isinstance(value, int) and not isinstance(value, bool), "a whole number"
+        if ok and key in COUNTS and value < 1:
+            ok, want = False, "a whole number >= 1"
     elif isinstance(example, float):
         ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
     elif isinstance(example, str):
