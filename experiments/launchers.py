@@ -8,12 +8,7 @@
                                   (outside an allocation: salloc -n P srun ...)
 
 A sweep names a cluster as an inline table, in [sweep] or in a [[run]]; a list
-of tables is an axis, one point per cluster:
-
-    cluster = {nodes = 2, ranks_per_node = 2, inter_gbps = 1}
-    cluster = [{nodes = 2, ranks_per_node = 2, inter_gbps = 1},
-               {nodes = 4, ranks_per_node = 1, inter_gbps = 10}]
-
+of tables is an axis, one point per cluster (experiments/sweep.py shows one).
 A cluster without a launcher runs on the emulated one (experiments/cluster:
 network namespaces, links shaped by tc; needs root).  Under Slurm a cluster
 asks for its nodes and ranks (`srun -N nodes --ntasks-per-node R`); its links
