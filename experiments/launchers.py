@@ -137,11 +137,10 @@ def launch_problem(command, p):
     """None, or (key, reason) for a point its launcher cannot run."""
     launcher, cluster = p.get("launcher", "local"), p.get("cluster")
     kind = launcher.split(":")[0]
-    if command == "experiments.calibrate" and cluster is not None and cluster["nodes"] >= 2:
-        pass                                     # the cross-host calibration
-    elif command == "experiments.calibrate" and cluster is not None:
-        return "cluster", ("experiments.calibrate on a cluster measures the link between "
-                           "hosts: it needs nodes >= 2")
+    if command == "experiments.calibrate" and cluster is not None:
+        if cluster["nodes"] < 2:                 # else the cross-host calibration
+            return "cluster", ("experiments.calibrate on a cluster measures the link "
+                               "between hosts: it needs nodes >= 2")
     elif kind != "local" and command not in MPI_COMMANDS:
         return "launcher", (f"{command} starts its own processes on this host: it runs with "
                             f"launcher = \"local\" only, or on a cluster of 2 hosts or more "
