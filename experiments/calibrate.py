@@ -85,12 +85,11 @@ from allreduce.records import (CALIBRATION, append_jsonl, mpiexec_path, provenan
                                write_calibration)
 
 from . import calibrate_link
+from .calibrate_link import GAMMA_SIZES, LARGE    # one figure for both levels
 
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
 PS_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
-LARGE = calibrate_link.LARGE     # where the per-byte fits begin: one figure for both levels
 VERIFY_SIZES = [1 << 20, 4 << 20, 16 << 20]
-GAMMA_SIZES = calibrate_link.GAMMA_SIZES
 
 
 def fit_alpha_beta(nbytes, seconds):
