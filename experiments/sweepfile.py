@@ -22,11 +22,6 @@ import tomllib
 from .launchers import LAUNCH_KEYS, describe_cluster, launch_params, launch_problem, resolve
 
 
-def train_fields():
-    from strategies.config import TrainConfig
-    return {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-
-
 # command -> {key: "axis" | "list" | "scalar"}; "list" keys are joined with commas.
 SCHEMA = {
     "allreduce.bench": {"world_size": "axis", "algos": "list", "ops": "list", "sizes": "list",
@@ -289,17 +284,16 @@ def value_problems(run, schema, defaults):
 def defaults_of(command):
     """The values the command uses for the keys a point leaves out."""
     if command == "strategies.train":
-        defaults = {k: v for k, v in train_fields().items() if k not in ("jsonl", "progress")}
-    elif command == "allreduce.bench":
+        from strategies.config import TrainConfig
+        return {f.name: f.default for f in dataclasses.fields(TrainConfig)
+                if f.name not in ("jsonl", "progress")}
+    if command == "allreduce.bench":
         from allreduce.bench_config import parse_args
-        defaults = {k: v for k, v in vars(parse_args([])).items() if k != "jsonl"}
-        defaults["world_size"] = 1
-    elif command == "psrv.bench":
-        defaults = {"workers": 1, "servers": 1, "reps": 3,
-                    "sizes": ["4K", "64K", "1M", "16M", "64M"]}
-    else:
-        defaults = {}
-    return defaults
+        return {**{k: v for k, v in vars(parse_args([])).items() if k != "jsonl"},
+                "world_size": 1}
+    if command == "psrv.bench":
+        return {"workers": 1, "servers": 1, "reps": 3, "sizes": ["4K", "64K", "1M", "16M", "64M"]}
+    return {}
 
 
 def full_config(command, params):
