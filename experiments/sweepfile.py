@@ -154,12 +154,10 @@ def load_sweep(path):
             bad("sweep", 0, key, f"unknown key {key!r} in [sweep]; known: name, timeout_s, "
                                  f"{', '.join(LAUNCH_KEYS)}")
         settings[key] = value
-    problem = name_problem(settings["name"])
-    if problem:
-        bad("sweep", 0, "name", problem)
-    problem = timeout_problem(settings["timeout_s"])
-    if problem:
-        bad("sweep", 0, "timeout_s", problem)
+    for key, problem_of in (("name", name_problem), ("timeout_s", timeout_problem)):
+        problem = problem_of(settings[key])
+        if problem:
+            bad("sweep", 0, key, problem)
     points = []
     for i, run in enumerate(runs):
         command = run.get("command")
@@ -167,8 +165,8 @@ def load_sweep(path):
             bad("run", i, "command", "no command in this [[run]]" if command is None else
                 f"command {command!r} is not one of {', '.join(SCHEMA)}")
             continue
-        problem = timeout_problem(run.get("timeout_s", settings["timeout_s"]))
-        if "timeout_s" in run and problem:
+        problem = "timeout_s" in run and timeout_problem(run["timeout_s"])
+        if problem:
             bad("run", i, "timeout_s", problem)
             continue
         if not isinstance(run.get("label", ""), str):
