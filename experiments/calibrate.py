@@ -85,12 +85,11 @@ from allreduce.records import (CALIBRATION, append_jsonl, mpiexec_path, provenan
                                write_calibration)
 
 from . import calibrate_link
+from .calibrate_link import GAMMA_SIZES, LARGE    # one figure for both levels
 
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
 PS_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
-LARGE = calibrate_link.LARGE     # where the per-byte fits begin: one figure for both levels
 VERIFY_SIZES = [1 << 20, 4 << 20, 16 << 20]
-GAMMA_SIZES = calibrate_link.GAMMA_SIZES
 
 
 def fit_alpha_beta(nbytes, seconds):
@@ -110,9 +109,7 @@ def fit_two_regimes(nbytes, seconds, split=LARGE):
     small = [(b, t) for b, t in zip(nbytes, seconds) if b < split]
     large = [(b, t) for b, t in zip(nbytes, seconds) if b >= split]
     alpha, _ = fit_alpha_beta(*zip(*small)) if len(small) >= 2 else (0.0, 0.0)
-    b, t = (np.asarray(x, float) for x in zip(*large))
-    beta = float(np.sum((t - alpha) * b / t**2) / np.sum(b**2 / t**2))   # 1/t weights, alpha fixed
-    return alpha, beta
+    return alpha, calibrate_link.fit_beta(*zip(*large), alpha)
 
 
 def mpi_part(reps, verify=(), comm=None):
@@ -136,9 +133,8 @@ def mpi_part(reps, verify=(), comm=None):
     a, b = np.ones(16 << 18, np.float32), np.ones(16 << 18, np.float32)     # 16 MiB each
     adds = {n: (a[:n // 4], b[:n // 4]) for n in GAMMA_SIZES}
     ring, tiny = allreduce.create("ring", comm=comm), np.zeros(2, np.float32)
-    ring.check = False
     colls = {name: allreduce.create(name, comm=comm) for name in verify}
-    for c in colls.values():
+    for c in (ring, *colls.values()):
         c.check = False
     work = {n: np.zeros(n // 4, np.float32) for n in VERIFY_SIZES}   # sums stay finite
     one_way_calls = 0   # the one-way probes alternate the sender call by call
@@ -310,36 +306,44 @@ def main(argv=None):
     if a.out.endswith(".json"):
         parser().error(f"--out {a.out!r}: --out names a directory, into which {CALIBRATION} "
                        f"is written (e.g. --out results)")
-    if not a.mpi_part and calibrate_link.launched_on_hosts():
-        calibrate_link.main(a, mpi_part)
-        return 0
+    verify = [v for v in a.verify.split(",") if v]
     if a.mpi_part:
-        result = mpi_part(a.reps, [v for v in a.verify.split(',') if v])
+        result = mpi_part(a.reps, verify)
         from mpi4py import MPI
         if MPI.COMM_WORLD.rank == 0:
             with open(a.mpi_part, "w") as f:
                 json.dump(result, f)
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        part = os.path.join(tmp, "mpi.json")
-        subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-m", "mpi4py", "-m",
-                        "experiments.calibrate", "--mpi-part", part, "--reps", str(a.reps),
-                        "--verify", a.verify], check=True, timeout=300)
-        with open(part) as f:
-            result = json.load(f)
-    if a.ps:
-        result.update(ps_part(max(5, a.reps // 2), bool(a.verify)))
-    result["cores"] = os.cpu_count()
-    result["loadavg"] = os.getloadavg()
-    print(f"alpha {result['alpha_s'] * 1e6:.1f} us  beta {1e-9 / result['beta_s_per_byte']:.2f}"
-          f" GB/s  gamma {1e-9 / result['gamma_s_per_byte']:.2f} GB/s  memcpy "
-          f"{result['memcpy_gbps']:.1f} GB/s" + (
-              f"  ps_alpha {result['ps_alpha_s'] * 1e6:.0f} us  ps_beta "
-              f"{1e-9 / result['ps_beta_s_per_byte']:.2f} GB/s" if a.ps else ""), flush=True)
+    if calibrate_link.launched_on_hosts():
+        result = calibrate_link.calibrate_hosts(a.reps, verify, mpi_part)
+        if result is None:                  # not rank 0, which prints and writes
+            return 0
+        print(calibrate_link.describe(result), flush=True)
+        # Its own kind: the report's one-host predictions read "calibration" records.
+        kind = "link_calibration"
+    else:
+        kind = "calibration"
+        with tempfile.TemporaryDirectory() as tmp:
+            part = os.path.join(tmp, "mpi.json")
+            subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-m", "mpi4py", "-m",
+                            "experiments.calibrate", "--mpi-part", part, "--reps", str(a.reps),
+                            "--verify", a.verify], check=True, timeout=300)
+            with open(part) as f:
+                result = json.load(f)
+        if a.ps:
+            result.update(ps_part(max(5, a.reps // 2), bool(a.verify)))
+        result["cores"] = os.cpu_count()
+        result["loadavg"] = os.getloadavg()
+        print(f"alpha {result['alpha_s'] * 1e6:.1f} us  beta "
+              f"{1e-9 / result['beta_s_per_byte']:.2f} GB/s  gamma "
+              f"{1e-9 / result['gamma_s_per_byte']:.2f} GB/s  memcpy "
+              f"{result['memcpy_gbps']:.1f} GB/s" + (
+                  f"  ps_alpha {result['ps_alpha_s'] * 1e6:.0f} us  ps_beta "
+                  f"{1e-9 / result['ps_beta_s_per_byte']:.2f} GB/s" if a.ps else ""), flush=True)
     if a.out:
         print(f"wrote {write_calibration(a.out, result)}", flush=True)
     if a.jsonl:
-        append_jsonl(a.jsonl, [{"kind": "calibration", **result, "provenance": provenance()}])
+        append_jsonl(a.jsonl, [{"kind": kind, **result, "provenance": provenance()}])
     return 0
 
 

@@ -42,7 +42,7 @@ import time
 import numpy as np
 
 from allreduce.harness import interleaved
-from allreduce.records import append_jsonl, provenance, write_calibration
+from allreduce.records import provenance
 
 LINK_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
 # Shared with calibrate.py, which imports this module (and not the other way round):
@@ -127,6 +127,13 @@ def link_part(t, a, b, a2, b2, reps):
     return {k: timings.median(k) / messages.get(k[0], 1) for k in sorted(probes)}
 
 
+def fit_beta(nbytes, seconds, alpha):
+    """Least squares of t = alpha + b * beta for beta, alpha fixed, each point weighted
+    by 1/t (calibrate.fit_alpha_beta's weights)."""
+    b, t = np.asarray(nbytes, float), np.asarray(seconds, float)
+    return float(np.sum((t - alpha) * b / t**2) / np.sum(b**2 / t**2))
+
+
 def fit_link(medians, flows):
     """inter_* fields from the probes' medians {(kind, bytes): s}.  x = bytes
     through one direction of the busiest link (a shared probe puts `flows`
@@ -144,10 +151,8 @@ def fit_link(medians, flows):
         if (kind, LARGE) not in medians:
             continue
         out[f"inter_{kind}_s"] = [medians[(kind, n)] for n in LINK_SIZES]
-        x = np.array([through * n for n in large], float)
-        t = np.array([medians[(kind, n)] for n in large])
-        out[f"inter_beta_{kind}_s_per_byte"] = float(np.sum((t - alpha) * x / t**2) /
-                                                     np.sum(x**2 / t**2))
+        out[f"inter_beta_{kind}_s_per_byte"] = fit_beta([through * n for n in large],
+                                                        [medians[(kind, n)] for n in large], alpha)
     out["inter_beta_s_per_byte"] = out["inter_beta_exchange_s_per_byte"]
     out["inter_beta_s_per_byte_at"] = [max(0.0, medians[("exchange", n)] - alpha) / n
                                        for n in large]
@@ -215,18 +220,3 @@ def describe(cal):
     return (f"link: alpha {cal['inter_alpha_s'] * 1e3:.2f} ms, {rate:.3f} Gbit/s through a "
             f"host's link{shaped}; per kind {kinds} Gbit/s; {cal['nodes']} hosts x "
             f"{cal['ranks_per_node']} ranks")
-
-
-def main(a, mpi_part):
-    """experiments.calibrate started by mpiexec across hosts (its flags `a`): both levels;
-    rank 0 writes and prints."""
-    result = calibrate_hosts(a.reps, [v for v in a.verify.split(",") if v], mpi_part)
-    if result is None:
-        return None
-    print(describe(result), flush=True)
-    if a.out:
-        print(f"wrote {write_calibration(a.out, result)}", flush=True)
-    if a.jsonl:
-        # Its own kind: the report's one-host predictions read "calibration" records.
-        append_jsonl(a.jsonl, [{"kind": "link_calibration", **result}])
-    return result

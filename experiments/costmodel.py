@@ -2,8 +2,8 @@
 
 The collectives' formulas and the calibrated Machine live in allreduce/costs.py
 (one host) and allreduce/twolevel.py (hosts joined by links), below their users:
-`allreduce.bench --predict` needs them and must not import this package.  They
-are imported here under their old names, and so are ZeRO's traffic
+`allreduce.bench --predict` needs them and must not import this package.  Those
+of one host are imported here under their old names, and so are ZeRO's traffic
 (allreduce/theory.py), ZeRO's memory (strategies/memory.py) and the pipeline
 bubble (strategies/bubble.py), which the benchmarks read too.
 
@@ -50,17 +50,15 @@ Quick reference (n bytes, P ranks, lg = ceil(log2 P)):
     parameter server   alpha + max(n beta_w, W n beta_s / S) per direction       (BytePS)
     psrv, one host     T1(n) + (W - 1) D(n)    (calibrated: W = 1 round trip, each further worker)
 """
-from allreduce.costs import (ALLREDUCE, Machine, allreduce_time,  # noqa: F401 (re-exported)
+from allreduce.costs import (Machine, allreduce_time,  # noqa: F401 (re-exported)
                              halving_doubling_allreduce, hierarchical_allreduce, interpolate,
                              lg, ring_allgather, ring_allreduce, ring_reduce_scatter,
                              tree_allreduce)
 from allreduce.theory import zero_comm_bytes  # noqa: F401 (re-exported)
-from allreduce.twolevel import (cluster_allreduce_time, link_from_calibration,  # noqa: F401
-                                link_of_rate)
 from strategies.bubble import (  # noqa: F401 (re-exported)
-    activations_in_flight as pipeline_activations_in_flight, bubble_fraction, bubble_to_compute)
+    activations_in_flight as pipeline_activations_in_flight, bubble_fraction)
 
-from strategies.memory import bytes_per_parameter, zero_memory  # noqa: F401 (re-exported)
+from strategies.memory import zero_memory  # noqa: F401 (re-exported)
 
 
 # ------------------------------------------------------------- parameter server
@@ -109,12 +107,6 @@ def ps_round_trip(n, m):
         return m.ps_alpha + 2 * n * m.ps_beta
     per_byte = tuple((b, max(t - m.ps_alpha, 0.0) / b) for b, t in m.ps_curve)
     return m.ps_alpha + n * interpolate(per_byte, n)
-
-
-# ------------------------------------------------------------------------- ZeRO
-# zero_memory, the memory formula, lives beside the measurement it predicts
-# (strategies/memory.py); zero_comm_bytes, the traffic, beside the collectives'
-# bytes (allreduce/theory.py).  Both are imported above.
 
 
 # -------------------------------------------------------------------- pipelines

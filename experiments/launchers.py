@@ -8,12 +8,7 @@
                                   (outside an allocation: salloc -n P srun ...)
 
 A sweep names a cluster as an inline table, in [sweep] or in a [[run]]; a list
-of tables is an axis, one point per cluster:
-
-    cluster = {nodes = 2, ranks_per_node = 2, inter_gbps = 1}
-    cluster = [{nodes = 2, ranks_per_node = 2, inter_gbps = 1},
-               {nodes = 4, ranks_per_node = 1, inter_gbps = 10}]
-
+of tables is an axis, one point per cluster (experiments/sweep.py shows one).
 A cluster without a launcher runs on the emulated one (experiments/cluster:
 network namespaces, links shaped by tc; needs root).  Under Slurm a cluster
 asks for its nodes and ranks (`srun -N nodes --ntasks-per-node R`); its links
@@ -96,8 +91,9 @@ def resolve(launcher, cluster, base_dir="."):
         kind, hostfile = parse_launcher(launcher, base_dir)
     except ValueError as e:
         raise ValueError(("launcher", str(e))) from None
+    launcher = f"hostfile:{hostfile}" if hostfile else kind     # a hostfile's path made absolute
     if cluster is None:
-        return (f"hostfile:{hostfile}" if hostfile else kind), [None]
+        return launcher, [None]
     tables = cluster if isinstance(cluster, list) else [cluster]
     if not tables:
         raise ValueError(("cluster", "cluster = [] names no cluster; leave cluster out to "
@@ -111,7 +107,7 @@ def resolve(launcher, cluster, base_dir="."):
             raise ValueError(("cluster", problem))
     keys = ("nodes", "ranks_per_node") if kind == "slurm" else CLUSTER_KEYS
     filled = [{k: table.get(k, CLUSTER_KEYS[k][0]) for k in keys} for table in tables]
-    return (f"hostfile:{hostfile}" if hostfile else kind), filled
+    return launcher, filled
 
 
 def describe_cluster(c):
@@ -124,7 +120,7 @@ def describe_cluster(c):
     return text + (f", {c['inter_latency_us']:g} us" if c.get("inter_latency_us") else "")
 
 
-def launch_params(command, params, launcher, cluster):
+def launch_params(params, launcher, cluster):
     """The point's params with its launch: nothing is added for the local launcher
     (so the points of older sweeps keep their ids); otherwise "launcher", the
     cluster, and the world size the cluster implies."""
@@ -141,11 +137,10 @@ def launch_problem(command, p):
     """None, or (key, reason) for a point its launcher cannot run."""
     launcher, cluster = p.get("launcher", "local"), p.get("cluster")
     kind = launcher.split(":")[0]
-    if command == "experiments.calibrate" and cluster is not None and cluster["nodes"] >= 2:
-        pass                                     # the cross-host calibration
-    elif command == "experiments.calibrate" and cluster is not None:
-        return "cluster", ("experiments.calibrate on a cluster measures the link between "
-                           "hosts: it needs nodes >= 2")
+    if command == "experiments.calibrate" and cluster is not None:
+        if cluster["nodes"] < 2:                 # else the cross-host calibration
+            return "cluster", ("experiments.calibrate on a cluster measures the link "
+                               "between hosts: it needs nodes >= 2")
     elif kind != "local" and command not in MPI_COMMANDS:
         return "launcher", (f"{command} starts its own processes on this host: it runs with "
                             f"launcher = \"local\" only, or on a cluster of 2 hosts or more "

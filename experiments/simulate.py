@@ -63,38 +63,21 @@ class Cluster:
         return max(1, P // k), k
 
 
+ALGOS = ("ring", "tree", "halving_doubling", "hierarchical")
+
+
 def allreduce(algo, n, P, c):
+    """Predicted seconds of one all-reduce by `algo` (one of ALGOS) on cluster c."""
     nodes, k = c.layout(P)
     return cluster_allreduce_time(algo, n, nodes, k, c.intra, c.inter)
 
 
-def ring(n, P, c):
-    return allreduce("ring", n, P, c)
-
-
-def tree(n, P, c):
-    return allreduce("tree", n, P, c)
-
-
-def halving_doubling(n, P, c):
-    return allreduce("halving_doubling", n, P, c)
-
-
-def hierarchical(n, P, c):
-    return allreduce("hierarchical", n, P, c)
-
-
 def ps(n, P, c, servers):
-    k = min(P, c.ranks_per_node)
-    N = max(1, P // k)
+    N, k = c.layout(P)
     local = ring_reduce_scatter(n, k, c.intra) + 2 * ((k - 1) * c.intra.alpha + n * c.intra.beta) \
         if k > 1 else 0.0                              # reduce-scatter, gather, broadcast
     push_pull = c.inter.alpha + max(n * c.inter.beta, N * n * c.inter.beta / servers)
     return local + push_pull
-
-
-ALGOS = {"ring": ring, "tree": tree, "halving_doubling": halving_doubling,
-         "hierarchical": hierarchical}
 
 
 def table(sizes, c, ranks=RANKS, servers=(1, 4, 16)):
@@ -102,9 +85,9 @@ def table(sizes, c, ranks=RANKS, servers=(1, 4, 16)):
     rows = []
     for P in ranks:
         for n in sizes:
-            for algo, fn in ALGOS.items():
+            for algo in ALGOS:
                 rows.append({"kind": "simulation", "algo": algo, "P": P, "bytes": n,
-                             "time_s": fn(n, P, c)})
+                             "time_s": allreduce(algo, n, P, c)})
             for S in servers:
                 rows.append({"kind": "simulation", "algo": f"ps(S={S})", "P": P, "bytes": n,
                              "time_s": ps(n, P, c, S)})
@@ -118,12 +101,15 @@ def crossovers(c, ranks=RANKS, n_large=256 << 20):
     grid = [1 << e for e in range(10, 33)]           # 1 KiB .. 4 GiB
     out = []
     for P in ranks:
-        nodes = max(1, P // c.ranks_per_node)
-        ring_large = ring(n_large, P, c)
+        nodes, _ = c.layout(P)
+        ring_large = allreduce("ring", n_large, P, c)
         s_min = next((S for S in range(1, 4 * nodes + 1) if ps(n_large, P, c, S) < ring_large),
                      None)
-        tree_up_to = max((n for n in grid if tree(n, P, c) < ring(n, P, c)), default=None)
-        hier_from = min((n for n in grid if hierarchical(n, P, c) < ring(n, P, c)), default=None)
+        ring_at = {n: allreduce("ring", n, P, c) for n in grid}
+        tree_up_to = max((n for n in grid if allreduce("tree", n, P, c) < ring_at[n]),
+                         default=None)
+        hier_from = min((n for n in grid if allreduce("hierarchical", n, P, c) < ring_at[n]),
+                        default=None)
         out.append({"kind": "crossover", "P": P, "nodes": nodes, "ps_servers_to_beat_ring":
                     s_min, "ps_message_bytes": n_large, "tree_beats_ring_up_to_bytes": tree_up_to,
                     "hierarchical_beats_ring_from_bytes": hier_from})

@@ -68,7 +68,7 @@ from . import launchers
 from .launchers import LAUNCH_KEYS, ClusterLock, ClusterPlace, describe_cluster
 from .points import Stopper, run_point
 from .records import append_jsonl, provenance, read_jsonl
-from .sweepfile import SweepError, full_config, load_sweep, train_fields
+from .sweepfile import SweepError, defaults_of, full_config, load_sweep
 
 __all__ = ["SweepError", "load_sweep", "command_line", "point_id", "main"]
 
@@ -80,11 +80,6 @@ def point_id(command, params):
 
 def flag(key):
     return "--" + key.replace("_", "-")
-
-
-def trace_path(raw):
-    """Where a point's --trace goes: raw/POINT.trace.json beside raw/POINT.jsonl."""
-    return raw[:-len(".jsonl")] + ".trace.json"
 
 
 def calibration_path(raw, cluster):
@@ -101,9 +96,10 @@ def command_line(command, p, raw, place=None):
     """The argv of one point; its records go to `raw`.  `place`: where an emulated
     cluster lives (launchers.ClusterPlace; the default one when None)."""
     py = sys.executable
-    if command == "psrv.bench":
-        return [py, "-m", "psrv.bench", "--workers", str(p.get("workers", 1)), "--servers",
-                str(p.get("servers", 1)), "--reps", str(p.get("reps", 3)), "--jsonl", raw] + (
+    if command == "psrv.bench":              # the point's config: its defaults filled in
+        c = full_config(command, p)
+        return [py, "-m", "psrv.bench", "--workers", str(c["workers"]), "--servers",
+                str(c["servers"]), "--reps", str(c["reps"]), "--jsonl", raw] + (
                     ["--sizes", ",".join(map(str, p["sizes"]))] if "sizes" in p else [])
     if command == "experiments.calibrate":
         tail = ["--jsonl", raw, "--reps", str(p.get("reps", 15))] + (
@@ -114,32 +110,23 @@ def command_line(command, p, raw, place=None):
         return [py, "-m", "experiments.calibrate"] + tail + ([] if p.get("ps", True) else
                                                              ["--no-ps"])
     head = launchers.head(command, p, place)
-    cluster = p.get("cluster")
+    cluster, defaults = p.get("cluster"), defaults_of(command)
     args = []
-    p = {k: v for k, v in p.items() if k not in LAUNCH_KEYS}
-    if command == "allreduce.bench":
-        for k, v in p.items():
-            if k == "world_size":
-                continue
-            if k == "predict":                   # the model's time beside each measured row
-                args += ["--predict", calibration_path(raw, cluster)] if v else []
-                continue
-            args += [flag(k), ",".join(map(str, v)) if isinstance(v, list) else str(v)]
-        return head + args + ["--jsonl", raw]
-    defaults = train_fields()
     for k, v in p.items():
-        if k == "world_size":
+        if k in LAUNCH_KEYS + ("world_size", "progress"):     # head's, or the sweep's own
             continue
-        if k == "trace":                         # a Chrome trace beside the point's records
-            args += ["--trace", trace_path(raw)] if v else []
-            continue
-        if isinstance(defaults.get(k), bool):
+        if k == "predict":                       # the model's time beside each measured row
+            args += ["--predict", calibration_path(raw, cluster)] if v else []
+        elif k == "trace":                       # a Chrome trace beside the point's records
+            args += ["--trace", raw[:-len(".jsonl")] + ".trace.json"] if v else []
+        elif isinstance(defaults.get(k), bool):  # a switch: named when it differs
             if v != defaults[k]:
                 args.append(flag(k) if v else "--no-" + k.replace("_", "-"))
         else:
-            args += [flag(k), str(v)]
-    return head + args + ["--no-progress", "--jsonl", raw]
-
+            args += [flag(k), ",".join(map(str, v)) if isinstance(v, list) else str(v)]
+    if command == "strategies.train":
+        args.append("--no-progress")
+    return head + args + ["--jsonl", raw]
 
 def parser():
     ap = argparse.ArgumentParser(prog="python -m experiments.sweep", description=__doc__,

@@ -6,12 +6,10 @@ See experiments/sweep.py for the file's format.  A value of the wrong type (a
 name that is a number, a list where one command belongs, `[run]` for `[[run]]`,
 a timeout in words) is a problem like any other, never a traceback; the name
 must be a plain folder name, since the results go to results/NAME.  Every
-problem names its line:
-tomllib keeps no positions, so `key_lines` scans the text for table headers
-and `key =` lines.  A point is impossible when the command would refuse it
-anyway (a world size that does not split into the data-parallel ranks, the
-servers and the nodes; a straggler that is not a rank; link emulation of a
-baseline that cannot be slowed): better said before the first point runs
+problem names its line (`key_lines`).  A point is impossible when the command
+would refuse it anyway (a world size that does not split into the data-parallel
+ranks, the servers and the nodes; a straggler that is not a rank; link emulation
+of a baseline that cannot be slowed): better said before the first point runs
 than after an hour of sweeping.
 """
 import dataclasses
@@ -22,11 +20,6 @@ import re
 import tomllib
 
 from .launchers import LAUNCH_KEYS, describe_cluster, launch_params, launch_problem, resolve
-
-
-def train_fields():
-    from strategies.config import TrainConfig
-    return {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
 
 # command -> {key: "axis" | "list" | "scalar"}; "list" keys are joined with commas.
@@ -68,8 +61,7 @@ def key_lines(text):
 
 def schema_of(command):
     if command == "strategies.train":
-        return {**{k: "axis" for k in train_fields() if k not in ("jsonl", "progress")},
-                "world_size": "axis"}
+        return {**{k: "axis" for k in defaults_of(command)}, "world_size": "axis"}
     return SCHEMA[command]
 
 
@@ -85,10 +77,7 @@ def expand(run, schema):
 def check_point(command, p):
     """None, or (key, reason) for an impossible point."""
     emulated = bool(p.get("link_latency_us") or p.get("link_gbps"))
-    if command in ("allreduce.bench", "strategies.train"):
-        P = p.get("world_size", 1)
-        if not isinstance(P, int) or P < 1:
-            return "world_size", f"world_size must be a whole number >= 1, got {P!r}"
+    P = p.get("world_size", 1)                  # a whole number >= 1 (value_problems)
     if command == "allreduce.bench":
         from allreduce import ALGORITHMS
         from allreduce.bench_config import COLLECTIVES
@@ -111,10 +100,6 @@ def check_point(command, p):
         if k and P % k:
             return "ranks_per_node", (f"world_size {P} does not factor into nodes of "
                                       f"{k} ranks: {P} % {k} = {P % k}")
-    elif command == "psrv.bench":
-        for key in ("workers", "servers"):
-            if not isinstance(p.get(key, 1), int) or p.get(key, 1) < 1:
-                return key, f"{key} must be a whole number >= 1, got {p.get(key)!r}"
     elif command == "strategies.train":
         from strategies.config import ConfigError, TrainConfig, dp_size_of
         fields = {k: v for k, v in p.items()                    # TrainConfig checks the rest
@@ -169,12 +154,10 @@ def load_sweep(path):
             bad("sweep", 0, key, f"unknown key {key!r} in [sweep]; known: name, timeout_s, "
                                  f"{', '.join(LAUNCH_KEYS)}")
         settings[key] = value
-    problem = name_problem(settings["name"])
-    if problem:
-        bad("sweep", 0, "name", problem)
-    problem = timeout_problem(settings["timeout_s"])
-    if problem:
-        bad("sweep", 0, "timeout_s", problem)
+    for key, problem_of in (("name", name_problem), ("timeout_s", timeout_problem)):
+        problem = problem_of(settings[key])
+        if problem:
+            bad("sweep", 0, key, problem)
     points = []
     for i, run in enumerate(runs):
         command = run.get("command")
@@ -182,8 +165,8 @@ def load_sweep(path):
             bad("run", i, "command", "no command in this [[run]]" if command is None else
                 f"command {command!r} is not one of {', '.join(SCHEMA)}")
             continue
-        problem = timeout_problem(run.get("timeout_s", settings["timeout_s"]))
-        if "timeout_s" in run and problem:
+        problem = "timeout_s" in run and timeout_problem(run["timeout_s"])
+        if problem:
             bad("run", i, "timeout_s", problem)
             continue
         if not isinstance(run.get("label", ""), str):
@@ -219,7 +202,7 @@ def load_sweep(path):
         for params in expand(run, schema):
             problem = None
             for cluster in clusters:
-                point = launch_params(command, params, launcher, cluster)
+                point = launch_params(params, launcher, cluster)
                 problem = launch_problem(command, point) or check_point(command, point)
                 if problem:
                     shown = ", ".join(f"{k}={describe_cluster(v) if k == 'cluster' else v}"
@@ -258,7 +241,9 @@ def timeout_problem(value):
 # The type of value a key takes where the command's default does not show it
 # (None, or no default kept here), or where the sweep means something else by the
 # key (`trace = true`: a switch; the sweep picks the file).
-TYPE_EXAMPLES = {"ranks_per_node": 0, "link_gbps": 0.0, "reps": 0, "ps": True, "trace": True}
+TYPE_EXAMPLES = {"ranks_per_node": 0, "link_gbps": 0.0, "reps": 0, "ps": True, "trace": True,
+                 "world_size": 0}
+COUNTS = ("world_size", "workers", "servers")       # ranks or processes: at least one
 
 
 def type_problem(key, value, example):
@@ -267,6 +252,8 @@ def type_problem(key, value, example):
         ok, want = isinstance(value, bool), "true or false"
     elif isinstance(example, int):
         ok, want = isinstance(value, int) and not isinstance(value, bool), "a whole number"
+        if ok and key in COUNTS and value < 1:
+            ok, want = False, "a whole number >= 1"
     elif isinstance(example, float):
         ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
     elif isinstance(example, str):
@@ -295,17 +282,16 @@ def value_problems(run, schema, defaults):
 def defaults_of(command):
     """The values the command uses for the keys a point leaves out."""
     if command == "strategies.train":
-        defaults = {k: v for k, v in train_fields().items() if k not in ("jsonl", "progress")}
-    elif command == "allreduce.bench":
+        from strategies.config import TrainConfig
+        return {f.name: f.default for f in dataclasses.fields(TrainConfig)
+                if f.name not in ("jsonl", "progress")}
+    if command == "allreduce.bench":
         from allreduce.bench_config import parse_args
-        defaults = {k: v for k, v in vars(parse_args([])).items() if k != "jsonl"}
-        defaults["world_size"] = 1
-    elif command == "psrv.bench":
-        defaults = {"workers": 1, "servers": 1, "reps": 3,
-                    "sizes": ["4K", "64K", "1M", "16M", "64M"]}
-    else:
-        defaults = {}
-    return defaults
+        return {**{k: v for k, v in vars(parse_args([])).items() if k != "jsonl"},
+                "world_size": 1}
+    if command == "psrv.bench":
+        return {"workers": 1, "servers": 1, "reps": 3, "sizes": ["4K", "64K", "1M", "16M", "64M"]}
+    return {}
 
 
 def full_config(command, params):

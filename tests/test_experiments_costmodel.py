@@ -165,19 +165,22 @@ def test_simulator_crossovers():
     gamma = 1 / 500e9
     c = simulate.Cluster(8, cm.Machine(2e-6, 1 / 150e9, gamma),
                          cm.Machine(1e-5, 1 / 12.5e9, gamma))
+
+    def time(algo, n, P):
+        return simulate.allreduce(algo, n, P, c)
     # one node: the ring never leaves NVLink, a PS behind the network port cannot win
-    assert simulate.ps(1 << 28, 8, c, 64) > simulate.ring(1 << 28, 8, c)
+    assert simulate.ps(1 << 28, 8, c, 64) > time("ring", 1 << 28, 8)
     # thousands of ranks: latency makes the tree win small messages, the ring large ones
-    assert simulate.tree(1 << 10, 4096, c) < simulate.ring(1 << 10, 4096, c)
-    assert simulate.ring(1 << 30, 4096, c) < simulate.tree(1 << 30, 4096, c)
+    assert time("tree", 1 << 10, 4096) < time("ring", 1 << 10, 4096)
+    assert time("ring", 1 << 30, 4096) < time("tree", 1 << 30, 4096)
     # ring over 16 nodes: every step paced by the inter-node link; the adds inside a
     # node hide under the transfer (allreduce/twolevel.py: a step takes the longer part)
-    assert simulate.ring(N, 128, c) == pytest.approx(254 * (1e-5 + N / 128 / 12.5e9))
+    assert time("ring", N, 128) == pytest.approx(254 * (1e-5 + N / 128 / 12.5e9))
     cross = {x["P"]: x for x in simulate.crossovers(c)}
     assert cross[8]["ps_servers_to_beat_ring"] is None
     s16 = cross[16]["ps_servers_to_beat_ring"]
     n = cross[16]["ps_message_bytes"]
-    assert simulate.ps(n, 16, c, s16) < simulate.ring(n, 16, c) <= simulate.ps(n, 16, c, s16 - 1)
+    assert simulate.ps(n, 16, c, s16) < time("ring", n, 16) <= simulate.ps(n, 16, c, s16 - 1)
     assert all(math.isfinite(r["time_s"]) for r in simulate.table([1 << 20], c))
 
 

@@ -176,15 +176,15 @@ def run_on(state, job, jsonl):
     wire.print_table(records, theory)
     jsonl = jsonl or jsonl_of(job)
     if jsonl:
-        from allreduce.records import append_jsonl        # imports torch: only after a job
-        from experiments.records import provenance
+        from allreduce.records import append_jsonl, provenance  # imports torch: only after a job
         meta = provenance()
         append_jsonl(jsonl, [{**r, "provenance": meta} for r in records])
     return code
 
 
 def cmd_run(a, job):
-    launch.check_job(job)
+    if not job:
+        raise net.ClusterError("run needs a job after `--`: MODULE ARGS... (or SCRIPT.py ARGS...)")
     net.require_privileges()
     own = a.nodes is not None
     state = bring_up(a) if own else load_state()

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 
-from .net import HOST_IF, ClusterError
+from .net import HOST_IF
 
 # The checkout the ranks import from (experiments/cluster/ is two levels below it).
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -168,8 +168,3 @@ def is_our_mpiexec(pid):
         return False
     return bool(argv) and os.path.basename(argv[0]).startswith(b"mpiexec") \
         and b"-launcher-exec" in argv
-
-
-def check_job(job):
-    if not job:
-        raise ClusterError("run needs a job after `--`: MODULE ARGS... (or SCRIPT.py ARGS...)")

@@ -14,6 +14,8 @@ for an allreduce.bench job the number of all-reduces is known from its flags
 """
 import sys
 
+import numpy as np
+
 FRAME_HEADER_BYTES = 14 + 20 + 32
 
 
@@ -42,14 +44,20 @@ def payload(nbytes, packets):
     return max(0, nbytes - FRAME_HEADER_BYTES * packets)
 
 
-def bench_theory(job_args, nodes, ranks_per_node):
+def job_theory(module, job_args, nodes, ranks_per_node):
     """Bytes each host should send across its link during an allreduce.bench job
-    with these flags; None when some row has no formula (mpi, torch, other collectives)."""
+    with these flags; None for any other job, for flags the bench rejects (it says
+    why itself), and when some row has no formula (mpi, torch, other collectives)."""
+    if module != "allreduce.bench":
+        return None
     from allreduce.bench_config import parse_args     # the bench's own flags and defaults
     from allreduce.theory import host_link_bytes
-    args = parse_args(job_args)
-    itemsize = 2 if args.dtype in ("float16", "bfloat16") else \
-        {"float32": 4, "float64": 8, "int32": 4, "int64": 8}[args.dtype]
+    try:
+        args = parse_args(job_args)
+    except SystemExit:
+        return None
+    # as allreduce.bench sizes its buffers (numpy has no bfloat16)
+    itemsize = 2 if args.dtype in ("float16", "bfloat16") else np.dtype(args.dtype).itemsize
     calls = 1 + args.warmup + args.iters
     total = [0.0] * nodes
     for nbytes in args.sizes:
@@ -62,15 +70,6 @@ def bench_theory(job_args, nodes, ranks_per_node):
                     return None
                 total = [t + calls * c for t, c in zip(total, per_call)]
     return total
-
-
-def job_theory(module, job_args, nodes, ranks_per_node):
-    if module != "allreduce.bench":
-        return None
-    try:
-        return bench_theory(job_args, nodes, ranks_per_node)
-    except SystemExit:           # flags the bench rejects: it says why itself
-        return None
 
 
 def print_table(records, theory, out=sys.stdout):

@@ -48,7 +48,6 @@ is `ok`.  A wrong one is `WRONG` with your figure, never the expected one: the
 check says which answer (and which part of it) to rework, not what it should be.
 """
 import argparse
-import importlib.util
 import itertools
 import sys
 import tomllib
@@ -58,9 +57,7 @@ import numpy as np
 from experiments import costmodel
 from strategies.compressor import wire_bytes_sent
 
-
-def close(got, want):
-    return isinstance(got, (int, float)) and abs(got - want) <= 0.01 * max(abs(want), 1e-12)
+from .grading import grade, load_student
 
 
 def check_zero(a, precision="fp32"):
@@ -108,9 +105,7 @@ def check_grid(path):
     """coords_of (and group_of, if written) against the layout the lab fixes:
     arange(world).reshape(dp, pp, tp).  A wrong coords_of names the wrong
     coordinates (d, p or t), not their values."""
-    spec = importlib.util.spec_from_file_location("student_grid", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_student(path, "student_grid")
     with_groups = has_group_of(module)
     for dp, pp, tp in itertools.product((1, 2, 3), (1, 2, 4), (1, 2)):
         grid = np.arange(dp * pp * tp).reshape(dp, pp, tp)
@@ -167,16 +162,9 @@ def main(argv=None):
             answers = tomllib.load(f)
         checks = {"zero": check_zero, "precision": check_precision,
                   "pipeline": check_pipeline, "compress": check_compress}[a.lab](answers)
-    wrong = total = 0
-    shown = 0
-    for name, got, want in checks:
-        ok = got == want if isinstance(want, tuple) else close(got, want)
-        total += 1
-        wrong += not ok
-        # grid: hundreds of checks, so only the first few wrong ones are listed
-        if a.lab != "grid" or (not ok and shown < 8):
-            shown += not ok
-            print(f"{'ok   ' if ok else 'WRONG'} {name}: yours {'missing' if got is None else got}")
+    # grid: hundreds of checks, so only the first few wrong ones are listed
+    shown = 8 if a.lab == "grid" else None
+    wrong, total = grade(checks, shown)
     if a.lab == "grid":
         print(f"{total - wrong} of {total} right" + (f" (the first {shown} wrong ones above)"
                                                         if wrong > shown else ""))

@@ -30,7 +30,6 @@ from --calibration, else alpha, beta, gamma probed now, without a cores term).
 Exit 0: correct.
 """
 import argparse
-import importlib.util
 import itertools
 import json
 import math
@@ -41,6 +40,8 @@ import sys
 import time
 
 import numpy as np
+
+from .grading import load_student
 
 TIME_BYTES = 16 << 20
 TIMEOUT_S = 10.0        # a wrong ring may wait forever; a right one needs milliseconds
@@ -122,9 +123,7 @@ def oversubscribed():
 
 
 def load(path):
-    spec = importlib.util.spec_from_file_location("student_ring", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_student(path, "student_ring")
     if not hasattr(module, "ring_allreduce"):
         raise ImportError(f"{path} defines no ring_allreduce(t, x)")
     return module.ring_allreduce
@@ -260,14 +259,12 @@ def worker(path, do_timing, calibration):
     from mpi4py import MPI
     world = MPI.COMM_WORLD
     comm = world.Dup()                  # the ring's messages on a communicator of their own
-    try:
-        ring, failed = load(path), None
-    except Exception as e:              # noqa: BLE001 - the student's file may raise anything
-        ring, failed = None, f"cannot load {path}: {type(e).__name__}: {e}"
     P = comm.Get_size()
-    if failed:
+    try:
+        ring = load(path)
+    except Exception as e:              # noqa: BLE001 - the student's file may raise anything
         if world.rank == 0:
-            print(f"P={P}: WRONG\n  {failed}", flush=True)
+            print(f"P={P}: WRONG\n  cannot load {path}: {type(e).__name__}: {e}", flush=True)
         return 1
     t = LabTransport(comm)
     for n in lengths(P):
