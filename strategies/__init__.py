@@ -52,8 +52,9 @@ __all__ = ["DistributedOptimizer", "ps_roles", "SyncOptions"]
 
 
 def __getattr__(name):
-    # Imported on first use: `strategies.config` (read by the sweep tools) must not cost
-    # an `import torch`, which takes seconds.
+    # Imported on first use: `import strategies` (or of choices.py, which imports nothing)
+    # does not cost an `import torch`, which takes seconds.  strategies.config does pay it,
+    # through the allreduce package it reads its flag helpers from.
     if name in ("DistributedOptimizer", "ps_roles"):
         from . import optimizer
         return getattr(optimizer, name)
