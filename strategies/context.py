@@ -21,7 +21,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from allreduce.torch_transport import init_torch_distributed, under_torchrun
+from allreduce.torch_transport import init_torch_distributed, torchrun_world
 
 from .choices import PS_SYNCS, ConfigError
 from .config import dp_size_of
@@ -81,7 +81,7 @@ class RunContext:
         """Build the context.  Raises ConfigError for a world that does not fit cfg;
         every rank computes the same answer from the same numbers."""
         host = socket.gethostname()
-        if under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
+        if torchrun_world():
             return cls._from_torchrun(cfg, host)
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
