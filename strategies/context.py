@@ -125,6 +125,11 @@ class RunContext:
                    int(os.environ.get("LOCAL_WORLD_SIZE", 1)), rank, dp, False, None, None,
                    control, control, host=host)
 
+    def set_threads(self, cfg):
+        """torch's CPU threads: --threads, else this host's cores shared by its ranks."""
+        import torch
+        torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // self.local_size))
+
     def device(self, cfg):
         import torch
         if cfg.device == "cuda":

@@ -30,11 +30,8 @@ the API a user's own loop has (optimizer.py); the loop around the step
 (parallel.py).  Every problem with the flags, the data or the checkpoint is
 found before training, on every rank, and reported by every rank (exit 2).
 """
-import os
 import sys
 import time
-
-import torch
 
 from allreduce.torch_transport import under_torchrun
 
@@ -63,7 +60,7 @@ def prepare(argv=None):
     try:
         cfg = parse_args(argv)
         ctx = RunContext.create(cfg)           # ps, hybrid: psrv.launch says who serves
-        torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // ctx.local_size))
+        ctx.set_threads(cfg)
         device = ctx.device(cfg)
         if not ctx.is_server:
             data = load_data(cfg)
