@@ -197,6 +197,12 @@ class TrainConfig:
                     self.micro_batches > 1)
 
     @property
+    def blocks(self):
+        """(how many blocks the model stacks, the flag that sets them): what a pipeline
+        splits into stages."""
+        return (self.layers, "--layers") if self.model == "gpt" else (self.depth, "--depth")
+
+    @property
     def synchronous(self):
         """Whether every step sees every worker's gradients of the same step."""
         return self.sync not in PS_SYNCS or self.consistency == "bsp"
