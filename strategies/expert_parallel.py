@@ -67,7 +67,6 @@ from .moe import MoE, expert_capacity, run_experts
 from .sync import (AllReduceSync, GradientSync, broadcast_tensor, collective_for,
                    make_optimizer)
 from .tensor_parallel import Conjugate
-from .trace import Tracer
 
 
 def check(cfg, world_size):
@@ -225,13 +224,13 @@ class ExpertParallel(StepEngine):
     parameters, experts split over each expert group."""
 
     def __init__(self, cfg, ctx, device, data, model):
-        self.cfg, self.ctx, self.device, self.data, self.model = cfg, ctx, device, data, model
+        super().__init__(cfg, ctx, device, data, model)
+        self.layout["ep_size"] = cfg.ep
         self.parameters = count_parameters(model)          # the whole model, every expert
         self.placement = ExpertPlacement(ctx.world_size, cfg.ep, cfg.experts, ctx.rank)
         lay = self.placement
         # new communicators: the all-to-alls never meet the dense buckets' comm thread
         group_comm = ctx.comm.Split(lay.group, ctx.rank)           # {0, 1}, {2, 3}
-        self.tracer = Tracer(ctx.rank) if cfg.trace else None
         self.exchange = AllToAllExperts(collective_for(cfg.sync, cfg, group_comm), lay,
                                         self.tracer)
         self.expert_params = shard_experts(model, lay, self.exchange)
@@ -241,8 +240,6 @@ class ExpertParallel(StepEngine):
         self.sync = ExpertParallelSync(cfg, ctx, device, self.expert_params, replica_coll)
         self.sync.setup(model)
         self.optimizer = make_optimizer(cfg, model.parameters())
-        self.layout = {"world_size": ctx.world_size, "dp_size": ctx.dp_size, "pp_size": 1,
-                       "tp_size": 1, "ep_size": cfg.ep}
 
     def describe(self):
         lay = self.placement

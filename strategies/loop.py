@@ -34,13 +34,21 @@ import numpy as np
 from . import checkpoint
 from .config import world_of
 from .metrics import Metrics
-from .trace import write_chrome_trace
+from .trace import Tracer, write_chrome_trace
 
 
 class StepEngine:
     """The defaults of the engine interface above; each kind of run fills in the rest."""
     model = optimizer = sync = tracer = None
     parameters = 0               # of the whole model, for the banner
+
+    def __init__(self, cfg, ctx, device, data, model):
+        """What an engine without pipeline or tensor axes (pp = tp = 1) keeps: every rank
+        a data-parallel worker.  GridEngine (parallel.py) sets its own from the grid."""
+        self.cfg, self.ctx, self.device, self.data, self.model = cfg, ctx, device, data, model
+        self.layout = {"world_size": ctx.world_size, "dp_size": ctx.dp_size, "pp_size": 1,
+                       "tp_size": 1}
+        self.tracer = Tracer(ctx.rank) if cfg.trace else None
 
     def step(self, step):
         raise NotImplementedError

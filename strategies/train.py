@@ -48,7 +48,6 @@ from .optimizer import DistributedOptimizer
 from .parallel import GridEngine, check
 from .precision import MixedPrecision, of_config
 from .sync import make_optimizer
-from .trace import Tracer
 
 
 def prepare(argv=None):
@@ -125,7 +124,7 @@ class DataParallel(loop.StepEngine):
     one_step times each call."""
 
     def __init__(self, cfg, ctx, device, data, model):
-        self.cfg, self.ctx, self.device, self.data, self.model = cfg, ctx, device, data, model
+        super().__init__(cfg, ctx, device, data, model)
         opt = DistributedOptimizer(
             make_optimizer(cfg, model.parameters()), model, sync=cfg.sync, comm=ctx.dp_comm,
             role=ctx.role, bucket_mb=cfg.bucket_mb, overlap=cfg.overlap, compress=cfg.compress,
@@ -136,9 +135,6 @@ class DataParallel(loop.StepEngine):
             link_latency_us=cfg.link_latency_us, link_gbps=cfg.link_gbps)
         self.sync, self.optimizer = opt.sync, opt.optimizer
         self.parameters = count_parameters(model)
-        self.layout = {"world_size": ctx.world_size, "dp_size": ctx.dp_size, "pp_size": 1,
-                       "tp_size": 1}
-        self.tracer = Tracer(ctx.rank) if cfg.trace else None
         # the model's fp32 parameters are the master weights; autocast casts them per matmul
         self.precision = of_config(cfg, device.type)
         self.recompute = recompute.enable(cfg, model, self.tracer)   # --recompute, or None
