@@ -39,10 +39,10 @@ from allreduce.records import append_jsonl, provenance
 from .config import ALLREDUCE_SYNCS, ConfigError, TrainConfig
 from .context import RunContext
 from .data import load_data
+from .loop import DataParallel, one_step
 from .metrics import now
 from .models import build_model, count_parameters
 from .sync import GradientSync, make_optimizer
-from .train import DataParallel, one_step
 
 
 class DDPSync(GradientSync):

@@ -57,11 +57,9 @@ import torch.nn as nn
 
 from allreduce.alltoall import bytes_sent, uses_bruck
 
-from .accumulation import accumulate
 from .choices import ConfigError
 from .config import dp_size_of
-from .loop import StepEngine
-from .metrics import now
+from .loop import StepEngine, one_step
 from .models import count_parameters
 from .moe import MoE, expert_capacity, run_experts
 from .sync import (AllReduceSync, GradientSync, broadcast_tensor, collective_for,
@@ -257,31 +255,18 @@ class ExpertParallel(StepEngine):
         return sum(sent), sum(received)
 
     def step(self, step):
-        """train.one_step's calls, in its order (forward and backward through
-        accumulation.accumulate, as there), plus the all-to-alls' fields (train.py picks
-        this engine, so this file cannot import from it)."""
-        cfg, ctx, device, tracer = self.cfg, self.ctx, self.device, self.tracer
+        """loop.one_step, plus the all-to-alls' fields."""
         alltoall_bytes, alltoall_s = self.exchange.bytes_sent, self.exchange.seconds
-        t0 = now(device)
-        x, y = self.data.batch(step, ctx.dp_rank, ctx.dp_size, cfg.global_batch, device)
-        self.sync.before_backward()
         # two all-to-alls per MoE block in the forward, two more in the backward
-        loss = accumulate(step, self.model, self.model, x, y, cfg.grad_accum, self.sync,
-                          lambda: now(device), tracer)
-        t1 = now(device)
-        self.sync.synchronize(step)
-        t2 = now(device)
-        self.sync.step(self.optimizer)
-        t3 = now(device)
-        if tracer:
-            tracer.add(f"wait for gradients {step}", "comm", t1, t2)
-            tracer.add(f"optimizer {step}", "optimizer", t2, t3)
+        loss, compute_s, comm_s, step_s = one_step(step, self.cfg, self.ctx, self.data,
+                                                   self.model, self.sync, self.optimizer,
+                                                   self.device, tracer=self.tracer)
         # the all-to-alls block the forward and backward: exposed communication
         alltoall_s = self.exchange.seconds - alltoall_s
         dropped = [m.dropped_fraction for m in self.model.modules() if isinstance(m, MoE)]
-        return loss.item(), {
-            "step_time_s": t3 - t0, "compute_time_s": (t1 - t0) - alltoall_s + (t3 - t2),
-            "comm_time_s": (t2 - t1) + alltoall_s, "alltoall_time_s": alltoall_s,
+        return loss, {
+            "step_time_s": step_s, "compute_time_s": compute_s - alltoall_s,
+            "comm_time_s": comm_s + alltoall_s, "alltoall_time_s": alltoall_s,
             "alltoall_bytes": None if alltoall_bytes is None else
             self.exchange.bytes_sent - alltoall_bytes,
             "dropped_fraction": sum(dropped) / len(dropped)}
