@@ -109,21 +109,12 @@ class ExpertPlacement:
 
 
 class AllToAllExperts:
-    """Step 6 of moe.py over an expert group: dispatch, our experts, combine.  Counts
-    the all-to-alls' bytes and seconds for the step records."""
+    """Step 6 of moe.py over an expert group: dispatch, our experts, combine.  Times
+    the all-to-alls for the step records (their bytes: coll.bytes_sent)."""
 
     def __init__(self, coll, placement, tracer=None):
         self.coll, self.placement, self.tracer = coll, placement, tracer
         self.seconds = 0.0
-
-    # None where MPI's own all-to-all (--sync mpi) moves the bytes out of our sight
-    @property
-    def bytes_sent(self):
-        return self.coll.transport.bytes_sent if self.coll.counts_traffic else None
-
-    @property
-    def bytes_received(self):
-        return self.coll.transport.bytes_received if self.coll.counts_traffic else None
 
     def alltoall(self, x, what):
         start = time.perf_counter()
@@ -162,6 +153,11 @@ def shard_experts(model, placement, exchange):
         moe.exchange = exchange
         params += list(moe.experts.parameters())
     return params
+
+
+def total(counts):
+    """The sum of byte counts; None (not observable) if any of them is."""
+    return None if None in counts else sum(counts)
 
 
 class ExpertParallelSync(GradientSync):
@@ -205,13 +201,13 @@ class ExpertParallelSync(GradientSync):
 
     @property
     def bytes_sent(self):
-        extra = self.replica_coll.transport.bytes_sent if self.replica_coll else 0
-        return None if self.dense.bytes_sent is None else self.dense.bytes_sent + extra
+        replicas = [self.replica_coll.bytes_sent] if self.replica_coll else []
+        return total([self.dense.bytes_sent] + replicas)
 
     @property
     def bytes_received(self):
-        extra = self.replica_coll.transport.bytes_received if self.replica_coll else 0
-        return None if self.dense.bytes_received is None else self.dense.bytes_received + extra
+        replicas = [self.replica_coll.bytes_received] if self.replica_coll else []
+        return total([self.dense.bytes_received] + replicas)
 
     def close(self):
         self.dense.close()
@@ -248,15 +244,15 @@ class ExpertParallel(StepEngine):
         return f"rank {rank} (expert group {rank // self.cfg.ep}, ep {rank % self.cfg.ep})"
 
     def traffic(self):
-        sent = (self.sync.bytes_sent, self.exchange.bytes_sent)
-        received = (self.sync.bytes_received, self.exchange.bytes_received)
-        if None in sent + received:
+        sent = total([self.sync.bytes_sent, self.exchange.coll.bytes_sent])
+        received = total([self.sync.bytes_received, self.exchange.coll.bytes_received])
+        if None in (sent, received):
             return None, None
-        return sum(sent), sum(received)
+        return sent, received
 
     def step(self, step):
         """loop.one_step, plus the all-to-alls' fields."""
-        alltoall_bytes, alltoall_s = self.exchange.bytes_sent, self.exchange.seconds
+        alltoall_bytes, alltoall_s = self.exchange.coll.bytes_sent, self.exchange.seconds
         # two all-to-alls per MoE block in the forward, two more in the backward
         loss, compute_s, comm_s, step_s = one_step(step, self.cfg, self.ctx, self.data,
                                                    self.model, self.sync, self.optimizer,
@@ -268,7 +264,7 @@ class ExpertParallel(StepEngine):
             "step_time_s": step_s, "compute_time_s": compute_s - alltoall_s,
             "comm_time_s": comm_s + alltoall_s, "alltoall_time_s": alltoall_s,
             "alltoall_bytes": None if alltoall_bytes is None else
-            self.exchange.bytes_sent - alltoall_bytes,
+            self.exchange.coll.bytes_sent - alltoall_bytes,
             "dropped_fraction": sum(dropped) / len(dropped)}
 
     def parameters_npz(self):
