@@ -249,6 +249,8 @@ class HostStaged:
     name = property(lambda self: self.inner.name)
     transport = property(lambda self: self.inner.transport)
     counts_traffic = property(lambda self: self.inner.counts_traffic)
+    bytes_sent = property(lambda self: self.inner.bytes_sent)
+    bytes_received = property(lambda self: self.inner.bytes_received)
     rank = property(lambda self: self.inner.rank)
     size = property(lambda self: self.inner.size)
 

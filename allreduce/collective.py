@@ -53,6 +53,16 @@ class Collective:
     def size(self):
         return self.transport.size
 
+    # this rank's traffic so far; None where a library (the mpi and torch baselines, MPI's
+    # own all-to-all) or shared memory moves the bytes out of our sight
+    @property
+    def bytes_sent(self):
+        return self.transport.bytes_sent if self.counts_traffic else None
+
+    @property
+    def bytes_received(self):
+        return self.transport.bytes_received if self.counts_traffic else None
+
     def __repr__(self):
         return f"<{type(self).__name__} {self.name!r} rank {self.rank}/{self.size}>"
 

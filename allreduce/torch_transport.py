@@ -55,6 +55,12 @@ def under_torchrun():
     return all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"))
 
 
+def torchrun_world():
+    """Launched by torchrun with more than one process: torch.distributed is the only
+    world (torchrun starts no MPI one)."""
+    return under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1
+
+
 def init_torch_distributed(comm=None, backend=None, timeout=None):
     """Initialise torch.distributed once over the whole launch: from torchrun's
     environment, or over MPI.COMM_WORLD (`comm`, if given, must span it).  Under

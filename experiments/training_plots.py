@@ -15,6 +15,7 @@ from matplotlib.patches import Patch
 
 from strategies.bubble import bubble_fraction
 from strategies.choices import SCHEDULES
+from strategies.grid import needs_grid
 
 from .palette import PARTS, colour_of, cores_of, save, spread, timeline_legend
 from .records import describe, labelled, model_of, one_comparison, slowest_rank
@@ -29,13 +30,6 @@ def strategy_name(r):
     if c.get("straggler"):
         name += " +straggler"
     return name
-
-
-def on_grid(record):
-    """Whether a training record comes from the dp x pp x tp worker (--dp/--pp/--tp/--zero)."""
-    cfg = record.get("config", {})
-    return bool(cfg.get("dp") or cfg.get("zero") or cfg.get("pp", 1) > 1 or
-                cfg.get("tp", 1) > 1 or cfg.get("micro_batches", 1) > 1)
 
 
 def train_steps(records):
@@ -53,7 +47,7 @@ def strategy_breakdown(records, out_dir):
     told apart from moving bytes in these records: it counts as exposed comm."""
     # plain data-parallel runs only: grid runs (ZeRO, pipeline) have plots (d) and (e)
     runs = {k: v for k, v in train_steps(records).items()
-            if "straggler" not in k[0] and not on_grid(v[0])}
+            if "straggler" not in k[0] and not needs_grid(v[0].get("config", {}))}
     runs = one_comparison(runs, model_of, lambda k, c: k[0])
     if not runs:
         return None

@@ -30,8 +30,8 @@ Read in this order:
     example_user_model.py  a complete run of it on a small CNN of its own
     metrics.py     JSON Lines records, progress bar, summary
     checkpoint.py  atomic checkpoints and --resume
-    loop.py        the training loop, once, over a step engine
-    train.py       the command line: preflight, the data-parallel engine
+    loop.py        the training loop, once, over a step engine; the data-parallel engine
+    train.py       the command line: preflight, then the engine the flags ask for
     expert_parallel.py  --ep: experts split over ranks, tokens moved by all-to-alls
     bench.py       interleaved throughput benchmark
   the dp x pp x tp grid (train.py hands over with --dp/--pp/--tp/--zero/--micro-batches):
@@ -52,8 +52,9 @@ __all__ = ["DistributedOptimizer", "ps_roles", "SyncOptions"]
 
 
 def __getattr__(name):
-    # Imported on first use: `strategies.config` (read by the sweep tools) must not cost
-    # an `import torch`, which takes seconds.
+    # Imported on first use: `import strategies` (or of choices.py, which imports nothing)
+    # does not cost an `import torch`, which takes seconds.  strategies.config does pay it,
+    # through the allreduce package it reads its flag helpers from.
     if name in ("DistributedOptimizer", "ps_roles"):
         from . import optimizer
         return getattr(optimizer, name)

@@ -27,7 +27,6 @@ listed under "training flags" below.
 """
 import argparse
 import dataclasses
-import os
 import statistics
 import sys
 
@@ -40,10 +39,10 @@ from allreduce.records import append_jsonl, provenance
 from .config import ALLREDUCE_SYNCS, ConfigError, TrainConfig
 from .context import RunContext
 from .data import load_data
+from .loop import DataParallel, one_step
 from .metrics import now
 from .models import build_model, count_parameters
 from .sync import GradientSync, make_optimizer
-from .train import DataParallel, one_step
 
 
 class DDPSync(GradientSync):
@@ -119,7 +118,7 @@ def bench(argv=None):
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     ctx = RunContext.create(dataclasses.replace(base, sync="ring" if comm.size > 1 else "local"))
-    torch.set_num_threads(base.threads or max(1, (os.cpu_count() or 1) // ctx.local_size))
+    ctx.set_threads(base)
     device = ctx.device(base)
     data = load_data(base)
     built = {m: make_method(m, base, ctx, data, device) for m in methods}

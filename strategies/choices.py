@@ -1,4 +1,5 @@
-"""ConfigError and the values each choice flag may take: the bottom of strategies/.
+"""ConfigError, the values each choice flag may take, and how an error message names a
+flag: the bottom of strategies/.
 
 combinations.py (the checks of TrainConfig and SyncOptions), grid.py (ProcessGrid)
 and the optimizer all check against these tuples and raise ConfigError, so they
@@ -25,3 +26,13 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 class ConfigError(ValueError):
     """A bad flag, a bad combination of flags, or bad input data: reported before training."""
+
+
+# how the checks of combinations.py and compressor.py name a field in their messages
+def flag_of(field, cli=True):
+    return f"--{field.replace('_', '-')}" if cli else field
+
+
+def setting_of(field, value, cli=True):
+    """A field and its value as a message names them: `--sync local` or `sync='local'`."""
+    return f"{flag_of(field)} {value}" if cli else f"{field}={value!r}"

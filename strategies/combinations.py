@@ -9,12 +9,8 @@ The checks that also need the world size are in config.dp_size_of,
 expert_parallel.check and interleaved.check.
 """
 from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, EMULATED_SYNCS, OPTIMIZERS, PS_SYNCS,
-                      SYNCS, ConfigError)
+                      SYNCS, ConfigError, flag_of, setting_of)
 from .compressor import check_compress
-
-
-def flag_of(field, cli=True):
-    return f"--{field.replace('_', '-')}" if cli else field
 
 
 def check_values(cfg, cli=True, choices=(), positive=(), at_least=()):
@@ -38,9 +34,6 @@ def check_values(cfg, cli=True, choices=(), positive=(), at_least=()):
 def check_sync(cfg, cli=True):
     """The settings the syncs read, for TrainConfig and SyncOptions alike; returns the
     CompressSpec (compressor.py checks --compress against the sync)."""
-    def name(field, value):
-        return f"{flag_of(field)} {value}" if cli else f"{field}={value!r}"
-
     check_values(cfg, cli, choices=(("sync", SYNCS), ("consistency", CONSISTENCIES),
                                     ("optimizer", OPTIMIZERS)),
                  positive=("bucket_mb", "lr"),
@@ -48,10 +41,11 @@ def check_sync(cfg, cli=True):
                                 "link_latency_us", "link_gbps")),))
     if (cfg.link_latency_us or cfg.link_gbps) and cfg.sync not in EMULATED_SYNCS:
         raise ConfigError(f"link emulation slows the textbook all-reduces "
-                          f"({', '.join(EMULATED_SYNCS)}), not {name('sync', cfg.sync)}")
+                          f"({', '.join(EMULATED_SYNCS)}), "
+                          f"not {setting_of('sync', cfg.sync, cli)}")
     if cfg.consistency == "bsp" and cfg.staleness:
-        raise ConfigError(f"{flag_of('staleness', cli)} needs {name('consistency', 'ssp')} "
-                          f"(bsp waits for every worker)")
+        raise ConfigError(f"{flag_of('staleness', cli)} needs "
+                          f"{setting_of('consistency', 'ssp', cli)} (bsp waits for every worker)")
     return check_compress(cfg.compress, cfg.sync, cfg.error_feedback, cli)
 
 

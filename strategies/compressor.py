@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from allreduce.theory import bytes_sent
 
-from .choices import COMPRESSIONS, ConfigError
+from .choices import COMPRESSIONS, ConfigError, setting_of
 
 # the compressions that keep state between steps and need error feedback to converge
 LOSSY_KINDS = ("topk", "powersgd")
@@ -87,17 +87,14 @@ def wire_bytes_sent(n, ratio, P, algo="ring"):
 def check_compress(compress, sync, error_feedback=True, cli=True):
     """The spec, and its combination with the sync, checked once for TrainConfig (cli:
     messages name --flags) and SyncOptions (keyword names); returns the CompressSpec."""
-    def name(field, value):
-        return f"--{field.replace('_', '-')} {value}" if cli else f"{field}={value!r}"
-
     spec = parse_compress(compress, "--compress" if cli else "compress")
-    what = name("compress", compress)
+    what = setting_of("compress", compress, cli)
     if spec.kind != "none" and sync == "local":
-        raise ConfigError(f"{what} with {name('sync', 'local')}: one process has no wire, "
-                          f"so there is nothing to compress")
+        raise ConfigError(f"{what} with {setting_of('sync', 'local', cli)}: one process has "
+                          f"no wire, so there is nothing to compress")
     if spec.kind != "none" and sync in ("ps", "hybrid"):
-        raise ConfigError(f"{what} with {name('sync', sync)} is not supported: the parameter "
-                          f"servers take float32 gradients (psrv's protocol) and run the "
+        raise ConfigError(f"{what} with {setting_of('sync', sync, cli)} is not supported: the "
+                          f"parameter servers take float32 gradients (psrv's protocol) and run the "
                           f"optimizer on them; use an all-reduce sync (ring, tree, ...)")
     if not error_feedback and not spec.lossy:
         raise ConfigError(f"{'--no-error-feedback' if cli else 'error_feedback=False'} "

@@ -19,7 +19,7 @@ from allreduce.cli import dataclass_flags
 from .choices import (ALLREDUCE_SYNCS, DEVICES, MODELS, PRECISIONS, PS_SYNCS, SCHEDULES, SYNCS,
                       ZERO_STAGES, ConfigError)
 from .combinations import check_moe, check_precision, check_schedule, check_sync, check_values
-from .grid import ProcessGrid
+from .grid import ProcessGrid, needs_grid
 
 __all__ = ["ALLREDUCE_SYNCS", "PS_SYNCS", "SYNCS", "ConfigError", "TrainConfig", "dp_size_of",
            "parse_args", "parse_straggler", "parser", "world_of"]
@@ -193,8 +193,13 @@ class TrainConfig:
     @property
     def on_grid(self):
         """Whether the run needs the dp x pp x tp worker (parallel.py), not the plain loop."""
-        return bool(self.dp or self.pp > 1 or self.tp > 1 or self.zero or
-                    self.micro_batches > 1)
+        return needs_grid(vars(self))
+
+    @property
+    def blocks(self):
+        """(how many blocks the model stacks, the flag that sets them): what a pipeline
+        splits into stages."""
+        return (self.layers, "--layers") if self.model == "gpt" else (self.depth, "--depth")
 
     @property
     def synchronous(self):

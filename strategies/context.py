@@ -21,7 +21,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from allreduce.torch_transport import init_torch_distributed, under_torchrun
+from allreduce.torch_transport import init_torch_distributed, torchrun_world
 
 from .choices import PS_SYNCS, ConfigError
 from .config import dp_size_of
@@ -81,7 +81,7 @@ class RunContext:
         """Build the context.  Raises ConfigError for a world that does not fit cfg;
         every rank computes the same answer from the same numbers."""
         host = socket.gethostname()
-        if under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
+        if torchrun_world():
             return cls._from_torchrun(cfg, host)
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
@@ -124,6 +124,11 @@ class RunContext:
         return cls(rank, world, int(os.environ.get("LOCAL_RANK", 0)),
                    int(os.environ.get("LOCAL_WORLD_SIZE", 1)), rank, dp, False, None, None,
                    control, control, host=host)
+
+    def set_threads(self, cfg):
+        """torch's CPU threads: --threads, else this host's cores shared by its ranks."""
+        import torch
+        torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // self.local_size))
 
     def device(self, cfg):
         import torch

@@ -57,17 +57,14 @@ import torch.nn as nn
 
 from allreduce.alltoall import bytes_sent, uses_bruck
 
-from .accumulation import accumulate
 from .choices import ConfigError
 from .config import dp_size_of
-from .loop import StepEngine
-from .metrics import now
+from .loop import StepEngine, one_step
 from .models import count_parameters
 from .moe import MoE, expert_capacity, run_experts
 from .sync import (AllReduceSync, GradientSync, broadcast_tensor, collective_for,
                    make_optimizer)
 from .tensor_parallel import Conjugate
-from .trace import Tracer
 
 
 def check(cfg, world_size):
@@ -112,21 +109,12 @@ class ExpertPlacement:
 
 
 class AllToAllExperts:
-    """Step 6 of moe.py over an expert group: dispatch, our experts, combine.  Counts
-    the all-to-alls' bytes and seconds for the step records."""
+    """Step 6 of moe.py over an expert group: dispatch, our experts, combine.  Times
+    the all-to-alls for the step records (their bytes: coll.bytes_sent)."""
 
     def __init__(self, coll, placement, tracer=None):
         self.coll, self.placement, self.tracer = coll, placement, tracer
         self.seconds = 0.0
-
-    # None where MPI's own all-to-all (--sync mpi) moves the bytes out of our sight
-    @property
-    def bytes_sent(self):
-        return self.coll.transport.bytes_sent if self.coll.counts_traffic else None
-
-    @property
-    def bytes_received(self):
-        return self.coll.transport.bytes_received if self.coll.counts_traffic else None
 
     def alltoall(self, x, what):
         start = time.perf_counter()
@@ -165,6 +153,11 @@ def shard_experts(model, placement, exchange):
         moe.exchange = exchange
         params += list(moe.experts.parameters())
     return params
+
+
+def total(counts):
+    """The sum of byte counts; None (not observable) if any of them is."""
+    return None if None in counts else sum(counts)
 
 
 class ExpertParallelSync(GradientSync):
@@ -208,13 +201,13 @@ class ExpertParallelSync(GradientSync):
 
     @property
     def bytes_sent(self):
-        extra = self.replica_coll.transport.bytes_sent if self.replica_coll else 0
-        return None if self.dense.bytes_sent is None else self.dense.bytes_sent + extra
+        replicas = [self.replica_coll.bytes_sent] if self.replica_coll else []
+        return total([self.dense.bytes_sent] + replicas)
 
     @property
     def bytes_received(self):
-        extra = self.replica_coll.transport.bytes_received if self.replica_coll else 0
-        return None if self.dense.bytes_received is None else self.dense.bytes_received + extra
+        replicas = [self.replica_coll.bytes_received] if self.replica_coll else []
+        return total([self.dense.bytes_received] + replicas)
 
     def close(self):
         self.dense.close()
@@ -225,13 +218,13 @@ class ExpertParallel(StepEngine):
     parameters, experts split over each expert group."""
 
     def __init__(self, cfg, ctx, device, data, model):
-        self.cfg, self.ctx, self.device, self.data, self.model = cfg, ctx, device, data, model
+        super().__init__(cfg, ctx, device, data, model)
+        self.layout["ep_size"] = cfg.ep
         self.parameters = count_parameters(model)          # the whole model, every expert
         self.placement = ExpertPlacement(ctx.world_size, cfg.ep, cfg.experts, ctx.rank)
         lay = self.placement
         # new communicators: the all-to-alls never meet the dense buckets' comm thread
         group_comm = ctx.comm.Split(lay.group, ctx.rank)           # {0, 1}, {2, 3}
-        self.tracer = Tracer(ctx.rank) if cfg.trace else None
         self.exchange = AllToAllExperts(collective_for(cfg.sync, cfg, group_comm), lay,
                                         self.tracer)
         self.expert_params = shard_experts(model, lay, self.exchange)
@@ -241,8 +234,6 @@ class ExpertParallel(StepEngine):
         self.sync = ExpertParallelSync(cfg, ctx, device, self.expert_params, replica_coll)
         self.sync.setup(model)
         self.optimizer = make_optimizer(cfg, model.parameters())
-        self.layout = {"world_size": ctx.world_size, "dp_size": ctx.dp_size, "pp_size": 1,
-                       "tp_size": 1, "ep_size": cfg.ep}
 
     def describe(self):
         lay = self.placement
@@ -253,40 +244,27 @@ class ExpertParallel(StepEngine):
         return f"rank {rank} (expert group {rank // self.cfg.ep}, ep {rank % self.cfg.ep})"
 
     def traffic(self):
-        sent = (self.sync.bytes_sent, self.exchange.bytes_sent)
-        received = (self.sync.bytes_received, self.exchange.bytes_received)
-        if None in sent + received:
+        sent = total([self.sync.bytes_sent, self.exchange.coll.bytes_sent])
+        received = total([self.sync.bytes_received, self.exchange.coll.bytes_received])
+        if None in (sent, received):
             return None, None
-        return sum(sent), sum(received)
+        return sent, received
 
     def step(self, step):
-        """train.one_step's calls, in its order (forward and backward through
-        accumulation.accumulate, as there), plus the all-to-alls' fields (train.py picks
-        this engine, so this file cannot import from it)."""
-        cfg, ctx, device, tracer = self.cfg, self.ctx, self.device, self.tracer
-        alltoall_bytes, alltoall_s = self.exchange.bytes_sent, self.exchange.seconds
-        t0 = now(device)
-        x, y = self.data.batch(step, ctx.dp_rank, ctx.dp_size, cfg.global_batch, device)
-        self.sync.before_backward()
+        """loop.one_step, plus the all-to-alls' fields."""
+        alltoall_bytes, alltoall_s = self.exchange.coll.bytes_sent, self.exchange.seconds
         # two all-to-alls per MoE block in the forward, two more in the backward
-        loss = accumulate(step, self.model, self.model, x, y, cfg.grad_accum, self.sync,
-                          lambda: now(device), tracer)
-        t1 = now(device)
-        self.sync.synchronize(step)
-        t2 = now(device)
-        self.sync.step(self.optimizer)
-        t3 = now(device)
-        if tracer:
-            tracer.add(f"wait for gradients {step}", "comm", t1, t2)
-            tracer.add(f"optimizer {step}", "optimizer", t2, t3)
+        loss, compute_s, comm_s, step_s = one_step(step, self.cfg, self.ctx, self.data,
+                                                   self.model, self.sync, self.optimizer,
+                                                   self.device, tracer=self.tracer)
         # the all-to-alls block the forward and backward: exposed communication
         alltoall_s = self.exchange.seconds - alltoall_s
         dropped = [m.dropped_fraction for m in self.model.modules() if isinstance(m, MoE)]
-        return loss.item(), {
-            "step_time_s": t3 - t0, "compute_time_s": (t1 - t0) - alltoall_s + (t3 - t2),
-            "comm_time_s": (t2 - t1) + alltoall_s, "alltoall_time_s": alltoall_s,
+        return loss, {
+            "step_time_s": step_s, "compute_time_s": compute_s - alltoall_s,
+            "comm_time_s": comm_s + alltoall_s, "alltoall_time_s": alltoall_s,
             "alltoall_bytes": None if alltoall_bytes is None else
-            self.exchange.bytes_sent - alltoall_bytes,
+            self.exchange.coll.bytes_sent - alltoall_bytes,
             "dropped_fraction": sum(dropped) / len(dropped)}
 
     def parameters_npz(self):

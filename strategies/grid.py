@@ -29,6 +29,13 @@ from .choices import ConfigError
 AXES = ("dp", "pp", "tp")
 
 
+def needs_grid(config):
+    """Whether a run of these settings (a mapping of TrainConfig's fields: its own, or a
+    record's "config") needs the dp x pp x tp worker (parallel.py), not the plain loop."""
+    return bool(config.get("dp") or config.get("pp", 1) > 1 or config.get("tp", 1) > 1 or
+                config.get("zero") or config.get("micro_batches", 1) > 1)
+
+
 @dataclass(frozen=True)
 class ProcessGrid:
     world_size: int

@@ -80,7 +80,7 @@ def chunk_layers(model, stage, stages, chunks):
 def check(cfg, pp):
     """The interleaved schedule's own conditions on the grid (ConfigError)."""
     v, m = cfg.virtual_stages, cfg.micro_batches
-    blocks, what = (cfg.layers, "--layers") if cfg.model == "gpt" else (cfg.depth, "--depth")
+    blocks, what = cfg.blocks
     if blocks % (pp * v):
         raise ConfigError(f"--schedule interleaved: {what} {blocks} is not divisible by "
                           f"pp({pp}) x virtual stages({v}) = {pp * v}")

@@ -1,7 +1,7 @@
 """The training loop, written once: records, banner, checkpoints, trace and summary,
 for every kind of run.  What differs between kinds is the step engine.
 
-    engine = DataParallel(cfg, ctx, device, data, model)    train.py: one sync, the
+    engine = DataParallel(cfg, ctx, device, data, model)    below: one sync, the
                                                              model whole on each rank
     engine = GridEngine(cfg, ctx, device, data, model)      parallel.py: ZeRO, pipeline
                                                              and tensor parallel
@@ -21,6 +21,9 @@ An engine has three parts of the sync contract (sync.py) and a step:
     engine.parameters_npz() -> {name: array} on the writer (collective), for --params-out
     engine.tracer, engine.trace_label(rank)   --trace: a Tracer, each rank's track name
 
+The data-parallel step itself, timed, is one_step: DataParallel's, ExpertParallel's
+(expert_parallel.py) and strategies.bench's.
+
 Steps run from the checkpoint's step (or 0) to cfg.steps; the records and the
 summary go through metrics.Metrics; checkpoints every --checkpoint-every steps
 and at the end.  If a step raises, the sync hears of it (abort) before it closes:
@@ -31,16 +34,29 @@ import uuid
 
 import numpy as np
 
-from . import checkpoint
+from . import checkpoint, recompute
+from .accumulation import accumulate
 from .config import world_of
-from .metrics import Metrics
-from .trace import write_chrome_trace
+from .metrics import Metrics, now
+from .models import count_parameters
+from .optimizer import DistributedOptimizer
+from .precision import MixedPrecision, of_config
+from .sync import make_optimizer
+from .trace import Tracer, write_chrome_trace
 
 
 class StepEngine:
     """The defaults of the engine interface above; each kind of run fills in the rest."""
     model = optimizer = sync = tracer = None
     parameters = 0               # of the whole model, for the banner
+
+    def __init__(self, cfg, ctx, device, data, model):
+        """What an engine without pipeline or tensor axes (pp = tp = 1) keeps: every rank
+        a data-parallel worker.  GridEngine (parallel.py) sets its own from the grid."""
+        self.cfg, self.ctx, self.device, self.data, self.model = cfg, ctx, device, data, model
+        self.layout = {"world_size": ctx.world_size, "dp_size": ctx.dp_size, "pp_size": 1,
+                       "tp_size": 1}
+        self.tracer = Tracer(ctx.rank) if cfg.trace else None
 
     def step(self, step):
         raise NotImplementedError
@@ -56,6 +72,84 @@ class StepEngine:
 
     def trace_label(self, rank):
         return f"rank {rank}"
+
+
+def one_step(step, cfg, ctx, data, model, sync, optimizer, device, forward=None, tracer=None,
+             recompute=None, precision=None):
+    """One training step; returns (local loss, compute s, exposed comm s, step s).
+    Forward and backward run in --grad-accum micro-steps (accumulation.py), the
+    communication once; recompute: recompute.Recompute of --recompute, or None;
+    precision: a precision.MixedPrecision (None: fp32) around the forward, the backward
+    and the update (fp16: skipped where the synchronised gradients overflowed)."""
+    precision = precision or MixedPrecision()
+    t0 = now(device)
+    x, y = data.batch(step, ctx.dp_rank, ctx.dp_size, cfg.global_batch, device)
+    sync.before_backward()
+    if ctx.rank == cfg.straggler_rank:             # --straggler: a slow GPU, seen as compute
+        time.sleep(cfg.straggler_seconds)
+    loss = accumulate(step, model, forward or model, x, y, cfg.grad_accum, sync,
+                      lambda: now(device), tracer, recompute, precision)
+    t1 = now(device)
+    sync.synchronize(step)
+    t2 = now(device)
+    # every rank holds the same averaged gradients, so every rank skips the same steps
+    precision.step([p.grad for p in model.parameters()], lambda: sync.step(optimizer))
+    t3 = now(device)
+    if tracer:                                     # --trace: the step's intervals, as lived
+        tracer.add(f"wait for gradients {step}", "comm", t1, t2)
+        tracer.add(f"optimizer {step}", "optimizer", t2, t3)
+    return loss.item(), (t1 - t0) + (t3 - t2), t2 - t1, t3 - t0
+
+
+class DataParallel(StepEngine):
+    """The whole model on every worker, a sync of the contract between them: local,
+    an all-reduce, or parameter servers.  DistributedOptimizer builds the sync (the one
+    place that knows every kind); the step drives the contract on it directly, as
+    one_step times each call."""
+
+    def __init__(self, cfg, ctx, device, data, model):
+        super().__init__(cfg, ctx, device, data, model)
+        opt = DistributedOptimizer(
+            make_optimizer(cfg, model.parameters()), model, sync=cfg.sync, comm=ctx.dp_comm,
+            role=ctx.role, bucket_mb=cfg.bucket_mb, overlap=cfg.overlap, compress=cfg.compress,
+            error_feedback=cfg.error_feedback,
+            momentum_correction=cfg.momentum if cfg.momentum_correction else 0.0,
+            ranks_per_node=cfg.ranks_per_node, timeout=cfg.timeout,
+            consistency=cfg.consistency, staleness=cfg.staleness,
+            link_latency_us=cfg.link_latency_us, link_gbps=cfg.link_gbps)
+        self.sync, self.optimizer = opt.sync, opt.optimizer
+        self.parameters = count_parameters(model)
+        # the model's fp32 parameters are the master weights; autocast casts them per matmul
+        self.precision = of_config(cfg, device.type)
+        self.recompute = recompute.enable(cfg, model, self.tracer)   # --recompute, or None
+        self._wire = (0, 0)                        # wire and dense bytes after the last step
+
+    def step(self, step):
+        rounds_before = self.sync.comm_rounds
+        loss, compute_s, comm_s, step_s = one_step(step, self.cfg, self.ctx, self.data,
+                                                   self.model, self.sync, self.optimizer,
+                                                   self.device, tracer=self.tracer,
+                                                   recompute=self.recompute,
+                                                   precision=self.precision)
+        # comm_rounds: this step's collectives (one per gradient bucket) or server round
+        # trips; the same with --grad-accum k as without, which is the point of no_sync
+        return loss, {"step_time_s": step_s, "compute_time_s": compute_s,
+                      "comm_time_s": comm_s, "staleness": self.sync.staleness,
+                      "comm_rounds": self.sync.comm_rounds - rounds_before,
+                      **self.wire_fields(), **self.precision.record()}
+
+    def wire_fields(self):
+        """This step's gradient bytes handed to the collectives (`wire_bytes`) and what
+        float32 all-reduces would have handed over (`dense_bytes`); none where the sync
+        does not count them (local, ps, hybrid)."""
+        wire, dense = self.sync.wire_bytes, self.sync.dense_bytes
+        if wire is None:
+            return {}
+        before, self._wire = self._wire, (wire, dense)
+        return {"wire_bytes": wire - before[0], "dense_bytes": dense - before[1]}
+
+    def trace_label(self, rank):
+        return f"worker {rank} ({self.cfg.sync})"
 
 
 def run(cfg, ctx, device, data, engine, state, started):

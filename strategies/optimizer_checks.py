@@ -4,13 +4,12 @@ Each check raises an error naming what is wrong, on every rank that sees it;
 `check_same_everywhere` compares the ranks' choices, so that a rank started
 with other flags is named instead of hanging its peers in a collective.
 """
-import os
 import sys
 import zlib
 
 import torch
 
-from allreduce.torch_transport import under_torchrun
+from allreduce.torch_transport import torchrun_world
 
 from .choices import ConfigError
 
@@ -73,7 +72,7 @@ def server_settings(optimizer):
 def transport_for(name, transport):
     """MPI under mpiexec; torch.distributed for sync='torch', and under torchrun, which
     starts no MPI world (each process would be a world of its own)."""
-    torchrun = under_torchrun() and int(os.environ["WORLD_SIZE"]) > 1
+    torchrun = torchrun_world()
     if transport is None:
         transport = name if name in ("mpi", "torch") else "torch" if torchrun else "mpi"
     if transport not in ("mpi", "torch"):

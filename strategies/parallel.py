@@ -55,7 +55,7 @@ def check(cfg, world_size):
     The global batch against dp is config.dp_size_of's, the one check of it."""
     dp_size_of(cfg, world_size)
     grid = ProcessGrid(world_size, cfg.dp, cfg.pp, cfg.tp)
-    blocks, what = (cfg.layers, "--layers") if cfg.model == "gpt" else (cfg.depth, "--depth")
+    blocks, what = cfg.blocks
     if blocks % grid.pp:
         raise ConfigError(f"{what} {blocks} is not divisible by pp({grid.pp}): "
                           f"{blocks} % {grid.pp} = {blocks % grid.pp}")

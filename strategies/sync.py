@@ -265,14 +265,13 @@ class AllReduceSync(GradientSync):
     def comm_rounds(self):
         return self.buckets.reductions
 
-    # None for the mpi and torch baselines: their libraries' traffic is not observable
     @property
     def bytes_sent(self):
-        return self.coll.transport.bytes_sent if self.coll.counts_traffic else None
+        return self.coll.bytes_sent
 
     @property
     def bytes_received(self):
-        return self.coll.transport.bytes_received if self.coll.counts_traffic else None
+        return self.coll.bytes_received
 
     @property
     def wire_bytes(self):

@@ -25,33 +25,25 @@ Each step: this rank's B/P samples of the global batch -> forward -> backward
 (buckets all-reduced meanwhile; --grad-accum k: in k micro-steps, the first k-1
 under sync.no_sync, accumulation.py) -> sync.synchronize (wait for the rest) ->
 sync.step (the update).  The syncs are built by strategies.DistributedOptimizer,
-the API a user's own loop has (optimizer.py); the loop around the step
-(records, checkpoints, summary) is loop.py's, shared with the dp x pp x tp grid
-(parallel.py).  Every problem with the flags, the data or the checkpoint is
+the API a user's own loop has (optimizer.py); the step and the loop around it
+(records, checkpoints, summary) are loop.py's, the loop shared with the dp x pp x tp
+grid (parallel.py).  Every problem with the flags, the data or the checkpoint is
 found before training, on every rank, and reported by every rank (exit 2).
 """
-import os
 import sys
 import time
 
-import torch
-
 from allreduce.torch_transport import under_torchrun
 
-from . import checkpoint, loop, recompute
-from .accumulation import accumulate
+from . import checkpoint, loop
 from .choices import ConfigError
 from .config import parse_args
 from .context import MPIControl, RunContext
 from .data import load_data
 from .expert_parallel import ExpertParallel, check as check_experts
-from .metrics import now
-from .models import build_model, count_parameters
-from .optimizer import DistributedOptimizer
+from .loop import DataParallel
+from .models import build_model
 from .parallel import GridEngine, check
-from .precision import MixedPrecision, of_config
-from .sync import make_optimizer
-from .trace import Tracer
 
 
 def prepare(argv=None):
@@ -63,7 +55,7 @@ def prepare(argv=None):
     try:
         cfg = parse_args(argv)
         ctx = RunContext.create(cfg)           # ps, hybrid: psrv.launch says who serves
-        torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // ctx.local_size))
+        ctx.set_threads(cfg)
         device = ctx.device(cfg)
         if not ctx.is_server:
             data = load_data(cfg)
@@ -92,87 +84,6 @@ def prepare(argv=None):
         control.barrier()                          # everyone has printed before anyone exits
         sys.exit(2)
     return cfg, ctx, device, data, model, state
-
-
-def one_step(step, cfg, ctx, data, model, sync, optimizer, device, forward=None, tracer=None,
-             recompute=None, precision=None):
-    """One training step; returns (local loss, compute s, exposed comm s, step s).
-    Forward and backward run in --grad-accum micro-steps (accumulation.py), the
-    communication once; recompute: recompute.Recompute of --recompute, or None;
-    precision: a precision.MixedPrecision (None: fp32) around the forward, the backward
-    and the update (fp16: skipped where the synchronised gradients overflowed)."""
-    precision = precision or MixedPrecision()
-    t0 = now(device)
-    x, y = data.batch(step, ctx.dp_rank, ctx.dp_size, cfg.global_batch, device)
-    sync.before_backward()
-    if ctx.rank == cfg.straggler_rank:             # --straggler: a slow GPU, seen as compute
-        time.sleep(cfg.straggler_seconds)
-    loss = accumulate(step, model, forward or model, x, y, cfg.grad_accum, sync,
-                      lambda: now(device), tracer, recompute, precision)
-    t1 = now(device)
-    sync.synchronize(step)
-    t2 = now(device)
-    # every rank holds the same averaged gradients, so every rank skips the same steps
-    precision.step([p.grad for p in model.parameters()], lambda: sync.step(optimizer))
-    t3 = now(device)
-    if tracer:                                     # --trace: the step's intervals, as lived
-        tracer.add(f"wait for gradients {step}", "comm", t1, t2)
-        tracer.add(f"optimizer {step}", "optimizer", t2, t3)
-    return loss.item(), (t1 - t0) + (t3 - t2), t2 - t1, t3 - t0
-
-
-class DataParallel(loop.StepEngine):
-    """The whole model on every worker, a sync of the contract between them: local,
-    an all-reduce, or parameter servers.  DistributedOptimizer builds the sync (the one
-    place that knows every kind); the step drives the contract on it directly, as
-    one_step times each call."""
-
-    def __init__(self, cfg, ctx, device, data, model):
-        self.cfg, self.ctx, self.device, self.data, self.model = cfg, ctx, device, data, model
-        opt = DistributedOptimizer(
-            make_optimizer(cfg, model.parameters()), model, sync=cfg.sync, comm=ctx.dp_comm,
-            role=ctx.role, bucket_mb=cfg.bucket_mb, overlap=cfg.overlap, compress=cfg.compress,
-            error_feedback=cfg.error_feedback,
-            momentum_correction=cfg.momentum if cfg.momentum_correction else 0.0,
-            ranks_per_node=cfg.ranks_per_node, timeout=cfg.timeout,
-            consistency=cfg.consistency, staleness=cfg.staleness,
-            link_latency_us=cfg.link_latency_us, link_gbps=cfg.link_gbps)
-        self.sync, self.optimizer = opt.sync, opt.optimizer
-        self.parameters = count_parameters(model)
-        self.layout = {"world_size": ctx.world_size, "dp_size": ctx.dp_size, "pp_size": 1,
-                       "tp_size": 1}
-        self.tracer = Tracer(ctx.rank) if cfg.trace else None
-        # the model's fp32 parameters are the master weights; autocast casts them per matmul
-        self.precision = of_config(cfg, device.type)
-        self.recompute = recompute.enable(cfg, model, self.tracer)   # --recompute, or None
-        self._wire = (0, 0)                        # wire and dense bytes after the last step
-
-    def step(self, step):
-        rounds_before = self.sync.comm_rounds
-        loss, compute_s, comm_s, step_s = one_step(step, self.cfg, self.ctx, self.data,
-                                                   self.model, self.sync, self.optimizer,
-                                                   self.device, tracer=self.tracer,
-                                                   recompute=self.recompute,
-                                                   precision=self.precision)
-        # comm_rounds: this step's collectives (one per gradient bucket) or server round
-        # trips; the same with --grad-accum k as without, which is the point of no_sync
-        return loss, {"step_time_s": step_s, "compute_time_s": compute_s,
-                      "comm_time_s": comm_s, "staleness": self.sync.staleness,
-                      "comm_rounds": self.sync.comm_rounds - rounds_before,
-                      **self.wire_fields(), **self.precision.record()}
-
-    def wire_fields(self):
-        """This step's gradient bytes handed to the collectives (`wire_bytes`) and what
-        float32 all-reduces would have handed over (`dense_bytes`); none where the sync
-        does not count them (local, ps, hybrid)."""
-        wire, dense = self.sync.wire_bytes, self.sync.dense_bytes
-        if wire is None:
-            return {}
-        before, self._wire = self._wire, (wire, dense)
-        return {"wire_bytes": wire - before[0], "dense_bytes": dense - before[1]}
-
-    def trace_label(self, rank):
-        return f"worker {rank} ({self.cfg.sync})"
 
 
 def train(argv=None):

@@ -292,11 +292,11 @@ class ZeRO(GradientSync):
 
     @property
     def bytes_sent(self):
-        return self.coll.transport.bytes_sent
+        return self.coll.bytes_sent
 
     @property
     def bytes_received(self):
-        return self.coll.transport.bytes_received
+        return self.coll.bytes_received
 
     def close(self):
         for h in self._hooks:

@@ -14,13 +14,14 @@ import sys
 
 from mpi4py import MPI
 
+import strategies.loop as loop
 import strategies.train as train
 
 fault_rank, fault_step, runs = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
 rank = MPI.COMM_WORLD.rank
 logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                     format=f"rank {rank} %(name)s %(levelname)s %(message)s")
-real_step = train.one_step
+real_step = loop.one_step
 
 
 def faulty_step(step, cfg, ctx, *args, **kwargs):
@@ -29,7 +30,7 @@ def faulty_step(step, cfg, ctx, *args, **kwargs):
     return real_step(step, cfg, ctx, *args, **kwargs)
 
 
-train.one_step = faulty_step
+loop.one_step = faulty_step
 for i, argv in enumerate(runs):
     try:
         train.main(argv)
