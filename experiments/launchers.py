@@ -30,6 +30,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from allreduce.records import checkout_pythonpath
+
 from .records import ROOT, mpiexec_path
 
 LAUNCH_KEYS = ("launcher", "cluster")
@@ -284,5 +286,4 @@ def tear_down(place, log):
         f.write("\n[sweep] $ " + shlex.join(argv) + "\n")
         f.flush()
         subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, timeout=120, cwd=ROOT,
-                       env={**os.environ, **place.env(),
-                            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+                       env={**os.environ, **place.env(), "PYTHONPATH": checkout_pythonpath()})
