@@ -76,11 +76,11 @@ def expand(run, schema):
 
 def check_point(command, p):
     """None, or (key, reason) for an impossible point."""
-    emulated = bool(p.get("link_latency_us") or p.get("link_gbps"))
     P = p.get("world_size", 1)                  # a whole number >= 1 (value_problems)
     if command == "allreduce.bench":
         from allreduce import ALGORITHMS
         from allreduce.bench_config import COLLECTIVES
+        from allreduce.emulate import emulated
         from allreduce.units import parse_size
         for key, known in (("algos", ALGORITHMS), ("ops", COLLECTIVES)):
             bad = [a for a in p.get(key, []) if a not in known]
@@ -90,7 +90,7 @@ def check_point(command, p):
             [parse_size(str(s)) for s in p.get("sizes", [])]
         except ValueError as e:
             return "sizes", f"sizes {p.get('sizes')}: {e}"
-        if emulated and set(p.get("algos", ["ring", "mpi"])) & {"mpi", "torch"}:
+        if emulated(p) and set(p.get("algos", ["ring", "mpi"])) & {"mpi", "torch"}:
             return "link_latency_us", ("link emulation slows the textbook algorithms only; "
                                        "drop mpi and torch from algos for this point")
         if p.get("predict") and not p.get("cluster"):
