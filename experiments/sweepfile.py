@@ -290,7 +290,11 @@ def defaults_of(command):
         return {**{k: v for k, v in vars(parse_args([])).items() if k != "jsonl"},
                 "world_size": 1}
     if command == "psrv.bench":
-        return {"workers": 1, "servers": 1, "reps": 3, "sizes": ["4K", "64K", "1M", "16M", "64M"]}
+        # workers, servers and reps: the sweep's own, it always passes them (sweep.command_line);
+        # sizes: the bench's, passed only when the point names them
+        from psrv.bench_config import parser
+        return {"workers": 1, "servers": 1, "reps": 3,
+                "sizes": parser().get_default("sizes").split(",")}
     return {}
 
 
