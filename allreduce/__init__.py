@@ -21,75 +21,38 @@ Errors (errors.py): TransportError from a transport, CollectiveError from a
 collective (a transport's error met during one comes back as a CollectiveError
 naming the algorithm and the collective); both are AllreduceErrors.
 
-Imports go one way, down: this factory -> auto -> hierarchical -> registry (the
+Imports go one way, down: the factory (factory.py) -> auto -> hierarchical -> registry (the
 one-level algorithms by name) -> ring, tree, ... -> collective -> transport.
 """
-from .auto import Auto
-from .buffers import HostStaged
-from .collective import Collective
-from .errors import (AllreduceError, CollectiveError, CollectiveTimeout, TransportError,
-                     TransportTimeout)
-from .hierarchical import Hierarchical
-from .registry import ONE_LEVEL, TEXTBOOK, build, one_level_class
-from .shards import shard_bounds, shard_of
-from .transport import MPITransport, Transport
+import importlib
 
-# The order is the one users see in messages and sweeps.
-ALGORITHMS = TEXTBOOK + ("hierarchical", "shm", "mpi", "torch", "auto")
-# Built on the one-level algorithms (registry.py), which they import themselves.
-COMPOSED = {"hierarchical": Hierarchical, "auto": Auto}
+# Each name `import allreduce` offers, and the module that holds it.  They load
+# on first use (PEP 562's module __getattr__): the collectives import torch,
+# seconds per process, and the torch-free tools (the emulated cluster's
+# commands, the lab checkers) import only allreduce.records and the like.
+_HOME = {
+    "create": "factory", "make": "factory", "make_transport": "factory",
+    "host_staged": "factory", "ALGORITHMS": "factory", "COMPOSED": "factory",
+    "Auto": "auto", "HostStaged": "buffers", "Collective": "collective",
+    "AllreduceError": "errors", "CollectiveError": "errors", "CollectiveTimeout": "errors",
+    "TransportError": "errors", "TransportTimeout": "errors", "Hierarchical": "hierarchical",
+    "ONE_LEVEL": "registry", "TEXTBOOK": "registry", "build": "registry",
+    "one_level_class": "registry", "shard_bounds": "shards", "shard_of": "shards",
+    "MPITransport": "transport", "Transport": "transport",
+}
 
 __all__ = ["create", "make", "make_transport", "host_staged", "shard_bounds", "shard_of",
            "ALGORITHMS", "TEXTBOOK", "Collective", "Transport", "AllreduceError",
            "CollectiveError", "CollectiveTimeout", "TransportError", "TransportTimeout"]
 
 
-def make_transport(kind="mpi", comm=None, timeout=None):
-    """A transport over `comm`'s ranks.  'mpi': an mpi4py communicator (default
-    COMM_WORLD).  'torch': the same, or a list of global ranks or a torch
-    ProcessGroup; each runs on a process group of its own (torch_transport.py)."""
-    if kind == "mpi":
-        return MPITransport(comm, timeout)
-    if kind == "torch":
-        from .torch_transport import TorchTransport, group_for, init_torch_distributed
-        init_torch_distributed(timeout=timeout)
-        return TorchTransport(group_for(comm, timeout), timeout)
-    raise TransportError(f"unknown transport {kind!r}; choose 'mpi' or 'torch'")
+def __getattr__(name):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    globals()[name] = value            # found once; later lookups skip this function
+    return value
 
 
-def make(name, transport, **options):
-    """The collective `name` over an existing transport."""
-    if name in COMPOSED:
-        cls = COMPOSED[name]
-    elif name in ONE_LEVEL:
-        cls = one_level_class(name)
-    else:
-        raise CollectiveError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
-    return build(cls, name, transport, **options)
-
-
-def create(name, comm=None, transport=None, timeout=None, link_latency_us=None, link_gbps=None,
-           **options):
-    """A collective by name.  `transport` is 'mpi' (default; 'torch' for the torch
-    baseline), 'torch', or a Transport object; `comm` an mpi4py communicator (for
-    'torch' also a list of global ranks or a ProcessGroup: make_transport).
-    `link_latency_us` / `link_gbps` (Gbit/s) emulate a slower interconnect (allreduce.emulate)."""
-    if name not in ALGORITHMS:
-        raise CollectiveError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
-    if transport is None or isinstance(transport, str):
-        transport = make_transport(transport or ("torch" if name == "torch" else "mpi"),
-                                   comm, timeout)
-    if link_latency_us or link_gbps:
-        if name in ("mpi", "torch"):
-            raise CollectiveError(f"link emulation applies to the textbook algorithms, "
-                                  f"not the {name!r} baseline")
-        from .emulate import EmulatedLink
-        transport = EmulatedLink(transport, link_latency_us or 0.0, link_gbps)
-    return make(name, transport, **options)
-
-
-def host_staged(coll):
-    """`coll` itself where its transport moves CUDA tensors (NCCL); otherwise `coll`
-    with CUDA tensors staged through pinned host memory (buffers.HostStaged).  Host
-    buffers go straight through either way."""
-    return coll if coll.transport.takes_cuda else HostStaged(coll)
+def __dir__():
+    return sorted(set(globals()) | set(_HOME))

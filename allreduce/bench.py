@@ -33,7 +33,7 @@ import sys
 import numpy as np
 
 from . import create, host_staged, shard_bounds
-from .bench_config import RAW, parse_args
+from .bench_config import RAW, element_size, parse_args
 from .harness import interleaved
 from .native import MPIRaw
 from .records import append_jsonl, provenance
@@ -169,7 +169,7 @@ def main(argv=None):
     predict = predictor(args.predict, comm, args.inner, args.outer,
                         args.ranks_per_node, emulated=bool(args.link_latency_us or args.link_gbps)) \
         if args.predict else None                # on every rank: MPI tells the hosts apart
-    itemsize = 2 if args.dtype in ("float16", "bfloat16") else np.dtype(args.dtype).itemsize
+    itemsize = element_size(args.dtype)
     meta = provenance() if rank == 0 else {}
     width = 22 if "auto" in args.algos else 16         # auto→halving_doubling
     if rank == 0:

@@ -11,6 +11,8 @@ read the one parser.
 """
 import argparse
 
+import numpy as np
+
 from . import ALGORITHMS
 from .cli import add_output_flags, size, size_list
 from .native import RAW
@@ -21,6 +23,11 @@ DTYPES = ("float32", "float64", "int32", "int64", "float16", "bfloat16")
 ROWS = ALGORITHMS + (RAW,)
 RAW_DTYPES = ("float32", "float64", "int32", "int64")    # MPI's own types, no user op
 DEFAULT_ALGOS = {"cpu": "mpi-raw,ring,mpi", "cuda": "ring,torch"}
+
+
+def element_size(dtype):
+    """Bytes of one element of a bench dtype (numpy has no bfloat16: 2, as float16)."""
+    return 2 if dtype in ("float16", "bfloat16") else np.dtype(dtype).itemsize
 
 
 def parser(description=None):

@@ -21,6 +21,12 @@ from .buffers import nbytes
 from .transport import Handle, Transport
 
 
+def emulated(config):
+    """Whether a run with these settings (a record's config, a sweep's point: a
+    mapping with link_latency_us / link_gbps) goes over an emulated link."""
+    return bool(config.get("link_latency_us") or config.get("link_gbps"))
+
+
 def wait_until(due):
     """Sleep through most of a long delay (other ranks may need this core), then
     yield-poll the last stretch: sleep() alone overshoots by ~60 us."""

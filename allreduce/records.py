@@ -28,6 +28,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CALIBRATION = "calibration.json"    # what `experiments.calibrate --out DIR` writes in DIR
 
 
+def checkout_pythonpath():
+    """PYTHONPATH for a child process: this checkout first, so it imports the
+    packages from here wherever it runs, then whatever PYTHONPATH was already."""
+    pythonpath = os.environ.get("PYTHONPATH", "")
+    return ROOT + (os.pathsep + pythonpath if pythonpath else "")
+
+
 def append_jsonl(path, records):
     """Append `records` (dicts), one JSON object a line, starting on a fresh line.
 

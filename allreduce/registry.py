@@ -6,8 +6,8 @@ factory (`allreduce.make`), hierarchical (its inner and outer algorithms) and au
 
 The algorithms that build on others (hierarchical.py, auto.py) are not named
 here: they sit above this module and import it, and the package's factory
-(__init__.py), above them all, adds them.  So the imports go one way only:
-__init__ -> auto -> hierarchical -> registry -> ring, tree, ...
+(factory.py), above them all, adds them.  So the imports go one way only:
+factory -> auto -> hierarchical -> registry -> ring, tree, ...
 """
 from .errors import CollectiveError
 

@@ -20,7 +20,7 @@ transport cannot move, a failed transfer) is a `TransportError`; both are this
 layer's own classes (errors.py), which the collective layer names again.
 
 A waiting rank naps between polls only where ranks outnumber cores on its host
-(TOPOLAB_NAP=1 or 0 overrides): see `may_nap`.
+(TOPOLAB_NAP=1 or 0 overrides): see `nap.may_nap`.
 """
 import functools
 import os
@@ -30,27 +30,12 @@ import numpy as np
 
 from .buffers import as_bytes, nbytes
 from .errors import TransportError, TransportTimeout
+from .nap import may_nap
 
 DEFAULT_TIMEOUT_S = 120.0
 SPIN_POLLS = 100    # polls before a waiting rank starts yielding its core
 SPIN_S = 300e-6     # then yield-polls until this long, then naps (if may_nap())
 POLL_NAP_S = 50e-6  # the nap between later polls
-
-
-def may_nap():
-    """Whether a long wait may sleep between polls.  Only where this host runs
-    more ranks than it has cores: then the peer we wait for may need our core,
-    and yielding alone does not hand it over soon enough (small messages at
-    P = 3, 4 on 2 cores: 8 ms without naps, 0.4 ms with them).  Elsewhere a nap
-    stalls the transfer itself: MPICH without its single-copy path (CMA) moves a
-    large message through shared memory only while both ranks poll, and a 1 MiB
-    exchange took 24 ms with naps against 0.6 ms without.  MPICH and Open MPI
-    tell each rank how many ranks share its host."""
-    forced = os.environ.get("TOPOLAB_NAP", "")
-    if forced in ("0", "1"):
-        return forced == "1"
-    local = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-    return bool(local) and int(local) > (os.cpu_count() or 1)
 
 
 def default_timeout():

@@ -48,6 +48,9 @@ from .costs import Machine, segments
 from .halving_doubling import recursive_doubling
 from .theory import allreduce_steps
 
+# the algorithms with a textbook schedule, the ones cluster_allreduce_time predicts
+ALGOS = ("ring", "tree", "halving_doubling", "hierarchical")
+
 
 def link_of_rate(gbps, latency_s=0.0):
     """A host's link at its nominal rate, gbps Gbit/s each way: 8 / (gbps 1e9) s a byte."""

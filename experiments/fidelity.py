@@ -18,6 +18,8 @@ its time per byte to every byte: alpha' = alpha + L, beta' = beta + 1 / B.
 import dataclasses
 import statistics
 
+from allreduce.emulate import emulated as emulated_link
+
 from . import costmodel
 
 TARGET = 0.15      # the model's target: within 15 % for ring and PS at >= 1 MiB
@@ -38,8 +40,7 @@ def machine_of(records):
 
 def emulated(r):
     """Whether a benchmark record ran over an emulated link (allreduce/emulate.py)."""
-    c = r.get("config", {})
-    return bool(c.get("link_latency_us") or c.get("link_gbps"))
+    return emulated_link(r.get("config", {}))
 
 
 def with_link(m, config):

@@ -30,6 +30,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from allreduce.emulate import emulated
+from allreduce.records import checkout_pythonpath
+
 from .records import ROOT, mpiexec_path
 
 LAUNCH_KEYS = ("launcher", "cluster")
@@ -151,7 +154,7 @@ def launch_problem(command, p):
     if kind == "emulated" and cluster is None:
         return "launcher", ("launcher = \"emulated\" needs a cluster = {nodes = N, "
                             "ranks_per_node = R, inter_gbps = G}")
-    if kind == "emulated" and (p.get("link_latency_us") or p.get("link_gbps")):
+    if kind == "emulated" and emulated(p):
         key = "link_gbps" if p.get("link_gbps") else "link_latency_us"
         return key, ("the emulated cluster shapes its own links: give inter_gbps and "
                      "inter_latency_us in the cluster, not link_gbps / link_latency_us")
@@ -284,5 +287,4 @@ def tear_down(place, log):
         f.write("\n[sweep] $ " + shlex.join(argv) + "\n")
         f.flush()
         subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, timeout=120, cwd=ROOT,
-                       env={**os.environ, **place.env(),
-                            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+                       env={**os.environ, **place.env(), "PYTHONPATH": checkout_pythonpath()})

@@ -31,9 +31,6 @@ from allreduce.units import format_size
 from . import fidelity
 from .palette import DASHES, PREDICTED, cores_of, measured_and_predicted, save, size_axis, styles_of
 from .records import allreduce_rows
-# the report's one list of figures names them all as plots.NAME
-from .training_plots import (pipeline_gantt, ps_consistency, strategy_breakdown,  # noqa: F401
-                             zero_memory)
 
 
 def rounds_us(r):

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+from allreduce.records import checkout_pythonpath
+
 from .records import ROOT
 
 
@@ -68,7 +70,7 @@ def run_point(argv, log_path, timeout, stopper=None, env=None, grace_s=0.0):
     when `stopper` caught a stopping signal (status "stopped"); with grace_s, it is
     asked to end (SIGTERM) that long first.  `env`: more environment for the point."""
     stopper = stopper or Stopper()
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    env = {**os.environ, "PYTHONPATH": checkout_pythonpath(),
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
            "PYTHONUNBUFFERED": "1", "TOPOLAB_TIMEOUT": str(max(10, int(timeout))),
            **(env or {})}

@@ -30,7 +30,7 @@ from collections import Counter
 from allreduce.units import format_size
 from matplotlib.colors import to_hex       # "tab:blue", "0.35" as CSS
 
-from . import cluster_figures, fidelity, plots, simulate
+from . import cluster_figures, fidelity, plots, simulate, training_plots
 from .palette import COLOURS, cores_of
 from .records import describe, load, model_of, one_comparison, read_jsonl
 from .screenshot import screenshot
@@ -40,7 +40,7 @@ FIGURES = [  # (function, title, what to look at, what produces its records)
      "Which algorithm leads below 64K, where latency rules, and which from 1M, where "
      "bandwidth does; how close the best comes to memcpy's roofline.",
      "an allreduce.bench [[run]]"),
-    (plots.strategy_breakdown, "(b) throughput and step-time breakdown per strategy",
+    (training_plots.strategy_breakdown, "(b) throughput and step-time breakdown per strategy",
      "How much of each step is exposed communication or waiting, not compute: that share "
      "is what a faster --sync can win back.",
      "strategies.train [[run]]s with several --sync"),
@@ -48,17 +48,17 @@ FIGURES = [  # (function, title, what to look at, what produces its records)
      "How far each measured line (solid) sits from its prediction (dashed), and how the "
      "gap opens once ranks outnumber the cores (grey).",
      "allreduce.bench at two or more world sizes, and experiments.calibrate"),
-    (plots.zero_memory, "(d) memory per rank by ZeRO stage",
+    (training_plots.zero_memory, "(d) memory per rank by ZeRO stage",
      "Each stage removes one part from the rank: optimizer state at ZeRO-1, gradients at "
      "2, parameters at 3; activations stay.",
      "strategies.train [[run]]s on the grid (dp = 2) with zero = [0, 1, 2, 3]"),
-    (plots.pipeline_gantt, "(e) pipeline Gantt chart, GPipe, 1F1B and interleaved 1F1B",
+    (training_plots.pipeline_gantt, "(e) pipeline Gantt chart, GPipe, 1F1B and interleaved 1F1B",
      "The hatched bubble is about as large in GPipe and 1F1B; 1F1B holds fewer "
      "micro-batches' activations at once (the count on the right); the interleaved "
      "schedule's v chunks a rank shrink the bubble.",
      "strategies.train [[run]]s with pp = 2, schedule = [\"gpipe\", \"1f1b\"] (and "
      "\"interleaved\" with virtual_stages = 2), trace = true"),
-    (plots.ps_consistency, "(f) parameter-server consistency with a straggler",
+    (training_plots.ps_consistency, "(f) parameter-server consistency with a straggler",
      "BSP's clocks move in lockstep with staleness 0; under SSP and ASP the fast worker "
      "runs ahead and the straggler's pushes grow stale.",
      "strategies.train --sync ps with bsp/ssp/asp and a straggler"),
@@ -295,7 +295,8 @@ def write_report(argv=None):
     for fn, title, look, needs in FIGURES:
         out = os.path.join(d, "plots")
         path = (fn(sim_records, out, cluster=cluster) if fn is plots.crossovers else
-                fn(traces, out, about=about) if fn is plots.pipeline_gantt else fn(records, out))
+                fn(traces, out, about=about) if fn is training_plots.pipeline_gantt else
+                fn(records, out))
         if path:
             rel = os.path.relpath(path, d)
             written.append(path)

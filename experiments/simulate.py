@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from allreduce.cli import add_output_flags, size_list
 from allreduce.records import append_jsonl, read_calibration
 from allreduce.units import format_size
-from allreduce.twolevel import cluster_allreduce_time, link_from_calibration
+from allreduce.twolevel import ALGOS, cluster_allreduce_time, link_from_calibration
 
 from .costmodel import Machine, ring_reduce_scatter
 
@@ -61,9 +61,6 @@ class Cluster:
         """(nodes, ranks per node) of P ranks in blocks."""
         k = min(P, self.ranks_per_node)
         return max(1, P // k), k
-
-
-ALGOS = ("ring", "tree", "halving_doubling", "hierarchical")
 
 
 def allreduce(algo, n, P, c):

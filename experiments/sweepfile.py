@@ -76,11 +76,11 @@ def expand(run, schema):
 
 def check_point(command, p):
     """None, or (key, reason) for an impossible point."""
-    emulated = bool(p.get("link_latency_us") or p.get("link_gbps"))
     P = p.get("world_size", 1)                  # a whole number >= 1 (value_problems)
     if command == "allreduce.bench":
         from allreduce import ALGORITHMS
         from allreduce.bench_config import COLLECTIVES
+        from allreduce.emulate import emulated
         from allreduce.units import parse_size
         for key, known in (("algos", ALGORITHMS), ("ops", COLLECTIVES)):
             bad = [a for a in p.get(key, []) if a not in known]
@@ -90,7 +90,7 @@ def check_point(command, p):
             [parse_size(str(s)) for s in p.get("sizes", [])]
         except ValueError as e:
             return "sizes", f"sizes {p.get('sizes')}: {e}"
-        if emulated and set(p.get("algos", ["ring", "mpi"])) & {"mpi", "torch"}:
+        if emulated(p) and set(p.get("algos", ["ring", "mpi"])) & {"mpi", "torch"}:
             return "link_latency_us", ("link emulation slows the textbook algorithms only; "
                                        "drop mpi and torch from algos for this point")
         if p.get("predict") and not p.get("cluster"):
@@ -290,7 +290,11 @@ def defaults_of(command):
         return {**{k: v for k, v in vars(parse_args([])).items() if k != "jsonl"},
                 "world_size": 1}
     if command == "psrv.bench":
-        return {"workers": 1, "servers": 1, "reps": 3, "sizes": ["4K", "64K", "1M", "16M", "64M"]}
+        # workers, servers and reps: the sweep's own, it always passes them (sweep.command_line);
+        # sizes: the bench's, passed only when the point names them
+        from psrv.bench_config import parser
+        return {"workers": 1, "servers": 1, "reps": 3,
+                "sizes": parser().get_default("sizes").split(",")}
     return {}
 
 

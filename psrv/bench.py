@@ -36,7 +36,6 @@ it runs the optimizer over every byte on the server and copies every byte into
 `out` on the worker.  faults: the minor page faults they took per iteration,
 pages the kernel mapped in afresh (psrv/heap.py says why there should be few).
 """
-import argparse
 import multiprocessing as mp
 import os
 import platform
@@ -52,6 +51,7 @@ from allreduce.records import append_jsonl
 from allreduce.units import parse_sizes
 
 from . import protocol as P
+from .bench_config import parser
 from .client import Client
 from .config import OptimizerConfig
 from .launch import start_local_servers
@@ -241,16 +241,7 @@ def run_config(num_servers, num_workers, sizes, reps, transport="ipc", with_rpc=
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default="4K,64K,1M,16M,64M")
-    ap.add_argument("--workers", default="1,2,3")
-    ap.add_argument("--servers", default="1,2")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--transport", choices=("ipc", "tcp"), default="ipc",
-                    help="of psrv and raw_zmq (torch_rpc is always TCP)")
-    ap.add_argument("--no-rpc", action="store_true", help="leave out torch_rpc (no torch import)")
-    ap.add_argument("--jsonl", help="append one JSON record per row to this file")
-    a = ap.parse_args(argv)
+    a = parser(__doc__.split("\n")[0]).parse_args(argv)
     try:
         sizes = parse_sizes(a.sizes)
     except ValueError as e:

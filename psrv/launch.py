@@ -36,7 +36,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from allreduce.records import checkout_pythonpath
 
 
 @dataclass
@@ -104,7 +104,7 @@ class LocalServers:
                     args += ["--" + k.replace("_", "-"), str(v)]
             log = tempfile.NamedTemporaryFile("w+", prefix=f"psrv-shard{shard}-", suffix=".log",
                                               delete=False)
-            env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+            env = {**os.environ, "PYTHONPATH": checkout_pythonpath()}
             proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
             self.procs.append(proc)
             self.logs.append(log.name)

@@ -4,7 +4,7 @@ name are told apart.  Checked on what the figure drew (plots/NAME.json)."""
 import pytest
 
 from conftest import drawn
-from experiments import plots
+from experiments import plots, training_plots
 
 MLP_A = {"model": "mlp", "width": 512, "depth": 3, "global_batch": 96, "world_size": 3}
 MLP_B = {"model": "mlp", "width": 128, "depth": 2, "global_batch": 64, "world_size": 2}
@@ -23,7 +23,7 @@ def test_strategy_breakdown_compares_one_model_and_names_each_run(tmp_path):
                + train_run("a-ring-serial", {**MLP_A, "sync": "ring", "overlap": False})
                + train_run("a-tree", {**MLP_A, "sync": "tree", "overlap": True})
                + train_run("b-ring", {**MLP_B, "sync": "ring", "overlap": True}, step_s=0.5))
-    assert plots.strategy_breakdown(records, str(tmp_path))
+    assert training_plots.strategy_breakdown(records, str(tmp_path))
     rate, breakdown = drawn(tmp_path, "strategy_breakdown")
     assert sorted(rate["bars"][0]["x"]) == ["ring overlap=False", "ring overlap=True", "tree"]
     assert rate["bars"][0]["height"] == pytest.approx([96 / 0.01] * 3)   # model B's 0.5 s: out
@@ -36,7 +36,7 @@ def test_ps_consistency_compares_one_model_and_straggler(tmp_path):
     records = (train_run("bsp", {**MLP_A, **ps, "consistency": "bsp"})
                + train_run("asp", {**MLP_A, **ps, "consistency": "asp"})
                + train_run("asp-b", {**MLP_B, **ps, "consistency": "asp"}))
-    assert plots.ps_consistency(records, str(tmp_path))
+    assert training_plots.ps_consistency(records, str(tmp_path))
     by_step = drawn(tmp_path, "ps_consistency")[0]
     assert sorted(line["label"] for line in by_step["lines"]) == [
         "ps/asp +straggler", "ps/bsp +straggler"]

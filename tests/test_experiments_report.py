@@ -6,7 +6,7 @@ import sys
 import pytest
 from conftest import check_ok, mpi_env, run
 
-from experiments import fidelity, plots
+from experiments import fidelity, plots, training_plots
 from experiments.labs import check_ps
 from experiments.records import load, read_jsonl
 
@@ -62,14 +62,14 @@ def results(tmp_path_factory):
 @pytest.mark.timeout(240)
 def test_each_plot_from_real_records(results, tmp_path):
     records = load(results)
-    for fn in (plots.busbw_vs_size, plots.strategy_breakdown, plots.scaling,
-               plots.ps_consistency):
+    for fn in (plots.busbw_vs_size, training_plots.strategy_breakdown, plots.scaling,
+               training_plots.ps_consistency):
         path = fn(records, str(tmp_path))
         assert path and os.path.getsize(path) > 5000, fn.__name__
         assert os.path.exists(path[:-4] + ".svg")
     # no grid records yet: no figure rather than a made-up one
-    assert plots.zero_memory(records, str(tmp_path)) is None
-    assert plots.pipeline_gantt({}, str(tmp_path)) is None
+    assert training_plots.zero_memory(records, str(tmp_path)) is None
+    assert training_plots.pipeline_gantt({}, str(tmp_path)) is None
     assert plots.busbw_vs_size([], str(tmp_path)) is None
 
 

@@ -110,14 +110,14 @@ def test_pipeline_gantt_numbers_micro_batches_and_measures_the_bubble(tmp_path):
     assert training_plots.bubble([e for e in gpipe if e["ph"] == "X"]) == pytest.approx(1 / 5)
     assert training_plots.in_flight([e for e in gpipe if e["ph"] == "X"]) == 4
     traces = {"gpipe, m=4": gpipe, "1f1b, m=4": pipeline_trace(2, 4, "1f1b")}
-    assert plots.pipeline_gantt(traces, str(tmp_path), about="mlp, p=2 stages")
+    assert training_plots.pipeline_gantt(traces, str(tmp_path), about="mlp, p=2 stages")
     panels = {panel["title"]: panel for panel in drawn(tmp_path, "pipeline_gantt")}
     gp = panels["gpipe, m=4 (last step)"]
     assert gp["left_title"] == "bubble 20% measured, 20% by (p-1)/(m+p-1)"
     assert gp["right_title"] == "at most 4 micro-batches in flight"
     assert panels["1f1b, m=4 (last step)"]["right_title"] == "at most 2 micro-batches in flight"
     assert sorted(gp["texts"]) == sorted([str(i) for i in range(4)] * 4)   # F and B, 2 stages
-    assert plots.pipeline_gantt({}, str(tmp_path)) is None
+    assert training_plots.pipeline_gantt({}, str(tmp_path)) is None
 
 
 def ps_steps(consistency, step_s, steps=4, **extra):
@@ -138,7 +138,7 @@ def test_ps_consistency_puts_each_worker_against_the_servers_updates(tmp_path):
     assert [training_plots.server_updates(bsp, "bsp")[(1, s)] for s in range(4)] == [1, 2, 3, 4]
     told = ps_steps("ssp", {0: 1.0, 1: 1.0}, server_version=7)     # records that carry it
     assert set(training_plots.server_updates(told, "ssp").values()) == {7}
-    assert plots.ps_consistency(asp + bsp, str(tmp_path))
+    assert training_plots.ps_consistency(asp + bsp, str(tmp_path))
     by_step, by_time, clocks, stale = drawn(tmp_path, "ps_consistency")
     assert sorted(line["label"] for line in by_step["lines"]) == [
         "ps/asp +straggler", "ps/bsp +straggler"]
@@ -171,13 +171,13 @@ def train_runs():
 @pytest.mark.timeout(60)
 def test_training_figures_draw_with_interquartile_bars(tmp_path):
     records = train_runs()
-    assert plots.strategy_breakdown(records, str(tmp_path))
+    assert training_plots.strategy_breakdown(records, str(tmp_path))
     rate, _ = drawn(tmp_path, "strategy_breakdown")
     # steps 1..4 (step 0 warms up) take 20..50 ms: the bar is the median of their rates
     assert rate["bars"][0]["height"][0] == pytest.approx(
         statistics.median([8 / t for t in (0.02, 0.03, 0.04, 0.05)]))
     assert len(rate["errorbars"]) == 1 and "2 cores" in rate["title"]
-    assert plots.zero_memory(records, str(tmp_path))
+    assert training_plots.zero_memory(records, str(tmp_path))
     (panel,) = drawn(tmp_path, "zero_memory")
     assert panel["bars"][0]["x"] == ["ZeRO-0", "ZeRO-3"]
 

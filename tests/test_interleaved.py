@@ -201,12 +201,12 @@ def test_four_ranks_with_dp_tp_and_zero_reproduce_one_process(tmp_path, referenc
 
 @pytest.mark.timeout(60)
 def test_gantt_panel_names_chunks_and_uses_the_interleaved_formula(tmp_path):
-    from experiments import plots
+    from experiments import training_plots
     events = [{"name": f"{'forward' if op == 'F' else 'backward'} mb{i} chunk{g // 2}",
                "cat": "forward" if op == "F" else "backward", "ph": "X", "pid": rank,
                "ts": 1000.0 * start, "dur": 1000.0}
               for (op, g, i), (rank, start, _) in simulate(2, 2, 4).items()]
-    assert plots.pipeline_gantt({"interleaved, m=4, v=2": events}, str(tmp_path))
+    assert training_plots.pipeline_gantt({"interleaved, m=4, v=2": events}, str(tmp_path))
     (panel,) = json.load(open(tmp_path / "pipeline_gantt.json"))
     assert panel["left_title"] == "bubble 11% measured, 11% by (p-1)/(vm+p-1)"
     assert sorted(panel["texts"]) == sorted(f"{i}.{c}" for i in range(4) for c in range(2)

@@ -32,10 +32,9 @@ import subprocess
 import sys
 import time
 
-from .net import HOST_IF
+from allreduce.records import checkout_pythonpath
 
-# The checkout the ranks import from (experiments/cluster/ is two levels below it).
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .net import HOST_IF
 
 NETMOD_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": HOST_IF,
               # torch.distributed: gloo would advertise the address of the host name,
@@ -49,9 +48,8 @@ def rank_env(layout):
     MPICH netmod, and rank 0's address for torch.distributed's rendezvous."""
     bin_dir = os.path.dirname(sys.executable)
     path = os.environ.get("PATH", "/usr/bin:/bin")
-    pythonpath = os.environ.get("PYTHONPATH", "")
     return {"PATH": bin_dir + os.pathsep + path,
-            "PYTHONPATH": ROOT + (os.pathsep + pythonpath if pythonpath else ""),
+            "PYTHONPATH": checkout_pythonpath(),
             "PYTHONUNBUFFERED": "1",
             "TOPOLAB_MASTER_ADDR": layout.address(0),
             **NETMOD_ENV}

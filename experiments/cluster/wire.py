@@ -14,8 +14,6 @@ for an allreduce.bench job the number of all-reduces is known from its flags
 """
 import sys
 
-import numpy as np
-
 FRAME_HEADER_BYTES = 14 + 20 + 32
 
 
@@ -50,14 +48,13 @@ def job_theory(module, job_args, nodes, ranks_per_node):
     why itself), and when some row has no formula (mpi, torch, other collectives)."""
     if module != "allreduce.bench":
         return None
-    from allreduce.bench_config import parse_args     # the bench's own flags and defaults
+    from allreduce.bench_config import element_size, parse_args  # the bench's flags and defaults
     from allreduce.theory import host_link_bytes
     try:
         args = parse_args(job_args)
     except SystemExit:
         return None
-    # as allreduce.bench sizes its buffers (numpy has no bfloat16)
-    itemsize = 2 if args.dtype in ("float16", "bfloat16") else np.dtype(args.dtype).itemsize
+    itemsize = element_size(args.dtype)        # as allreduce.bench sizes its buffers
     calls = 1 + args.warmup + args.iters
     total = [0.0] * nodes
     for nbytes in args.sizes:

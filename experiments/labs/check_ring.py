@@ -41,6 +41,8 @@ import time
 
 import numpy as np
 
+from allreduce.nap import may_nap
+
 from .grading import load_student
 
 TIME_BYTES = 16 << 20
@@ -61,7 +63,7 @@ class LabTransport:
 
     def __init__(self, comm, check=True, timeout=TIMEOUT_S):
         self._comm, self._check, self._timeout = comm, check, timeout
-        self._nap = oversubscribed()
+        self._nap = may_nap()
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.reset()
 
@@ -113,13 +115,6 @@ class LabTransport:
                 raise TimeoutError(
                     f"sendrecv call {self.calls} (to rank {dest}, from rank {source}) found "
                     f"no partner in {self._timeout:g} s")
-
-
-def oversubscribed():
-    """More ranks than cores on this host (MPICH and Open MPI say how many ranks
-    share it): a waiting rank then naps, leaving its core to the rank it waits for."""
-    local = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-    return bool(local) and int(local) > (os.cpu_count() or 1)
 
 
 def load(path):

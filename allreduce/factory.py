@@ -1,0 +1,65 @@
+"""The factory behind `allreduce.create`: a collective by name, over a transport
+made here or given.  The package's __init__ hands these names out on first use.
+"""
+from .auto import Auto
+from .buffers import HostStaged
+from .errors import CollectiveError, TransportError
+from .hierarchical import Hierarchical
+from .registry import ONE_LEVEL, TEXTBOOK, build, one_level_class
+from .transport import MPITransport
+
+# The order is the one users see in messages and sweeps.
+ALGORITHMS = TEXTBOOK + ("hierarchical", "shm", "mpi", "torch", "auto")
+# Built on the one-level algorithms (registry.py), which they import themselves.
+COMPOSED = {"hierarchical": Hierarchical, "auto": Auto}
+
+
+def make_transport(kind="mpi", comm=None, timeout=None):
+    """A transport over `comm`'s ranks.  'mpi': an mpi4py communicator (default
+    COMM_WORLD).  'torch': the same, or a list of global ranks or a torch
+    ProcessGroup; each runs on a process group of its own (torch_transport.py)."""
+    if kind == "mpi":
+        return MPITransport(comm, timeout)
+    if kind == "torch":
+        from .torch_transport import TorchTransport, group_for, init_torch_distributed
+        init_torch_distributed(timeout=timeout)
+        return TorchTransport(group_for(comm, timeout), timeout)
+    raise TransportError(f"unknown transport {kind!r}; choose 'mpi' or 'torch'")
+
+
+def make(name, transport, **options):
+    """The collective `name` over an existing transport."""
+    if name in COMPOSED:
+        cls = COMPOSED[name]
+    elif name in ONE_LEVEL:
+        cls = one_level_class(name)
+    else:
+        raise CollectiveError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
+    return build(cls, name, transport, **options)
+
+
+def create(name, comm=None, transport=None, timeout=None, link_latency_us=None, link_gbps=None,
+           **options):
+    """A collective by name.  `transport` is 'mpi' (default; 'torch' for the torch
+    baseline), 'torch', or a Transport object; `comm` an mpi4py communicator (for
+    'torch' also a list of global ranks or a ProcessGroup: make_transport).
+    `link_latency_us` / `link_gbps` (Gbit/s) emulate a slower interconnect (allreduce.emulate)."""
+    if name not in ALGORITHMS:
+        raise CollectiveError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
+    if transport is None or isinstance(transport, str):
+        transport = make_transport(transport or ("torch" if name == "torch" else "mpi"),
+                                   comm, timeout)
+    if link_latency_us or link_gbps:
+        if name in ("mpi", "torch"):
+            raise CollectiveError(f"link emulation applies to the textbook algorithms, "
+                                  f"not the {name!r} baseline")
+        from .emulate import EmulatedLink
+        transport = EmulatedLink(transport, link_latency_us or 0.0, link_gbps)
+    return make(name, transport, **options)
+
+
+def host_staged(coll):
+    """`coll` itself where its transport moves CUDA tensors (NCCL); otherwise `coll`
+    with CUDA tensors staged through pinned host memory (buffers.HostStaged).  Host
+    buffers go straight through either way."""
+    return coll if coll.transport.takes_cuda else HostStaged(coll)
