@@ -171,3 +171,21 @@ def test_packages_import_only_downward():
                     if layer[target.split(".")[0]] > layer[source.split(".")[0]])
     assert not upward, "imports that point up the layers " \
                        f"({' -> '.join(reversed(LAYERS))}):\n" + "\n".join(upward)
+
+
+TORCH_FREE = ("experiments.cluster.cli", "experiments.labs.check_ring",
+              "experiments.labs.check_ps", "allreduce.records", "allreduce.units",
+              "strategies.choices")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_the_light_tools_load_without_torch(module):
+    """The cluster's commands and the lab checkers start in well under a second: importing
+    torch takes seconds a process, and allreduce loads its collectives on first use."""
+    import subprocess
+    import sys
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch loaded'"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=50)
+    assert result.returncode == 0, result.stderr[-2000:]
