@@ -99,7 +99,7 @@ def use_device(args, comm):
         sys.stderr.flush()
         comm.Barrier()                               # every rank has said it before any exits
         sys.exit(2)
-    from .torch_transport import local_rank
+    from .torch_world import local_rank
     device = torch.device("cuda", local_rank(comm) % torch.cuda.device_count())
     torch.cuda.set_device(device)                    # NCCL and the pinned copies use it
     return device

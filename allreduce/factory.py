@@ -21,7 +21,8 @@ def make_transport(kind="mpi", comm=None, timeout=None):
     if kind == "mpi":
         return MPITransport(comm, timeout)
     if kind == "torch":
-        from .torch_transport import TorchTransport, group_for, init_torch_distributed
+        from .torch_transport import TorchTransport, group_for
+        from .torch_world import init_torch_distributed
         init_torch_distributed(timeout=timeout)
         return TorchTransport(group_for(comm, timeout), timeout)
     raise TransportError(f"unknown transport {kind!r}; choose 'mpi' or 'torch'")

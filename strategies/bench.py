@@ -52,7 +52,7 @@ class DDPSync(GradientSync):
     def setup(self, model):
         from torch.nn.parallel import DistributedDataParallel
 
-        from allreduce.torch_transport import init_torch_distributed
+        from allreduce.torch_world import init_torch_distributed
         init_torch_distributed(self.ctx.comm)
         super().setup(model)
         self.ddp = DistributedDataParallel(model, bucket_cap_mb=self.cfg.bucket_mb)

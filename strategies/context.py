@@ -21,7 +21,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from allreduce.torch_transport import init_torch_distributed, torchrun_world
+from allreduce.torch_world import init_torch_distributed, torchrun_world
 
 from .choices import PS_SYNCS, ConfigError
 from .config import dp_size_of

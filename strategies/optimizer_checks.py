@@ -9,7 +9,7 @@ import zlib
 
 import torch
 
-from allreduce.torch_transport import torchrun_world
+from allreduce.torch_world import torchrun_world
 
 from .choices import ConfigError
 

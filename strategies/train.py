@@ -33,7 +33,7 @@ found before training, on every rank, and reported by every rank (exit 2).
 import sys
 import time
 
-from allreduce.torch_transport import under_torchrun
+from allreduce.torch_world import under_torchrun
 
 from . import checkpoint, loop
 from .choices import ConfigError
