@@ -109,12 +109,8 @@ def check_precision(cfg):
     if cfg.sync in PS_SYNCS:
         raise ConfigError(f"{what} with --sync {cfg.sync} is not supported: the servers "
                           f"run the optimizer on what they are sent, with no loss scale")
-    # ep: tokens cross ranks in the all-to-alls' fp32 buffers so far;
     # fp16 checkpoints would lose the loss scale
-    for flag, unsupported in ((f"--ep {cfg.ep}", cfg.ep > 1),
-                              ("--checkpoint-dir", cfg.checkpoint_dir and
-                               cfg.precision == "fp16")):
-        if unsupported:
-            raise ConfigError(f"{what} with {flag} is not supported yet: data parallelism "
-                              f"(an all-reduce --sync, --zero 0-3), pipeline and tensor "
-                              f"parallelism compute in 16 bit")
+    if cfg.checkpoint_dir and cfg.precision == "fp16":
+        raise ConfigError(f"{what} with --checkpoint-dir is not supported yet: data "
+                          f"parallelism (an all-reduce --sync, --zero 0-3), pipeline, tensor "
+                          f"and expert parallelism compute in 16 bit")

@@ -62,6 +62,7 @@ from .config import dp_size_of
 from .loop import StepEngine, one_step
 from .models import count_parameters
 from .moe import MoE, expert_capacity, run_experts
+from .precision import any_rank_of, as_wire, of_config
 from .sync import (AllReduceSync, GradientSync, broadcast_tensor, collective_for,
                    make_optimizer)
 from .tensor_parallel import Conjugate
@@ -81,7 +82,8 @@ def check(cfg, world_size):
 
 def alltoall_bytes_per_step(cfg, world_size):
     """Bytes one rank sends in all-to-alls per step: 4 per MoE block (dispatch and
-    combine, forward and backward), each of the (E, G, C, d) float32 buffer, by
+    combine, forward and backward), each of the (E, G, C, d) float32 buffer (float32
+    under --precision bf16/fp16 too: AllToAllExperts.alltoall), by
     alltoall.py's schedule for that size.  cfg: a TrainConfig or its record (dict)."""
     c = cfg if isinstance(cfg, dict) else cfg.as_dict()
     ep, experts = c["ep"], c["experts"]
@@ -117,8 +119,11 @@ class AllToAllExperts:
         self.seconds = 0.0
 
     def alltoall(self, x, what):
+        """x's blocks to the ranks of the group; under --precision bf16/fp16 the tokens
+        (and their gradients) cross in fp32, as a pipeline's activations do
+        (precision.as_wire), and come back in x's dtype, the one autocast computes in."""
         start = time.perf_counter()
-        out = self.coll.alltoall(x.contiguous())
+        out = self.coll.alltoall(as_wire(x)).to(x.dtype)
         end = time.perf_counter()
         self.seconds += end - start
         if self.tracer:
@@ -234,6 +239,13 @@ class ExpertParallel(StepEngine):
         self.sync = ExpertParallelSync(cfg, ctx, device, self.expert_params, replica_coll)
         self.sync.setup(model)
         self.optimizer = make_optimizer(cfg, model.parameters())
+        # --precision: the fp32 parameters are the master weights, autocast casts them per
+        # matmul (as DataParallel); the dense gradients are the same on every rank after
+        # the all-reduce, the experts' differ from rank to rank of an expert group, so
+        # under fp16 the whole launch votes on an overflow and skips the same steps (an
+        # inf in any gradient skips the update: Micikevicius et al. 2018, section 3.2)
+        self.precision = of_config(cfg, device.type)
+        self.agree = any_rank_of(ctx.comm) if self.precision.scaler else None
 
     def describe(self):
         lay = self.placement
@@ -256,7 +268,9 @@ class ExpertParallel(StepEngine):
         # two all-to-alls per MoE block in the forward, two more in the backward
         loss, compute_s, comm_s, step_s = one_step(step, self.cfg, self.ctx, self.data,
                                                    self.model, self.sync, self.optimizer,
-                                                   self.device, tracer=self.tracer)
+                                                   self.device, tracer=self.tracer,
+                                                   precision=self.precision,
+                                                   agree=self.agree)
         # the all-to-alls block the forward and backward: exposed communication
         alltoall_s = self.exchange.seconds - alltoall_s
         dropped = [m.dropped_fraction for m in self.model.modules() if isinstance(m, MoE)]
@@ -265,7 +279,7 @@ class ExpertParallel(StepEngine):
             "comm_time_s": comm_s + alltoall_s, "alltoall_time_s": alltoall_s,
             "alltoall_bytes": None if alltoall_bytes is None else
             self.exchange.coll.bytes_sent - alltoall_bytes,
-            "dropped_fraction": sum(dropped) / len(dropped)}
+            "dropped_fraction": sum(dropped) / len(dropped), **self.precision.record()}
 
     def parameters_npz(self):
         """The whole model on world rank 0 (collective): the dense parameters of rank 0,

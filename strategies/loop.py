@@ -75,12 +75,14 @@ class StepEngine:
 
 
 def one_step(step, cfg, ctx, data, model, sync, optimizer, device, forward=None, tracer=None,
-             recompute=None, precision=None):
+             recompute=None, precision=None, agree=None):
     """One training step; returns (local loss, compute s, exposed comm s, step s).
     Forward and backward run in --grad-accum micro-steps (accumulation.py), the
     communication once; recompute: recompute.Recompute of --recompute, or None;
     precision: a precision.MixedPrecision (None: fp32) around the forward, the backward
-    and the update (fp16: skipped where the synchronised gradients overflowed)."""
+    and the update (fp16: skipped where the synchronised gradients overflowed);
+    agree: the ranks' overflow vote (precision.any_rank_of) where ranks hold different
+    gradients (expert parallelism), None where every rank holds the same."""
     precision = precision or MixedPrecision()
     t0 = now(device)
     x, y = data.batch(step, ctx.dp_rank, ctx.dp_size, cfg.global_batch, device)
@@ -92,8 +94,9 @@ def one_step(step, cfg, ctx, data, model, sync, optimizer, device, forward=None,
     t1 = now(device)
     sync.synchronize(step)
     t2 = now(device)
-    # every rank holds the same averaged gradients, so every rank skips the same steps
-    precision.step([p.grad for p in model.parameters()], lambda: sync.step(optimizer))
+    # data parallel: every rank holds the same averaged gradients, so every rank skips
+    # the same steps; expert parallel: `agree` makes them
+    precision.step([p.grad for p in model.parameters()], lambda: sync.step(optimizer), agree)
     t3 = now(device)
     if tracer:                                     # --trace: the step's intervals, as lived
         tracer.add(f"wait for gradients {step}", "comm", t1, t2)
