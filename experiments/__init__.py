@@ -5,10 +5,14 @@
     python -m experiments.calibrate --out results           # results/calibration.json: α, β, γ
     python -m experiments.simulate                        # 8..4096 ranks, two-level cluster
     mpiexec -n 4 python -m mpi4py -m allreduce.bench --algos ring,tree --link-latency-us 100
-    experiments/labs/README.md                            # five lab sheets and their checks
+    experiments/labs/README.md                            # eight lab sheets and their checks
 
-Modules: sweep (runner) and sweepfile (the TOML and its checks), records (results
-directory, provenance), costmodel (formulas), calibrate, fidelity (predicted vs
-measured), simulate, plots (one function per figure), report.  Slow links and stragglers are
-flags of the commands themselves (--link-latency-us, --link-gbps, --straggler).
+Modules: sweep (runner), sweepfile (the TOML and its checks), launchers and points
+(where and how a point runs), cluster/ (the emulated multi-host cluster), records
+(results directory, provenance), costmodel (formulas), calibrate (one host;
+calibrate_ps for psrv, calibrate_link for the link between hosts, fits for the
+alpha-beta fits they share), fidelity (predicted vs measured), simulate, the figures
+(plots, training_plots, cluster_figures and one module per technique's figure, on
+palette), report.  Slow links and stragglers are flags of the commands themselves
+(--link-latency-us, --link-gbps, --straggler).
 """

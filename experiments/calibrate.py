@@ -39,11 +39,7 @@ collectives' large messages from them is a real test of the model (costmodel.py)
                 (allreduce.bench writes it before every call, backward before
                 every step).
   memcpy        np.copyto bandwidth: the roofline of plot (a).
-  ps_alpha, ps_s, ps_marginal_s
-                psrv with one server and W = 1, 2, 3 workers, push+pull of b
-                bytes, the three interleaved block by block: W = 1 gives
-                ps_alpha and the round-trip curve T1(b) (ps_s), W = 2 what each
-                further worker adds, D(b) (costmodel.psrv_time).
+  ps_*          psrv's push+pull with W = 1, 2, 3 workers (calibrate_ps.py).
 
 CACHES.  Writing a cache line that the other core holds means invalidating its
 copy first, and on this VM that costs far more when its two vCPUs sit apart (a
@@ -70,9 +66,7 @@ calibration takes the file or DIR) and, with --jsonl, one record of kind
 "calibration" for the report.
 """
 import argparse
-import contextlib
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -85,31 +79,12 @@ from allreduce.records import (CALIBRATION, append_jsonl, mpiexec_path, provenan
                                write_calibration)
 
 from . import calibrate_link
-from .calibrate_link import GAMMA_SIZES, LARGE    # one figure for both levels
+from .calibrate_link import GAMMA_SIZES    # one figure for both levels
+from .calibrate_ps import ps_part
+from .fits import LARGE, fit_two_regimes
 
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
-PS_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
 VERIFY_SIZES = [1 << 20, 4 << 20, 16 << 20]
-
-
-def fit_alpha_beta(nbytes, seconds):
-    """Least squares of t = alpha + b * beta, each point weighted by 1/t, so that
-    the small sizes (alpha) count as much as the large ones (beta)."""
-    b, t = np.asarray(nbytes, float), np.asarray(seconds, float)
-    A = np.stack([np.ones_like(b), b], axis=1) / t[:, None]
-    (alpha, beta), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
-    return max(float(alpha), 0.0), float(beta)
-
-
-def fit_two_regimes(nbytes, seconds, split=LARGE):
-    """alpha from the messages below `split`, beta from those at or above it.
-    Why not one fit: caches make a byte cost about twice as much at 16 MiB as at
-    4 MiB here, so one line through 4 KiB..32 MiB misses both ends; the model's
-    fidelity target is about messages >= 1 MiB, so beta is fitted there."""
-    small = [(b, t) for b, t in zip(nbytes, seconds) if b < split]
-    large = [(b, t) for b, t in zip(nbytes, seconds) if b >= split]
-    alpha, _ = fit_alpha_beta(*zip(*small)) if len(small) >= 2 else (0.0, 0.0)
-    return alpha, calibrate_link.fit_beta(*zip(*large), alpha)
 
 
 def mpi_part(reps, verify=(), comm=None):
@@ -213,78 +188,6 @@ def mpi_part(reps, verify=(), comm=None):
             "verify": [{"algo": name, "bytes": n, "world_size": 2, "time_us": med[(name, n)] * 1e6,
                         "round_us": [round(float(x) * 1e6, 1) for x in per_round[(name, n)]]}
                        for name in colls for n in VERIFY_SIZES]}
-
-
-PS_WORKERS = (1, 2, 3)        # W = 1 fits T1(n), W = 2 fits D(n), W = 3 checks the two
-
-
-def ps_worker(w, endpoints, barrier, results, reps):
-    """One process of the psrv probe: a client of every server set with more than
-    w workers; every (size, W) block starts at a barrier, so blocks alternate
-    W = 1, 2, 3, 1, 2, 3, ... within seconds and the machine's drift hits all alike.
-    Puts its samples {(W, n): [seconds per push+pull, a round each]} on `results`."""
-    from allreduce.harness import interleaved
-    from psrv.client import Client
-    from psrv.config import OptimizerConfig
-    clients = {W: Client(eps, w, W, timeout=120.0) for W, eps in endpoints.items() if w < W}
-    params = {f"s{n}": np.zeros(n // 4, np.float32) for n in PS_SIZES}
-    out = {k: np.empty_like(v) for k, v in params.items()}
-    for c in clients.values():
-        c.init(params, OptimizerConfig("sgd", lr=1e-9))
-    step = {(W, k): 0 for W in clients for k in params}
-
-    def push_pull(W, name):
-        if W not in clients:             # a set this worker is not in: it only keeps the barriers
-            return
-        clients[W].push_pull({name: params[name]}, {name: out[name]}, step[(W, name)]).wait()
-        step[(W, name)] += 1
-
-    blocks = {(W, n): (lambda W=W, name=f"s{n}": push_pull(W, name))
-              for n in PS_SIZES for W in endpoints}
-    calls = {(W, n): max(5, min(100, int(8e7 / n))) for W, n in blocks}
-    timings = interleaved(blocks, rounds=reps, warmup=1, calls=calls,
-                          barrier=lambda: barrier.wait(120))
-    results.put(timings.samples)
-    for c in clients.values():
-        c.close()
-
-
-def ps_part(reps, verify=True):
-    """psrv, one server, W = 1, 2 and 3 workers interleaved block by block.
-    W = 1 gives ps_alpha and the round-trip curve T1(n); W = 2 what one more
-    worker adds, D(n) (costmodel.psrv_time: t = T1 + (W - 1) D); W = 3 is then
-    predicted, not fitted: ps_verify."""
-    from allreduce.harness import Timings, slowest
-    from psrv.launch import start_local_servers
-    from psrv.measure import collect
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    workers = PS_WORKERS if verify else PS_WORKERS[:2]
-    with contextlib.ExitStack() as stack:
-        endpoints = {W: stack.enter_context(start_local_servers(1, worker_timeout=60)).endpoints
-                     for W in workers}
-        barrier = ctx.Barrier(max(workers))
-        procs = [ctx.Process(target=ps_worker, args=(w, endpoints, barrier, results, reps))
-                 for w in range(max(workers))]
-        for p in procs:
-            p.start()
-        # the slowest worker, round by round (one outside a set adds nothing: it times 0)
-        timings = slowest(Timings(s) for s in collect(results, len(procs), procs))
-        for p in procs:
-            p.join(60)
-    seconds = [timings.median((1, n)) for n in PS_SIZES]
-    alpha, two_beta = fit_two_regimes(PS_SIZES, seconds)
-    # what the second worker adds, from W=2 minus W=1 of the same rep (drift cancels)
-    marginal = [max(0.0, float(np.median(np.subtract(timings.samples[(2, n)],
-                                                     timings.samples[(1, n)]))))
-                for n in PS_SIZES]
-    median = {(W, n): timings.median((W, n)) for W in workers for n in PS_SIZES}
-    return {"ps_alpha_s": alpha, "ps_beta_s_per_byte": two_beta / 2, "ps_bytes": PS_SIZES,
-            "ps_s": seconds, "ps_marginal_s": marginal,
-            "ps_measured": [{"workers": W, "servers": 1, "bytes": n, "time_us": t * 1e6}
-                            for (W, n), t in median.items()],
-            "ps_verify": [{"workers": W, "servers": 1, "bytes": n, "time_us": t * 1e6}
-                          for (W, n), t in median.items() if W > 2]}
 
 
 def parser():

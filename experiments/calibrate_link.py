@@ -44,9 +44,10 @@ import numpy as np
 from allreduce.harness import interleaved
 from allreduce.records import provenance
 
+from .fits import LARGE, fit_beta
+
 LINK_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20]
 # Shared with calibrate.py, which imports this module (and not the other way round):
-LARGE = 1 << 20                               # the per-byte fits use sizes from here up
 GAMMA_SIZES = [1 << 20, 4 << 20, 16 << 20]    # np.add per byte is measured at these
 KINDS = ("one_way", "exchange", "shared")
 PING_PONGS = 10             # round trips a latency probe makes back to back
@@ -125,13 +126,6 @@ def link_part(t, a, b, a2, b2, reps):
                           before=lambda key: t.barrier())
     messages = {"ping_pong": 2 * PING_PONGS}
     return {k: timings.median(k) / messages.get(k[0], 1) for k in sorted(probes)}
-
-
-def fit_beta(nbytes, seconds, alpha):
-    """Least squares of t = alpha + b * beta for beta, alpha fixed, each point weighted
-    by 1/t (calibrate.fit_alpha_beta's weights)."""
-    b, t = np.asarray(nbytes, float), np.asarray(seconds, float)
-    return float(np.sum((t - alpha) * b / t**2) / np.sum(b**2 / t**2))
 
 
 def fit_link(medians, flows):

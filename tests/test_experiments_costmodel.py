@@ -6,7 +6,7 @@ import pytest
 
 from experiments import costmodel as cm
 from experiments import simulate
-from experiments.calibrate import fit_alpha_beta, fit_two_regimes
+from experiments.fits import fit_alpha_beta, fit_two_regimes
 from strategies.config import parse_straggler
 
 # alpha 10 us, 1 GB/s links, reducing at 2 GB/s; one core per rank
