@@ -46,7 +46,8 @@ def check_sync(cfg, cli=True):
     if cfg.consistency == "bsp" and cfg.staleness:
         raise ConfigError(f"{flag_of('staleness', cli)} needs "
                           f"{setting_of('consistency', 'ssp', cli)} (bsp waits for every worker)")
-    return check_compress(cfg.compress, cfg.sync, cfg.error_feedback, cli)
+    return check_compress(cfg.compress, cfg.sync, cfg.error_feedback, cli,
+                          cfg.sparsity_warmup)
 
 
 def check_schedule(cfg):

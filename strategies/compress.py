@@ -25,6 +25,13 @@ class Compressor:
     """The identity: float32 on the wire."""
     name = "none"
     wire_dtype = torch.float32
+    step = 0                     # the step whose buckets come next (set_step)
+    kept_ratio = None            # top-k: the fraction of each bucket its last step sent
+
+    def set_step(self, step):
+        """The sync says which step's buckets come next (AllReduceSync.synchronize); only
+        top-k's warm-up reads it (topk.py), the others keep no schedule."""
+        self.step = step
 
     def compress(self, flat, scratch=None):
         return flat

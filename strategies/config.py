@@ -54,6 +54,8 @@ class TrainConfig:
                                   # next step's gradient; --no-error-feedback: drop it
     momentum_correction: bool = False  # topk with sgd --momentum: the momentum is kept per
                                        # rank before top-k (Deep Gradient Compression)
+    sparsity_warmup: int = 0      # topk: the kept fraction falls from 1/4 to RATIO over this
+                                  # many first steps, a quarter per stage (DGC's warm-up)
     device: str = "cpu"           # cpu or cuda (one GPU per rank of a host)
     threads: int = 0              # torch intra-op threads per rank; 0 = cores / ranks on host
     timeout: float = 60.0         # seconds any rank waits for a peer before giving up

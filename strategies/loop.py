@@ -117,6 +117,7 @@ class DataParallel(StepEngine):
             role=ctx.role, bucket_mb=cfg.bucket_mb, overlap=cfg.overlap, compress=cfg.compress,
             error_feedback=cfg.error_feedback,
             momentum_correction=cfg.momentum if cfg.momentum_correction else 0.0,
+            sparsity_warmup=cfg.sparsity_warmup,
             ranks_per_node=cfg.ranks_per_node, timeout=cfg.timeout,
             consistency=cfg.consistency, staleness=cfg.staleness,
             link_latency_us=cfg.link_latency_us, link_gbps=cfg.link_gbps)
@@ -144,12 +145,15 @@ class DataParallel(StepEngine):
     def wire_fields(self):
         """This step's gradient bytes handed to the collectives (`wire_bytes`) and what
         float32 all-reduces would have handed over (`dense_bytes`); none where the sync
-        does not count them (local, ps, hybrid)."""
+        does not count them (local, ps, hybrid).  Top-k adds `kept_ratio`, the fraction
+        of each bucket it sent (below RATIO's only during --sparsity-warmup)."""
         wire, dense = self.sync.wire_bytes, self.sync.dense_bytes
         if wire is None:
             return {}
         before, self._wire = self._wire, (wire, dense)
-        return {"wire_bytes": wire - before[0], "dense_bytes": dense - before[1]}
+        kept = self.sync.kept_ratio
+        return {"wire_bytes": wire - before[0], "dense_bytes": dense - before[1],
+                **({} if kept is None else {"kept_ratio": kept})}
 
     def trace_label(self, rank):
         return f"worker {rank} ({self.cfg.sync})"

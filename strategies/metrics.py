@@ -12,7 +12,8 @@ run's `run_id`, so that several runs can share a file:
         --precision fp16: "loss_scale", "overflow_skips" (so far; the summary has the total)
         --ep: "alltoall_time_s", "alltoall_bytes" (sent by this rank), "dropped_fraction"
         all-reduce syncs: "wire_bytes" (gradient bytes this rank handed to the collectives,
-        after --compress), "dense_bytes" (the same as float32 all-reduces)
+        after --compress), "dense_bytes" (the same as float32 all-reduces); topk:
+        "kept_ratio" (the fraction of each bucket sent: RATIO, more during --sparsity-warmup)
     {"kind": "summary", ...}
 The file is appended to, as every tool's --jsonl is.  With --resume the run goes on
 under the checkpoint's run id, and that run's step records at or after the

@@ -24,7 +24,9 @@ takes the step of the mean loss over the global batch.
            for the torch transport also a list of global ranks
     bucket_mb, overlap, compress ("none", "fp16", "bf16", "topk:0.01", "powersgd:4"),
     error_feedback (topk / powersgd: residuals per rank), momentum_correction (topk: DGC's
-    momentum m, kept per rank; wrap an SGD without momentum), ranks_per_node, timeout,
+    momentum m, kept per rank; wrap an SGD without momentum), sparsity_warmup (topk: DGC's
+    warm-up, the kept fraction falls from 25 % to RATIO over that many steps),
+    ranks_per_node, timeout,
     link_latency_us, link_gbps (slower emulated links for the textbook all-reduces)
 
 Gradient accumulation (DDP's and Horovod's pattern; accumulation.py): backwards
@@ -99,7 +101,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer, model, sync="ring", comm=None, *, bucket_mb=25.0,
                  overlap=True, compress="none", error_feedback=True, momentum_correction=0.0,
-                 ranks_per_node=0, timeout=60.0,
+                 sparsity_warmup=0, ranks_per_node=0, timeout=60.0,
                  transport=None, role=None, consistency="bsp", staleness=0,
                  link_latency_us=0.0, link_gbps=0.0, precision="fp32", loss_scale=2.0**16,
                  loss_scale_window=1000):
@@ -129,7 +131,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"role= is for sync='ps' or 'hybrid', not {name!r}")
         options = SyncOptions(sync=name, bucket_mb=bucket_mb, overlap=overlap, compress=compress,
                               error_feedback=error_feedback,
-                              momentum_correction=momentum_correction, timeout=timeout,
+                              momentum_correction=momentum_correction,
+                              sparsity_warmup=sparsity_warmup, timeout=timeout,
                               ranks_per_node=ranks_per_node,
                               link_latency_us=link_latency_us, link_gbps=link_gbps,
                               consistency=consistency, staleness=staleness, **server_optimizer)

@@ -113,14 +113,15 @@ def check_same_everywhere(gather, params, options):
     differs, every rank sees a rank unlike itself, so every rank raises."""
     shapes = ";".join(str(tuple(p.shape)) for p in params)
     settings = f"{options.sync} {options.bucket_mb} {options.overlap} {options.compress} " \
-               f"{options.error_feedback} {options.momentum_correction}"
+               f"{options.error_feedback} {options.momentum_correction} " \
+               f"{options.sparsity_warmup}"
     mine = [len(params), sum(p.numel() for p in params), zlib.crc32(shapes.encode()),
             zlib.crc32(settings.encode())]
     for rank, theirs in enumerate(gather(mine)):
         theirs = [int(v) for v in theirs]
         if theirs != mine:
             what = "settings (sync, bucket_mb, overlap, compress, error_feedback, " \
-                   "momentum_correction)" if theirs[:3] == mine[:3] \
+                   "momentum_correction, sparsity_warmup)" if theirs[:3] == mine[:3] \
                 else f"model ({theirs[0]} trainable tensors, {theirs[1]} elements, shapes " \
                      f"checksum {theirs[2]:x}; here {mine[0]}, {mine[1]}, {mine[2]:x})"
             raise ConfigError(f"rank {rank} of the communicator has another {what} than this "

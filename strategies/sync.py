@@ -67,6 +67,7 @@ class SyncOptions:
     compress: str = "none"        # gradients on the wire: none, fp16, bf16, topk:R, powersgd:K
     error_feedback: bool = True   # topk / powersgd: residuals kept per rank
     momentum_correction: float = 0.0  # topk: DGC's momentum, kept per rank before top-k
+    sparsity_warmup: int = 0      # topk: steps over which the kept fraction falls to RATIO
     timeout: float = 60.0         # seconds a rank waits for a peer before giving up
     ranks_per_node: int = 0       # hierarchical / auto / hybrid: 0 = ranks sharing a host
     link_latency_us: float = 0.0  # emulated links (textbook algorithms only)
@@ -90,13 +91,13 @@ class SyncOptions:
                               f"compress='topk:RATIO' with error feedback and 0 < momentum < 1")
 
 
-def build_compressor(compress, coll=None, error_feedback=True, momentum=0.0):
+def build_compressor(compress, coll=None, error_feedback=True, momentum=0.0, warmup=0):
     """The compressor of a --compress spec: compress.py's casts, topk.py, powersgd.py.
     `coll`: the collective top-k all-gathers over; `momentum`: top-k's momentum
-    correction (0: none)."""
+    correction (0: none); `warmup`: top-k's --sparsity-warmup steps (0: none)."""
     spec = parse_compress(compress)
     if spec.kind == "topk":
-        return TopKCompressor(spec.ratio, coll, error_feedback, momentum)
+        return TopKCompressor(spec.ratio, coll, error_feedback, momentum, warmup)
     if spec.kind == "powersgd":
         return PowerSGDCompressor(spec.rank, error_feedback)
     return make_compressor(spec.kind)
@@ -137,7 +138,8 @@ class GradientSync:
     Read-only figures: name, bytes_sent and bytes_received (this rank's traffic so far;
     None where a library's traffic is not observable), wire_bytes and dense_bytes
     (all-reduce syncs: the gradient bytes handed to the collectives so far, compressed,
-    and what float32 would have been; None elsewhere), staleness (ps: how many steps old
+    and what float32 would have been; None elsewhere), kept_ratio (top-k: the fraction
+    of each bucket the last step sent; None elsewhere), staleness (ps: how many steps old
     the parameters of the last step were; None elsewhere), start_step, comm_rounds
     (the collectives or server round trips this rank has made so far).
     """
@@ -147,6 +149,7 @@ class GradientSync:
     bytes_sent = bytes_received = 0
     comm_rounds = 0
     wire_bytes = dense_bytes = None    # all-reduce syncs: bytes handed to the collectives
+    kept_ratio = None                  # top-k: the fraction of each bucket sent
 
     def __init__(self, cfg, ctx, device):
         self.cfg, self.ctx, self.device = cfg, ctx, device
@@ -249,7 +252,8 @@ class AllReduceSync(GradientSync):
                                    int(self.cfg.bucket_mb * 2**20),
                                    build_compressor(self.cfg.compress, self.coll,
                                                     self.cfg.error_feedback,
-                                                    self.cfg.momentum_correction),
+                                                    self.cfg.momentum_correction,
+                                                    self.cfg.sparsity_warmup),
                                    self.cfg.overlap)
 
     def before_backward(self):
@@ -260,6 +264,19 @@ class AllReduceSync(GradientSync):
 
     def synchronize(self, step):
         self.buckets.wait()
+        # The next step's buckets may leave during its backward, before its own
+        # synchronize: the compressor learns that step here (top-k's warm-up, a
+        # function of the step; the other compressions ignore it).
+        self.buckets.compressor.set_step(step + 1)
+
+    def state_dict(self):
+        # --sparsity-warmup: a resumed run goes on at its step's top-k ratio
+        return {"compressor_step": self.buckets.compressor.step} \
+            if self.cfg.sparsity_warmup else {}
+
+    def load_state_dict(self, state):
+        if "compressor_step" in state:
+            self.buckets.compressor.set_step(state["compressor_step"])
 
     @property
     def comm_rounds(self):
@@ -280,6 +297,10 @@ class AllReduceSync(GradientSync):
     @property
     def dense_bytes(self):
         return self.buckets.dense_bytes
+
+    @property
+    def kept_ratio(self):
+        return self.buckets.compressor.kept_ratio
 
     def close(self):
         self.buckets.close()

@@ -31,13 +31,19 @@ bytes in the all-gather, against 2 (P-1)/P * 4n in a float32 ring all-reduce,
 a ratio of k P / n: top-k pays off only while RATIO < 1/P, and its share of
 the bytes grows with P (at RATIO 0.01: 2 % at P = 2, 64 % at P = 64).
 
+Warm-up (--sparsity-warmup STEPS, DGC section 3.4): over the first STEPS steps
+k comes from compressor.kept_ratio_at(RATIO, STEPS, step) instead of RATIO: 25 %
+at step 0, a quarter of that per stage, RATIO from step STEPS on.  The step is
+the sync's (set_step, before the step's backward), so every rank picks the same
+k and the all-gathered packs stay of one size.
+
 Indices are int32 (a bucket holds < 2^31 entries) and the values travel as
 their int32 bit pattern, so one message of one dtype carries both.
 """
 import torch
 
 from .compress import Compressor
-from .compressor import topk_count
+from .compressor import kept_ratio_at, topk_count
 from .error_feedback import ErrorFeedback
 
 
@@ -66,16 +72,24 @@ def unpack_sum(gathered, k, size, out):
 class TopKCompressor(Compressor):
     """topk:RATIO over a collective that can all-gather (every allreduce/ algorithm)."""
 
-    def __init__(self, ratio, coll, error_feedback=True, momentum=0.0):
+    def __init__(self, ratio, coll, error_feedback=True, momentum=0.0, warmup=0):
         self.name = f"topk:{ratio:g}"
-        self.ratio, self.coll, self.momentum = ratio, coll, momentum
+        self.ratio, self.coll, self.momentum, self.warmup = ratio, coll, momentum, warmup
         self.feedback = ErrorFeedback(error_feedback)
         self.velocity = {}                    # momentum correction: u per bucket
+        self.next_ratio = self.kept_ratio = kept_ratio_at(ratio, warmup, 0)
+
+    def set_step(self, step):
+        super().set_step(step)
+        self.next_ratio = kept_ratio_at(self.ratio, self.warmup, step)   # DGC's warm-up
 
     def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg):
+        # kept_ratio: what this step sends, for its record; next_ratio moves on in
+        # set_step before the record of this step is written
+        self.kept_ratio = self.next_ratio
         grad = self.corrected(key, flat)                          # u = m u + g, or g
         acc = self.feedback.accumulate(key, grad)                 # 1. g + e
-        k = topk_count(acc.numel(), self.ratio)
+        k = topk_count(acc.numel(), self.kept_ratio)
         indices, values = select_topk(acc, k)                     # 2. the k largest
         message = pack(indices, values)                           # 3.
         gathered = self.coll.allgather(message, n=message.numel() * self.coll.size)  # 4.

@@ -25,7 +25,7 @@ from strategies.error_feedback import ErrorFeedback
 from strategies.powersgd import PowerSGDCompressor
 from strategies.sync import build_compressor
 from strategies.topk import TopKCompressor, select_topk
-from strategies.compressor import topk_count
+from strategies.compressor import kept_ratio_at, topk_count
 
 
 class OneRank:
@@ -71,7 +71,12 @@ def test_a_bad_spec_names_the_flag(text, message):
     (dict(sync="ring", compress="topk:0.1", momentum_correction=True),
      "--momentum-correction needs .* --momentum 0$"),
     (dict(sync="ring", compress="powersgd:2", momentum=0.9, momentum_correction=True),
-     "not --compress powersgd:2 --optimizer sgd --momentum 0.9")])
+     "not --compress powersgd:2 --optimizer sgd --momentum 0.9"),
+    (dict(sync="ring", sparsity_warmup=10), "--sparsity-warmup 10 needs --compress topk:RATIO, "
+                                            "not --compress none"),
+    (dict(sync="ring", compress="fp16", sparsity_warmup=10), "not --compress fp16"),
+    (dict(sync="ring", compress="topk:0.01", sparsity_warmup=-1),
+     "--sparsity-warmup must be a whole number of steps >= 0, got -1")])
 def test_combinations_that_cannot_compress_are_refused(flags, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig(**flags)
@@ -82,6 +87,9 @@ def test_the_api_refuses_with_keyword_names():
     with pytest.raises(ConfigError, match="compress='topk:0.01' with sync='ps'"):
         SyncOptions(sync="ps", compress="topk:0.01")
     assert SyncOptions(sync="ring", compress="powersgd:2", error_feedback=False)
+    with pytest.raises(ConfigError, match="sparsity_warmup=5 needs compress='topk:RATIO', "
+                                          "not compress='powersgd:2'"):
+        SyncOptions(sync="ring", compress="powersgd:2", sparsity_warmup=5)
 
 
 # ----------------------------------------------------------------- top-k
@@ -140,6 +148,71 @@ def test_momentum_correction_accumulates_the_velocity_and_masks_it():
     assert one.feedback.residual(0).tolist() == [0.0, 2.5, 0.0, 0.0]
 
 
+@pytest.mark.parametrize("ratio, warmup", [(0.01, 10), (0.001, 8), (0.001, 1000),
+                                           (0.1, 3), (0.3, 5), (0.01, 0)])
+def test_the_sparsity_warmup_falls_from_a_quarter_to_the_ratio(ratio, warmup):
+    """DGC section 3.4: 25 % at step 0 (75 % sparsity), a quarter of that per stage,
+    never below RATIO, exactly RATIO from step `warmup` on (and always with 0)."""
+    kept = [kept_ratio_at(ratio, warmup, step) for step in range(warmup + 20)]
+    assert kept[0] == (ratio if ratio >= 0.25 or not warmup else 0.25)
+    assert all(a >= b for a, b in zip(kept, kept[1:]))        # monotone non-increasing
+    assert min(kept) == ratio and kept[warmup:] == [ratio] * 20
+    assert set(kept) <= {ratio} | {0.25 / 4 ** i for i in range(8)}   # the paper's stages
+
+
+def test_the_paper_stages_for_a_thousandth():
+    """topk:0.001 over 4 * 10 steps: DGC's 75 %, 93.75 %, 98.4375 %, 99.6 % sparsity,
+    one stage each of the paper's first four epochs, then 99.9 %."""
+    kept = [kept_ratio_at(0.001, 40, step) for step in range(0, 50, 10)]
+    assert kept == [0.25, 0.0625, 0.015625, 0.00390625, 0.001]
+
+
+def test_topk_sends_the_kept_ratio_of_its_step():
+    """The sync tells the compressor its step (set_step); k follows the warm-up."""
+    compressor = TopKCompressor(0.01, OneRank(), warmup=10)
+    sent = []
+    for step in range(12):
+        compressor.set_step(step)
+        sent.append(compressor.reduce_bucket(0, torch.randn(1000), None, [(1000,)], identity))
+        assert compressor.kept_ratio == kept_ratio_at(0.01, 10, step)
+    assert sent[0] == 2 * 250 * 4 and sent[-1] == 2 * 10 * 4      # 8 bytes a kept entry
+
+
+class OneRankCollective(OneRank):
+    """OneRank with the broadcast an AllReduceSync's setup makes."""
+
+    def broadcast(self, t, root=0):
+        pass
+
+
+def test_the_sync_tells_the_step_and_a_resumed_run_goes_on_from_it():
+    """AllReduceSync.synchronize(s) readies step s + 1's ratio (its buckets may leave
+    during its backward); its state_dict carries that step, so a resumed run picks up
+    the warm-up where the checkpoint was written.  Without warm-up the state is {}."""
+    from strategies.sync import AllReduceSync, SyncOptions
+
+    def sync_of(warmup):
+        options = SyncOptions(compress="topk:0.01", overlap=False, sparsity_warmup=warmup)
+        sync = AllReduceSync(options, None, torch.device("cpu"), OneRankCollective())
+        sync.setup(torch.nn.Linear(100, 10))
+        return sync
+
+    def train(sync, steps):
+        for step in steps:
+            sync.before_backward()
+            sync.model(torch.randn(4, 100)).sum().backward()
+            sync.synchronize(step)
+            assert sync.kept_ratio == kept_ratio_at(0.01, 10, step), step
+
+    first = sync_of(10)
+    train(first, range(5))
+    assert first.state_dict() == {"compressor_step": 5}
+    resumed = sync_of(10)
+    resumed.load_state_dict(first.state_dict())
+    train(resumed, range(5, 12))
+    assert sync_of(0).state_dict() == {}
+
+
 # -------------------------------------------------------------- PowerSGD
 def test_powersgd_of_a_low_rank_matrix_is_exact():
     """A rank-2 matrix through rank-2 PowerSGD comes back whole (P spans its columns);
@@ -196,6 +269,29 @@ def test_compressed_training_reaches_the_loss_with_a_tenth_of_the_bytes(tmp_path
         assert got["wire_ratio"] <= most, (name, got["wire_ratio"])
         assert got["bytes_sent_per_step_all_ranks"] <= \
             most * dense["bytes_sent_per_step_all_ranks"], name
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(150)
+def test_the_sparsity_warmup_shows_in_the_records(tmp_path):
+    """P=2, topk:0.01 --sparsity-warmup 10: each step's kept_ratio and wire_bytes are the
+    same on both ranks, fall over the first 10 steps and stay flat at RATIO after."""
+    path = tmp_path / "warmup.jsonl"
+    argv = SMALL + ["--steps", "14", "--compress", "topk:0.01", "--sparsity-warmup", "10",
+                    "--jsonl", str(path)]                # the last --steps counts
+    check_ok(mpirun(2, ["-m", "strategies.train", *argv], timeout=120))
+    steps = [r for r in map(json.loads, open(path)) if r["kind"] == "step"]
+    by_step = {}
+    for r in steps:
+        by_step.setdefault(r["step"], []).append((r["kept_ratio"], r["wire_bytes"]))
+    assert sorted(by_step) == list(range(14))
+    for step, per_rank in by_step.items():
+        assert len(per_rank) == 2 and per_rank[0] == per_rank[1], (step, per_rank)
+        assert per_rank[0][0] == kept_ratio_at(0.01, 10, step)
+    kept, wire = zip(*(by_step[s][0] for s in range(14)))
+    assert all(a >= b for a, b in zip(wire, wire[1:]))
+    assert wire[0] > 10 * wire[10] and kept[0] == 0.25
+    assert set(kept[10:]) == {0.01} and len(set(wire[10:])) == 1
 
 
 def test_the_figure_reads_the_records(tmp_path):
