@@ -17,6 +17,7 @@ from collections import Counter, defaultdict
 from allreduce.records import (ROOT, append_jsonl, mpiexec_path, provenance,  # noqa: F401
                                read_jsonl)
 
+
 def load(results_dir):
     """Every measurement record of a results directory."""
     return read_jsonl(os.path.join(results_dir, "records.jsonl"))

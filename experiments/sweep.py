@@ -128,6 +128,7 @@ def command_line(command, p, raw, place=None):
         args.append("--no-progress")
     return head + args + ["--jsonl", raw]
 
+
 def parser():
     ap = argparse.ArgumentParser(prog="python -m experiments.sweep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -57,6 +57,7 @@ from .config import OptimizerConfig
 from .launch import start_local_servers
 from .measure import collect, cpu_seconds, minor_faults
 
+
 def echo_server(queue, endpoint):
     """The raw baseline's server: return every message as it came, zero-copy."""
     sock = zmq.Context.instance().socket(zmq.ROUTER)
