@@ -46,7 +46,7 @@ COLOURS["ps"] = COLOURS["psrv"] = COLOURS["ps/bsp"]
 # The parts of a bar or a timeline, the same in every figure that shows them: pale,
 # so that a part is never mistaken for the algorithm of the same hue.
 PARTS = {"compute": "#8fbbd9", "forward": "#8fbbd9", "backward": "#f5b971",
-         "exposed comm": "#ef9a9a", "comm": "#ef9a9a", "idle": "0.85",
+         "exposed comm": "#ef9a9a", "comm": "#ef9a9a", "dp-comm": "#f6c9c9", "idle": "0.85",
          "params": "#8fbbd9", "grads": "#f5b971", "optimizer": "#9fd8a8",
          "activations": "#c7a9dc"}
 

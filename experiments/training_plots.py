@@ -213,6 +213,10 @@ def pipeline_gantt(traces, out_dir, about=""):
                 lw=0, zorder=0, label="bubble")
         for e in events:
             left, width = (e["ts"] - t0) / 1e3, e["dur"] / 1e3
+            if e.get("tid", 0):           # the comm thread's collectives: a thin lane below
+                ax.barh(e.get("pid", 0) + 0.3, width, left=left, height=0.2,
+                        color=PARTS.get(e["cat"], "0.5"), edgecolor="0.3", lw=0.3)
+                continue
             ax.barh(e.get("pid", 0), width, left=left, color=PARTS[e["cat"]], edgecolor="0.3",
                     lw=0.5)
             mb, chunk = MICRO_BATCH.search(e.get("name", "")), CHUNK.search(e.get("name", ""))

@@ -19,11 +19,10 @@ PyTorch DDP (Li et al., "PyTorch Distributed", VLDB 2020):
 
 Only the communication still running when backward ends is "exposed" and
 costs step time.  Ordering constraint: every rank must issue the same
-collectives in the same order, so the thread reduces bucket 0, 1, 2 ... in
-index order, waiting for a bucket even if a later one is ready first (DDP does
-the same).  mpi4py initialises MPI with MPI_THREAD_MULTIPLE, so the thread may
-call MPI while the main thread computes.  --no-overlap reduces the buckets on
-the main thread after backward, the same calls in the same order.
+collectives in the same order, so buckets go to the thread (comm_thread.py) in
+index order 0, 1, 2 ..., a bucket that is ready early waiting for the ones
+before it (DDP does the same).  --no-overlap reduces the buckets on the main
+thread after backward, the same calls in the same order.
 
 One backward per step: a bucket is handed over once its parameters' gradients
 arrived, so a second backward before `wait` would add into buffers the thread
@@ -34,16 +33,11 @@ sends the sum, one all-reduce per bucket for the whole step.  `wait` re-arms
 the buckets, so the next backward works whoever cleared the gradients (a user
 loop may call model.zero_grad() or not clear them at all).
 """
-import os
-import queue
-import sys
-import threading
 from contextlib import contextmanager
 
 import torch
 
-# See GradBuckets.__init__; TOPOLAB_SWITCH_S overrides it for experiments.
-SWITCH_INTERVAL_S = float(os.environ.get("TOPOLAB_SWITCH_S", "0.0002"))
+from .comm_thread import CommThread
 
 
 class Bucket:
@@ -132,22 +126,13 @@ class GradBuckets:
                         for i, group in enumerate(plan_buckets(ordered, cap_bytes))]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
-        self.error = None
         self.reductions = 0                          # bucket all-reduces so far
         self._accumulating = False
         # this rank's bytes handed to the collectives, and what float32 all-reduces of
         # the same buckets would have handed over: compression's saving, measured
         self.wire_bytes = self.dense_bytes = 0
-        self._ready = queue.Queue()
-        self._done = queue.Queue()
-        self._thread = None
-        if overlap:
-            # The thread runs Python (the ring's loops, polling MPI) while backward
-            # runs; every gradient hook needs the GIL back, and by default may wait
-            # up to 5 ms for it.  A 0.2 ms switch interval bounds that wait.
-            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
-            self._thread = threading.Thread(target=self._comm_loop, name="grad-comm", daemon=True)
-            self._thread.start()
+        self._next = 0                               # the next bucket to hand to the thread
+        self._thread = CommThread() if overlap else None
         self.zero_()
 
     # ------------------------------------------------------------ per step
@@ -188,8 +173,11 @@ class GradBuckets:
         if b.target.is_cuda:                         # UNVERIFIED on GPU: the hook runs when
             b.event = torch.cuda.Event()             # the kernel is queued, not finished
             b.event.record()
-        if self.overlap:
-            self._ready.put(b.index)
+        # strictly in index order on every rank: bucket i leaves after 0 .. i-1
+        while self.overlap and self._next < len(self.buckets) and \
+                self.buckets[self._next].pending == -1:
+            self._thread.submit(lambda b=self.buckets[self._next]: self._reduce(b))
+            self._next += 1
 
     def wait(self):
         """After backward: finish every bucket's all-reduce; grads are then averaged."""
@@ -197,16 +185,16 @@ class GradBuckets:
             if b.pending >= 0:
                 b.fill_missing()
                 self._mark_ready(b)
-        if self.overlap:
-            self._done.get()
-        else:
-            for b in self.buckets:
-                self._reduce(b)
-        for b in self.buckets:                       # ready for the next backward
-            b.rearm()
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error
+        try:
+            if self.overlap:
+                self._thread.flush()                 # raises a reduction's error here
+            else:
+                for b in self.buckets:
+                    self._reduce(b)
+        finally:
+            for b in self.buckets:                   # ready for the next backward
+                b.rearm()
+            self._next = 0
 
     # -------------------------------------------------- communication side
     def _reduce(self, b):
@@ -217,27 +205,8 @@ class GradBuckets:
                                                          self.reduce)
         self.dense_bytes += b.target.numel() * 4
 
-    def _comm_loop(self):
-        n = len(self.buckets)
-        while True:
-            ready, next_bucket = set(), 0
-            while next_bucket < n:
-                index = self._ready.get()
-                if index is None:
-                    return
-                ready.add(index)
-                while next_bucket in ready:          # strictly in index order on every rank
-                    if self.error is None:
-                        try:
-                            self._reduce(self.buckets[next_bucket])
-                        except BaseException as e:   # re-raised on the main thread
-                            self.error = e
-                    next_bucket += 1
-            self._done.put(True)
-
     def close(self):
         for h in self._hooks:
             h.remove()
         if self._thread is not None:
-            self._ready.put(None)
-            self._thread.join(timeout=5)
+            self._thread.close()

@@ -1,22 +1,32 @@
 """Checkpoints: every K steps and at the end; --resume continues the same trajectory.
 
-    save(cfg, ctx, step, model, optimizer, sync, run_id)   # data-parallel rank 0 writes
+    save(cfg, ctx, step, engine, run_id)       # data-parallel rank 0 writes, or every rank
     state = read(cfg, ctx, model)              # every rank, before training; ConfigError
-    step = restore(state, model, optimizer, sync)   # if it belongs to another model or world
+    step = restore(state, engine)              # if it belongs to another model or world
 
 What makes a resumed run reproduce the uninterrupted one: the parameters, the
-optimizer state (momentum, Adam moments and step count) and the step number.
-The sync adds its own part (sync.state_dict): with --sync ps the parameters
-and optimizer state live on the servers, which write their own shards (psrv),
-and the part says at which step they are, for the check on resuming.  The
-data needs no state: step s's batch is a function of (seed, s) (data.py), and
-nothing else is random during training (no dropout).  The run id goes on too,
-so that the resumed run's records in --jsonl belong to the run they continue.
+optimizer state (momentum, Adam moments and step count), fp16's loss scale and
+the step number.  The sync adds its own part (sync.state_dict): with --sync ps
+the parameters and optimizer state live on the servers, which write their own
+shards (psrv), and the part says at which step they are, for the check on
+resuming; ZeRO adds its parameter shards and fp32 masters.  The data needs no
+state: step s's batch is a function of (seed, s) (data.py), and nothing else is
+random during training (no dropout).  The run id goes on too, so that the
+resumed run's records in --jsonl belong to the run they continue.
+
+Two layouts of the files:
+
+    checkpoint.pt      plain data parallelism: every replica holds the same state,
+                       so data-parallel rank 0 writes it and every rank reads it
+    rank-R.pt          a split model (--dp/--pp/--tp/--zero, --ep): each rank holds
+                       a different share (a stage, a tp piece, a ZeRO shard, its
+                       experts), so each writes and reads its own.  A resume needs
+                       the same layout; the files are checked to be of one step
 
 A checkpoint is written to a temporary file in the same directory, flushed to
-disk, then renamed over `checkpoint.pt`: rename is atomic, so a crash leaves
-the previous checkpoint or the new one, never half a file.  Every rank reads
-the file itself, so several hosts need a shared file system for --resume.
+disk, then renamed over its name: rename is atomic, so a crash leaves the
+previous checkpoint or the new one, never half a file.  Every rank reads the
+file itself, so several hosts need a shared file system for --resume.
 """
 import os
 
@@ -26,26 +36,35 @@ from .choices import ConfigError
 from .models import signature
 
 FILE = "checkpoint.pt"
-FORMAT = 2
+FORMAT = 3
+# what a split run must share with the run it resumes: each rank's file holds its share
+LAYOUT = ("dp", "pp", "tp", "ep", "zero", "virtual_stages", "sequence_parallel")
 
 
-def path_of(cfg):
-    return os.path.join(cfg.checkpoint_dir, FILE)
+def sharded(cfg):
+    """Whether each rank holds a share of the state of its own (module docstring)."""
+    return cfg.on_grid or cfg.ep > 1
 
 
-def save(cfg, ctx, step, model, optimizer, sync, run_id):
+def path_of(cfg, rank=0):
+    name = f"rank-{rank}.pt" if sharded(cfg) else FILE
+    return os.path.join(cfg.checkpoint_dir, name)
+
+
+def save(cfg, ctx, step, engine, run_id):
     """`step` is the number of steps done: a resumed run starts at it."""
-    sync_state = sync.state_dict()  # every rank: a sync's state_dict may be collective
-    if ctx.dp_rank != 0:
+    sync_state = engine.sync.state_dict()  # every rank: a sync's state_dict may be collective
+    if ctx.dp_rank != 0 and not sharded(cfg):
         return                      # every data-parallel replica holds the same state
     os.makedirs(cfg.checkpoint_dir, exist_ok=True)
+    precision = engine.precision.state_dict() if engine.precision else {}
     payload = {"format": FORMAT, "step": step, "run_id": run_id, "sync": sync_state,
-               "model_kind": cfg.model,
-               "signature": signature(model), "dp_size": ctx.dp_size,
+               "model_kind": cfg.model, "signature": engine.signature, "dp_size": ctx.dp_size,
                "world_size": ctx.world_size, "config": cfg.as_dict(),
-               "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-               "optimizer": optimizer.state_dict()}
-    final = path_of(cfg)
+               "layout": {k: getattr(cfg, k) for k in LAYOUT}, "precision": precision,
+               "model": {k: v.detach().cpu() for k, v in engine.model.state_dict().items()},
+               "optimizer": engine.optimizer.state_dict()}
+    final = path_of(cfg, ctx.rank)
     tmp = f"{final}.tmp.{os.getpid()}"
     with open(tmp, "wb") as f:
         torch.save(payload, f)
@@ -56,7 +75,7 @@ def save(cfg, ctx, step, model, optimizer, sync, run_id):
 
 def read(cfg, ctx, model):
     """The checkpoint to resume from, checked against this run (before training)."""
-    path = path_of(cfg)
+    path = path_of(cfg, ctx.rank)
     if not os.path.isfile(path):
         raise ConfigError(f"--resume: no checkpoint at {path}")
     try:
@@ -77,17 +96,31 @@ def read(cfg, ctx, model):
         raise ConfigError(
             f"--resume: {path} was written by world {state['world_size']} = "
             f"dp({state['dp_size']}), this run is world {ctx.world_size} = dp({ctx.dp_size})")
+    layout = {k: getattr(cfg, k) for k in LAYOUT}
+    if sharded(cfg) and state["layout"] != layout:
+        theirs = ", ".join(f"{k} {v}" for k, v in state["layout"].items() if layout[k] != v)
+        ours = ", ".join(f"{k} {v}" for k, v in layout.items() if state["layout"][k] != v)
+        raise ConfigError(f"--resume: {path} holds one rank's share of a run of {theirs}; "
+                          f"this run is {ours} (a split run resumes in its own layout)")
     if state["step"] > cfg.steps:
         raise ConfigError(f"--resume: the checkpoint is at step {state['step']}, "
                           f"beyond --steps {cfg.steps}")
     return state
 
 
-def restore(state, model, optimizer, sync):
+def restore(state, engine, control):
     """Load a checked state after sync.setup; returns the step to continue from.  The
-    sync checks its own part (ps: that the servers resumed at the same step)."""
-    sync.load_state_dict(state["sync"])
+    sync checks its own part (ps: that the servers resumed at the same step); a split
+    run's files must all be of one step (collective over `control`, the workers)."""
+    steps = control.allgather(state["step"])
+    if len(set(steps)) > 1:
+        raise ConfigError(f"--resume: the ranks' checkpoint files are of different steps "
+                          f"({', '.join(f'rank {r}: {s}' for r, s in enumerate(steps))}); "
+                          f"a run was stopped while writing them")
+    engine.sync.load_state_dict(state["sync"])
     with torch.no_grad():
-        model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+        engine.model.load_state_dict(state["model"])
+    engine.optimizer.load_state_dict(state["optimizer"])
+    if engine.precision:
+        engine.precision.load_state_dict(state["precision"])
     return state["step"]

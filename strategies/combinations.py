@@ -93,11 +93,20 @@ def check_moe(cfg):
     if cfg.sync not in ALLREDUCE_SYNCS or cfg.sync == "torch":
         raise ConfigError(f"--ep {cfg.ep} needs an all-reduce --sync over MPI "
                           f"(ring, tree, ...), not --sync {cfg.sync}")
-    for flag, unsupported in (("--checkpoint-dir", cfg.checkpoint_dir),
-                              ("--straggler", cfg.straggler),
-                              ("--device cuda", cfg.device != "cpu")):
-        if unsupported:
-            raise ConfigError(f"--ep {cfg.ep} with {flag} is not supported")
+    if cfg.device != "cpu":
+        raise ConfigError(f"--ep {cfg.ep} with --device {cfg.device} is not supported yet: "
+                          f"the experts' all-to-alls take CPU tensors")
+
+
+def check_precision_sync(precision, sync, cli=True):
+    """Mixed precision against the sync, for TrainConfig and DistributedOptimizer alike.
+    bf16 needs no loss scale: the workers compute under autocast and push the fp32
+    gradients of their fp32 parameters, which the parameter servers take as they are."""
+    if sync in PS_SYNCS and precision == "fp16":
+        raise ConfigError(f"{setting_of('precision', precision, cli)} with "
+                          f"{setting_of('sync', sync, cli)} is not supported: an fp16 overflow "
+                          f"skips the step on every rank, and the servers, which apply what "
+                          f"they are pushed, have no message for a skipped step; use bf16")
 
 
 def check_precision(cfg):
@@ -107,11 +116,4 @@ def check_precision(cfg):
     if cfg.precision == "fp32":
         return
     what = f"--precision {cfg.precision}"
-    if cfg.sync in PS_SYNCS:
-        raise ConfigError(f"{what} with --sync {cfg.sync} is not supported: the servers "
-                          f"run the optimizer on what they are sent, with no loss scale")
-    # fp16 checkpoints would lose the loss scale
-    if cfg.checkpoint_dir and cfg.precision == "fp16":
-        raise ConfigError(f"{what} with --checkpoint-dir is not supported yet: data "
-                          f"parallelism (an all-reduce --sync, --zero 0-3), pipeline, tensor "
-                          f"and expert parallelism compute in 16 bit")
+    check_precision_sync(cfg.precision, cfg.sync)

@@ -136,8 +136,14 @@ class TrainConfig:
         spec = check_sync(self)
         if self.straggler:
             parse_straggler(self.straggler)
-            if self.on_grid:
-                raise ConfigError("--straggler is not supported with --dp/--pp/--tp/--zero yet")
+        if self.on_grid and self.grad_accum > 1:
+            # one concept: on the grid, accumulation is the schedule's micro-batches
+            if self.micro_batches not in (1, self.grad_accum):
+                raise ConfigError(f"--grad-accum {self.grad_accum} and --micro-batches "
+                                  f"{self.micro_batches} are the same thing on the grid "
+                                  f"(--dp/--pp/--tp/--zero): give one of them")
+            object.__setattr__(self, "micro_batches", self.grad_accum)
+            object.__setattr__(self, "grad_accum", 1)
         if self.model in ("gpt", "moe") and self.d_model % self.heads:
             raise ConfigError(f"--d-model {self.d_model} is not divisible by --heads {self.heads}")
         check_moe(self)
@@ -156,18 +162,10 @@ class TrainConfig:
             what = f"--zero {self.zero}" if self.zero else "--dp/--pp/--tp/--micro-batches"
             raise ConfigError(f"{what} needs an all-reduce --sync ({', '.join(ALLREDUCE_SYNCS)}),"
                               f" not --sync {self.sync}: the grid's axes talk through collectives")
-        if self.on_grid and self.grad_accum > 1:
-            raise ConfigError(f"--grad-accum {self.grad_accum} with --dp/--pp/--tp/--zero/"
-                              f"--micro-batches: the grid accumulates over its micro-batches "
-                              f"already; use --micro-batches {self.grad_accum}")
-        if self.on_grid and self.recompute:
-            raise ConfigError("--recompute with --dp/--pp/--tp/--zero/--micro-batches is not "
-                              "supported yet: it wraps the whole model's blocks (plain loop)")
-        if self.on_grid and spec.kind != "none":
-            raise ConfigError(f"--compress {self.compress} with --dp/--pp/--tp/--zero/"
-                              f"--micro-batches is not "
-                              f"supported: the grid's axes reduce float32 (zero.py, "
-                              f"parallel.py); use the plain data-parallel loop")
+        if self.on_grid and self.recompute and self.model != "gpt":
+            raise ConfigError(f"--recompute with --dp/--pp/--tp/--zero/--micro-batches "
+                              f"checkpoints GPT blocks; --model {self.model} is not cut into "
+                              f"blocks a stage can replay (use --model gpt, or the plain loop)")
         if self.momentum_correction and not (spec.kind == "topk" and self.optimizer == "sgd"
                                              and self.momentum > 0 and self.error_feedback):
             raise ConfigError(f"--momentum-correction needs --compress topk:RATIO with "
@@ -181,8 +179,6 @@ class TrainConfig:
         if self.on_grid and self.device != "cpu":
             raise ConfigError("--dp/--pp/--tp/--zero run on --device cpu only so far "
                               "(activations travel through the MPI transport, not NCCL)")
-        if self.on_grid and self.checkpoint_dir:
-            raise ConfigError("checkpoints are not supported with --dp/--pp/--tp/--zero yet")
 
     @property
     def straggler_rank(self):

@@ -38,7 +38,7 @@ from . import checkpoint, recompute
 from .accumulation import accumulate
 from .config import world_of
 from .metrics import Metrics, now
-from .models import count_parameters
+from .models import count_parameters, signature
 from .optimizer import DistributedOptimizer
 from .precision import MixedPrecision, of_config
 from .sync import make_optimizer
@@ -47,13 +47,16 @@ from .trace import Tracer, write_chrome_trace
 
 class StepEngine:
     """The defaults of the engine interface above; each kind of run fills in the rest."""
-    model = optimizer = sync = tracer = None
+    model = optimizer = sync = tracer = precision = None
     parameters = 0               # of the whole model, for the banner
+    signature = ()               # of the whole model, for checkpoints (models.signature)
+    _wire = (0, 0)               # the sync's wire and dense bytes after the last step
 
     def __init__(self, cfg, ctx, device, data, model):
         """What an engine without pipeline or tensor axes (pp = tp = 1) keeps: every rank
         a data-parallel worker.  GridEngine (parallel.py) sets its own from the grid."""
         self.cfg, self.ctx, self.device, self.data, self.model = cfg, ctx, device, data, model
+        self.signature = signature(model)          # before an engine keeps a share of it
         self.layout = {"world_size": ctx.world_size, "dp_size": ctx.dp_size, "pp_size": 1,
                        "tp_size": 1}
         self.tracer = Tracer(ctx.rank) if cfg.trace else None
@@ -66,6 +69,19 @@ class StepEngine:
 
     def describe(self):
         return ""
+
+    def wire_fields(self):
+        """This step's gradient bytes handed to the collectives (`wire_bytes`) and what
+        float32 all-reduces would have handed over (`dense_bytes`); none where the sync
+        does not count them (local, ps, hybrid).  Top-k adds `kept_ratio`, the fraction
+        of each bucket it sent (above RATIO only during --sparsity-warmup)."""
+        wire, dense = self.sync.wire_bytes, self.sync.dense_bytes
+        if wire is None:
+            return {}
+        before, self._wire = self._wire, (wire, dense)
+        kept = self.sync.kept_ratio
+        return {"wire_bytes": wire - before[0], "dense_bytes": dense - before[1],
+                **({} if kept is None else {"kept_ratio": kept})}
 
     def parameters_npz(self):
         return {n: p.detach().cpu().numpy() for n, p in self.model.named_parameters()}
@@ -126,7 +142,6 @@ class DataParallel(StepEngine):
         # the model's fp32 parameters are the master weights; autocast casts them per matmul
         self.precision = of_config(cfg, device.type)
         self.recompute = recompute.enable(cfg, model, self.tracer)   # --recompute, or None
-        self._wire = (0, 0)                        # wire and dense bytes after the last step
 
     def step(self, step):
         rounds_before = self.sync.comm_rounds
@@ -142,19 +157,6 @@ class DataParallel(StepEngine):
                       "comm_rounds": self.sync.comm_rounds - rounds_before,
                       **self.wire_fields(), **self.precision.record()}
 
-    def wire_fields(self):
-        """This step's gradient bytes handed to the collectives (`wire_bytes`) and what
-        float32 all-reduces would have handed over (`dense_bytes`); none where the sync
-        does not count them (local, ps, hybrid).  Top-k adds `kept_ratio`, the fraction
-        of each bucket it sent (above RATIO only during --sparsity-warmup)."""
-        wire, dense = self.sync.wire_bytes, self.sync.dense_bytes
-        if wire is None:
-            return {}
-        before, self._wire = self._wire, (wire, dense)
-        kept = self.sync.kept_ratio
-        return {"wire_bytes": wire - before[0], "dense_bytes": dense - before[1],
-                **({} if kept is None else {"kept_ratio": kept})}
-
     def trace_label(self, rank):
         return f"worker {rank} ({self.cfg.sync})"
 
@@ -165,8 +167,7 @@ def run(cfg, ctx, device, data, engine, state, started):
     the run's time.perf_counter() before preflight, for the summary's wall time."""
     control = ctx.workers                          # the ranks that train
     writer = control.rank == 0
-    start = checkpoint.restore(state, engine.model, engine.optimizer, engine.sync) \
-        if state else 0
+    start = checkpoint.restore(state, engine, control) if state else 0
     # one id for the run's records, the same on every rank; a resumed run keeps its own
     run_id = state["run_id"] if state else control.allgather(uuid.uuid4().hex[:12])[0]
     world = world_of(cfg, ctx.world_size)[1]
@@ -183,11 +184,9 @@ def run(cfg, ctx, device, data, engine, state, started):
             done = step + 1
             if cfg.checkpoint_dir and cfg.checkpoint_every and \
                     done % cfg.checkpoint_every == 0 and done < cfg.steps:
-                checkpoint.save(cfg, ctx, done, engine.model, engine.optimizer, engine.sync,
-                                run_id)
+                checkpoint.save(cfg, ctx, done, engine, run_id)
         if cfg.checkpoint_dir:
-            checkpoint.save(cfg, ctx, cfg.steps, engine.model, engine.optimizer, engine.sync,
-                            run_id)
+            checkpoint.save(cfg, ctx, cfg.steps, engine, run_id)
     except BaseException as e:
         engine.sync.abort(e)           # ps, hybrid: the servers hear of a crash, not a finish
         raise

@@ -75,6 +75,7 @@ import torch
 import allreduce
 
 from .choices import PS_SYNCS, SYNCS, ConfigError
+from .combinations import check_precision_sync
 from .context import MPIControl, RunContext, ps_role
 from .optimizer_checks import (check_comm, check_model, check_same_everywhere, gathered,
                                server_settings, transport_for)
@@ -123,9 +124,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               "(or a collective from allreduce.create)")
         server_optimizer = {}
         if name in PS_SYNCS:
-            if self.precision.mixed:
-                raise ConfigError(f"precision={precision!r} with sync={name!r} is not supported: "
-                                  "the servers run the optimizer, with no loss scale")
+            check_precision_sync(precision, name, cli=False)
             server_optimizer = server_settings(optimizer)
         elif role is not None:
             raise ConfigError(f"role= is for sync='ps' or 'hybrid', not {name!r}")

@@ -40,10 +40,12 @@ from .interleaved import InterleavedPipeline, chunk_layers
 from .interleaved import check as check_interleaved
 from .loop import StepEngine
 from .memory import ActivationMeter
+from .models import signature
 from .pipeline import Pipeline, Stage
 from .precision import any_rank_of, of_config
+from .recompute import Recompute
 from .sequence_parallel import positions_per_rank, split_sequence
-from .sync import collective_for
+from .sync import build_compressor, collective_for
 from .tensor_parallel import TensorParallel, parallelize_blocks
 from .trace import Tracer, busy_seconds
 from .zero import ZeRO
@@ -86,6 +88,7 @@ class GridEngine(StepEngine):
         self.cfg, self.comms, self.data, self.device = cfg, comms, data, device
         self.tracer = Tracer(comms.rank)             # always: the bubble is read off it
         self.criterion = model.criterion
+        self.signature = signature(model)            # the whole model's, for checkpoints
         self.originals = list(model.parameters())   # alive: no new parameter may reuse an id
         self.parameters = sum(p.numel() for p in self.originals)
         self.names = {id(p): n for n, p in model.named_parameters()}
@@ -104,15 +107,25 @@ class GridEngine(StepEngine):
             for name, block in layers:
                 for local, p in block.named_parameters():
                     self.names.setdefault(id(p), f"{name}.{local}")
+        # --recompute: each GPT block of this stage checkpointed, after its tp split
+        self.recompute = Recompute.of_blocks(
+            [(n, b) for n, b in layers if n.startswith("blocks.")], self.tracer) \
+            if cfg.recompute else None
         sizes = [len(chunk) for chunk in chunks]          # layers stay in order: re-cut
         stages = [Stage(layers[sum(sizes[:c]):sum(sizes[:c + 1])]) for c in range(len(sizes))]
         self.model = stages[0] if len(stages) == 1 else nn.ModuleList(stages)
         units = [(name, module, list(module.parameters())) for name, module in layers]
         self.precision = of_config(cfg)            # --precision: ZeRO's 16-bit buffers
         split = comms.grid.pp > 1 or comms.grid.tp > 1      # a rank sees part of the model
+        # the comm thread's collective: its own communicator, beside the main thread's
+        thread_coll = collective_for(cfg.sync, cfg, comms.dp.Dup()) if cfg.overlap else None
+        compressor = build_compressor(cfg.compress, thread_coll, cfg.error_feedback,
+                                      cfg.momentum if cfg.momentum_correction else 0.0,
+                                      cfg.sparsity_warmup)
         self.sync = ZeRO(cfg.zero, units, collective_for(cfg.sync, cfg, comms.dp), cfg,
                          cfg.micro_batches, self.tracer, self.precision,
-                         agree=any_rank_of(comms.world) if split else None)
+                         agree=any_rank_of(comms.world) if split else None,
+                         thread_coll=thread_coll, compressor=compressor, overlap=cfg.overlap)
         self.sync.setup(self.model)
         self.optimizer = self.sync.make_optimizer()
         self.meter = ActivationMeter(self.sync.param_storages,
@@ -124,6 +137,7 @@ class GridEngine(StepEngine):
         self.pipeline = kind(stages, self.criterion, self.p2p, comms.pp_rank, comms.pp_size,
                              cfg.micro_batches, cfg.schedule, lambda n: (n, *feature),
                              self.tracer, self.meter, self.precision)
+        self.pipeline.recompute = self.recompute
         grid = comms.grid
         self.layout = {"world_size": grid.world_size, "dp_size": grid.dp, "pp_size": grid.pp,
                        "tp_size": grid.tp}
@@ -140,7 +154,7 @@ class GridEngine(StepEngine):
         return f"rank {rank} (dp {d}, pp {p}, tp {t})"
 
     def traffic(self):
-        colls = [self.sync.coll] + ([self.tp_coll] if self.tp_coll else [])
+        colls = self.sync.colls() + ([self.tp_coll] if self.tp_coll else [])
         ts = [c.transport for c in colls] + [self.p2p]
         return sum(t.bytes_sent for t in ts), sum(t.bytes_received for t in ts)
 
@@ -151,6 +165,9 @@ class GridEngine(StepEngine):
         x, y = self.data.batch(step, comms.dp_rank, comms.dp_size, self.cfg.global_batch,
                                self.device)
         start = time.perf_counter()
+        if comms.rank == self.cfg.straggler_rank:     # --straggler: a slow GPU, seen as compute
+            with self.tracer.span(f"straggler {step}", "forward"):
+                time.sleep(self.cfg.straggler_seconds)
         self.meter.reset_peak()
         self.sync.before_backward()
         loss = self.pipeline.run(x, y)
@@ -173,7 +190,7 @@ class GridEngine(StepEngine):
             "bubble_fraction": 1.0 - busy / self.pipeline_span(start, pipeline_end),
             "peak_in_flight": self.pipeline.peak_in_flight,
             "micro_batch_activation_bytes": self.pipeline.micro_batch_bytes, "memory": memory,
-            **self.precision.record()}
+            **self.wire_fields(), **self.precision.record()}
 
     def pipeline_span(self, start, end):
         """The flush-to-flush time of this step's pipeline: from the first stage's start to

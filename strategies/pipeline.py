@@ -31,6 +31,8 @@ Every micro-batch's loss is scaled by its share of the local batch, so the
 accumulated gradient is the gradient of the mean over the whole batch, as on
 one process.
 """
+from contextlib import nullcontext
+
 import torch
 import torch.nn as nn
 
@@ -120,6 +122,7 @@ class Pipeline:
         self.schedule, self.activation_shape = schedule, activation_shape
         self.tracer, self.meter = tracer, meter
         self.precision = precision or MixedPrecision()
+        self.recompute = None           # a recompute.Recompute of --recompute (parallel.py)
         self.global_stages = stages * len(self.chunks)
         self.last = stage == stages - 1        # the rank that holds the loss
         # an MPI request can be tested without blocking; other transports' handles wait
@@ -137,6 +140,10 @@ class Pipeline:
         for i in range(m - warmup):
             ops += [("F", warmup + i), ("B", i)]
         return ops + [("B", i) for i in range(m - warmup, m)]
+
+    def replaying(self):
+        """--recompute (recompute.py): the blocks' forwards inside a backward are replays."""
+        return self.recompute.backward() if self.recompute else nullcontext()
 
     def ops(self):
         """(op, chunk, micro-batch) in this rank's order; one chunk here, v in interleaved.py."""
@@ -216,13 +223,13 @@ class Pipeline:
         inp, out = self.saved.pop((chunk, i))
         name = self._name(i, chunk)
         if g == self.global_stages - 1:
-            with self.tracer.span(f"backward {name}", "backward"):
+            with self.tracer.span(f"backward {name}", "backward"), self.replaying():
                 self.precision.backward(out)          # fp16: of the scaled loss
         else:
             grad = torch.empty(out.shape)
             with self.tracer.span(f"wait gradient {name}", "idle"):
                 self.receive(grad, (self.stage + 1) % self.stages, self.tag(g + 1, i, 1))
-            with self.tracer.span(f"backward {name}", "backward"):
+            with self.tracer.span(f"backward {name}", "backward"), self.replaying():
                 out.backward(grad.to(out.dtype))      # bf16 under --precision bf16
         del out
         if g > 0:

@@ -132,6 +132,18 @@ class MixedPrecision:
         update()
         return True
 
+    def state_dict(self):
+        """fp16's loss scale and counters, for checkpoints ({} without a scaler)."""
+        s = self.scaler
+        return {} if s is None else {"scale": s.scale, "clean_steps": s.clean_steps,
+                                     "overflow_skips": s.overflow_skips}
+
+    def load_state_dict(self, state):
+        if self.scaler is not None and state:
+            self.scaler.scale = state["scale"]
+            self.scaler.clean_steps = state["clean_steps"]
+            self.scaler.overflow_skips = state["overflow_skips"]
+
     def record(self):
         """The step record's fields: the scale and the skips so far (fp16 only)."""
         if self.scaler is None:

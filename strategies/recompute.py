@@ -73,6 +73,8 @@ class Recompute:
 
     def __init__(self, model, tracer=None):
         self.tracer, self.replays, self.in_backward = tracer, 0, False
+        if model is None:
+            return                                 # blocks come through wrap (of_blocks)
         if type(model) is GPT:
             for i, block in enumerate(model.blocks):
                 self._wrap(block, f"block {i}")
@@ -81,6 +83,16 @@ class Recompute:
         else:
             raise ConfigError(f"--recompute knows the blocks of mlp and gpt, not of "
                             f"{type(model).__name__}")
+
+    @classmethod
+    def of_blocks(cls, blocks, tracer=None):
+        """The GPT blocks a pipeline stage holds, [(name, block)], each checkpointed:
+        the grid's share of the model (parallel.py), already split over tp, whose
+        collectives the replay runs again, in the same order on every tp rank."""
+        recompute = cls(None, tracer)
+        for name, block in blocks:
+            recompute._wrap(block, name)
+        return recompute
 
     def _wrap(self, module, name):
         forward = module.forward                   # the bound method, before we replace it

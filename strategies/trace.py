@@ -10,6 +10,9 @@ rank, one track each.  Categories:
 
     forward, backward   compute of one micro-batch (or of the whole local batch)
     comm                a collective or a send that this rank waited for
+    dp-comm             a data-parallel collective on the comm thread (comm_thread.py),
+                        beside backward: a track of its own; only the "wait for
+                        gradients" span it leaves at the end is exposed ("comm")
     idle                waiting for a peer's activation or gradient: in a pipeline,
                         these are the bubbles of GPipe and 1F1B
     optimizer, step     the update; the whole step
@@ -26,6 +29,7 @@ import time
 from contextlib import contextmanager, nullcontext
 
 BUSY = ("forward", "backward")
+BESIDE = ("dp-comm",)            # spans of the comm thread, not of the main thread
 
 
 class Tracer:
@@ -62,7 +66,7 @@ def chrome_events(events, pid, label):
     out = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": label}},
            {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}}]
     for name, cat, start, end in events:
-        event = {"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": 0,
+        event = {"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": int(cat in BESIDE),
                  "ts": round(start * 1e6, 3), "dur": round((end - start) * 1e6, 3)}
         if cat in COLOURS:
             event["cname"] = COLOURS[cat]
@@ -73,7 +77,7 @@ def chrome_events(events, pid, label):
 # Chrome's reserved colour names, so that the kinds stand apart in Perfetto too
 COLOURS = {"forward": "good", "backward": "rail_animation", "comm": "terrible",
            "idle": "grey", "optimizer": "yellow", "step": "black",
-           "recompute": "olive"}
+           "recompute": "olive", "dp-comm": "bad"}
 
 
 def write_chrome_trace(path, events_per_rank, labels):

@@ -46,12 +46,31 @@ at stage 0) for the optimizer: 2Ψ + 2Ψ + 12Ψ with Adam, sharded as the table
 says (memory.zero_memory).  The gradients are reduced in 16 bit; the optimizer
 reads them as fp32, unscaled, for its step only, and the updated master shard
 is cast back into the 16-bit buffer before the all-gather.
+
+The gradient collectives of stages 0-2 (and stage 3's reduce-scatters) run on
+the communication thread (comm_thread.py), as plain data parallelism's buckets
+do: a layer's collective is handed over the moment backward finishes its
+gradient, and runs while backward computes the layers before it.  The thread
+has a collective of its own, over a duplicate of the dp communicator, because
+the main thread keeps talking on dp meanwhile (stage 3's gathers).  The layers
+go to the thread in the order backward finishes them, which is the same on
+every rank of the dp axis: they run the same schedule on the same stage.
+--no-overlap runs each collective inside the hook instead.
+
+--compress works on this axis as on plain data parallelism's buckets: a layer
+is a bucket of the compressor (compress.py, topk.py, powersgd.py), keyed by its
+index.  The 16-bit casts halve a reduce-scatter as they halve an all-reduce;
+top-k and PowerSGD compress an all-reduce, so stages 1-3 take their shard of
+the compressed all-reduce's result (the shard's bytes are the stage's; the
+wire carries what the compressor sends).
 """
 import torch
 import torch.nn as nn
 
 from allreduce import shard_of
 
+from .comm_thread import CommThread
+from .compress import Compressor
 from .memory import optimizer_tensors, state_bytes
 from .precision import MixedPrecision, any_rank
 from .sync import GradientSync, make_optimizer
@@ -63,8 +82,9 @@ EMPTY = torch.empty(0)
 class ZeroUnit:
     """One layer's parameters as one flat buffer and this rank's shard of it."""
 
-    def __init__(self, name, module, params, zero):
-        self.name, self.module, self.params, self.zero = name, module, params, zero
+    def __init__(self, index, name, module, params, zero):
+        self.index, self.name, self.module, self.params = index, name, module, params
+        self.zero = zero
         self.shapes = [p.shape for p in params]
         self.sizes = [p.numel() for p in params]
         self.numel = sum(self.sizes)
@@ -125,32 +145,38 @@ class ZeroUnit:
 
     # --------------------------------------------------------- gradients
     def gradient_arrived(self):
+        """A parameter's gradient of this micro-batch is complete (its hook, in backward)."""
         self.arrivals += 1
         if self.arrivals % len(self.params):
             return
         if self.arrivals == len(self.params) * self.zero.backwards_per_step:
-            self.reduce()
+            self.zero.launch(self)
         if self.zero.stage == 3:
             self.release()              # until the next micro-batch's forward or backward
 
-    def reduce(self):
-        zero, coll = self.zero, self.zero.coll
-        if zero.stage == 0:
-            with span(zero.tracer, f"all-reduce grads {self.name}", "comm"):
-                if zero.dp_size > 1:
-                    coll.allreduce(self.grad_full, op="avg")
-            return
-        if zero.stage == 1:
-            with span(zero.tracer, f"reduce-scatter grads {self.name}", "comm"):
-                shard = coll.reduce_scatter(self.grad_full, op="avg")
-            self.grad_full[self.start:self.stop].copy_(shard)
-            self.shard.grad = self.grad_full[self.start:self.stop]
-            return
+    def flat_gradient(self):
+        """The layer's whole gradient as one flat buffer, taken in the hook: stages 0-1
+        keep it in grad_full; stages 2-3 gather it and let the parameters' go."""
+        if self.zero.stage < 2:
+            return self.grad_full
         flat = torch.cat([p.grad.reshape(-1) for p in self.params])
         for p in self.params:
             p.grad = None               # stages 2 and 3 keep only the shard
-        with span(zero.tracer, f"reduce-scatter grads {self.name}", "comm"):
-            self.shard.grad = coll.reduce_scatter(flat, op="avg")
+        return flat
+
+    def reduce(self, flat):
+        """Average `flat` over dp: all of it (stage 0) or this rank's shard (1-3)."""
+        zero = self.zero
+        if zero.stage == 0:
+            with span(zero.tracer, f"all-reduce grads {self.name}", zero.category):
+                zero.allreduce_avg(self.index, flat, self.shapes)
+            return
+        with span(zero.tracer, f"reduce-scatter grads {self.name}", zero.category):
+            shard = zero.reduce_scatter_avg(self.index, flat, self.shapes)
+        if zero.stage == 1:
+            self.grad_full[self.start:self.stop].copy_(shard)
+            shard = self.grad_full[self.start:self.stop]
+        self.shard.grad = shard
 
     def gradient(self):
         """The synchronised gradient the optimizer steps on (16-bit when mixed)."""
@@ -176,11 +202,13 @@ class ZeRO(GradientSync):
     `synchronize` only checks that every layer's gradient arrived.
 
     units: [(name, module, [parameters])] of this rank's layers, in forward order.
-    coll: an allreduce/ collective over the dp communicator."""
+    coll: an allreduce/ collective over the dp communicator; thread_coll: another, over
+    a duplicate of it, for the comm thread (None: no thread, every collective in its
+    hook); compressor: a compressor of --compress (compress.py), None: float32."""
     name = "zero"
 
     def __init__(self, stage, units, coll, cfg, backwards_per_step=1, tracer=None,
-                 precision=None, agree=None):
+                 precision=None, agree=None, thread_coll=None, compressor=None, overlap=True):
         super().__init__(cfg, None, torch.device("cpu"))   # the grid runs on CPUs so far
         self.stage, self.coll, self.tracer = stage, coll, tracer
         self.precision = precision or MixedPrecision()
@@ -192,7 +220,16 @@ class ZeRO(GradientSync):
         self.backwards_per_step = backwards_per_step
         self.gathered = {}              # storage ptr of a gathered layer -> its ZeroUnit
         self.peak_gathered_bytes = 0
-        self.units = [ZeroUnit(name, module, params, self) for name, module, params in units]
+        # the comm thread's own collective (over a duplicate of dp) and the compressor
+        self.thread_coll = thread_coll or coll
+        self.compressor = compressor or Compressor()
+        self.wire_bytes = self.dense_bytes = 0
+        self.comm_rounds = 0
+        self.thread = CommThread("zero-comm") if overlap and thread_coll is not None else None
+        # a collective on the thread overlaps backward: its own track in the trace
+        self.category = "dp-comm" if self.thread else "comm"
+        self.units = [ZeroUnit(i, name, module, params, self)
+                      for i, (name, module, params) in enumerate(units)]
         self._hooks = []
         for unit in self.units:
             for p in unit.params:
@@ -203,6 +240,43 @@ class ZeRO(GradientSync):
                     lambda m, args, unit=unit: unit.gather("forward")))
                 self._hooks.append(unit.module.register_forward_hook(
                     lambda m, args, out, unit=unit: self._after_forward(unit, out)))
+
+    def launch(self, unit):
+        """A layer's gradient is complete for the step: its collective, now or queued."""
+        flat = unit.flat_gradient()
+        if self.thread is None:
+            unit.reduce(flat)
+        else:
+            self.thread.submit(lambda: unit.reduce(flat))
+
+    def allreduce_avg(self, key, flat, shapes):
+        """flat := its mean over dp, through the compressor (a bucket of its own, `key`).
+        A compressor other than float32's reads fp32: 16-bit buffers go through a copy."""
+        self.comm_rounds += 1
+        self.dense_bytes += flat.numel() * 4
+        if self.dp_size == 1:
+            return
+        work = flat if flat.dtype == torch.float32 or type(self.compressor) is Compressor \
+            else flat.float()
+        self.wire_bytes += self.compressor.reduce_bucket(
+            key, work, None, shapes, lambda t: self.thread_coll.allreduce(t, op="avg"))
+        if work is not flat:
+            flat.copy_(work)
+
+    def reduce_scatter_avg(self, key, flat, shapes):
+        """This rank's shard of flat's mean over dp.  The casts travel 16-bit; top-k and
+        PowerSGD compress an all-reduce, whose result the shard is cut from."""
+        if self.compressor.name in ("topk", "powersgd"):
+            self.allreduce_avg(key, flat, shapes)
+            return flat[self.units[key].start:self.units[key].stop].clone()
+        self.comm_rounds += 1
+        self.dense_bytes += flat.numel() * 4
+        # float32's identity sends the buffer as it is (16-bit under --precision)
+        wire = flat if type(self.compressor) is Compressor else \
+            flat.to(self.compressor.wire_dtype)
+        self.wire_bytes += wire.numel() * wire.element_size()
+        shard = self.thread_coll.reduce_scatter(wire, op="avg")
+        return shard.to(flat.dtype)
 
     def broadcast(self, flat):
         if self.dp_size > 1:
@@ -249,6 +323,10 @@ class ZeRO(GradientSync):
                 unit.grad_full.zero_()  # autograd adds into the views in place
 
     def synchronize(self, step):
+        if self.thread is not None:
+            with span(self.tracer, f"wait for gradients {step}", "comm"):
+                self.thread.flush()     # the last layers' collectives: the exposed part
+        self.compressor.set_step(step + 1)
         missing = [u.name for u in self.units
                    if u.arrivals != len(u.params) * self.backwards_per_step]
         if missing:
@@ -291,13 +369,42 @@ class ZeRO(GradientSync):
         return [u.full.untyped_storage().data_ptr() for u in self.units if u.full is not None]
 
     @property
+    def kept_ratio(self):
+        return self.compressor.kept_ratio
+
+    def colls(self):
+        """The dp collectives whose traffic is this sync's (the thread's may be its own)."""
+        return [self.coll] + ([self.thread_coll] if self.thread_coll is not self.coll else [])
+
+    @property
     def bytes_sent(self):
-        return self.coll.bytes_sent
+        return sum(c.bytes_sent for c in self.colls())
 
     @property
     def bytes_received(self):
-        return self.coll.bytes_received
+        return sum(c.bytes_received for c in self.colls())
+
+    def state_dict(self):
+        """What the model's state_dict does not hold: stage 3's parameter shards (the
+        parameters are empty between uses), the fp32 masters of mixed precision, and
+        the step of top-k's --sparsity-warmup."""
+        return {"compressor_step": self.compressor.step,
+                "shards": [u.shard.detach().clone() for u in self.units] if self.stage == 3
+                else [],
+                "masters": [u.master.detach().clone() for u in self.units
+                            if u.master is not None]}
+
+    def load_state_dict(self, state):
+        self.compressor.set_step(state["compressor_step"])
+        with torch.no_grad():
+            for unit, shard in zip(self.units, state["shards"]):
+                unit.shard.copy_(shard)
+            for unit, master in zip([u for u in self.units if u.master is not None],
+                                    state["masters"]):
+                unit.master.copy_(master)
 
     def close(self):
         for h in self._hooks:
             h.remove()
+        if self.thread is not None:
+            self.thread.close()

@@ -134,7 +134,8 @@ def test_distributed_optimizer_no_sync_in_a_users_loop():
 
 @pytest.mark.parametrize("flags,world,message", [
     (dict(grad_accum=0), 1, "--grad-accum must be >= 1"),
-    (dict(grad_accum=2, pp=2, sync="ring"), 2, "use --micro-batches 2"),
+    (dict(grad_accum=2, pp=2, micro_batches=4, sync="ring"), 2,
+     "--grad-accum 2 and --micro-batches 4 are the same thing on the grid"),
     (dict(grad_accum=2, model="moe"), 1, "--model moe with --grad-accum 2"),
     (dict(grad_accum=4, global_batch=12, sync="ring"), 2,
      r"--grad-accum 4 .* global batch 12 / dp\(2\) = 6 samples, 6 % 4 = 2"),
@@ -143,6 +144,15 @@ def test_distributed_optimizer_no_sync_in_a_users_loop():
 def test_bad_combinations_name_their_flags(flags, world, message):
     with pytest.raises(ConfigError, match=message):
         dp_size_of(TrainConfig(**flags), world)
+
+
+def test_on_the_grid_grad_accum_is_micro_batches():
+    """One concept: accumulating K micro-batches is what a pipeline's schedule does, so on
+    the grid --grad-accum K is --micro-batches K (and the plain loop keeps its own)."""
+    cfg = TrainConfig(grad_accum=2, pp=2, sync="ring")
+    assert (cfg.micro_batches, cfg.grad_accum) == (2, 1)
+    assert TrainConfig(grad_accum=3, micro_batches=3, zero=1, sync="ring").micro_batches == 3
+    assert TrainConfig(grad_accum=2, sync="ring").grad_accum == 2
 
 
 # --------------------------------------------------------------- under mpiexec

@@ -123,7 +123,7 @@ MOE = dict(model="moe", sync="ring", experts=4)
     (dict(MOE, ep=2, sync="ps"), 3, "not --sync ps"),
     (dict(MOE, ep=2, sync="torch"), 2, "not --sync torch"),
     (dict(MOE, ep=2, model="gpt"), 2, "not of --model gpt"),
-    (dict(MOE, ep=2, checkpoint_dir="ckpt"), 2, "--ep 2 with --checkpoint-dir"),
+    (dict(MOE, ep=2, device="cuda"), 2, "--ep 2 with --device cuda"),
     (dict(MOE, tp=2), 2, "--model moe with --dp/--pp/--tp"),
     (dict(MOE, top_k=3), 2, "--top-k 3 must be 1 or 2"),
     (dict(MOE, capacity_factor=0.0), 2, "--capacity-factor must be > 0"),

@@ -80,7 +80,7 @@ def test_zero_memory_formula_fp32_and_mixed():
 @pytest.mark.parametrize("flags, message", [
     ({"precision": "fp8"}, "--precision 'fp8' is not one of fp32, bf16, fp16"),
     ({"precision": "fp16", "sync": "ps"}, "--precision fp16 with --sync ps"),
-    ({"precision": "bf16", "sync": "hybrid"}, "--precision bf16 with --sync hybrid"),
+    ({"precision": "fp16", "sync": "hybrid"}, "--precision fp16 with --sync hybrid"),
     ({"precision": "fp16", "sync": "ring", "checkpoint_dir": "ck"},
      "--precision fp16 with --checkpoint-dir"),
     ({"precision": "fp16", "loss_scale": 0.0}, "--loss-scale must be > 0"),
@@ -281,9 +281,9 @@ def test_distributed_optimizer_bf16_and_fp16_in_a_loop_of_ones_own():
     overflowing = train("fp16", loss_scale=1e9, loss_scale_window=1000)
     assert 0 < overflowing[1] < N_STEPS and overflowing[2] < 1e9
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(ConfigError, match="precision='bf16' with sync='ps'"):
+    with pytest.raises(ConfigError, match="precision='fp16' with sync='ps'"):
         strategies.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                                        sync="ps", precision="bf16")
+                                        sync="ps", precision="fp16")
 
 
 @pytest.mark.timeout(120)

@@ -110,7 +110,8 @@ def test_the_trace_shows_each_replay_inside_backward():
 
 
 @pytest.mark.parametrize("flags,message", [
-    (dict(recompute=True, pp=2, sync="ring"), "--recompute with --dp/--pp/--tp/--zero"),
+    (dict(recompute=True, pp=2, sync="ring"), "--recompute with --dp/--pp/--tp/--zero/"
+                                              "--micro-batches checkpoints GPT blocks"),
     (dict(recompute=True, model="moe"), "--model moe with --recompute"),
 ])
 def test_unsupported_combinations_are_named(flags, message):
