@@ -79,9 +79,17 @@ def check_moe(cfg):
     if cfg.model == "moe" and cfg.recompute:
         raise ConfigError("--model moe with --recompute is not supported: it checkpoints "
                           "the blocks of --model mlp and gpt")
-    if cfg.model == "moe" and cfg.on_grid:
-        raise ConfigError("--model moe with --dp/--pp/--tp/--zero/--micro-batches is not "
-                          "supported: micro-batches would change the gating groups")
+    if cfg.model == "moe":
+        for what, refused, why in (
+                (f"--pp {cfg.pp}", cfg.pp > 1, "the last stage's loss adds every block's "
+                                               "balance loss, and a stage holds its own only"),
+                (f"--tp {cfg.tp}", cfg.tp > 1, "its experts are split over --ep ranks, not tp"),
+                (f"--micro-batches {cfg.micro_batches}", cfg.micro_batches > 1,
+                 "micro-batches would change the gating groups"),
+                ("--zero 3", cfg.zero == 3, "ZeRO-3 would gather each expert inside the "
+                                            "all-to-alls; stages 1 and 2 shard it")):
+            if refused:
+                raise ConfigError(f"--model moe with {what} is not supported: {why}")
     if cfg.ep == 1:
         return
     if cfg.model != "moe":

@@ -38,12 +38,18 @@ backward of each is again an all-to-all of the gradients (exchange_tokens below)
 
 Gradient averaging.  The loss is the mean over the global batch: L = (1/world) sum_r L_r.
   dense parameter:  rank r's backward gives dL_r/dw, averaged over the world (the
-                    plain data-parallel all-reduce, sync.py's AllReduceSync);
+                    plain data-parallel all-reduce);
   expert e:         its backward runs on its holder, on the tokens of every rank of
                     the expert group, so autograd already sums dL_r/dw_e over those EP
-                    ranks; summing over the world/EP replicas of e and dividing by
-                    world gives (1/world) sum over all r: the same mean.
+                    ranks; averaging over the world/EP replicas of e and dividing by
+                    EP gives (1/world) sum over all r: the same mean.
 With EP = world there is one replica and the sum is complete on its own rank.
+
+Both are ZeRO's layers (zero.py; `--zero 0` is plain data parallelism): the ep
+axis is carved out of the data-parallel one, as in torchtitan and Megatron-LM,
+so each expert's replicas are its data-parallel group, over which `--zero 1-2`
+shard its optimizer state, as the world shards the dense layers'.  Their
+collectives leave on the comm thread as backward finishes each layer.
 
 Equivalence: capacity is decided per group of tokens (moe.py), by default one
 rank's local batch; the one-process reference with --moe-group set to that
@@ -63,9 +69,9 @@ from .loop import StepEngine, one_step
 from .models import count_parameters
 from .moe import MoE, expert_capacity, run_experts
 from .precision import any_rank_of, as_wire, of_config
-from .sync import (AllReduceSync, GradientSync, broadcast_tensor, collective_for,
-                   make_optimizer)
+from .sync import build_compressor, collective_for
 from .tensor_parallel import Conjugate
+from .zero import ZeRO, Replicas
 
 
 def check(cfg, world_size):
@@ -165,57 +171,21 @@ def total(counts):
     return None if None in counts else sum(counts)
 
 
-class ExpertParallelSync(GradientSync):
-    """The sync contract for expert parallelism: the dense parameters through the plain
-    all-reduce sync over the world, the experts' gradients summed over their replicas
-    and divided by the world (the docstring's averaging)."""
-
-    def __init__(self, cfg, ctx, device, expert_params, replica_coll=None):
-        super().__init__(cfg, ctx, device)
-        self.name = cfg.sync
-        self.dense = AllReduceSync(cfg, ctx, device)
-        self.expert_params, self.replica_coll = expert_params, replica_coll
-
-    def setup(self, model):
-        super().setup(model)
-        experts = {id(p) for p in self.expert_params}
-        # a ParameterList shares the model's tensors: the dense sync sees only these
-        self.dense.setup(nn.ParameterList([p for p in model.parameters()
-                                           if id(p) not in experts]))
-        if self.replica_coll:              # every replica starts from the first group's
-            with torch.no_grad():
-                for p in self.expert_params:
-                    broadcast_tensor(self.replica_coll, p.data)
-
-    def before_backward(self):
-        self.dense.before_backward()
-        for p in self.expert_params:
-            p.grad = None
-
-    def synchronize(self, step):
-        self.dense.synchronize(step)
-        grads = [p.grad for p in self.expert_params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.replica_coll:
-            self.replica_coll.allreduce(flat, op="sum")
-        flat /= self.ctx.world_size
-        at = 0
-        for g in grads:
-            g.copy_(flat[at:at + g.numel()].view_as(g))
-            at += g.numel()
-
-    @property
-    def bytes_sent(self):
-        replicas = [self.replica_coll.bytes_sent] if self.replica_coll else []
-        return total([self.dense.bytes_sent] + replicas)
-
-    @property
-    def bytes_received(self):
-        replicas = [self.replica_coll.bytes_received] if self.replica_coll else []
-        return total([self.dense.bytes_received] + replicas)
-
-    def close(self):
-        self.dense.close()
+def units_of(model, experts):
+    """The model as ZeRO's layers (zero.py), in forward order: the embeddings; each
+    block's dense parameters, then each of its experts held here, with `experts` (a
+    zero.Replicas) as the ranks they are averaged over; the head."""
+    units = [("embed", model, [model.tok.weight, model.pos.weight])]
+    for i, block in enumerate(model.blocks):
+        moe = block.mlp
+        held = {id(p) for p in moe.experts.parameters()}
+        units.append((f"blocks.{i}", block, [p for p in block.parameters() if id(p) not in held]))
+        for key, expert in moe.experts.items():
+            units.append((f"blocks.{i}.mlp.experts.{key}", expert, list(expert.parameters()),
+                          experts))
+    units.append(("head", model, [*model.ln_f.parameters(), *model.head.parameters()]))
+    assert sum(len(u[2]) for u in units) == len(list(model.parameters()))
+    return units
 
 
 class ExpertParallel(StepEngine):
@@ -233,12 +203,20 @@ class ExpertParallel(StepEngine):
         self.exchange = AllToAllExperts(collective_for(cfg.sync, cfg, group_comm), lay,
                                         self.tracer)
         self.expert_params = shard_experts(model, lay, self.exchange)
-        replica_coll = None
-        if lay.replicas > 1:                                       # {0, 2}, {1, 3}
-            replica_coll = collective_for(cfg.sync, cfg, ctx.comm.Split(lay.ep_rank, ctx.rank))
-        self.sync = ExpertParallelSync(cfg, ctx, device, self.expert_params, replica_coll)
+        # the data parallelism of both kinds of parameters is ZeRO's (stage 0: plain),
+        # on the comm thread: dense layers over the world, each expert over its replicas
+        # {0, 2}, {1, 3} (one rank each where ep = world), averaged over the world
+        replica_comm = ctx.comm.Split(lay.ep_rank, ctx.rank)
+        experts = Replicas(collective_for(cfg.sync, cfg, replica_comm),
+                           collective_for(cfg.sync, cfg, replica_comm.Dup())
+                           if cfg.overlap else None, scale=1.0 / cfg.ep)
+        thread_coll = collective_for(cfg.sync, cfg, ctx.dp_comm.Dup()) if cfg.overlap else None
+        self.sync = ZeRO(cfg.zero, units_of(model, experts),
+                         collective_for(cfg.sync, cfg, ctx.dp_comm), cfg, tracer=self.tracer,
+                         thread_coll=thread_coll, overlap=cfg.overlap,
+                         compressor=build_compressor(cfg.compress))
         self.sync.setup(model)
-        self.optimizer = make_optimizer(cfg, model.parameters())
+        self.optimizer = self.sync.make_optimizer()
         # --precision: the fp32 parameters are the master weights, autocast casts them per
         # matmul (as DataParallel); the dense gradients are the same on every rank after
         # the all-reduce, the experts' differ from rank to rank of an expert group, so

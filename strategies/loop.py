@@ -112,7 +112,7 @@ def one_step(step, cfg, ctx, data, model, sync, optimizer, device, forward=None,
     t2 = now(device)
     # data parallel: every rank holds the same averaged gradients, so every rank skips
     # the same steps; expert parallel: `agree` makes them
-    precision.step([p.grad for p in model.parameters()], lambda: sync.step(optimizer), agree)
+    precision.step(sync.gradients(), lambda: sync.step(optimizer), agree)
     t3 = now(device)
     if tracer:                                     # --trace: the step's intervals, as lived
         tracer.add(f"wait for gradients {step}", "comm", t1, t2)

@@ -93,7 +93,9 @@ def train(argv=None):
     if ctx.is_server:
         ctx.role.serve()                           # until every worker has closed
         return None
-    engine = (GridEngine if cfg.on_grid else ExpertParallel if cfg.ep > 1 else DataParallel)(
+    # mixture of experts: experts split over --ep ranks, or sharded by --zero
+    experts = cfg.model == "moe" and (cfg.ep > 1 or cfg.zero)
+    engine = (ExpertParallel if experts else GridEngine if cfg.on_grid else DataParallel)(
         cfg, ctx, device, data, model)
     return loop.run(cfg, ctx, device, data, engine, state, started)
 

@@ -79,19 +79,34 @@ from .trace import span
 EMPTY = torch.empty(0)
 
 
+class Replicas:
+    """The ranks that hold replicas of a layer, over which its gradient is averaged and
+    its state sharded: the dp axis, or (expert parallelism) an expert's replicas.
+
+    coll: an allreduce/ collective over them; thread_coll: another over a duplicate of
+    its communicator, for the comm thread (None: the collectives run in the hooks);
+    scale: a factor after the average (an expert's gradient, summed over the tokens of
+    its expert group by autograd, is averaged over the world, not its replicas)."""
+
+    def __init__(self, coll, thread_coll=None, scale=1.0):
+        self.coll, self.thread_coll, self.scale = coll, thread_coll or coll, scale
+        self.rank, self.size = coll.rank, coll.size
+
+
 class ZeroUnit:
     """One layer's parameters as one flat buffer and this rank's shard of it."""
 
-    def __init__(self, index, name, module, params, zero):
+    def __init__(self, index, name, module, params, zero, replicas):
         self.index, self.name, self.module, self.params = index, name, module, params
-        self.zero = zero
+        self.zero, self.replicas = zero, replicas
         self.shapes = [p.shape for p in params]
         self.sizes = [p.numel() for p in params]
         self.numel = sum(self.sizes)
-        self.start, self.stop = shard_of(zero.dp_rank, self.numel, zero.dp_size)
+        self.start, self.stop = shard_of(replicas.rank, self.numel, replicas.size)
         self.arrivals = 0              # parameter gradients seen this step
         full = torch.cat([p.detach().reshape(-1) for p in params])
-        zero.broadcast(full)           # rank 0's weights win, as in DDP
+        if replicas.size > 1:          # rank 0's weights win, as in DDP
+            replicas.coll.broadcast(full, root=0)
         # mixed precision: the fp32 master weights of this rank's shard (all, at stage 0)
         self.master = None
         if zero.precision.mixed:
@@ -133,7 +148,7 @@ class ZeroUnit:
         if self.full is not None:
             return
         with span(self.zero.tracer, f"zero-3 all-gather {self.name} ({why})", "comm"):
-            full = self.zero.coll.allgather(self.shard.detach(), self.numel)
+            full = self.replicas.coll.allgather(self.shard.detach(), self.numel)
         self._bind(full)
         self.zero.gathered[full.untyped_storage().data_ptr()] = self
         self.zero.note_gathered()
@@ -169,10 +184,10 @@ class ZeroUnit:
         zero = self.zero
         if zero.stage == 0:
             with span(zero.tracer, f"all-reduce grads {self.name}", zero.category):
-                zero.allreduce_avg(self.index, flat, self.shapes)
+                zero.allreduce_avg(self, flat)
             return
         with span(zero.tracer, f"reduce-scatter grads {self.name}", zero.category):
-            shard = zero.reduce_scatter_avg(self.index, flat, self.shapes)
+            shard = zero.reduce_scatter_avg(self, flat)
         if zero.stage == 1:
             self.grad_full[self.start:self.stop].copy_(shard)
             shard = self.grad_full[self.start:self.stop]
@@ -191,7 +206,7 @@ class ZeroUnit:
     def gather_updated(self):
         """Stages 1 and 2: every rank's updated shard into the full parameters."""
         with span(self.zero.tracer, f"all-gather params {self.name}", "comm"):
-            full = self.zero.coll.allgather(self.full[self.start:self.stop], self.numel)
+            full = self.replicas.coll.allgather(self.full[self.start:self.stop], self.numel)
         self.full.copy_(full)
 
 
@@ -201,10 +216,15 @@ class ZeRO(GradientSync):
     layer broadcast from rank 0), and gradients travel from backward's hooks, so
     `synchronize` only checks that every layer's gradient arrived.
 
-    units: [(name, module, [parameters])] of this rank's layers, in forward order.
+    units: [(name, module, [parameters])] of this rank's layers, in forward order, or
+    (name, module, [parameters], Replicas) where a layer has replicas of its own (an
+    expert's, expert_parallel.py).
     coll: an allreduce/ collective over the dp communicator; thread_coll: another, over
     a duplicate of it, for the comm thread (None: no thread, every collective in its
-    hook); compressor: a compressor of --compress (compress.py), None: float32."""
+    hook); compressor: a compressor of --compress (compress.py), None: float32.  The
+    layers go to the thread in the order backward finishes them; where layers have
+    different replicas, ranks that share an expert finish it in the same order, so
+    every communicator sees its collectives in one order on all of its ranks."""
     name = "zero"
 
     def __init__(self, stage, units, coll, cfg, backwards_per_step=1, tracer=None,
@@ -216,7 +236,6 @@ class ZeRO(GradientSync):
         # (stages 1-3); the grid passes a vote over every rank when pp or tp split the
         # model, since a rank then sees its stage's or its piece's gradients only
         self.agree = agree or (any_rank(coll) if stage else None)
-        self.dp_rank, self.dp_size = coll.rank, coll.size
         self.backwards_per_step = backwards_per_step
         self.gathered = {}              # storage ptr of a gathered layer -> its ZeroUnit
         self.peak_gathered_bytes = 0
@@ -228,8 +247,9 @@ class ZeRO(GradientSync):
         self.thread = CommThread("zero-comm") if overlap and thread_coll is not None else None
         # a collective on the thread overlaps backward: its own track in the trace
         self.category = "dp-comm" if self.thread else "comm"
-        self.units = [ZeroUnit(i, name, module, params, self)
-                      for i, (name, module, params) in enumerate(units)]
+        dp = Replicas(coll, thread_coll)
+        self.units = [ZeroUnit(i, name, module, params, self, rest[0] if rest else dp)
+                      for i, (name, module, params, *rest) in enumerate(units)]
         self._hooks = []
         for unit in self.units:
             for p in unit.params:
@@ -249,38 +269,42 @@ class ZeRO(GradientSync):
         else:
             self.thread.submit(lambda: unit.reduce(flat))
 
-    def allreduce_avg(self, key, flat, shapes):
-        """flat := its mean over dp, through the compressor (a bucket of its own, `key`).
-        A compressor other than float32's reads fp32: 16-bit buffers go through a copy."""
+    def allreduce_avg(self, unit, flat):
+        """flat := its mean over the unit's replicas, through the compressor (the unit a
+        bucket of its own).  A compressor other than float32's reads fp32: 16-bit
+        buffers go through a copy."""
+        replicas = unit.replicas
         self.comm_rounds += 1
         self.dense_bytes += flat.numel() * 4
-        if self.dp_size == 1:
-            return
-        work = flat if flat.dtype == torch.float32 or type(self.compressor) is Compressor \
-            else flat.float()
-        self.wire_bytes += self.compressor.reduce_bucket(
-            key, work, None, shapes, lambda t: self.thread_coll.allreduce(t, op="avg"))
-        if work is not flat:
-            flat.copy_(work)
+        if replicas.size > 1:
+            work = flat if flat.dtype == torch.float32 or type(self.compressor) is Compressor \
+                else flat.float()
+            self.wire_bytes += self.compressor.reduce_bucket(
+                unit.index, work, None, unit.shapes,
+                lambda t: replicas.thread_coll.allreduce(t, op="avg"))
+            if work is not flat:
+                flat.copy_(work)
+        if replicas.scale != 1.0:
+            flat.mul_(replicas.scale)
 
-    def reduce_scatter_avg(self, key, flat, shapes):
-        """This rank's shard of flat's mean over dp.  The casts travel 16-bit; top-k and
-        PowerSGD compress an all-reduce, whose result the shard is cut from."""
-        if self.compressor.name in ("topk", "powersgd"):
-            self.allreduce_avg(key, flat, shapes)
-            return flat[self.units[key].start:self.units[key].stop].clone()
+    def reduce_scatter_avg(self, unit, flat):
+        """This rank's shard of flat's mean over the unit's replicas.  The casts travel
+        16-bit; top-k and PowerSGD compress an all-reduce, whose result the shard is cut
+        from."""
+        replicas = unit.replicas
+        if self.compressor.name in ("topk", "powersgd") or replicas.size == 1:
+            self.allreduce_avg(unit, flat)
+            return flat[unit.start:unit.stop].clone()
         self.comm_rounds += 1
         self.dense_bytes += flat.numel() * 4
         # float32's identity sends the buffer as it is (16-bit under --precision)
         wire = flat if type(self.compressor) is Compressor else \
             flat.to(self.compressor.wire_dtype)
         self.wire_bytes += wire.numel() * wire.element_size()
-        shard = self.thread_coll.reduce_scatter(wire, op="avg")
-        return shard.to(flat.dtype)
-
-    def broadcast(self, flat):
-        if self.dp_size > 1:
-            self.coll.broadcast(flat, root=0)
+        shard = replicas.thread_coll.reduce_scatter(wire, op="avg").to(flat.dtype)
+        if replicas.scale != 1.0:
+            shard.mul_(replicas.scale)
+        return shard
 
     def _after_forward(self, unit, out):
         unit.release()
@@ -333,6 +357,9 @@ class ZeRO(GradientSync):
             raise RuntimeError(f"ZeRO: no complete gradient for {', '.join(missing)} "
                                "(every layer must take part in every micro-batch)")
 
+    def gradients(self):
+        return [u.gradient() for u in self.units]
+
     def step(self, optimizer):
         if not self.precision.mixed:
             optimizer.step()
@@ -373,8 +400,14 @@ class ZeRO(GradientSync):
         return self.compressor.kept_ratio
 
     def colls(self):
-        """The dp collectives whose traffic is this sync's (the thread's may be its own)."""
-        return [self.coll] + ([self.thread_coll] if self.thread_coll is not self.coll else [])
+        """The collectives whose traffic is this sync's: each set of replicas' (and its
+        thread's, where it has its own), once each."""
+        out = []
+        for u in self.units:
+            for c in (u.replicas.coll, u.replicas.thread_coll):
+                if all(c is not o for o in out):
+                    out.append(c)
+        return out or [self.coll]
 
     @property
     def bytes_sent(self):

@@ -124,7 +124,8 @@ MOE = dict(model="moe", sync="ring", experts=4)
     (dict(MOE, ep=2, sync="torch"), 2, "not --sync torch"),
     (dict(MOE, ep=2, model="gpt"), 2, "not of --model gpt"),
     (dict(MOE, ep=2, device="cuda"), 2, "--ep 2 with --device cuda"),
-    (dict(MOE, tp=2), 2, "--model moe with --dp/--pp/--tp"),
+    (dict(MOE, tp=2), 2, "--model moe with --tp 2 is not supported"),
+    (dict(MOE, zero=3), 2, "--model moe with --zero 3 is not supported"),
     (dict(MOE, top_k=3), 2, "--top-k 3 must be 1 or 2"),
     (dict(MOE, capacity_factor=0.0), 2, "--capacity-factor must be > 0"),
     (dict(MOE, ep=2, global_batch=6), 3, "world 3 is not a multiple of ep(2)"),
@@ -192,9 +193,13 @@ def test_expert_parallel_reproduces_one_process(tmp_path):
     runs = launch(tmp_path, 2, [
         ("ep2_top2", TOP2 + ep2), ("ep2_top1", TOP1 + ep2),
         ("dp2_top2", TOP2 + ["--sync", "ring"]),
-        ("replicas_top2", TOP2 + ["--sync", "tree", "--replicas"])])
+        ("replicas_top2", TOP2 + ["--sync", "tree", "--replicas"]),
+        # ep carved out of dp: ZeRO shards the dense layers over the world, each
+        # expert over its replicas (one rank each at ep 2, two at ep 1)
+        ("ep2zero1_top2", TOP2 + ep2 + ["--zero", "1"]),
+        ("zero2_top1", TOP1 + ["--sync", "ring", "--zero", "2", "--no-overlap"])])
     for name, (records, params, _) in runs.items():
-        ref_records, ref_params, _ = reference[name.split("_")[1]]
+        ref_records, ref_params, _ = reference[name.split("_")[-1]]
         ref_loss = [r["loss"] for r in ref_records]
         for rank in range(2):
             mine = [r for r in records if r["rank"] == rank]
