@@ -1,7 +1,9 @@
-"""Fidelity figures of the grid: ZeRO memory and traffic, pipeline bubbles, ZeRO-3 speed.
+"""Fidelity figures of the grid: ZeRO memory and traffic, pipeline bubbles, ZeRO-3 speed,
+and how much of the dp axis's communication backward hides.
 
     mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.bench_parallel --part zero
     mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.bench_parallel --part pipeline
+    mpiexec -n 4 .venv/bin/python -m mpi4py -m strategies.bench_parallel --part overlap
     mpiexec -n 4 ... --part zero      (N = 4; oversubscribed on two cores: figures of
                                        memory and bytes hold, times do not)
 
@@ -23,6 +25,11 @@ pipeline: MLP cut into 2 stages; the bubble of each rank = the share of the
           against bubble.py's (p-1)/(m+p-1), and (p-1)/(v m+p-1) for the
           interleaved schedule with v chunks a rank; and on stage 0 the peak of
           saved activations over one micro-batch's, GPipe against 1F1B.
+overlap:  a dp2 x pp2 GPT (4 ranks) with ZeRO-1, its dp collectives inside the gradient
+          hooks (--no-overlap: each one blocks backward, as the grid did before the comm
+          thread) against on the comm thread (comm_thread.py), interleaved rounds; per
+          configuration the median step time and the exposed-communication fraction
+          (the trace's main-thread "comm" spans over the step).
 """
 import argparse
 import os
@@ -178,15 +185,60 @@ def pipeline_part(comm, directory, n_steps):
     return rows
 
 
+GPT = ["--model", "gpt", "--layers", "4", "--d-model", "256", "--heads", "4", "--vocab", "64",
+       "--seq-len", "64", "--dataset-size", "512", "--global-batch", "16", "--threads", "1",
+       "--no-progress", "--sync", "ring", "--lr", "0.01", "--dp", "2", "--pp", "2",
+       "--zero", "1", "--micro-batches", "2"]
+
+
+def overlap_part(comm, directory, rounds, n_steps):
+    if comm.size != 4:
+        raise SystemExit("--part overlap runs a dp2 x pp2 grid: launch it with mpiexec -n 4")
+    configs = {"in hook": ["--no-overlap"], "comm thread": []}
+    launches = dict.fromkeys(configs, 0)
+
+    def launch(name):
+        i, launches[name] = launches[name], launches[name] + 1
+        path = os.path.join(directory, f"overlap_{name.replace(' ', '_')}_{i}.jsonl")
+        train(GPT + configs[name] + ["--steps", str(n_steps)], path)
+        # the slowest rank's step: every rank waits for it at the next step's collectives
+        records = steps(path) if comm.rank == 0 else []
+        by_step = {}
+        for r in records:
+            by_step.setdefault(r["step"], []).append(r)
+        return [max(rs, key=lambda r: r["step_time_s"]) for _, rs in sorted(by_step.items())]
+
+    timed = interleaved({n: (lambda n=n: [r["step_time_s"] for r in launch(n)])
+                         for n in configs}, rounds=rounds, warmup=0, own_clock=True)
+    if comm.rank:
+        return []
+    rows = []
+    print(f"dp2 x pp2 GPT, ZeRO-1, 2 micro-batches: the dp axis's collectives in the hooks "
+          f"or on the comm thread ({rounds} interleaved rounds of {n_steps} steps)")
+    print(f"{'dp collectives':>14} {'step ms':>8} {'exposed comm':>13} {'/ in hook':>9}")
+    for name in configs:
+        records = [r for i in range(launches[name]) for r in steps(os.path.join(
+            directory, f"overlap_{name.replace(' ', '_')}_{i}.jsonl"))]
+        exposed = statistics.median(r["comm_time_s"] / r["step_time_s"] for r in records)
+        row = {"kind": "overlap", "config": name, "median_step_s": timed.median(name),
+               "exposed_fraction": exposed, "over_in_hook": timed.ratio(name, "in hook")}
+        rows.append(row)
+        print(f"{name:>14} {1000 * row['median_step_s']:>8.1f} {exposed:>13.1%} "
+              f"{row['over_in_hook']:>9.2f}")
+    return rows
+
+
 def parser():
     p = argparse.ArgumentParser(prog="python -m strategies.bench_parallel", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=("zero", "pipeline"), required=True,
-                   help="zero: memory, traffic and speed of the ZeRO stages; pipeline: bubbles")
+    p.add_argument("--part", choices=("zero", "pipeline", "overlap"), required=True,
+                   help="zero: memory, traffic and speed of the ZeRO stages; pipeline: "
+                        "bubbles; overlap: the grid's dp collectives in the hooks or beside "
+                        "backward")
     add_output_flags(p, out_what="each configuration's training records (a temporary "
                                  "directory if not given)")
     p.add_argument("--rounds", type=int, default=3,
-                   help="zero: interleaved rounds of stage 0, stage 3 and plain dp")
+                   help="zero, overlap: interleaved rounds of the configurations")
     p.add_argument("--steps", type=int, default=8, help="training steps of every configuration")
     return p
 
@@ -199,6 +251,8 @@ def main(argv=None):
                            if comm.rank == 0 else None)
     if args.part == "zero":
         rows = zero_part(comm, directory, args.rounds, args.steps)
+    elif args.part == "overlap":
+        rows = overlap_part(comm, directory, args.rounds, args.steps)
     else:
         rows = pipeline_part(comm, directory, args.steps)
     if comm.rank == 0 and args.jsonl:

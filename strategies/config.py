@@ -177,8 +177,9 @@ class TrainConfig:
             raise ConfigError(f"--compress {self.compress} with --ep {self.ep} is not "
                               f"supported; fp16 and bf16 are")
         if self.on_grid and self.device != "cpu":
-            raise ConfigError("--dp/--pp/--tp/--zero run on --device cpu only so far "
-                              "(activations travel through the MPI transport, not NCCL)")
+            raise ConfigError(f"--dp/--pp/--tp/--zero/--micro-batches with --device "
+                              f"{self.device} is not supported yet: the pipeline's transport "
+                              f"and ZeRO's flat buffers take CPU tensors")
 
     @property
     def straggler_rank(self):
