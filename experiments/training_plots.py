@@ -15,7 +15,7 @@ from matplotlib.patches import Patch
 
 from strategies.bubble import bubble_fraction
 from strategies.choices import SCHEDULES
-from strategies.grid import needs_grid
+from strategies.mesh import needs_grid
 
 from .palette import PARTS, colour_of, cores_of, save, spread, timeline_legend
 from .records import describe, labelled, model_of, one_comparison, slowest_rank

@@ -35,7 +35,8 @@ Read in this order:
     expert_parallel.py  --ep: experts split over ranks, tokens moved by all-to-alls
     bench.py       interleaved throughput benchmark
   the dp x pp x tp grid (train.py hands over with --dp/--pp/--tp/--zero/--micro-batches):
-    grid.py        ProcessGrid: arange(world).reshape(dp, pp, tp), a communicator per axis
+    mesh.py        Mesh: arange(world).reshape(dp, pp, tp), ep cut out of dp, a
+                   communicator per axis
     zero.py        ZeRO stages 0-3 over the dp axis, layer by layer
     tensor_parallel.py  Megatron's f and g, column/row-parallel linears, split heads
     sequence_parallel.py  LayerNorms and residuals on T/tp positions (--sequence-parallel)

@@ -1,7 +1,7 @@
 """ConfigError, the values each choice flag may take, and how an error message names a
 flag: the bottom of strategies/.
 
-combinations.py (the checks of TrainConfig and SyncOptions), grid.py (ProcessGrid)
+combinations.py (the checks of TrainConfig and SyncOptions), mesh.py (Mesh)
 and the optimizer all check against these tuples and raise ConfigError, so they
 live in a module that imports nothing of the package: none of those files needs
 another one of them for a name.

@@ -19,7 +19,7 @@ from allreduce.cli import dataclass_flags
 from .choices import (ALLREDUCE_SYNCS, DEVICES, MODELS, PRECISIONS, PS_SYNCS, SCHEDULES, SYNCS,
                       ZERO_STAGES, ConfigError)
 from .combinations import check_moe, check_precision, check_schedule, check_sync, check_values
-from .grid import ProcessGrid, needs_grid
+from .mesh import Mesh, needs_grid
 
 __all__ = ["ALLREDUCE_SYNCS", "PS_SYNCS", "SYNCS", "ConfigError", "TrainConfig", "dp_size_of",
            "parse_args", "parse_straggler", "parser", "world_of"]
@@ -213,9 +213,9 @@ def world_of(cfg, world_size):
     """(dp, how the world splits): `world 3 = dp(2) + servers(1)`, `dp(2) x pp(2) x tp(1) = 4`.
     The parameter servers' launcher (psrv.launch) decides which ranks serve; here only
     how many ranks are left to train."""
-    if cfg.on_grid:                        # world = dp x pp x tp (grid.py names each factor)
-        grid = ProcessGrid(world_size, cfg.dp, cfg.pp, cfg.tp)
-        return grid.dp, grid.describe()
+    if cfg.on_grid:                        # world = dp x pp x tp (mesh.py names each factor)
+        mesh = Mesh(world_size, cfg.dp, cfg.pp, cfg.tp, cfg.ep)
+        return mesh.dp, mesh.describe()
     if cfg.sync in PS_SYNCS:
         dp = world_size - cfg.servers
         return dp, f"world {world_size} = dp({dp}) + servers({cfg.servers})"

@@ -6,8 +6,8 @@
     ctx.dp_rank, ctx.dp_size, ctx.dp_comm # the data-parallel workers (servers excluded)
     ctx.workers                           # control over every rank that trains (records)
     ctx.control.allgather(obj)            # small control messages (errors, metrics)
-    ctx.grid                              # --dp/--pp/--tp/--zero: grid.GridComms, a
-                                          #   communicator per axis (dp_comm is its dp axis)
+    ctx.mesh                              # mesh.MeshComms: a communicator per axis of
+                                          #   dp x pp x tp and ep (dp_comm is its dp axis)
 
 There is no global state: two contexts could live in one test.  The pipeline
 and tensor axes live here too, as more (rank, size, comm) triples of a
@@ -25,7 +25,7 @@ from allreduce.torch_world import init_torch_distributed, torchrun_world
 
 from .choices import PS_SYNCS, ConfigError
 from .config import dp_size_of
-from .grid import ProcessGrid
+from .mesh import Mesh
 
 
 class MPIControl:
@@ -72,7 +72,7 @@ class RunContext:
     workers: object = None   # ... over the ranks that train (all but the servers)
     role: object = None      # psrv.launch's Role (ps, hybrid)
     host: str = ""
-    grid: object = None      # grid.GridComms of a dp x pp x tp run (cfg.on_grid)
+    mesh: object = None      # mesh.MeshComms (None: parameter servers, torchrun)
     host_visible_gpus: list = None   # --sync torch on CUDA: each local rank's
                                      #   CUDA_VISIBLE_DEVICES (None: unset), in local order
 
@@ -100,13 +100,11 @@ class RunContext:
                        role.is_server, comm, workers, control,
                        None if role.is_server else MPIControl(workers), role=role, host=host,
                        host_visible_gpus=visible)
-        if cfg.on_grid:
-            grid = ProcessGrid(comm.size, cfg.dp, cfg.pp, cfg.tp).split(comm)
-            return cls(comm.rank, comm.size, local_rank, local_size, grid.dp_rank, dp, False,
-                       comm, grid.dp, control, control, host=host, grid=grid,
-                       host_visible_gpus=visible)
-        return cls(comm.rank, comm.size, local_rank, local_size, comm.rank, dp, False,
-                   comm, comm, control, control, host=host, host_visible_gpus=visible)
+        # every other run is a mesh: plain data parallelism is dp = world
+        mesh = Mesh(comm.size, cfg.dp if cfg.on_grid else 0, cfg.pp, cfg.tp, cfg.ep).split(comm)
+        return cls(comm.rank, comm.size, local_rank, local_size, mesh.dp_rank, dp, False,
+                   comm, mesh.dp, control, control, host=host, mesh=mesh,
+                   host_visible_gpus=visible)
 
     @classmethod
     def _from_torchrun(cls, cfg, host):

@@ -66,6 +66,7 @@ from allreduce.alltoall import bytes_sent, uses_bruck
 from .choices import ConfigError
 from .config import dp_size_of
 from .loop import StepEngine, one_step
+from .mesh import Mesh
 from .models import count_parameters
 from .moe import MoE, expert_capacity, run_experts
 from .precision import any_rank_of, as_wire, of_config
@@ -77,9 +78,7 @@ from .zero import ZeRO, Replicas
 def check(cfg, world_size):
     """The MoE flags against the world (ConfigError); TrainConfig checked the flags alone."""
     dp = dp_size_of(cfg, world_size)
-    if world_size % cfg.ep:
-        raise ConfigError(f"world {world_size} is not a multiple of ep({cfg.ep}): "
-                          f"{world_size} % {cfg.ep} = {world_size % cfg.ep}")
+    Mesh(world_size, cfg.dp, cfg.pp, cfg.tp, cfg.ep)      # ep divides dp
     local = cfg.global_batch // dp
     if cfg.moe_group and local % cfg.moe_group:
         raise ConfigError(f"--moe-group {cfg.moe_group} does not divide the local batch: "
@@ -102,14 +101,14 @@ def alltoall_bytes_per_step(cfg, world_size):
 
 
 class ExpertPlacement:
-    """Who holds which experts (the docstring's table): pure arithmetic."""
+    """Who holds which experts (the docstring's table): pure arithmetic over the mesh."""
 
-    def __init__(self, world_size, ep, experts, rank):
-        self.ep, self.experts = ep, experts
-        self.group = rank // ep                  # which expert group
-        self.ep_rank = rank % ep                 # place inside it
-        self.replicas = world_size // ep         # copies of each expert
-        self.per_rank = experts // ep
+    def __init__(self, mesh, experts, rank):
+        self.ep, self.experts = mesh.ep, experts
+        # which expert group, and the place inside it (mesh.py cuts them out of dp)
+        self.group, self.ep_rank = mesh.expert_coords_of(rank)
+        self.replicas = mesh.dp // mesh.ep       # copies of each expert
+        self.per_rank = experts // mesh.ep
 
     @property
     def local_experts(self):
@@ -196,17 +195,18 @@ class ExpertParallel(StepEngine):
         super().__init__(cfg, ctx, device, data, model)
         self.layout["ep_size"] = cfg.ep
         self.parameters = count_parameters(model)          # the whole model, every expert
-        self.placement = ExpertPlacement(ctx.world_size, cfg.ep, cfg.experts, ctx.rank)
+        comms = ctx.mesh
+        self.placement = ExpertPlacement(comms.mesh, cfg.experts, ctx.rank)
         lay = self.placement
-        # new communicators: the all-to-alls never meet the dense buckets' comm thread
-        group_comm = ctx.comm.Split(lay.group, ctx.rank)           # {0, 1}, {2, 3}
+        # the mesh's expert groups: the all-to-alls never meet the comm thread's collectives
+        group_comm = comms.ep                                       # {0, 1}, {2, 3}
         self.exchange = AllToAllExperts(collective_for(cfg.sync, cfg, group_comm), lay,
                                         self.tracer)
         self.expert_params = shard_experts(model, lay, self.exchange)
         # the data parallelism of both kinds of parameters is ZeRO's (stage 0: plain),
         # on the comm thread: dense layers over the world, each expert over its replicas
         # {0, 2}, {1, 3} (one rank each where ep = world), averaged over the world
-        replica_comm = ctx.comm.Split(lay.ep_rank, ctx.rank)
+        replica_comm = comms.ep_replicas
         experts = Replicas(collective_for(cfg.sync, cfg, replica_comm),
                            collective_for(cfg.sync, cfg, replica_comm.Dup())
                            if cfg.overlap else None, scale=1.0 / cfg.ep)

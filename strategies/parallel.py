@@ -35,7 +35,7 @@ from allreduce import make_transport
 
 from .choices import ConfigError
 from .config import dp_size_of
-from .grid import ProcessGrid
+from .mesh import Mesh
 from .interleaved import InterleavedPipeline, chunk_layers
 from .interleaved import check as check_interleaved
 from .loop import StepEngine
@@ -56,7 +56,7 @@ def check(cfg, world_size):
     TrainConfig checked the flags alone (--zero with --sync ps, the schedule's name).
     The global batch against dp is config.dp_size_of's, the one check of it."""
     dp_size_of(cfg, world_size)
-    grid = ProcessGrid(world_size, cfg.dp, cfg.pp, cfg.tp)
+    grid = Mesh(world_size, cfg.dp, cfg.pp, cfg.tp)
     blocks, what = cfg.blocks
     if blocks % grid.pp:
         raise ConfigError(f"{what} {blocks} is not divisible by pp({grid.pp}): "
@@ -84,7 +84,7 @@ class GridEngine(StepEngine):
     """This rank's share of the model, its optimizer, and the step (loop.py's interface)."""
 
     def __init__(self, cfg, ctx, device, data, model):
-        comms = ctx.grid
+        comms = ctx.mesh
         self.cfg, self.comms, self.data, self.device = cfg, comms, data, device
         self.tracer = Tracer(comms.rank)             # always: the bubble is read off it
         self.criterion = model.criterion
@@ -116,7 +116,7 @@ class GridEngine(StepEngine):
         self.model = stages[0] if len(stages) == 1 else nn.ModuleList(stages)
         units = [(name, module, list(module.parameters())) for name, module in layers]
         self.precision = of_config(cfg)            # --precision: ZeRO's 16-bit buffers
-        split = comms.grid.pp > 1 or comms.grid.tp > 1      # a rank sees part of the model
+        split = comms.mesh.pp_enabled or comms.mesh.tp_enabled   # a rank sees part of it
         # the comm thread's collective: its own communicator, beside the main thread's
         thread_coll = collective_for(cfg.sync, cfg, comms.dp.Dup()) if cfg.overlap else None
         compressor = build_compressor(cfg.compress, thread_coll, cfg.error_feedback,
@@ -138,7 +138,7 @@ class GridEngine(StepEngine):
                              cfg.micro_batches, cfg.schedule, lambda n: (n, *feature),
                              self.tracer, self.meter, self.precision)
         self.pipeline.recompute = self.recompute
-        grid = comms.grid
+        grid = comms.mesh
         self.layout = {"world_size": grid.world_size, "dp_size": grid.dp, "pp_size": grid.pp,
                        "tp_size": grid.tp}
         # the loss of a replica is on its last stage, the same on each of its tp ranks
@@ -150,7 +150,7 @@ class GridEngine(StepEngine):
                f"({self.cfg.schedule}{v})"
 
     def trace_label(self, rank):
-        d, p, t = self.comms.grid.coords_of(rank)
+        d, p, t = self.comms.mesh.coords_of(rank)
         return f"rank {rank} (dp {d}, pp {p}, tp {t})"
 
     def traffic(self):

@@ -29,6 +29,7 @@ from conftest import check_ok, mpirun
 from strategies.choices import ConfigError
 from strategies.config import TrainConfig
 from strategies.expert_parallel import ExpertPlacement, alltoall_bytes_per_step, check
+from strategies.mesh import Mesh
 from strategies.moe import MoE, expert_capacity, route
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -108,7 +109,7 @@ def test_moe_layer_equals_a_token_by_token_loop(top_k):
 
 
 def test_expert_placement():
-    placed = [ExpertPlacement(4, 2, 8, r) for r in range(4)]
+    placed = [ExpertPlacement(Mesh(4, ep=2), 8, r) for r in range(4)]
     assert [list(p.local_experts) for p in placed] == [[0, 1, 2, 3], [4, 5, 6, 7]] * 2
     assert [(p.group, p.ep_rank) for p in placed] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert placed[0].replicas == 2

@@ -1,9 +1,9 @@
-"""Tier (a) for the grid: grid arithmetic, stage cuts, schedules, memory counting; no processes."""
+"""Tier (a) for the grid: mesh arithmetic, stage cuts, schedules, memory counting; no processes."""
 import pytest
 import torch
 
 from strategies.config import ConfigError, TrainConfig
-from strategies.grid import ProcessGrid
+from strategies.mesh import Mesh
 from strategies.memory import ActivationMeter, state_bytes, storage_bytes
 from strategies.models import GPT, MLP
 from strategies.parallel import check
@@ -12,7 +12,7 @@ from strategies.pipeline import Pipeline, stage_layers
 
 @pytest.mark.timeout(30)
 def test_grid_is_one_reshape():
-    grid = ProcessGrid(8, dp=2, pp=2, tp=2)
+    grid = Mesh(8, dp=2, pp=2, tp=2)
     assert grid.ranks.tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
     assert grid.coords_of(5) == (1, 0, 1)
     assert grid.stage_of(6) == 1
@@ -27,8 +27,8 @@ def test_grid_is_one_reshape():
 
 @pytest.mark.timeout(30)
 def test_grid_dp_defaults_to_what_is_left():
-    assert ProcessGrid(12, pp=2, tp=3).dp == 2
-    assert ProcessGrid(3).dp == 3
+    assert Mesh(12, pp=2, tp=3).dp == 2
+    assert Mesh(3).dp == 3
 
 
 @pytest.mark.timeout(30)
@@ -39,7 +39,7 @@ def test_grid_dp_defaults_to_what_is_left():
 ])
 def test_grid_errors_name_every_factor(world, dp, pp, tp, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        ProcessGrid(world, dp, pp, tp)
+        Mesh(world, dp, pp, tp)
 
 
 def cfg(**kw):
@@ -126,3 +126,18 @@ def test_activation_meter_sees_saved_tensors_freed_by_backward():
     y.backward()
     del y
     assert meter.live_bytes == 0 and meter.peak_bytes == 2 * 8 * 16 * 4
+
+
+@pytest.mark.timeout(30)
+def test_mesh_carves_expert_groups_out_of_dp():
+    """ep borrows its ranks from dp: groups of ep consecutive dp ranks, and an expert's
+    replicas at the same place of every group (mesh.py's table)."""
+    mesh = Mesh(4, ep=2)
+    assert [mesh.expert_coords_of(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert mesh.group_of(1, "ep") == [0, 1] and mesh.group_of(1, "ep_replicas") == [1, 3]
+    grid = Mesh(8, pp=2, ep=2)              # dp 4 of stage-pairs: ranks 0 2 4 6, ...
+    assert grid.group_of(2, "ep") == [0, 2] and grid.group_of(2, "ep_replicas") == [2, 6]
+    assert grid.describe() == "dp(4) x pp(2) x tp(1) = 8, ep(2) of dp"
+    assert (mesh.dp_enabled, mesh.pp_enabled, mesh.ep_enabled) == (True, False, True)
+    with pytest.raises(ConfigError, match=r"world 6 is not a multiple of ep\(4\)"):
+        Mesh(6, ep=4)

@@ -1,0 +1,159 @@
+"""The device mesh: every parallel degree of a run in one validated object, built once.
+
+    mesh = Mesh(world_size=8, dp=2, pp=2, tp=2)     # pure arithmetic, no MPI
+    mesh.coords_of(5)      -> (1, 0, 1)              # (dp, pp, tp) of rank 5
+    mesh.stage_of(5)       -> 0
+    mesh.group_of(5, "dp") -> [1, 5]                 # ranks that differ only in dp
+    comms = mesh.split(MPI.COMM_WORLD)               # MeshComms: a communicator per axis
+
+The layout is one reshape, as in Megatron-LM and torchtitan's ParallelDims:
+
+    ranks = arange(world).reshape(dp, pp, tp)
+
+    world 8 = dp(2) x pp(2) x tp(2)        pp 0        pp 1
+                              dp 0:       [0  1]      [2  3]     <- tp pairs side by side
+                              dp 1:       [4  5]      [6  7]
+
+tp is the fastest-varying axis, so a tensor-parallel group (the chattiest: two
+all-reduces per layer) holds neighbouring ranks, which a hostfile places on
+the same node; pipeline stages talk once per micro-batch; dp replicas once a step.
+
+Expert parallelism borrows its ranks from dp, as torchtitan's ParallelDims does:
+the dp ranks are cut into expert groups of ep consecutive ones, each holding every
+expert once (the tokens' all-to-alls run inside a group), and the ranks at the same
+place of every group hold the same experts (an expert's replicas, over which its
+gradient is averaged).  World 4, dp 4, ep 2:
+
+    dp rank        0    1    2    3
+    expert group   0    0    1    1        axis "ep":          {0, 1}, {2, 3}
+    ep rank        0    1    0    1        axis "ep_replicas": {0, 2}, {1, 3}
+
+There is no global mesh: build one per test or per run and pass it around.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from .choices import ConfigError
+
+AXES = ("dp", "pp", "tp")
+EXPERT_AXES = ("ep", "ep_replicas")
+
+
+def needs_grid(config):
+    """Whether a run of these settings (a mapping of TrainConfig's fields: its own, or a
+    record's "config") needs the dp x pp x tp worker (parallel.py), not the plain loop."""
+    return bool(config.get("dp") or config.get("pp", 1) > 1 or config.get("tp", 1) > 1 or
+                config.get("zero") or config.get("micro_batches", 1) > 1)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    world_size: int
+    dp: int = 0          # 0: whatever is left, world / (pp * tp)
+    pp: int = 1
+    tp: int = 1
+    ep: int = 1          # expert groups of ep dp ranks (carved out of dp)
+
+    def __post_init__(self):
+        for axis in ("pp", "tp", "ep"):
+            if getattr(self, axis) < 1:
+                raise ConfigError(f"--{axis} must be >= 1, got {getattr(self, axis)}")
+        if self.dp < 0:
+            raise ConfigError(f"--dp must be >= 0 (0: what is left), got {self.dp}")
+        if self.dp == 0:
+            if self.world_size % (self.pp * self.tp):
+                raise ConfigError(
+                    f"world size {self.world_size} is not divisible by pp({self.pp}) x "
+                    f"tp({self.tp}) = {self.pp * self.tp}: no whole dp size is left")
+            object.__setattr__(self, "dp", self.world_size // (self.pp * self.tp))
+        if self.dp * self.pp * self.tp != self.world_size:
+            raise ConfigError(f"dp({self.dp}) x pp({self.pp}) x tp({self.tp}) = "
+                              f"{self.dp * self.pp * self.tp} != world size {self.world_size}")
+        if self.dp % self.ep:
+            raise ConfigError(f"world {self.world_size} is not a multiple of ep({self.ep}): "
+                              f"the expert groups are cut out of dp({self.dp}), "
+                              f"{self.dp} % {self.ep} = {self.dp % self.ep}")
+
+    @property
+    def dp_enabled(self):
+        return self.dp > 1
+
+    @property
+    def pp_enabled(self):
+        return self.pp > 1
+
+    @property
+    def tp_enabled(self):
+        return self.tp > 1
+
+    @property
+    def ep_enabled(self):
+        return self.ep > 1
+
+    @property
+    def ranks(self):
+        return np.arange(self.world_size).reshape(self.dp, self.pp, self.tp)
+
+    def coords_of(self, rank):
+        """(dp, pp, tp) coordinates of a rank."""
+        return tuple(int(c) for c in np.unravel_index(rank, (self.dp, self.pp, self.tp)))
+
+    def rank_of(self, dp=0, pp=0, tp=0):
+        return int(self.ranks[dp, pp, tp])
+
+    def stage_of(self, rank):
+        return self.coords_of(rank)[1]
+
+    def expert_coords_of(self, rank):
+        """(expert group, ep rank) of a rank: its dp coordinate cut into groups of ep."""
+        return divmod(self.coords_of(rank)[0], self.ep)
+
+    def group_of(self, rank, axis):
+        """The ranks that share every coordinate with `rank` except `axis`, in axis order;
+        "ep": its expert group, "ep_replicas": the ranks holding its experts."""
+        d, p, t = self.coords_of(rank)
+        if axis in EXPERT_AXES:
+            group, place = divmod(d, self.ep)
+            dps = range(group * self.ep, (group + 1) * self.ep) if axis == "ep" else \
+                range(place, self.dp, self.ep)
+            return [int(self.ranks[e, p, t]) for e in dps]
+        index = {"dp": (slice(None), p, t), "pp": (d, slice(None), t), "tp": (d, p, slice(None))}
+        return [int(r) for r in self.ranks[index[axis]]]
+
+    def describe(self):
+        ep = f", ep({self.ep}) of dp" if self.ep_enabled else ""
+        return f"dp({self.dp}) x pp({self.pp}) x tp({self.tp}) = {self.world_size}{ep}"
+
+    def split(self, comm):
+        """Sub-communicators of `comm` (collective: every rank calls it)."""
+        if comm.size != self.world_size:
+            raise ConfigError(f"{self.describe()} but the communicator has {comm.size} ranks")
+        return MeshComms(self, comm)
+
+
+class MeshComms:
+    """This rank's place in the mesh and one mpi4py communicator per axis.
+
+    The colour of a split is the lowest rank of the group (the same for every member),
+    the key its place in the group, so rank i of `comms.pp` is stage i."""
+
+    def __init__(self, mesh, comm):
+        self.mesh, self.world = mesh, comm
+        self.rank = comm.rank
+        self.dp_rank, self.pp_rank, self.tp_rank = mesh.coords_of(comm.rank)
+        self.expert_group, self.ep_rank = mesh.expert_coords_of(comm.rank)
+        self.axes = AXES + EXPERT_AXES
+        for axis in self.axes:
+            group = mesh.group_of(comm.rank, axis)
+            setattr(self, axis, comm.Split(group[0], group.index(comm.rank)))
+        self.dp_size, self.pp_size, self.tp_size = mesh.dp, mesh.pp, mesh.tp
+        self.ep_size = mesh.ep
+
+    @property
+    def is_last_stage(self):
+        return self.pp_rank == self.pp_size - 1
+
+    def free(self):
+        for axis in self.axes:
+            getattr(self, axis).Free()
