@@ -108,13 +108,14 @@ def check_point(command, p):
             fields["trace"] = "trace.json"       # a switch here; the sweep picks the path
         try:
             cfg = TrainConfig(**fields)
-        except (ConfigError, TypeError) as e:
-            flag = re.search(r"--([a-z-]+)", str(e))
-            return (flag.group(1).replace("-", "_") if flag else "command"), str(e)
+        except ConfigError as e:                            # it names its field
+            return e.field or "command", str(e)
+        except TypeError as e:                              # not a field of TrainConfig
+            return "command", str(e)
         try:
             dp_size_of(cfg, P)
         except ConfigError as e:
-            return ("straggler" if "--straggler" in str(e) else "world_size"), str(e)
+            return e.field or "world_size", str(e)
         grid = [p.get(k) for k in ("dp", "pp", "tp") if p.get(k)]
         if grid and P % math.prod(grid):
             return "world_size", f"world_size {P} does not factor into dp x pp x tp {grid}"

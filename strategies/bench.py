@@ -110,7 +110,8 @@ def bench(argv=None):
     args = parser().parse_args(argv)
     if args.rounds < 1 or args.steps_per_round < 1 or args.warmup < 0:
         raise ConfigError(f"--rounds {args.rounds} --steps-per-round {args.steps_per_round} "
-                          f"--warmup {args.warmup}: need rounds and steps >= 1, warmup >= 0")
+                          f"--warmup {args.warmup}: need rounds and steps >= 1, warmup >= 0",
+                          field="rounds")
     methods = args.syncs.split(",")
     base = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
                           if f.name not in ("jsonl", "progress")}, progress=False)  # no bar

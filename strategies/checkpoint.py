@@ -77,13 +77,14 @@ def read(cfg, ctx, model):
     """The checkpoint to resume from, checked against this run (before training)."""
     path = path_of(cfg, ctx.rank)
     if not os.path.isfile(path):
-        raise ConfigError(f"--resume: no checkpoint at {path}")
+        raise ConfigError(f"--resume: no checkpoint at {path}", field="resume")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ConfigError(f"--resume: cannot read {path} ({e})") from None
+        raise ConfigError(f"--resume: cannot read {path} ({e})", field="resume") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ConfigError(f"--resume: {path} is not a topolab checkpoint (format {FORMAT})")
+        raise ConfigError(f"--resume: {path} is not a topolab checkpoint (format {FORMAT})",
+                          field="resume")
     mine = [(n, tuple(s)) for n, s in signature(model)]
     theirs = [(n, tuple(s)) for n, s in state["signature"]]
     if state["model_kind"] != cfg.model or mine != theirs:
@@ -91,20 +92,23 @@ def read(cfg, ctx, model):
         raise ConfigError(
             f"--resume: {path} holds another model ({state['model_kind']}, "
             f"{len(theirs)} tensors) than this run ({cfg.model}, {len(mine)} tensors)"
-            + (f"; first difference: checkpoint {diff[1]} vs run {diff[0]}" if diff else ""))
+            + (f"; first difference: checkpoint {diff[1]} vs run {diff[0]}" if diff else ""),
+                          field="resume")
     if state["dp_size"] != ctx.dp_size or state["world_size"] != ctx.world_size:
         raise ConfigError(
             f"--resume: {path} was written by world {state['world_size']} = "
-            f"dp({state['dp_size']}), this run is world {ctx.world_size} = dp({ctx.dp_size})")
+            f"dp({state['dp_size']}), this run is world {ctx.world_size} = dp({ctx.dp_size})",
+                          field="resume")
     layout = {k: getattr(cfg, k) for k in LAYOUT}
     if sharded(cfg) and state["layout"] != layout:
         theirs = ", ".join(f"{k} {v}" for k, v in state["layout"].items() if layout[k] != v)
         ours = ", ".join(f"{k} {v}" for k, v in layout.items() if state["layout"][k] != v)
         raise ConfigError(f"--resume: {path} holds one rank's share of a run of {theirs}; "
-                          f"this run is {ours} (a split run resumes in its own layout)")
+                          f"this run is {ours} (a split run resumes in its own layout)",
+                          field="resume")
     if state["step"] > cfg.steps:
         raise ConfigError(f"--resume: the checkpoint is at step {state['step']}, "
-                          f"beyond --steps {cfg.steps}")
+                          f"beyond --steps {cfg.steps}", field="resume")
     return state
 
 
@@ -116,7 +120,7 @@ def restore(state, engine, control):
     if len(set(steps)) > 1:
         raise ConfigError(f"--resume: the ranks' checkpoint files are of different steps "
                           f"({', '.join(f'rank {r}: {s}' for r, s in enumerate(steps))}); "
-                          f"a run was stopped while writing them")
+                          f"a run was stopped while writing them", field="resume")
     engine.sync.load_state_dict(state["sync"])
     with torch.no_grad():
         engine.model.load_state_dict(state["model"])

@@ -25,7 +25,13 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 class ConfigError(ValueError):
-    """A bad flag, a bad combination of flags, or bad input data: reported before training."""
+    """A bad flag, a bad combination of flags, or bad input data: reported before training.
+    `field`: the TrainConfig field (or keyword, or "world_size") it is about, so that a
+    front end points at its own line for it (the sweep at the line of a sweep file)."""
+
+    def __init__(self, message, field=None):
+        super().__init__(message)
+        self.field = field
 
 
 # how the checks of combinations.py and compressor.py name a field in their messages

@@ -59,7 +59,7 @@ def parse_compress(text, flag="compress"):
             ratio = None
         if ratio is None or not 0 < ratio <= 1:
             raise ConfigError(f"{flag}={text!r}: topk:RATIO needs 0 < RATIO <= 1 "
-                              f"(e.g. topk:0.01 sends 1% of each bucket)")
+                              f"(e.g. topk:0.01 sends 1% of each bucket)", field="compress")
         return CompressSpec("topk", ratio=ratio)
     if kind == "powersgd" and sep:
         try:
@@ -68,9 +68,9 @@ def parse_compress(text, flag="compress"):
             rank = 0
         if rank < 1:
             raise ConfigError(f"{flag}={text!r}: powersgd:RANK needs an integer RANK >= 1 "
-                              f"(e.g. powersgd:4)")
+                              f"(e.g. powersgd:4)", field="compress")
         return CompressSpec("powersgd", rank=rank)
-    raise ConfigError(f"{flag}={text!r} is not one of {choices}")
+    raise ConfigError(f"{flag}={text!r} is not one of {choices}", field="compress")
 
 
 def topk_count(n, ratio):
@@ -112,20 +112,21 @@ def check_compress(compress, sync, error_feedback=True, cli=True, sparsity_warmu
     if isinstance(sparsity_warmup, bool) or not isinstance(sparsity_warmup, int) or \
             sparsity_warmup < 0:
         raise ConfigError(f"{flag_of('sparsity_warmup', cli)} must be a whole number of "
-                          f"steps >= 0, got {sparsity_warmup!r}")
+                          f"steps >= 0, got {sparsity_warmup!r}", field="sparsity_warmup")
     if sparsity_warmup and spec.kind != "topk":
         raise ConfigError(f"{setting_of('sparsity_warmup', sparsity_warmup, cli)} needs "
                           f"{setting_of('compress', 'topk:RATIO', cli)}, not {what}: the "
-                          f"warm-up raises top-k's sparsity step by step")
+                          f"warm-up raises top-k's sparsity step by step", field="sparsity_warmup")
     if spec.kind != "none" and sync == "local":
         raise ConfigError(f"{what} with {setting_of('sync', 'local', cli)}: one process has "
-                          f"no wire, so there is nothing to compress")
+                          f"no wire, so there is nothing to compress", field="sync")
     if spec.kind != "none" and sync in ("ps", "hybrid"):
         raise ConfigError(f"{what} with {setting_of('sync', sync, cli)} is not supported: the "
                           f"parameter servers take float32 gradients (psrv's protocol) and run the "
-                          f"optimizer on them; use an all-reduce sync (ring, tree, ...)")
+                          f"optimizer on them; use an all-reduce sync (ring, tree, ...)",
+                          field="sync")
     if not error_feedback and not spec.lossy:
         raise ConfigError(f"{'--no-error-feedback' if cli else 'error_feedback=False'} "
                           f"switches off the residuals of topk:RATIO and powersgd:RANK, "
-                          f"not of {what}")
+                          f"not of {what}", field="error_feedback")
     return spec

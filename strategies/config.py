@@ -31,9 +31,11 @@ def parse_straggler(text):
     try:
         rank, seconds = int(rank), float(seconds)
     except ValueError:
-        raise ConfigError(f"--straggler {text!r} is not RANK:SECONDS (e.g. 1:0.05)") from None
+        raise ConfigError(f"--straggler {text!r} is not RANK:SECONDS (e.g. 1:0.05)",
+                          field="straggler") from None
     if not sep or rank < 0 or seconds < 0:
-        raise ConfigError(f"--straggler {text!r} needs RANK >= 0 and SECONDS >= 0")
+        raise ConfigError(f"--straggler {text!r} needs RANK >= 0 and SECONDS >= 0",
+                          field="straggler")
     return rank, seconds
 
 
@@ -141,45 +143,49 @@ class TrainConfig:
             if self.micro_batches not in (1, self.grad_accum):
                 raise ConfigError(f"--grad-accum {self.grad_accum} and --micro-batches "
                                   f"{self.micro_batches} are the same thing on the grid "
-                                  f"(--dp/--pp/--tp/--zero): give one of them")
+                                  f"(--dp/--pp/--tp/--zero): give one of them", field="grad_accum")
             object.__setattr__(self, "micro_batches", self.grad_accum)
             object.__setattr__(self, "grad_accum", 1)
         if self.model in ("gpt", "moe") and self.d_model % self.heads:
-            raise ConfigError(f"--d-model {self.d_model} is not divisible by --heads {self.heads}")
+            raise ConfigError(f"--d-model {self.d_model} is not divisible by --heads {self.heads}",
+                              field="d_model")
         check_moe(self)
         check_precision(self)
         if self.resume and not self.checkpoint_dir:
-            raise ConfigError("--resume needs --checkpoint-dir")
+            raise ConfigError("--resume needs --checkpoint-dir", field="resume")
         if self.sequence_parallel and self.tp < 2:
             raise ConfigError(f"--sequence-parallel splits the sequence over the tp ranks: "
-                              f"it needs --tp > 1, got --tp {self.tp}")
+                              f"it needs --tp > 1, got --tp {self.tp}", field="sequence_parallel")
         if self.sequence_parallel and self.seq_len % self.tp:
             raise ConfigError(f"--sequence-parallel: --seq-len {self.seq_len} is not divisible "
                               f"by tp({self.tp}): {self.seq_len} % {self.tp} = "
-                              f"{self.seq_len % self.tp}")
+                              f"{self.seq_len % self.tp}", field="sequence_parallel")
         check_schedule(self)
         if self.on_grid and self.sync not in ALLREDUCE_SYNCS:
             what = f"--zero {self.zero}" if self.zero else "--dp/--pp/--tp/--micro-batches"
             raise ConfigError(f"{what} needs an all-reduce --sync ({', '.join(ALLREDUCE_SYNCS)}),"
-                              f" not --sync {self.sync}: the grid's axes talk through collectives")
+                              f" not --sync {self.sync}: the grid's axes talk through collectives",
+                              field="sync")
         if self.on_grid and self.recompute and self.model != "gpt":
             raise ConfigError(f"--recompute with --dp/--pp/--tp/--zero/--micro-batches "
                               f"checkpoints GPT blocks; --model {self.model} is not cut into "
-                              f"blocks a stage can replay (use --model gpt, or the plain loop)")
+                              f"blocks a stage can replay (use --model gpt, or the plain loop)",
+                              field="recompute")
         if self.momentum_correction and not (spec.kind == "topk" and self.optimizer == "sgd"
                                              and self.momentum > 0 and self.error_feedback):
             raise ConfigError(f"--momentum-correction needs --compress topk:RATIO with "
                               f"--optimizer sgd, --momentum > 0 and error feedback, not "
                               f"--compress {self.compress} --optimizer {self.optimizer} "
                               f"--momentum {self.momentum:g}"
-                              + ("" if self.error_feedback else " --no-error-feedback"))
+                              + ("" if self.error_feedback else " --no-error-feedback"),
+                              field="momentum_correction")
         if self.ep > 1 and spec.lossy:
             raise ConfigError(f"--compress {self.compress} with --ep {self.ep} is not "
-                              f"supported; fp16 and bf16 are")
+                              f"supported; fp16 and bf16 are", field="compress")
         if self.on_grid and self.device != "cpu":
             raise ConfigError(f"--dp/--pp/--tp/--zero/--micro-batches with --device "
                               f"{self.device} is not supported yet: the pipeline's transport "
-                              f"and ZeRO's flat buffers take CPU tensors")
+                              f"and ZeRO's flat buffers take CPU tensors", field="device")
 
     @property
     def straggler_rank(self):
@@ -227,24 +233,26 @@ def dp_size_of(cfg, world_size):
     check of the global batch, for the plain loop and the grid alike."""
     dp, where = world_of(cfg, world_size)
     if dp < 1:
-        raise ConfigError(f"no worker left: {where}; use fewer --servers or more ranks")
+        raise ConfigError(f"no worker left: {where}; use fewer --servers or more ranks",
+                          field="servers")
     if cfg.straggler and cfg.straggler_rank >= world_size:
         raise ConfigError(f"--straggler rank {cfg.straggler_rank} is not a rank "
-                          f"(world size {world_size})")
+                          f"(world size {world_size})", field="straggler")
     if cfg.sync == "local" and world_size != 1:
-        raise ConfigError(f"--sync local runs on one process, not {world_size}")
+        raise ConfigError(f"--sync local runs on one process, not {world_size}", field="sync")
     if cfg.global_batch % dp:
         raise ConfigError(f"--global-batch {cfg.global_batch} is not divisible by the "
                           f"data-parallel size: {cfg.global_batch} % dp({dp}) = "
-                          f"{cfg.global_batch % dp} ({where})")
+                          f"{cfg.global_batch % dp} ({where})", field="global_batch")
     local = cfg.global_batch // dp
     if local % cfg.grad_accum:
         raise ConfigError(f"--grad-accum {cfg.grad_accum} does not divide the local batch: "
                           f"global batch {cfg.global_batch} / dp({dp}) = {local} samples, "
-                          f"{local} % {cfg.grad_accum} = {local % cfg.grad_accum} ({where})")
+                          f"{local} % {cfg.grad_accum} = {local % cfg.grad_accum} ({where})",
+                          field="grad_accum")
     if cfg.sync == "hybrid" and cfg.ranks_per_node and dp % cfg.ranks_per_node:
         raise ConfigError(f"--ranks-per-node {cfg.ranks_per_node} does not divide dp({dp}) "
-                          f"into whole nodes ({where})")
+                          f"into whole nodes ({where})", field="ranks_per_node")
     return dp
 
 

@@ -110,10 +110,10 @@ class RunContext:
     def _from_torchrun(cls, cfg, host):
         if cfg.on_grid:
             raise ConfigError("--dp/--pp/--tp/--zero/--micro-batches/--trace run under "
-                              "mpiexec, not torchrun")
+                              "mpiexec, not torchrun", field="dp")
         if cfg.sync != "torch":
             raise ConfigError(f"under torchrun only --sync torch works (got --sync {cfg.sync}); "
-                              "launch the others with mpiexec")
+                              "launch the others with mpiexec", field="sync")
         import torch.distributed as dist
         init_torch_distributed()
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -133,7 +133,7 @@ class RunContext:
         if cfg.device == "cuda":
             # UNVERIFIED: no GPU on the machine this was written on.
             if not torch.cuda.is_available():
-                raise ConfigError("--device cuda but torch sees no GPU")
+                raise ConfigError("--device cuda but torch sees no GPU", field="device")
             gpus = torch.cuda.device_count()
             if cfg.sync == "torch":                # torchrun gives its local ranks one env
                 visible = self.host_visible_gpus or \
@@ -203,6 +203,6 @@ def require_psrv():
         import psrv.launch
         psrv.Client, psrv.launch.mpi_roles, psrv.Consistency, psrv.OptimizerConfig  # noqa: B018
     except (ImportError, AttributeError) as e:
-        raise ConfigError(f"--sync ps / hybrid: cannot import the psrv package ({e})") \
-            from None
+        raise ConfigError(f"--sync ps / hybrid: cannot import the psrv package ({e})",
+                          field="sync") from None
     return psrv

@@ -103,20 +103,24 @@ def npz_data(cfg):
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files}
     except Exception as e:  # zip, pickle and format errors all mean: not our .npz
-        raise ConfigError(f"--data {path}: cannot read it as an .npz file ({e})") from None
+        raise ConfigError(f"--data {path}: cannot read it as an .npz file ({e})",
+                          field="data") from None
     missing = [k for k in ("x", "y") if k not in arrays]
     if missing:
         raise ConfigError(f"--data {path}: needs arrays 'x' and 'y', missing "
-                          f"{', '.join(missing)} (found {', '.join(arrays) or 'none'})")
+                          f"{', '.join(missing)} (found {', '.join(arrays) or 'none'})",
+                          field="data")
     x, y = arrays["x"], arrays["y"]
     if x.ndim != 2 or not np.issubdtype(x.dtype, np.number) or np.iscomplexobj(x):
         raise ConfigError(f"--data {path}: x must be a 2-D real array (samples, features), "
-                          f"got shape {x.shape} dtype {x.dtype}")
+                          f"got shape {x.shape} dtype {x.dtype}", field="data")
     if len(y) != len(x):
-        raise ConfigError(f"--data {path}: x has {len(x)} samples but y has {len(y)}")
+        raise ConfigError(f"--data {path}: x has {len(x)} samples but y has {len(y)}",
+                          field="data")
     if y.ndim == 1 and np.issubdtype(y.dtype, np.integer):
         if y.min() < 0:
-            raise ConfigError(f"--data {path}: class labels must be >= 0, found {y.min()}")
+            raise ConfigError(f"--data {path}: class labels must be >= 0, found {y.min()}",
+                              field="data")
         spec = DataSpec("classify", x.shape[1], int(y.max()) + 1)
         y = torch.from_numpy(y.astype(np.int64))
     elif y.ndim == 2 and np.issubdtype(y.dtype, np.floating):
@@ -124,20 +128,21 @@ def npz_data(cfg):
         y = torch.from_numpy(y.astype(np.float32))
     else:
         raise ConfigError(f"--data {path}: y must be (N,) integer labels or (N, outputs) "
-                          f"floats, got shape {y.shape} dtype {y.dtype}")
+                          f"floats, got shape {y.shape} dtype {y.dtype}", field="data")
     return Dataset(torch.from_numpy(x.astype(np.float32)), y, spec, cfg.seed, path)
 
 
 def text_data(cfg):
     path = cfg.data
     if path.endswith(".npz"):
-        raise ConfigError(f"--data {path}: --model gpt reads plain text, not .npz arrays")
+        raise ConfigError(f"--data {path}: --model gpt reads plain text, not .npz arrays",
+                          field="data")
     with open(path, "rb") as f:
         raw = np.frombuffer(f.read(), dtype=np.uint8)
     L = cfg.seq_len + 1
     if len(raw) < L:
         raise ConfigError(f"--data {path}: {len(raw)} bytes is shorter than one sample "
-                          f"(--seq-len {cfg.seq_len} + 1)")
+                          f"(--seq-len {cfg.seq_len} + 1)", field="data")
     seq = torch.from_numpy(raw[:len(raw) // L * L].astype(np.int64).reshape(-1, L))
     return Dataset(seq[:, :-1].contiguous(), seq[:, 1:].contiguous(),
                    DataSpec("lm", vocab=256), cfg.seed, path)
@@ -148,5 +153,5 @@ def load_data(cfg):
     if not cfg.data:
         return teacher_data(cfg) if cfg.model == "mlp" else markov_data(cfg)
     if not os.path.isfile(cfg.data):
-        raise ConfigError(f"--data {cfg.data}: no such file")
+        raise ConfigError(f"--data {cfg.data}: no such file", field="data")
     return npz_data(cfg) if cfg.model == "mlp" else text_data(cfg)

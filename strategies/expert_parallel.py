@@ -82,7 +82,8 @@ def check(cfg, world_size):
     local = cfg.global_batch // dp
     if cfg.moe_group and local % cfg.moe_group:
         raise ConfigError(f"--moe-group {cfg.moe_group} does not divide the local batch: "
-                          f"global batch {cfg.global_batch} / dp({dp}) = {local} sequences")
+                          f"global batch {cfg.global_batch} / dp({dp}) = {local} sequences",
+                          field="moe_group")
 
 
 def alltoall_bytes_per_step(cfg, world_size):

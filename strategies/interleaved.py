@@ -83,10 +83,11 @@ def check(cfg, pp):
     blocks, what = cfg.blocks
     if blocks % (pp * v):
         raise ConfigError(f"--schedule interleaved: {what} {blocks} is not divisible by "
-                          f"pp({pp}) x virtual stages({v}) = {pp * v}")
+                          f"pp({pp}) x virtual stages({v}) = {pp * v}", field="schedule")
     if m % pp:
         raise ConfigError(f"--schedule interleaved: --micro-batches {m} is not a multiple of "
-                          f"pp({pp}): micro-batches go round the ranks in groups of pp")
+                          f"pp({pp}): micro-batches go round the ranks in groups of pp",
+                          field="schedule")
 
 
 class InterleavedPipeline(Pipeline):

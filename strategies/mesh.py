@@ -58,22 +58,24 @@ class Mesh:
     def __post_init__(self):
         for axis in ("pp", "tp", "ep"):
             if getattr(self, axis) < 1:
-                raise ConfigError(f"--{axis} must be >= 1, got {getattr(self, axis)}")
+                raise ConfigError(f"--{axis} must be >= 1, got {getattr(self, axis)}", field=axis)
         if self.dp < 0:
-            raise ConfigError(f"--dp must be >= 0 (0: what is left), got {self.dp}")
+            raise ConfigError(f"--dp must be >= 0 (0: what is left), got {self.dp}", field="dp")
         if self.dp == 0:
             if self.world_size % (self.pp * self.tp):
                 raise ConfigError(
                     f"world size {self.world_size} is not divisible by pp({self.pp}) x "
-                    f"tp({self.tp}) = {self.pp * self.tp}: no whole dp size is left")
+                    f"tp({self.tp}) = {self.pp * self.tp}: no whole dp size is left",
+                                  field="world_size")
             object.__setattr__(self, "dp", self.world_size // (self.pp * self.tp))
         if self.dp * self.pp * self.tp != self.world_size:
             raise ConfigError(f"dp({self.dp}) x pp({self.pp}) x tp({self.tp}) = "
-                              f"{self.dp * self.pp * self.tp} != world size {self.world_size}")
+                              f"{self.dp * self.pp * self.tp} != world size {self.world_size}",
+                              field="world_size")
         if self.dp % self.ep:
             raise ConfigError(f"world {self.world_size} is not a multiple of ep({self.ep}): "
                               f"the expert groups are cut out of dp({self.dp}), "
-                              f"{self.dp} % {self.ep} = {self.dp % self.ep}")
+                              f"{self.dp} % {self.ep} = {self.dp % self.ep}", field="ep")
 
     @property
     def dp_enabled(self):
@@ -128,7 +130,8 @@ class Mesh:
     def split(self, comm):
         """Sub-communicators of `comm` (collective: every rank calls it)."""
         if comm.size != self.world_size:
-            raise ConfigError(f"{self.describe()} but the communicator has {comm.size} ranks")
+            raise ConfigError(f"{self.describe()} but the communicator has {comm.size} ranks",
+                              field="world_size")
         return MeshComms(self, comm)
 
 

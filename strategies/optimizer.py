@@ -121,13 +121,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             name, coll = sync, None
         else:
             raise ConfigError(f"sync={sync!r} is not one of {', '.join(SYNCS)} "
-                              "(or a collective from allreduce.create)")
+                              "(or a collective from allreduce.create)", field="sync")
         server_optimizer = {}
         if name in PS_SYNCS:
             check_precision_sync(precision, name, cli=False)
             server_optimizer = server_settings(optimizer)
         elif role is not None:
-            raise ConfigError(f"role= is for sync='ps' or 'hybrid', not {name!r}")
+            raise ConfigError(f"role= is for sync='ps' or 'hybrid', not {name!r}", field="role")
         options = SyncOptions(sync=name, bucket_mb=bucket_mb, overlap=overlap, compress=compress,
                               error_feedback=error_feedback,
                               momentum_correction=momentum_correction,
@@ -137,7 +137,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               consistency=consistency, staleness=staleness, **server_optimizer)
         if momentum_correction and any(g.get("momentum", 0) for g in optimizer.param_groups):
             raise ConfigError(f"momentum_correction={momentum_correction} keeps the momentum "
-                              f"in the compressor: wrap an optimizer without momentum")
+                              f"in the compressor: wrap an optimizer without momentum",
+                              field="momentum_correction")
         self.optimizer, self.model, self.options = optimizer, model, options
         if name in PS_SYNCS:
             self.sync = self._parameter_server_sync(role, options, device, params)
@@ -145,7 +146,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             check_comm(comm, "mpi")
             if comm is not None and comm.Get_size() != 1:
                 raise ConfigError(f"sync='local' trains one process alone, but comm has "
-                                  f"{comm.Get_size()} ranks: pick an all-reduce sync")
+                                  f"{comm.Get_size()} ranks: pick an all-reduce sync",
+                                  field="sync")
             self.rank, self.size = 0, 1
             self.sync = LocalSync(options, None, device)
         else:
@@ -164,7 +166,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if role is None:
             raise ConfigError(f"sync={options.sync!r} needs role=strategies.ps_roles(servers=S), "
                               "made on every rank before the optimizer (the server ranks serve "
-                              "instead), or run `python -m strategies.train --sync ps`")
+                              "instead), or run `python -m strategies.train --sync ps`",
+                              field="sync")
         if role.is_server:
             raise ConfigError("this rank is a server (role.is_server): call role.serve() "
                               "instead of building an optimizer")
@@ -244,7 +247,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         lr = self.optimizer.param_groups[0]["lr"]
         if self.options.sync in PS_SYNCS and lr != self.options.lr:
             raise ConfigError(f"sync={self.options.sync!r}: the servers run the optimizer with "
-                              f"lr={self.options.lr}; a schedule cannot change it to {lr}")
+                              f"lr={self.options.lr}; a schedule cannot change it to {lr}",
+                              field="sync")
         self.synchronize()
         # every rank holds the same averaged gradients: all skip the same fp16 steps
         self.precision.step([p.grad for p in self.model.parameters()],

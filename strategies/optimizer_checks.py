@@ -54,16 +54,17 @@ def server_settings(optimizer):
     """The wrapped optimizer as the servers will run it (ps, hybrid)."""
     if type(optimizer) not in SERVER_OPTIMIZERS:
         raise ConfigError(f"sync='ps'/'hybrid': the servers run torch.optim.SGD or Adam, "
-                          f"not {type(optimizer).__name__}")
+                          f"not {type(optimizer).__name__}", field="sync")
     if len(optimizer.param_groups) != 1:
         raise ConfigError(f"sync='ps'/'hybrid': the servers run one optimizer over all "
-                          f"parameters, not {len(optimizer.param_groups)} parameter groups")
+                          f"parameters, not {len(optimizer.param_groups)} parameter groups",
+                          field="sync")
     name, fixed = SERVER_OPTIMIZERS[type(optimizer)]
     group = optimizer.param_groups[0]
     for key, value in fixed.items():
         if key in group and group[key] != value:
             raise ConfigError(f"sync='ps'/'hybrid': the servers run {name} with {key}={value},"
-                              f" this optimizer has {key}={group[key]}")
+                              f" this optimizer has {key}={group[key]}", field="sync")
     return {"optimizer": name, "lr": float(group["lr"]),
             "momentum": float(group.get("momentum", 0.0)),
             "weight_decay": float(group["weight_decay"])}
@@ -76,10 +77,10 @@ def transport_for(name, transport):
     if transport is None:
         transport = name if name in ("mpi", "torch") else "torch" if torchrun else "mpi"
     if transport not in ("mpi", "torch"):
-        raise ConfigError(f"transport={transport!r} is not 'mpi' or 'torch'")
+        raise ConfigError(f"transport={transport!r} is not 'mpi' or 'torch'", field="transport")
     if name in ("mpi", "torch") and transport != name:
         raise ConfigError(f"sync={name!r} is the {name} library's own all-reduce: it runs over "
-                          f"transport={name!r}, not {transport!r}")
+                          f"transport={name!r}, not {transport!r}", field="sync")
     if transport == "mpi" and torchrun:
         raise ConfigError(f"under torchrun there is no MPI world: use sync='torch' (or "
                           f"transport='torch' for sync={name!r}), or launch with mpiexec")

@@ -60,23 +60,24 @@ def check(cfg, world_size):
     blocks, what = cfg.blocks
     if blocks % grid.pp:
         raise ConfigError(f"{what} {blocks} is not divisible by pp({grid.pp}): "
-                          f"{blocks} % {grid.pp} = {blocks % grid.pp}")
+                          f"{blocks} % {grid.pp} = {blocks % grid.pp}", field=what[2:])
     if cfg.schedule == "interleaved":
         check_interleaved(cfg, grid.pp)
     if grid.tp > 1:
         if cfg.model != "gpt":
             raise ConfigError(f"--tp {grid.tp}: tensor parallelism splits the GPT's attention "
-                              "and MLP; use --model gpt")
+                              "and MLP; use --model gpt", field="tp")
         if cfg.heads % grid.tp:
             raise ConfigError(f"--heads {cfg.heads} is not divisible by tp({grid.tp}): "
-                              f"{cfg.heads} % {grid.tp} = {cfg.heads % grid.tp}")
+                              f"{cfg.heads} % {grid.tp} = {cfg.heads % grid.tp}", field="heads")
         if cfg.d_model % grid.tp:
-            raise ConfigError(f"--d-model {cfg.d_model} is not divisible by tp({grid.tp})")
+            raise ConfigError(f"--d-model {cfg.d_model} is not divisible by tp({grid.tp})",
+                              field="d_model")
     per_replica = cfg.global_batch // grid.dp
     if cfg.micro_batches > per_replica:
         raise ConfigError(f"--micro-batches {cfg.micro_batches} is more than the "
                           f"{per_replica} samples of each replica (global batch "
-                          f"{cfg.global_batch} / dp({grid.dp}))")
+                          f"{cfg.global_batch} / dp({grid.dp}))", field="micro_batches")
     return grid
 
 

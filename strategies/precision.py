@@ -58,7 +58,8 @@ class LossScaler:
 
     def __init__(self, scale=2.0**16, window=2000):
         if not scale > 0 or window < 1:
-            raise ConfigError(f"loss scale {scale} must be > 0 and its window {window} >= 1")
+            raise ConfigError(f"loss scale {scale} must be > 0 and its window {window} >= 1",
+                              field="loss_scale")
         self.scale, self.window = float(scale), int(window)
         self.clean_steps = 0            # in a row, since the last overflow or growth
         self.overflow_skips = 0         # steps skipped so far
@@ -90,7 +91,8 @@ class MixedPrecision:
     def __init__(self, precision="fp32", device_type="cpu", loss_scale=2.0**16,
                  loss_scale_window=2000):
         if precision not in PRECISIONS:
-            raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+            raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}",
+                              field="precision")
         self.name, self.device_type = precision, device_type
         self.half = HALF_DTYPES.get(precision)        # None: fp32
         self.scaler = LossScaler(loss_scale, loss_scale_window) if precision == "fp16" else None

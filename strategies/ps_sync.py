@@ -162,7 +162,7 @@ class HybridSync(GradientSync):
         sizes = comm.allgather(self.node.size)
         if len(set(sizes)) != 1:
             raise ConfigError(f"--sync hybrid needs equally many workers per node, got node "
-                              f"sizes {sorted(set(sizes))} (use --ranks-per-node)")
+                              f"sizes {sorted(set(sizes))} (use --ranks-per-node)", field="sync")
         nodes = comm.size // self.node.size
         # One collective for the node, its buckets and its broadcasts alike; on a GPU
         # AllReduceSync stages it through pinned host memory (allreduce.host_staged:

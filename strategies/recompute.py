@@ -82,7 +82,7 @@ class Recompute:
             self._wrap_mlp(model)
         else:
             raise ConfigError(f"--recompute knows the blocks of mlp and gpt, not of "
-                            f"{type(model).__name__}")
+                            f"{type(model).__name__}", field="recompute")
 
     @classmethod
     def of_blocks(cls, blocks, tracer=None):

@@ -84,11 +84,12 @@ class SyncOptions:
         spec = check_sync(self, cli=False)
         check_values(self, cli=False, positive=("timeout",))
         if not isinstance(self.overlap, bool):
-            raise ConfigError(f"overlap={self.overlap!r} must be True or False")
+            raise ConfigError(f"overlap={self.overlap!r} must be True or False", field="overlap")
         if self.momentum_correction and not (spec.kind == "topk" and self.error_feedback and
                                              0 < self.momentum_correction < 1):
             raise ConfigError(f"momentum_correction={self.momentum_correction!r} needs "
-                              f"compress='topk:RATIO' with error feedback and 0 < momentum < 1")
+                              f"compress='topk:RATIO' with error feedback and 0 < momentum < 1",
+                              field="momentum_correction")
 
 
 def build_compressor(compress, coll=None, error_feedback=True, momentum=0.0, warmup=0):
