@@ -81,8 +81,6 @@ def test_zero_memory_formula_fp32_and_mixed():
     ({"precision": "fp8"}, "--precision 'fp8' is not one of fp32, bf16, fp16"),
     ({"precision": "fp16", "sync": "ps"}, "--precision fp16 with --sync ps"),
     ({"precision": "fp16", "sync": "hybrid"}, "--precision fp16 with --sync hybrid"),
-    ({"precision": "fp16", "sync": "ring", "checkpoint_dir": "ck"},
-     "--precision fp16 with --checkpoint-dir"),
     ({"precision": "fp16", "loss_scale": 0.0}, "--loss-scale must be > 0"),
 ])
 def test_unsupported_combinations_are_named(flags, message):
@@ -210,17 +208,18 @@ def test_expert_parallel_bf16_trains_like_fp32_and_fp16_ranks_skip_together(tmp_
 
 
 # SEVERAL, with rank 1's first expert gradient set to inf after step POISONED's sync
+# (the experts are ZeRO layers of their own, expert_parallel.units_of)
 POISONED = 3
 POISON = [SEVERAL[0], SEVERAL[1].replace(
     "from strategies.train import main\n",
     "from strategies.train import main\n"
-    "import strategies.expert_parallel as ep\n"
-    "synchronize = ep.ExpertParallelSync.synchronize\n"
+    "import strategies.zero as zero\n"
+    "synchronize = zero.ZeRO.synchronize\n"
     "def poisoned(self, step):\n"
     "    synchronize(self, step)\n"
-    f"    if self.ctx.rank == 1 and step == {POISONED}:\n"
-    "        self.expert_params[0].grad.fill_(float('inf'))\n"
-    "ep.ExpertParallelSync.synchronize = poisoned\n")]
+    f"    if self.coll.rank == 1 and step == {POISONED}:\n"
+    "        next(u for u in self.units if '.experts.' in u.name).gradient().fill_(float('inf'))\n"
+    "zero.ZeRO.synchronize = poisoned\n")]
 
 
 @pytest.mark.timeout(120)
