@@ -118,17 +118,18 @@ def plan(gpt, cluster, space=Space()):
                          f"use them all with tp dividing {cluster.gpus_per_node} and the heads "
                          f"({gpt.heads}), pp the layers ({gpt.layers}) and dp the global batch "
                          f"({gpt.global_batch})")
-    entries.sort(key=lambda e: (not e.fits, e.prediction.step_s if e.fits
-                                else e.prediction.mem_bytes))
+    # ties in time go to the layout with less memory a rank
+    entries.sort(key=lambda e: (not e.fits, e.prediction.step_s if e.fits else 0,
+                                e.prediction.mem_bytes))
     return entries
 
 
-def pareto(entries):
-    """The feasible entries no other beats in both step time and memory per rank."""
+def pareto(items, step=lambda e: e.prediction.step_s, memory=lambda e: e.prediction.mem_bytes):
+    """The items no other beats in both step time and memory, fastest first (entries that
+    fit, or the planner's records with step=itemgetter("step_s"), ...)."""
     front, least = [], float("inf")
-    for e in sorted((e for e in entries if e.fits),
-                    key=lambda e: (e.prediction.step_s, e.prediction.mem_bytes)):
-        if e.prediction.mem_bytes < least:
-            front.append(e)
-            least = e.prediction.mem_bytes
+    for item in sorted(items, key=lambda x: (step(x), memory(x))):
+        if memory(item) < least:
+            front.append(item)
+            least = memory(item)
     return front
