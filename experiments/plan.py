@@ -24,7 +24,7 @@ in experiments/planner/step.py, not a measurement.
 """
 import argparse
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from allreduce.cli import add_output_flags
 from allreduce.records import append_jsonl, provenance
@@ -111,8 +111,8 @@ def cluster_of(a, gpt):
         if not a.gpus_per_node:
             raise ValueError("--calibration needs --gpus-per-node: the ranks a host runs")
         machine = this_machine(gpt, a.gpus_per_node, a.calibration, a.nodes or 1,
-                               a.inter_gbps or 1.0)
-        return clusters.Cluster(**{**asdict(machine), **given})
+                               a.inter_gbps or 1.0, a.micro_batch_sizes)
+        return replace(machine, **given)
     missing = [k for k in EXPLICIT if k not in given]
     if missing:
         raise ValueError(f"CLUSTER: give --preset, --calibration, or all of --"

@@ -50,6 +50,7 @@ class Cluster:
     efficiency: float = 0.48     # achievable share of gpu_tflops (see above)
     calibrated_intra: Machine = None   # from a calibration.json: replaces intra_gbps
     calibrated_link: Machine = None    # ... and inter_gbps (a calibration across hosts)
+    measured_rates: tuple = None       # ((sequences a micro-batch, FLOP/s), ...) timed here
 
     def __post_init__(self):
         for name in ("nodes", "gpus_per_node"):
@@ -67,9 +68,13 @@ class Cluster:
     def world(self):
         return self.nodes * self.gpus_per_node
 
-    @property
-    def flops_per_s(self):
-        return self.gpu_tflops * 1e12 * self.efficiency
+    def flops_per_s(self, b=None):
+        """FLOP/s a GPU reaches on a micro-batch of b sequences: the peak times the
+        efficiency, or where rates were measured per size, the one nearest b (a CPU
+        runs small matrices far below its best rate)."""
+        if not self.measured_rates or b is None:
+            return self.gpu_tflops * 1e12 * self.efficiency
+        return min(self.measured_rates, key=lambda br: (abs(br[0] - b), br[0]))[1]
 
     @property
     def memory_bytes(self):

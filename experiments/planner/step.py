@@ -149,7 +149,7 @@ def memory_of(gpt, lo, stage):
 def predict(gpt, cluster, lo):
     """The Prediction of layout `lo` (a Layout) for model `gpt` on `cluster`."""
     e, b, G = BYTES[lo.precision], lo.micro_batch_size, cluster.gpus_per_node
-    L, rate = gpt.layers / lo.pp, cluster.flops_per_s
+    L, rate = gpt.layers / lo.pp, cluster.flops_per_s(b)
     # 1. one micro-batch on the slowest stage: compute, then tp's and ep's collectives
     last = lo.pp - 1
     compute_f = (L * layer_forward_flops(gpt, b) + logit_flops(gpt, b) / 3) / lo.tp / rate

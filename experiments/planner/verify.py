@@ -9,10 +9,10 @@ figures are measured, never assumed:
 
   compute   a transformer block (strategies/models.py's Block) at the model's shape
             timed forward and backward, with the threads a rank gets (the cores
-            over the ranks, as strategies.train gives them): FLOPs (transformer.py)
-            over seconds, efficiency 1.  A block of B / world sequences, the
-            micro-batch of a layout with all ranks on dp and one micro-batch:
-            smaller micro-batches run further from this rate on a CPU.
+            over the ranks, as strategies.train gives them; a share of a core
+            where ranks outnumber cores): FLOPs (transformer.py) over seconds,
+            efficiency 1, for each micro-batch size the planner may choose,
+            since a CPU runs small matrices far below its best rate.
   links     experiments.calibrate's calibration.json (--calibration); without
             one, the cost model's example machine (5 us, 10 GB/s: costmodel.py).
             On the emulated cluster, each host's link at --inter-gbps.
@@ -61,11 +61,14 @@ def measured_rate(gpt, b, threads, repeats=5):
     return 3 * layer_forward_flops(gpt, b) / best
 
 
-def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0):
-    """The Cluster of the machine at hand: `nodes` x `ranks` (per node) MPI ranks."""
+def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1, 2, 4, 8)):
+    """The Cluster of the machine at hand: `nodes` x `ranks` (per node) MPI ranks, its
+    rate timed for micro-batches of each of `sizes` sequences."""
     world, cores = nodes * ranks, os.cpu_count() or 1
-    b = max(1, gpt.global_batch // world)
-    rate = measured_rate(gpt, b, max(1, cores // world))
+    # ranks beyond the cores share them: each gets cores / world of one (Machine.stretch)
+    share = min(1.0, cores / world)
+    rates = tuple((b, share * measured_rate(gpt, b, max(1, cores // world))) for b in sizes)
+    rate = max(r for _, r in rates)
     intra = Machine(5e-6, 1 / 10e9)
     if calibration:
         intra = Machine.from_calibration(read_calibration(calibration))
@@ -73,7 +76,7 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0):
     return Cluster("this host" if nodes == 1 else f"emulated {nodes} hosts", nodes, ranks,
                    gpu_mem_gib=memory / GIB, gpu_tflops=rate / 1e12,
                    intra_gbps=8e-9 / intra.beta, inter_gbps=inter_gbps, efficiency=1.0,
-                   calibrated_intra=intra)
+                   calibrated_intra=intra, measured_rates=rates)
 
 
 def runnable(gpt, layout):
