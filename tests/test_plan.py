@@ -5,8 +5,10 @@ Pure arithmetic: no process is started except in the one --verify run at the end
 """
 import json
 import os
+import sys
 
 import pytest
+from conftest import check_ok, mpi_env, run
 
 from experiments import plan as plan_cli
 from experiments.costmodel import (Machine, cluster_collective_time, cluster_allreduce_time,
@@ -226,3 +228,26 @@ def test_a_model_with_no_layout_is_an_error(capsys):
     with pytest.raises(SystemExit) as stop:
         plan_cli.main(odd)
     assert stop.value.code == 2 and "no layout" in capsys.readouterr().err
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(200)
+def test_verify_runs_the_best_and_the_worst_on_two_ranks(tmp_path):
+    """--verify 1 on 2 ranks: the best layout and the worst run with strategies.train,
+    each record with a measured step beside its prediction (the figures are this
+    machine's: only their presence is checked)."""
+    (tmp_path / "calibration.json").write_text(json.dumps(
+        {"alpha_s": 2e-5, "beta_s_per_byte": 2e-10, "gamma_s_per_byte": 1e-10}))
+    out = tmp_path / "plan.jsonl"
+    result = check_ok(run([sys.executable, "-m", "experiments.plan", "--layers", "2",
+                           "--d-model", "32", "--heads", "2", "--seq-len", "16", "--vocab",
+                           "32", "--global-batch", "8", "--calibration", tmp_path,
+                           "--gpus-per-node", "2", "--zero", "0,1", "--micro-batch-sizes",
+                           "4", "--verify", "1", "--steps", "3", "--jsonl", out], 180,
+                          mpi_env()))
+    assert "measured" in result.stdout, result.stdout
+    checked = [json.loads(line) for line in out.read_text().splitlines()
+               if json.loads(line)["kind"] == "plan_verify"]
+    assert len(checked) == 2 and all(r["measured_s"] > 0 and r["predicted_s"] > 0
+                                     for r in checked)
+    assert checked[0]["rank"] < checked[1]["rank"]

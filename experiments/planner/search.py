@@ -89,7 +89,8 @@ def layouts(gpt, cluster, space):
                     if schedule not in space.schedules:
                         continue
                     for ep in eps:
-                        for zero in space.zero:
+                        # ZeRO shards over dp: with one replica every stage is stage 0's
+                        for zero in (space.zero if dp > 1 else space.zero[:1]):
                             for recompute in space.recompute:
                                 yield Layout(dp, pp, tp, ep, zero, m, b, schedule, v, recompute,
                                              space.precision, space.sequence_parallel and tp > 1)
