@@ -155,14 +155,14 @@ def test_layouts_that_do_not_fit_say_why_and_rank_last():
 
 
 def test_pareto_front():
-    entries = plan(SMALL, TWO_NODES)
-    front = pareto([e for e in entries if e.fits])
-    for e in (e for e in entries if e.fits):
-        assert not any(f.prediction.step_s < e.prediction.step_s and
-                       f.prediction.mem_bytes < e.prediction.mem_bytes for f in entries
-                       if f.fits and f in front and e in front)
-    memory = [f.prediction.mem_bytes for f in front]
-    assert memory == sorted(memory, reverse=True)
+    points = [(e.prediction.step_s, e.prediction.mem_bytes) for e in plan(SMALL, TWO_NODES)
+              if e.fits]
+    front = [(e.prediction.step_s, e.prediction.mem_bytes) for e in pareto(
+        [e for e in plan(SMALL, TWO_NODES) if e.fits])]
+    # no layout beats a front point in both; every layout is matched by a front point
+    assert not any(t < ft and m < fm for ft, fm in front for t, m in points)
+    assert all(any(ft <= t and fm <= m for ft, fm in front) for t, m in points)
+    assert [m for _, m in front] == sorted((m for _, m in front), reverse=True)
 
 
 def test_presets_and_their_figures():
