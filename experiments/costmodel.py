@@ -49,6 +49,8 @@ Quick reference (n bytes, P ranks, lg = ceil(log2 P)):
     hierarchical       ring inside k-rank nodes + ring over N nodes + broadcast inside
     parameter server   alpha + max(n beta_w, W n beta_s / S) per direction       (BytePS)
     psrv, one host     T1(n) + (W - 1) D(n)    (calibrated: W = 1 round trip, each further worker)
+    on a cluster       cluster_collective_time: ring all-reduce, its reduce-scatter and
+                       all-gather halves, the pairwise all-to-all, on N hosts x R ranks
 """
 import functools
 

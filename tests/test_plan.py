@@ -13,7 +13,7 @@ from conftest import check_ok, mpi_env, run
 from experiments import plan as plan_cli
 from experiments.costmodel import (Machine, cluster_collective_time, cluster_allreduce_time,
                                    pipeline_step_time)
-from experiments.planner.cluster import GIB, Cluster, preset
+from experiments.planner.cluster import Cluster, preset
 from experiments.planner.figure import plan_frontier
 from experiments.planner.search import Space, layouts, pareto, plan
 from experiments.planner.step import PARTS, Layout, memory_of, placement, predict, rank_parameters
@@ -49,8 +49,9 @@ def test_activations_are_korthikantis_table_2():
     s, h, a = g.seq_len, g.d_model, g.heads
     sbh = s * b * h
     assert layer_activation_bytes(g, b) == pytest.approx(sbh * (34 + 5 * a * s / h))
-    assert layer_activation_bytes(g, b, t) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
-    assert layer_activation_bytes(g, b, t, True) == pytest.approx(sbh * (34 / t + 5 * a * s / (h * t)))
+    scores = 5 * a * s / (h * t)
+    assert layer_activation_bytes(g, b, t) == pytest.approx(sbh * (10 + 24 / t + scores))
+    assert layer_activation_bytes(g, b, t, True) == pytest.approx(sbh * (34 / t + scores))
     assert layer_activation_bytes(g, b, t, True, "selective") == pytest.approx(sbh * 34 / t)
     assert layer_activation_bytes(g, b, t, False, "full") == pytest.approx(2 * sbh)
     assert layer_activation_bytes(g, b, t, False, "full", 4) == pytest.approx(4 * sbh)

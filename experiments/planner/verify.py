@@ -1,4 +1,5 @@
-"""Check a plan on the machine at hand: run layouts with strategies.train, measured beside predicted.
+"""Check a plan on the machine at hand: run its layouts with strategies.train, measured
+beside predicted.
 
     cluster = this_machine(gpt, ranks=4, calibration="results")   # rate timed, links calibrated
     rows = verify(gpt, [entry, ...], cluster, steps=6)            # [(entry, measured s or why)]
