@@ -34,7 +34,7 @@ from .planner.figure import plan_frontier
 from .planner.search import Space, plan
 from .planner.step import PARTS
 from .planner.transformer import GPT, RECOMPUTE
-from .planner.verify import WARM_UP_STEPS, runnable, this_machine, verify
+from .planner.verify import WARM_UP_STEPS, problems, runnable, this_machine, verify
 
 EXPLICIT = ("gpus_per_node", "gpu_mem_gib", "gpu_tflops", "intra_gbps", "inter_gbps")
 
@@ -162,6 +162,9 @@ def main(argv=None):
         if a.cluster and not a.verify:
             raise ValueError("--cluster is where --verify runs: give --verify N too")
         cluster = cluster_of(a, gpt)
+        missing = problems(cluster, a.cluster) if a.verify else []
+        if missing:
+            raise ValueError("--verify: " + "; ".join(missing))
         entries = plan(gpt, cluster, space)
     except (ValueError, OSError, KeyError) as e:
         ap.error(str(e).strip("'\""))
@@ -202,7 +205,7 @@ def check(a, gpt, cluster, entries, stamp):
     out = []
     for e, measured, why in rows:
         p = e.prediction
-        error = f"{100 * (p.step_s / measured - 1):+.0f} %" if measured else why
+        error = f"measured / predicted {measured / p.step_s:.2f}" if measured else why
         print(f"  {p.layout.label():<30} predicted {p.step_s:8.4f} s  measured "
               f"{measured or float('nan'):8.4f} s  {error}")
         out.append({"kind": "plan_verify", **asdict(p.layout), "label": p.layout.label(),

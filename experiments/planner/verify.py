@@ -27,6 +27,7 @@ What the trainer cannot run yet (recomputation on the grid, a mixture of
 experts with micro-batches or pipeline stages: strategies/config.py) is not
 offered to --verify (runnable()).
 """
+import contextlib
 import os
 import statistics
 import subprocess
@@ -116,17 +117,32 @@ def launch_params(cluster, emulated):
     return launchers.launch_params({"world_size": cluster.world}, "emulated", table)
 
 
+# The planner's emulated hosts: a prefix and subnet of their own, so that a sweep's
+# clusters (launchers.ClusterPlace's defaults) and ours never tear down each other.
+PLACE = launchers.ClusterPlace(prefix="plan-", subnet="10.77.131.0/24")
+
+
+def problems(cluster, emulated):
+    """What this machine lacks to run the check (the emulated cluster needs root)."""
+    return launchers.needs([("strategies.train", launch_params(cluster, emulated))], PLACE)
+
+
 def measure(gpt, layout, cluster, steps, emulated=False, timeout=600):
     """(median step seconds, "") of one run, or (None, why it gave none)."""
     with tempfile.TemporaryDirectory() as tmp:
-        raw = os.path.join(tmp, "train.jsonl")
+        raw, log = os.path.join(tmp, "train.jsonl"), os.path.join(tmp, "cluster.log")
         p = launch_params(cluster, emulated)
-        argv = launchers.head("strategies.train", p) + layout_args(gpt, layout, steps) + [
-            "--jsonl", raw]
-        env = {**os.environ, "PYTHONPATH": checkout_pythonpath()}
+        argv = launchers.head("strategies.train", p, PLACE) + layout_args(gpt, layout, steps) \
+            + ["--jsonl", raw]
+        env = {**os.environ, **PLACE.env(), "PYTHONPATH": checkout_pythonpath()}
         try:
-            done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
-                                  timeout=timeout)
+            with launchers.ClusterLock(PLACE) if emulated else contextlib.nullcontext():
+                try:
+                    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True,
+                                          text=True, timeout=timeout)
+                finally:
+                    if emulated:            # no namespace left behind, even after a timeout
+                        launchers.tear_down(PLACE, log)
         except subprocess.TimeoutExpired:
             return None, f"no result in {timeout} s"
         if done.returncode:
