@@ -209,6 +209,8 @@ def test_jsonl_records_and_the_figure(tmp_path, capsys):
     (MODEL + CLUSTER + ["--recompute", "some"], "--recompute"),
     (MODEL + CLUSTER + ["--top", "0"], "--top"),
     (MODEL + CLUSTER + ["--verify", "2"], "--calibration"),
+    (MODEL + CLUSTER + ["--cluster"], "--cluster"),
+    (MODEL + CLUSTER + ["--micro-batch-sizes", "x"], "--micro-batch-sizes"),
     (MODEL[:4] + ["--heads", "7"] + MODEL[6:] + CLUSTER, "--heads"),
     (MODEL + CLUSTER[:-1] + ["0"], "--inter-gbps"),
     (MODEL + ["--preset", "dgx-h100", "--calibration", "x"], "not both"),
