@@ -23,6 +23,7 @@ cluster with --cluster) and puts each measured step beside its prediction
 in experiments/planner/step.py, not a measurement.
 """
 import argparse
+import os
 import sys
 from dataclasses import asdict, replace
 
@@ -68,7 +69,8 @@ def parser():
     c = ap.add_argument_group("CLUSTER")
     c.add_argument("--preset", choices=sorted(clusters.PRESETS), help="a machine's figures")
     c.add_argument("--nodes", type=int, help="nodes (default 1)")
-    c.add_argument("--gpus-per-node", type=int, help="GPUs (or ranks) a node")
+    c.add_argument("--gpus-per-node", type=int,
+                   help="GPUs a node (with --calibration: ranks a host, default its cores)")
     c.add_argument("--gpu-mem-gib", type=float, help="memory a GPU, GiB")
     c.add_argument("--gpu-tflops", type=float, help="dense 16-bit peak a GPU, TFLOP/s")
     c.add_argument("--intra-gbps", type=float, help="Gbit/s a GPU, each way, inside a node")
@@ -108,9 +110,8 @@ def cluster_of(a, gpt):
     if a.preset:
         return clusters.preset(a.preset, nodes=a.nodes or 1, **given)
     if a.calibration:
-        if not a.gpus_per_node:
-            raise ValueError("--calibration needs --gpus-per-node: the ranks a host runs")
-        machine = this_machine(gpt, a.gpus_per_node, a.calibration, a.nodes or 1,
+        ranks = a.gpus_per_node or os.cpu_count() or 1        # default: a rank a core
+        machine = this_machine(gpt, ranks, a.calibration, a.nodes or 1,
                                a.inter_gbps or 1.0, a.micro_batch_sizes)
         return replace(machine, **given)
     missing = [k for k in EXPLICIT if k not in given]
@@ -158,7 +159,7 @@ def main(argv=None):
                              f"{WARM_UP_STEPS} (the warm-up steps, not timed)")
         if a.verify and not a.calibration:
             raise ValueError("--verify runs layouts on this machine: describe it with "
-                             "--calibration FILE|DIR and --gpus-per-node RANKS")
+                             "--calibration FILE|DIR (and --gpus-per-node RANKS)")
         if a.cluster and not a.verify:
             raise ValueError("--cluster is where --verify runs: give --verify N too")
         cluster = cluster_of(a, gpt)

@@ -214,7 +214,7 @@ def test_jsonl_records_and_the_figure(tmp_path, capsys):
     (MODEL[:4] + ["--heads", "7"] + MODEL[6:] + CLUSTER, "--heads"),
     (MODEL + CLUSTER[:-1] + ["0"], "--inter-gbps"),
     (MODEL + ["--preset", "dgx-h100", "--calibration", "x"], "not both"),
-    (MODEL + ["--calibration", "nowhere"], "--gpus-per-node"),
+    (MODEL + ["--calibration", "nowhere"], "nowhere"),
     (["--layers", "1", "--d-model", "64", "--heads", "3", "--seq-len", "8", "--vocab", "8",
       "--global-batch", "3"] + CLUSTER, "--heads"),
 ])

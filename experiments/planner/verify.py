@@ -67,13 +67,13 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
     """The Cluster of the machine at hand: `nodes` x `ranks` (per node) MPI ranks, its
     rate timed for micro-batches of each of `sizes` sequences."""
     world, cores = nodes * ranks, os.cpu_count() or 1
+    intra = Machine(5e-6, 1 / 10e9)
+    if calibration:                   # read first: a wrong path fails before the timing
+        intra = Machine.from_calibration(read_calibration(calibration))
     # ranks beyond the cores share them: each gets cores / world of one (Machine.stretch)
     share = min(1.0, cores / world)
     rates = tuple((b, share * measured_rate(gpt, b, max(1, cores // world))) for b in sizes)
     rate = max(r for _, r in rates)
-    intra = Machine(5e-6, 1 / 10e9)
-    if calibration:
-        intra = Machine.from_calibration(read_calibration(calibration))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
     return Cluster("this host" if nodes == 1 else f"emulated {nodes} hosts", nodes, ranks,
                    gpu_mem_gib=memory / GIB, gpu_tflops=rate / 1e12,
