@@ -49,12 +49,17 @@ Quick reference (n bytes, P ranks, lg = ceil(log2 P)):
     hierarchical       ring inside k-rank nodes + ring over N nodes + broadcast inside
     parameter server   alpha + max(n beta_w, W n beta_s / S) per direction       (BytePS)
     psrv, one host     T1(n) + (W - 1) D(n)    (calibrated: W = 1 round trip, each further worker)
+    on a cluster       cluster_collective_time: ring all-reduce, its reduce-scatter and
+                       all-gather halves, the pairwise all-to-all, on N hosts x R ranks
 """
+import functools
+
 from allreduce.costs import (Machine, allreduce_time,  # noqa: F401 (re-exported)
                              halving_doubling_allreduce, hierarchical_allreduce, interpolate,
                              lg, ring_allgather, ring_allreduce, ring_reduce_scatter,
                              tree_allreduce)
-from allreduce.theory import zero_comm_bytes  # noqa: F401 (re-exported)
+from allreduce.theory import Step, zero_comm_bytes  # noqa: F401 (re-exported)
+from allreduce.twolevel import cluster_allreduce_time, profile, profile_time
 from strategies.bubble import (  # noqa: F401 (re-exported)
     activations_in_flight as pipeline_activations_in_flight, bubble_fraction)
 
@@ -117,3 +122,36 @@ def pipeline_step_time(p, m, t_forward, t_backward, activation_bytes, link, v=1)
     sending an activation (forward) and its gradient (backward)."""
     send = link.alpha + activation_bytes * link.beta if p > 1 else 0.0
     return (v * m + p - 1) * ((t_forward + t_backward) / v + 2 * send)
+
+
+# ------------------------------------------------------- collectives on a cluster
+def cluster_collective_time(collective, n, nodes, R, intra, link=None):
+    """Seconds of one collective of n bytes a rank on `nodes` hosts of R ranks each (in
+    blocks, as allreduce/twolevel.py has them), by the ring (all-reduce, reduce-scatter,
+    all-gather) or the pairwise exchange (all-to-all).
+
+    A ring all-reduce is a reduce-scatter and then an all-gather, P - 1 steps each of
+    the same messages (Thakur et al. 2005, section 4.4): each half takes half its
+    time (the all-gather adds nothing, a small gamma we leave in).  The all-to-all
+    is allreduce/alltoall.py's pairwise exchange: P - 1 steps, at step k rank r
+    sends n/P to rank r + k, the two levels priced step by step (twolevel.steps_time)."""
+    if nodes * R == 1:
+        return 0.0
+    if collective == "allreduce":
+        return cluster_allreduce_time("ring", n, nodes, R, intra, link)
+    if collective in ("reduce_scatter", "allgather"):
+        return cluster_allreduce_time("ring", n, nodes, R, intra, link) / 2
+    if collective == "alltoall":
+        if nodes > 1 and link is None:
+            raise ValueError(f"{nodes} hosts need a link between them")
+        return profile_time(_alltoall_profile(nodes, R), n, R, intra, link)
+    raise ValueError(f"collective must be allreduce, reduce_scatter, allgather or alltoall, "
+                     f"got {collective!r}")
+
+
+@functools.lru_cache(maxsize=64)
+def _alltoall_profile(nodes, R):
+    """The pairwise exchange's steps per byte a rank sends (n = 1), walked once per layout."""
+    P = nodes * R
+    return profile([Step([(r, (r + k) % P, 1 / P) for r in range(P)]) for k in range(1, P)],
+                   nodes, R)

@@ -1,0 +1,13 @@
+"""The layout planner: predict, rank and check every dp x pp x tp x ZeRO layout of a GPT
+on a cluster you do not have (python -m experiments.plan; docs/planner.md).
+
+    transformer.py   the model's side: parameters, FLOPs, activation bytes (the papers' formulas)
+    cluster.py       the machine's side: GPUs, memory, rate, links; presets with their sources
+    step.py          one layout's predicted step: time split by cause, memory per rank
+    search.py        every layout of a model on a cluster, why each is out or where it ranks
+    figure.py        step time against memory per rank, the Pareto front marked
+    verify.py        the best and the worst layouts run with strategies.train on this machine
+
+It imports the cost model (experiments/costmodel.py), strategies/memory.py's
+zero_memory and strategies/bubble.py's formulas; nothing below experiments imports it.
+"""

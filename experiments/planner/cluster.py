@@ -1,0 +1,132 @@
+"""The machine a plan is for: nodes of GPUs, their memory and rate, and two levels of links.
+
+    cluster = preset("dgx-a100-80gb", nodes=4)           # 32 A100s, NVLink, 8 x HDR a node
+    cluster = Cluster("mine", nodes=2, gpus_per_node=4, gpu_mem_gib=24, gpu_tflops=125,
+                      intra_gbps=400, inter_gbps=100)
+    cluster.intra()              # allreduce.costs.Machine of the links inside a node
+    cluster.link(sharing=8)      # a node's link as one of 8 groups crossing at once sees it
+
+Units as the datasheets give them: memory in GiB, the dense 16-bit peak in
+TFLOP/s, links in Gbit/s each way: intra_gbps per GPU (NVLink through NVSwitch:
+every GPU has its own), inter_gbps per node (the sum of its network cards).
+
+A rate is the peak times `efficiency`, the share of peak a GPT's layers reach
+on one GPU when nothing waits: large 16-bit GEMMs reach more, the memory-bound
+kernels between them (layer norms, softmax, GeLU, dropout, the optimizer) much
+less.  The default, 0.48, is the one published single-GPU figure of the
+Megatron-LM code we know of: its 1.2-billion-parameter GPT-2 baseline ran at
+62.4 TFLOP/s on one V100, 48 % of its peak (NVIDIA ADLR, "MegatronLM's
+Supercharged V1.0", 2019).  It is the same for every model and cluster, an
+assumption to change with --efficiency, not a fit; on the machine at hand
+`efficiency` is 1 and the rate is measured (experiments/planner/verify.py
+times a layer).
+
+Latencies are assumptions too: no datasheet gives the per-step latency of a
+collective's step, which is what alpha is (allreduce/costs.py); a microsecond
+inside a node and five across are of the order NVLink and InfiniBand hops take.
+"""
+from dataclasses import dataclass, replace
+
+from allreduce.costs import Machine
+from allreduce.twolevel import link_of_rate
+
+GIB = 1 << 30
+# Allocator fragmentation, the CUDA context and the communication library's buffers
+# take a few GiB of a GPU: a layout fits when it needs at most this share of the memory.
+USABLE_MEMORY = 0.9
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    nodes: int
+    gpus_per_node: int
+    gpu_mem_gib: float
+    gpu_tflops: float            # dense 16-bit peak (fp32 on the machine at hand)
+    intra_gbps: float            # per GPU, each way, inside a node
+    inter_gbps: float            # per node, each way
+    intra_latency_us: float = 1.0
+    inter_latency_us: float = 5.0
+    efficiency: float = 0.48     # achievable share of gpu_tflops (see above)
+    calibrated_intra: Machine = None   # from a calibration.json: replaces intra_gbps
+    calibrated_link: Machine = None    # ... and inter_gbps (a calibration across hosts)
+    measured_rates: tuple = None       # ((sequences a micro-batch, FLOP/s), ...) timed here
+
+    def __post_init__(self):
+        for name in ("nodes", "gpus_per_node"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a whole number >= 1, "
+                                 f"got {getattr(self, name)}")
+        for name in ("gpu_mem_gib", "gpu_tflops", "intra_gbps", "inter_gbps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, "
+                                 f"got {getattr(self, name)}")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"--efficiency must be in (0, 1], got {self.efficiency}")
+
+    @property
+    def world(self):
+        return self.nodes * self.gpus_per_node
+
+    def flops_per_s(self, b=None):
+        """FLOP/s a GPU reaches on a micro-batch of b sequences: the peak times the
+        efficiency, or where rates were measured per size, the one nearest b (a CPU
+        runs small matrices far below its best rate)."""
+        if not self.measured_rates or b is None:
+            return self.gpu_tflops * 1e12 * self.efficiency
+        return min(self.measured_rates, key=lambda br: (abs(br[0] - b), br[0]))[1]
+
+    @property
+    def memory_bytes(self):
+        return self.gpu_mem_gib * GIB * USABLE_MEMORY
+
+    def intra(self):
+        """The links inside a node (reductions on the GPU: gamma 0)."""
+        return self.calibrated_intra or link_of_rate(self.intra_gbps, self.intra_latency_us * 1e-6)
+
+    def link(self, sharing=1):
+        """A node's link as each of `sharing` groups that cross it at once sees it: they
+        share its bandwidth, so each gets 1/sharing of it (its beta times sharing)."""
+        link = self.calibrated_link or link_of_rate(self.inter_gbps, self.inter_latency_us * 1e-6)
+        if sharing == 1:
+            return link
+        stretch = ({name: tuple((b, v * sharing) for b, v in getattr(link, name))
+                    for name in ("beta_curve", "beta_one_way_curve") if getattr(link, name)})
+        return replace(link, beta=link.beta * sharing, **stretch)
+
+    def describe(self):
+        return (f"{self.name}: {self.nodes} x {self.gpus_per_node} GPUs, {self.gpu_mem_gib:g} GiB, "
+                f"{self.gpu_tflops:g} TFLOP/s peak x {self.efficiency:g}, "
+                f"{self.intra_gbps:g} Gbit/s a GPU inside, {self.inter_gbps:g} Gbit/s a node "
+                f"across")
+
+
+# Presets: one node's figures; the caller gives the number of nodes.
+PRESETS = {
+    # NVIDIA DGX A100 datasheet: 8 A100 80GB SXM, NVLink 3 through NVSwitch, 600 GB/s a GPU
+    # both ways together (300 GB/s = 2400 Gbit/s each way), 8 ConnectX-6 HDR InfiniBand
+    # 200 Gbit/s cards for compute (1600 Gbit/s a node).  A100 datasheet: 312 TFLOP/s dense
+    # BF16/FP16 tensor core.  The cluster of Narayanan et al. 2021 (section 5): 80-GB A100s,
+    # NVLink and NVSwitch, eight 200 Gbit/s HDR InfiniBand HCAs a node.
+    "dgx-a100-80gb": dict(gpus_per_node=8, gpu_mem_gib=80, gpu_tflops=312,
+                          intra_gbps=2400, inter_gbps=8 * 200),
+    # DGX A100 40GB: the same machine with the 40 GB A100 (A100 datasheet).
+    "dgx-a100-40gb": dict(gpus_per_node=8, gpu_mem_gib=40, gpu_tflops=312,
+                          intra_gbps=2400, inter_gbps=8 * 200),
+    # NVIDIA DGX H100 datasheet: 8 H100 80GB SXM, NVLink 4, 900 GB/s a GPU both ways
+    # (450 GB/s = 3600 Gbit/s each way), 8 ConnectX-7 400 Gbit/s (NDR) cards for compute.
+    # H100 SXM datasheet: 989 TFLOP/s dense BF16 tensor core (1979 is with sparsity).
+    "dgx-h100": dict(gpus_per_node=8, gpu_mem_gib=80, gpu_tflops=989,
+                     intra_gbps=3600, inter_gbps=8 * 400),
+    # NVIDIA HGX H200 datasheet: 141 GB of HBM3e (about 131 GiB), the H100's compute and
+    # NVLink 4; networking as DGX H100's, 400 Gbit/s a GPU.
+    "hgx-h200": dict(gpus_per_node=8, gpu_mem_gib=131, gpu_tflops=989,
+                     intra_gbps=3600, inter_gbps=8 * 400),
+}
+
+
+def preset(name, nodes=1, **overrides):
+    """A Cluster of `nodes` nodes of the preset machine `name`; overrides replace its figures."""
+    if name not in PRESETS:
+        raise ValueError(f"--preset {name!r} is not one of {', '.join(PRESETS)}")
+    return Cluster(name, nodes=nodes, **{**PRESETS[name], **overrides})

@@ -1,0 +1,197 @@
+"""One layout's step on a cluster, predicted: its time, split by cause, and its memory per rank.
+
+    layout = Layout(dp=4, pp=2, tp=4, micro_batches=8, micro_batch_size=1)
+    p = predict(gpt, cluster, layout)
+    p.step_s, p.split          # {"compute", "tp", "pp", "dp", "ep", "bubble"}: seconds, sum step_s
+    p.mem_bytes, p.memory      # the fullest rank, and its parts
+
+Ranks are laid out as the trainer lays them (strategies/grid.py): arange(world)
+reshaped (dp, pp, tp), tp fastest, and a node holds G consecutive ranks.  A tp
+group is inside a node (the planner never puts it across); a pp or dp group
+whose members lie stride apart spans nodes once stride x size > G, and then the
+groups of its axis that cross a node's link at once share it (placement()).
+
+A micro-batch of b sequences on one stage (layers / pp of them, the last stage
+with the logit layer too, the slower of the two pacing the pipeline) takes
+
+    forward    its FLOPs / tp at the cluster's rate            (transformer.py)
+               + 2 all-reduces of b s h values a layer on tp   (Megatron's f and g;
+                 with sequence parallelism a reduce-scatter and an all-gather: the same)
+               + 2 all-to-alls a MoE layer on ep               (dispatch, combine)
+    backward   twice the forward's FLOPs, recomputation's on top, the same communication
+               (full recomputation replays the forward's too)
+
+none of which overlaps the compute (Megatron runs them in line).  The pipeline
+runs (v m + p - 1) slots of a micro-batch's forward and backward on one chunk,
+each slot sending an activation and its gradient (costmodel.pipeline_step_time);
+the p - 1 idle slots are the bubble, strategies/bubble.py's fraction of them.
+Then the data-parallel axis, as the worker runs it (strategies/buckets.py):
+ZeRO 0-2 reduce the gradients in buckets during the last micro-batch's backward,
+so only what outlasts that backward is exposed; ZeRO 1 and 2 then all-gather the
+updated parameters (exposed); ZeRO 3 gathers each layer's parameters before its
+forward and its backward and reduce-scatters its gradients, every micro-batch,
+prefetched beside the compute of the same micro-batch.  The optimizer's own
+update and the embedding's gradient all-reduce between the first and last
+stage are left out.
+
+Memory: model states are strategies/memory.py's zero_memory for the parameters
+a rank holds, activations Korthikanti et al.'s per layer (transformer.py) times
+the layers of a stage times the micro-batches it holds at once
+(bubble.activations_in_flight); under full recomputation one layer's whole
+activations on top, while its backward replays it; the last stage's logits.
+"""
+from dataclasses import asdict, dataclass
+
+from experiments.costmodel import cluster_collective_time, pipeline_step_time
+from strategies.bubble import activations_in_flight, bubble_fraction
+from strategies.memory import zero_memory
+
+from .transformer import (expert_parameters, layer_activation_bytes, layer_forward_flops,
+                          logit_flops, logits_bytes, parameters, recompute_flops,
+                          step_flops)
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+PARTS = ("compute", "tp", "pp", "dp", "ep", "bubble")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    ep: int = 1                  # borrowed from dp: the experts split over ep of the dp ranks
+    zero: int = 0
+    micro_batches: int = 1       # per step and dp replica
+    micro_batch_size: int = 1    # sequences
+    schedule: str = "1f1b"       # or "interleaved"
+    virtual_stages: int = 1      # interleaved: chunks a rank
+    recompute: str = "none"      # none, selective, full
+    precision: str = "bf16"
+    sequence_parallel: bool = True
+
+    @property
+    def world(self):
+        return self.dp * self.pp * self.tp
+
+    def label(self):
+        """'dp8 pp2 tp4 z1 b2 full' (and the schedule where interleaved)."""
+        text = f"dp{self.dp} pp{self.pp} tp{self.tp}"
+        text += f" ep{self.ep}" if self.ep > 1 else ""
+        text += f" z{self.zero} b{self.micro_batch_size}"
+        text += f" v{self.virtual_stages}" if self.schedule == "interleaved" else ""
+        return text + ("" if self.recompute == "none" else f" {self.recompute}")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    layout: Layout
+    step_s: float
+    split: dict                  # PARTS -> seconds
+    mem_bytes: float             # the fullest rank
+    memory: dict                 # params, grads, optimizer, activations of that rank
+    flops: float                 # of the whole step, recomputation included
+
+    def record(self, cluster, fits, why=""):
+        """The JSONL record of this layout (the planner writes one per layout)."""
+        tflops = self.flops / (self.step_s * self.layout.world) / 1e12
+        return {"kind": "plan", **asdict(self.layout), "fits": fits, "why_out": why,
+                "mem_bytes": round(self.mem_bytes), "memory": {k: round(v) for k, v in
+                                                               self.memory.items()},
+                "step_s": self.step_s, "tflops_per_gpu": tflops,
+                **{f"{part}_s": t for part, t in self.split.items()},
+                "cluster": cluster.name, "world": cluster.world}
+
+
+def placement(size, stride, per_node):
+    """(nodes, ranks a node, groups sharing a node's link) of a group of `size` ranks
+    `stride` apart, nodes holding `per_node` consecutive ranks."""
+    if size * stride <= per_node:
+        return 1, size, 1
+    together = max(1, per_node // stride)
+    return -(-size // together), together, per_node // together
+
+
+def group_time(collective, n, size, stride, cluster):
+    nodes, R, sharing = placement(size, stride, cluster.gpus_per_node)
+    return cluster_collective_time(collective, n, nodes, R, cluster.intra(),
+                                   cluster.link(sharing) if nodes > 1 else None)
+
+
+def rank_parameters(gpt, lo):
+    """(dense, expert) parameters on the first and the last stage's ranks (the fullest):
+    its layers' share over tp, the embeddings (word and position) on the first, the
+    output layer's copy of the word embedding on the last; experts also over ep."""
+    experts = expert_parameters(gpt) / (lo.pp * lo.tp * lo.ep)
+    layers = (parameters(gpt) - expert_parameters(gpt) - (gpt.vocab + gpt.seq_len) *
+              gpt.d_model) / (lo.pp * lo.tp)
+    first = layers + (gpt.vocab + gpt.seq_len) * gpt.d_model / lo.tp
+    last = layers + (gpt.vocab * gpt.d_model / lo.tp if lo.pp > 1 else 0)
+    return (first, experts), (last, experts)
+
+
+def memory_of(gpt, lo, stage):
+    """{params, grads, optimizer, activations} in bytes on a rank of `stage` (0 or pp - 1)."""
+    dense, experts = rank_parameters(gpt, lo)[0 if stage == 0 else 1]
+    states = zero_memory(dense, lo.dp, lo.zero, lo.precision)
+    for part, b in zero_memory(experts, lo.dp // lo.ep, lo.zero, lo.precision).items():
+        states[part] += b
+    e, b = BYTES[lo.precision], lo.micro_batch_size
+    layer = layer_activation_bytes(gpt, b, lo.tp, lo.sequence_parallel, lo.recompute, e)
+    held = activations_in_flight(lo.pp, lo.micro_batches, lo.schedule, stage, lo.virtual_stages)
+    acts = held * gpt.layers / lo.pp * layer
+    if lo.recompute == "full":                  # the layer whose backward replays it
+        acts += layer_activation_bytes(gpt, b, lo.tp, lo.sequence_parallel, "none", e)
+    if stage == lo.pp - 1:
+        acts += logits_bytes(gpt, b, lo.tp)
+    return {**states, "activations": acts}
+
+
+def predict(gpt, cluster, lo):
+    """The Prediction of layout `lo` (a Layout) for model `gpt` on `cluster`."""
+    e, b, G = BYTES[lo.precision], lo.micro_batch_size, cluster.gpus_per_node
+    L, rate = gpt.layers / lo.pp, cluster.flops_per_s(b)
+    # 1. one micro-batch on the slowest stage: compute, then tp's and ep's collectives
+    last = lo.pp - 1
+    compute_f = (L * layer_forward_flops(gpt, b) + logit_flops(gpt, b) / 3) / lo.tp / rate
+    compute_b = (L * (2 * layer_forward_flops(gpt, b) + recompute_flops(gpt, b, lo.recompute))
+                 + 2 * logit_flops(gpt, b) / 3) / lo.tp / rate
+    replays = 1 if lo.recompute == "full" else 0      # the forward's collectives again
+    tp_one = group_time("allreduce", b * gpt.seq_len * gpt.d_model * e, lo.tp, 1, cluster)
+    tp_f, tp_b = 2 * L * tp_one, 2 * L * tp_one * (1 + replays)
+    ep_f = ep_b = 0.0
+    if gpt.experts and lo.ep > 1:
+        tokens = b * gpt.seq_len * gpt.d_model * gpt.top_k * e
+        tokens /= lo.tp if lo.sequence_parallel else 1
+        ep_one = group_time("alltoall", tokens, lo.ep, lo.pp * lo.tp, cluster)
+        ep_f, ep_b = 2 * L * ep_one, 2 * L * ep_one * (1 + replays)
+    # 2. the data-parallel axis: gradients (and parameters) of the fullest rank
+    dense, experts = rank_parameters(gpt, lo)[0]
+
+    def dp_time(collective):
+        t = group_time(collective, dense * e, lo.dp, lo.pp * lo.tp, cluster)
+        if experts and lo.dp // lo.ep > 1:
+            t += group_time(collective, experts * e, lo.dp // lo.ep, lo.pp * lo.tp * lo.ep,
+                            cluster)
+        return t
+    dp_f = dp_b = dp_after = 0.0
+    if lo.zero == 3:                            # every micro-batch, prefetched beside compute
+        dp_f = max(0.0, dp_time("allgather") - compute_f)
+        dp_b = max(0.0, dp_time("allgather") + dp_time("reduce_scatter") - compute_b)
+    elif lo.dp > 1:
+        reduce = dp_time("allreduce" if lo.zero == 0 else "reduce_scatter")
+        dp_after = max(0.0, reduce - compute_b) + (dp_time("allgather") if lo.zero else 0.0)
+    # 3. the pipeline: (v m + p - 1) slots, each sending an activation and its gradient
+    t_f, t_b = compute_f + tp_f + ep_f + dp_f, compute_b + tp_b + ep_b + dp_b
+    nodes, _, _ = placement(lo.pp, lo.tp, G)
+    p2p = cluster.link(min(G, lo.tp)) if nodes > 1 else cluster.intra()
+    sent = b * gpt.seq_len * gpt.d_model * e / lo.tp         # each tp rank its share
+    v, m = lo.virtual_stages, lo.micro_batches
+    pipeline = pipeline_step_time(lo.pp, m, t_f, t_b, sent, p2p, v)
+    bubble = bubble_fraction(lo.pp, m, v) * (v * m + lo.pp - 1) * (t_f + t_b) / v
+    split = {"compute": m * (compute_f + compute_b), "tp": m * (tp_f + tp_b),
+             "pp": pipeline - m * (t_f + t_b) - bubble, "dp": m * (dp_f + dp_b) + dp_after,
+             "ep": m * (ep_f + ep_b), "bubble": bubble}
+    memories = [memory_of(gpt, lo, stage) for stage in sorted({0, last})]
+    memory = max(memories, key=lambda parts: sum(parts.values()))
+    return Prediction(lo, pipeline + dp_after, split, sum(memory.values()), memory,
+                      step_flops(gpt, lo.recompute))

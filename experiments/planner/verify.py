@@ -1,0 +1,162 @@
+"""Check a plan on the machine at hand: run its layouts with strategies.train, measured
+beside predicted.
+
+    cluster = this_machine(gpt, ranks=4, calibration="results")   # rate timed, links calibrated
+    rows = verify(gpt, [entry, ...], cluster, steps=6)            # [(entry, measured s or why)]
+
+The machine at hand is a cluster of one node (or of the emulated cluster's
+nodes, experiments/cluster) whose "GPUs" are MPI ranks on CPU cores.  Its
+figures are measured, never assumed:
+
+  compute   a transformer block (strategies/models.py's Block) at the model's shape
+            timed forward and backward, with the threads a rank gets (the cores
+            over the ranks, as strategies.train gives them; a share of a core
+            where ranks outnumber cores): FLOPs (transformer.py) over seconds,
+            efficiency 1, for each micro-batch size the planner may choose,
+            since a CPU runs small matrices far below its best rate.
+  links     experiments.calibrate's calibration.json (--calibration); without
+            one, the cost model's example machine (5 us, 10 GB/s: costmodel.py).
+            On the emulated cluster, each host's link at --inter-gbps.
+  memory    this host's memory over the ranks.
+
+Each layout runs as the sweep would run it (experiments/launchers.py: mpiexec on
+this host, or the emulated cluster), with the trainer's flags (layout_args);
+the measured step is the median over the steps after the first two of the
+slowest rank's step_time_s (experiments/records.py), from the trainer's JSONL.
+What the trainer cannot run yet (recomputation on the grid, a mixture of
+experts with micro-batches or pipeline stages: strategies/config.py) is not
+offered to --verify (runnable()).
+"""
+import contextlib
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+
+from allreduce.costs import Machine
+from allreduce.records import checkout_pythonpath, read_calibration
+
+from experiments import launchers
+from experiments.records import ROOT, read_jsonl, slowest_rank, train_runs
+
+from .cluster import GIB, Cluster
+from .transformer import layer_forward_flops
+
+WARM_UP_STEPS = 2
+
+
+def measured_rate(gpt, b, threads, repeats=5):
+    """FLOP/s of one block forward and backward on b sequences, the best of `repeats`."""
+    import torch
+
+    from strategies.models import Block
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    block = Block(gpt.d_model, gpt.heads)
+    x = torch.randn(b, gpt.seq_len, gpt.d_model, requires_grad=True)
+    best = float("inf")
+    for _ in range(repeats + 1):                 # the first warms the allocator up
+        start = time.perf_counter()
+        block(x).sum().backward()
+        best = min(best, time.perf_counter() - start)
+    return 3 * layer_forward_flops(gpt, b) / best
+
+
+def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1, 2, 4, 8)):
+    """The Cluster of the machine at hand: `nodes` x `ranks` (per node) MPI ranks, its
+    rate timed for micro-batches of each of `sizes` sequences."""
+    world, cores = nodes * ranks, os.cpu_count() or 1
+    intra = Machine(5e-6, 1 / 10e9)
+    if calibration:                   # read first: a wrong path fails before the timing
+        intra = Machine.from_calibration(read_calibration(calibration))
+    # ranks beyond the cores share them: each gets cores / world of one (Machine.stretch)
+    share = min(1.0, cores / world)
+    rates = tuple((b, share * measured_rate(gpt, b, max(1, cores // world))) for b in sizes)
+    rate = max(r for _, r in rates)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
+    return Cluster("this host" if nodes == 1 else f"emulated {nodes} hosts", nodes, ranks,
+                   gpu_mem_gib=memory / GIB, gpu_tflops=rate / 1e12,
+                   intra_gbps=8e-9 / intra.beta, inter_gbps=inter_gbps, efficiency=1.0,
+                   calibrated_intra=intra, measured_rates=rates)
+
+
+def runnable(gpt, layout):
+    """'' when strategies.train runs this layout, else why not."""
+    if layout.recompute != "none":
+        return "the trainer recomputes only without --dp/--pp/--tp/--zero/--micro-batches"
+    if gpt.experts and (layout.pp > 1 or layout.tp > 1 or layout.zero or
+                        layout.micro_batches > 1):
+        return "the trainer's mixture of experts runs on dp and ep only"
+    return ""
+
+
+def layout_args(gpt, layout, steps):
+    """strategies.train's flags for `layout` (python -m strategies.train --help)."""
+    args = ["--model", "moe" if gpt.experts else "gpt", "--layers", gpt.layers,
+            "--d-model", gpt.d_model, "--heads", gpt.heads, "--seq-len", gpt.seq_len,
+            "--vocab", gpt.vocab, "--global-batch", gpt.global_batch, "--steps", steps,
+            "--sync", "ring", "--precision", layout.precision, "--no-progress"]
+    if gpt.experts:
+        args += ["--experts", gpt.experts, "--top-k", gpt.top_k, "--ep", layout.ep]
+    else:
+        args += ["--dp", layout.dp, "--pp", layout.pp, "--tp", layout.tp,
+                 "--zero", layout.zero, "--micro-batches", layout.micro_batches,
+                 "--schedule", layout.schedule, "--virtual-stages", layout.virtual_stages]
+        args += ["--sequence-parallel"] if layout.sequence_parallel and layout.tp > 1 else []
+    args += ["--recompute"] if layout.recompute != "none" else []
+    return [str(a) for a in args]
+
+
+def launch_params(cluster, emulated):
+    """The sweep's description of where a point runs (experiments/launchers.py)."""
+    if not emulated:
+        return {"world_size": cluster.world}
+    table = {"nodes": cluster.nodes, "ranks_per_node": cluster.gpus_per_node,
+             "inter_gbps": cluster.inter_gbps, "inter_latency_us": 0.0}
+    return launchers.launch_params({"world_size": cluster.world}, "emulated", table)
+
+
+# The planner's emulated hosts: a prefix and subnet of their own, so that a sweep's
+# clusters (launchers.ClusterPlace's defaults) and ours never tear down each other.
+PLACE = launchers.ClusterPlace(prefix="plan-", subnet="10.77.131.0/24")
+
+
+def problems(cluster, emulated):
+    """What this machine lacks to run the check (the emulated cluster needs root)."""
+    return launchers.needs([("strategies.train", launch_params(cluster, emulated))], PLACE)
+
+
+def measure(gpt, layout, cluster, steps, emulated=False, timeout=600):
+    """(median step seconds, "") of one run, or (None, why it gave none)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        raw, log = os.path.join(tmp, "train.jsonl"), os.path.join(tmp, "cluster.log")
+        p = launch_params(cluster, emulated)
+        argv = launchers.head("strategies.train", p, PLACE) + layout_args(gpt, layout, steps) \
+            + ["--jsonl", raw]
+        env = {**os.environ, **PLACE.env(), "PYTHONPATH": checkout_pythonpath()}
+        try:
+            with launchers.ClusterLock(PLACE) if emulated else contextlib.nullcontext():
+                try:
+                    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True,
+                                          text=True, timeout=timeout)
+                finally:
+                    if emulated:            # no namespace left behind, even after a timeout
+                        launchers.tear_down(PLACE, log)
+        except subprocess.TimeoutExpired:
+            return None, f"no result in {timeout} s"
+        if done.returncode:
+            lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
+            return None, f"exit {done.returncode}: {lines[-1]}"
+        runs = train_runs(read_jsonl(raw))
+        times = [t for _, step_records in runs.values()
+                 for step, t in sorted(slowest_rank(step_records).items())
+                 if step >= WARM_UP_STEPS]
+        if not times:
+            return None, f"no step after the first {WARM_UP_STEPS} in the trainer's records"
+        return statistics.median(times), ""
+
+
+def verify(gpt, entries, cluster, steps=6, emulated=False):
+    """[(entry, measured seconds or None, why)] for each entry, one run after another."""
+    return [(e, *measure(gpt, e.prediction.layout, cluster, steps, emulated)) for e in entries]

@@ -1,0 +1,256 @@
+"""Tier (a): the layout planner's pieces against the formulas they reuse, and its command line.
+
+Pure arithmetic: no process is started except in the one --verify run at the end
+(2 ranks under mpiexec, marked mpi).  The published-table test is test_plan_published.py.
+"""
+import json
+import os
+import sys
+
+import pytest
+from conftest import check_ok, mpi_env, run
+
+from experiments import plan as plan_cli
+from experiments.costmodel import (Machine, cluster_collective_time, cluster_allreduce_time,
+                                   pipeline_step_time)
+from experiments.planner.cluster import Cluster, preset
+from experiments.planner.figure import plan_frontier
+from experiments.planner.search import Space, layouts, pareto, plan
+from experiments.planner.step import PARTS, Layout, memory_of, placement, predict, rank_parameters
+from experiments.planner.transformer import (GPT, layer_activation_bytes, parameters,
+                                             step_flops)
+from strategies.bubble import bubble_fraction
+from strategies.memory import zero_memory
+
+SMALL = GPT(layers=8, d_model=512, heads=8, seq_len=256, vocab=1024, global_batch=32)
+TWO_NODES = Cluster("test", nodes=2, gpus_per_node=4, gpu_mem_gib=16, gpu_tflops=100,
+                    intra_gbps=800, inter_gbps=200)
+
+
+# ------------------------------------------------------------------- the formulas
+def test_flops_are_narayanans_formula():
+    B, s, l, h, V = 8, 2048, 24, 2304, 51200
+    gpt = GPT(l, h, 24, s, V, B)
+    full = 96 * B * s * l * h ** 2 * (1 + s / (6 * h) + V / (16 * l * h))
+    none = 72 * B * s * l * h ** 2 * (1 + s / (6 * h) + V / (12 * l * h))
+    assert step_flops(gpt, "full") == pytest.approx(full)
+    assert step_flops(gpt, "none") == pytest.approx(none)
+    assert step_flops(gpt, "none") < step_flops(gpt, "selective") < step_flops(gpt, "full")
+
+
+def test_parameters_are_narayanans_count():
+    l, h, V, s = 24, 2304, 51200, 2048
+    expected = 12 * l * h ** 2 * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))
+    assert parameters(GPT(l, h, 24, s, V, 1)) == pytest.approx(expected)
+
+
+def test_activations_are_korthikantis_table_2():
+    g, b, t = SMALL, 2, 4
+    s, h, a = g.seq_len, g.d_model, g.heads
+    sbh = s * b * h
+    assert layer_activation_bytes(g, b) == pytest.approx(sbh * (34 + 5 * a * s / h))
+    scores = 5 * a * s / (h * t)
+    assert layer_activation_bytes(g, b, t) == pytest.approx(sbh * (10 + 24 / t + scores))
+    assert layer_activation_bytes(g, b, t, True) == pytest.approx(sbh * (34 / t + scores))
+    assert layer_activation_bytes(g, b, t, True, "selective") == pytest.approx(sbh * 34 / t)
+    assert layer_activation_bytes(g, b, t, False, "full") == pytest.approx(2 * sbh)
+    assert layer_activation_bytes(g, b, t, False, "full", 4) == pytest.approx(4 * sbh)
+
+
+def test_collectives_on_a_cluster():
+    intra, link = Machine(1e-6, 1e-10), Machine(5e-6, 4e-10)
+    n = 64 << 20
+    ring = cluster_allreduce_time("ring", n, 2, 4, intra, link)
+    assert cluster_collective_time("allreduce", n, 2, 4, intra, link) == ring
+    assert cluster_collective_time("reduce_scatter", n, 2, 4, intra, link) == ring / 2
+    assert cluster_collective_time("allreduce", n, 1, 1, intra) == 0.0
+    # all-to-all, 2 hosts of 4: half of each rank's n leaves its host, 4 ranks share the link
+    t = cluster_collective_time("alltoall", n, 2, 4, intra, link)
+    assert t >= 4 * n / 2 * link.beta
+    assert t == pytest.approx(4 * n / 2 * link.beta + 7 * link.alpha, rel=0.2)
+
+
+# --------------------------------------------------------- layouts and their model
+def test_every_layout_uses_every_gpu_and_keeps_tp_inside_a_node():
+    found = list(layouts(SMALL, TWO_NODES, Space()))
+    assert found and all(lo.world == TWO_NODES.world for lo in found)
+    assert {lo.tp for lo in found} == {1, 2, 4}
+    for lo in found:
+        assert SMALL.layers % lo.pp == 0
+        assert lo.dp * lo.micro_batches * lo.micro_batch_size == SMALL.global_batch
+        if lo.schedule == "interleaved":
+            assert lo.pp > 1 and lo.micro_batches % lo.pp == 0
+            assert (SMALL.layers // lo.pp) % lo.virtual_stages == 0
+
+
+def test_the_space_limits_the_choices():
+    found = list(layouts(SMALL, TWO_NODES, Space(zero=(1,), recompute=("full",),
+                                                 schedules=("1f1b",), micro_batch_sizes=(2,))))
+    assert {(lo.zero, lo.recompute, lo.schedule, lo.micro_batch_size) for lo in found} == \
+        {(1, "full", "1f1b", 2)}
+
+
+def test_groups_are_placed_as_the_grid_lays_ranks_out():
+    assert placement(4, 1, 8) == (1, 4, 1)        # a tp group inside a node
+    assert placement(4, 4, 8) == (2, 2, 4)        # dp stride 4: 2 a node, 4 groups a link
+    assert placement(8, 8, 8) == (8, 1, 8)        # one a node, all 8 ranks cross
+    assert placement(1, 8, 8) == (1, 1, 1)
+
+
+def test_model_states_are_zero_memory_of_the_ranks_parameters():
+    for zero in range(4):
+        lo = Layout(dp=2, pp=2, tp=2, zero=zero, micro_batches=4, micro_batch_size=4)
+        (first, _), _ = rank_parameters(SMALL, lo)
+        expected = zero_memory(first, 2, zero, "bf16")
+        got = memory_of(SMALL, lo, stage=0)
+        assert {k: got[k] for k in expected} == pytest.approx(expected)
+    # the whole model over pp x tp, its embeddings once more on the last stage
+    (first, _), (last, _) = rank_parameters(SMALL, Layout(pp=2, tp=2))
+    h = SMALL.d_model
+    assert 2 * (first + last) == pytest.approx(parameters(SMALL) + SMALL.vocab * h)
+
+
+def test_the_bubble_is_bubble_py_and_the_split_adds_up():
+    for schedule, v in (("1f1b", 1), ("interleaved", 2)):
+        lo = Layout(dp=1, pp=4, tp=2, micro_batches=8, micro_batch_size=4,
+                    schedule=schedule, virtual_stages=v)
+        p = predict(SMALL, TWO_NODES, lo)
+        assert set(p.split) == set(PARTS)
+        assert sum(p.split.values()) == pytest.approx(p.step_s)
+        slots = p.split["compute"] + p.split["tp"] + p.split["ep"] + p.split["dp"]
+        busy = slots / 8 * (v * 8 + 4 - 1) / v          # (v m + p - 1) slots of t / v
+        assert p.split["bubble"] == pytest.approx(bubble_fraction(4, 8, v) * busy)
+        assert p.split["pp"] > 0
+
+
+def test_the_pipeline_part_is_the_cost_models():
+    lo = Layout(dp=2, pp=4, tp=1, micro_batches=4, micro_batch_size=4)
+    p = predict(SMALL, TWO_NODES, lo)
+    per_mb = (p.split["compute"] + p.split["tp"]) / 4
+    assert p.split["tp"] == 0
+    # the forward's FLOPs are a third of the forward and backward's
+    t_f, t_b = per_mb / 3, 2 * per_mb / 3
+    # the 4 stages are ranks 0-3, one node: their sends go over its links
+    expected = pipeline_step_time(4, 4, t_f, t_b, 4 * 256 * 512 * 2, TWO_NODES.intra())
+    assert p.step_s - p.split["dp"] == pytest.approx(expected)
+
+
+def test_zero_shards_memory_and_tp_adds_communication():
+    base = dict(dp=8, micro_batches=2, micro_batch_size=2)
+    memory = [predict(SMALL, TWO_NODES, Layout(**base, zero=z)).mem_bytes for z in range(4)]
+    assert memory == sorted(memory, reverse=True)
+    assert predict(SMALL, TWO_NODES, Layout(dp=2, tp=4, micro_batches=4,
+                                            micro_batch_size=4)).split["tp"] > 0
+
+
+def test_layouts_that_do_not_fit_say_why_and_rank_last():
+    small_gpus = Cluster("tiny", 1, 4, gpu_mem_gib=0.05, gpu_tflops=100, intra_gbps=800,
+                         inter_gbps=200)
+    entries = plan(SMALL, small_gpus)
+    out = [e for e in entries if not e.fits]
+    assert out and all("GiB a rank" in e.why_out and "usable" in e.why_out for e in out)
+    fits = [e.fits for e in entries]
+    assert fits == sorted(fits, reverse=True)
+    steps = [e.prediction.step_s for e in entries if e.fits]
+    assert steps == sorted(steps)
+
+
+def test_pareto_front():
+    points = [(e.prediction.step_s, e.prediction.mem_bytes) for e in plan(SMALL, TWO_NODES)
+              if e.fits]
+    front = [(e.prediction.step_s, e.prediction.mem_bytes) for e in pareto(
+        [e for e in plan(SMALL, TWO_NODES) if e.fits])]
+    # no layout beats a front point in both; every layout is matched by a front point
+    assert not any(t < ft and m < fm for ft, fm in front for t, m in points)
+    assert all(any(ft <= t and fm <= m for ft, fm in front) for t, m in points)
+    assert [m for _, m in front] == sorted((m for _, m in front), reverse=True)
+
+
+def test_presets_and_their_figures():
+    dgx = preset("dgx-a100-80gb", nodes=4)
+    assert (dgx.world, dgx.gpu_mem_gib, dgx.gpu_tflops) == (32, 80, 312)
+    assert dgx.link(8).beta == pytest.approx(8 * dgx.link().beta)
+    with pytest.raises(ValueError, match="--preset"):
+        preset("nope")
+
+
+# -------------------------------------------------------------- the command line
+MODEL = ["--layers", "8", "--d-model", "512", "--heads", "8", "--seq-len", "256",
+         "--vocab", "1024", "--global-batch", "32"]
+CLUSTER = ["--nodes", "2", "--gpus-per-node", "4", "--gpu-mem-gib", "16", "--gpu-tflops",
+           "100", "--intra-gbps", "800", "--inter-gbps", "200"]
+RECORD_KEYS = {"dp", "pp", "tp", "ep", "zero", "micro_batches", "schedule", "recompute",
+               "precision", "fits", "mem_bytes", "step_s", "tflops_per_gpu", "compute_s",
+               "tp_s", "pp_s", "dp_s", "ep_s", "bubble_s", "why_out", "rank"}
+
+
+def test_jsonl_records_and_the_figure(tmp_path, capsys):
+    out = tmp_path / "plan.jsonl"
+    assert plan_cli.main(MODEL + CLUSTER + ["--jsonl", str(out), "--top", "3",
+                                            "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "layouts fit" in printed and len([ln for ln in printed.splitlines()
+                                             if ln.strip().startswith(("1 ", "2 ", "3 "))]) == 3
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert records and all(RECORD_KEYS <= set(r) and r["kind"] == "plan" for r in records)
+    assert [r["rank"] for r in records] == list(range(1, len(records) + 1))
+    for r in records:
+        assert r["step_s"] == pytest.approx(sum(r[f"{p}_s"] for p in PARTS))
+    drawn = json.load(open(tmp_path / "plan_frontier.json"))
+    assert drawn and os.path.exists(tmp_path / "plan_frontier.png")
+    assert plan_frontier([], str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("argv, says", [
+    (CLUSTER, "--layers"),
+    (MODEL, "CLUSTER"),
+    (MODEL + ["--preset", "dgx-z"], "--preset"),
+    (MODEL + CLUSTER + ["--zero", "5"], "--zero"),
+    (MODEL + CLUSTER + ["--recompute", "some"], "--recompute"),
+    (MODEL + CLUSTER + ["--top", "0"], "--top"),
+    (MODEL + CLUSTER + ["--verify", "2"], "--calibration"),
+    (MODEL + CLUSTER + ["--cluster"], "--cluster"),
+    (MODEL + CLUSTER + ["--micro-batch-sizes", "x"], "--micro-batch-sizes"),
+    (MODEL[:4] + ["--heads", "7"] + MODEL[6:] + CLUSTER, "--heads"),
+    (MODEL + CLUSTER[:-1] + ["0"], "--inter-gbps"),
+    (MODEL + ["--preset", "dgx-h100", "--calibration", "x"], "not both"),
+    (MODEL + ["--calibration", "nowhere"], "nowhere"),
+    (["--layers", "1", "--d-model", "64", "--heads", "3", "--seq-len", "8", "--vocab", "8",
+      "--global-batch", "3"] + CLUSTER, "--heads"),
+])
+def test_errors_are_one_line_and_exit_2(argv, says, capsys):
+    with pytest.raises(SystemExit) as stop:
+        plan_cli.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1 and says in err, err
+
+
+def test_a_model_with_no_layout_is_an_error(capsys):
+    odd = ["--layers", "3", "--d-model", "64", "--heads", "4", "--seq-len", "8", "--vocab",
+           "8", "--global-batch", "3", "--nodes", "1", "--gpus-per-node", "7"] + CLUSTER[4:]
+    with pytest.raises(SystemExit) as stop:
+        plan_cli.main(odd)
+    assert stop.value.code == 2 and "no layout" in capsys.readouterr().err
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(200)
+def test_verify_runs_the_best_and_the_worst_on_two_ranks(tmp_path):
+    """--verify 1 on 2 ranks: the best layout and the worst run with strategies.train,
+    each record with a measured step beside its prediction (the figures are this
+    machine's: only their presence is checked)."""
+    (tmp_path / "calibration.json").write_text(json.dumps(
+        {"alpha_s": 2e-5, "beta_s_per_byte": 2e-10, "gamma_s_per_byte": 1e-10}))
+    out = tmp_path / "plan.jsonl"
+    result = check_ok(run([sys.executable, "-m", "experiments.plan", "--layers", "2",
+                           "--d-model", "32", "--heads", "2", "--seq-len", "16", "--vocab",
+                           "32", "--global-batch", "8", "--calibration", tmp_path,
+                           "--gpus-per-node", "2", "--zero", "0,1", "--micro-batch-sizes",
+                           "4", "--verify", "1", "--steps", "3", "--jsonl", out], 180,
+                          mpi_env()))
+    assert "measured" in result.stdout, result.stdout
+    checked = [json.loads(line) for line in out.read_text().splitlines()
+               if json.loads(line)["kind"] == "plan_verify"]
+    assert len(checked) == 2 and all(r["measured_s"] > 0 and r["predicted_s"] > 0
+                                     for r in checked)
+    assert checked[0]["rank"] < checked[1]["rank"]
