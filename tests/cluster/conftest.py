@@ -36,7 +36,7 @@ class Cluster:
         return check_ok(self.cli("run", "--", *job, timeout=timeout))
 
     def state(self):
-        with open(os.path.join(self.run_dir, "state.json")) as f:
+        with open(os.path.join(self.run_dir, self.prefix, "state.json")) as f:
             return json.load(f)
 
     def leftovers(self):
