@@ -320,12 +320,12 @@ def main(argv=None):
         if a.command == "status":
             return cmd_status(a)
         net.require_privileges()
-        with launch.signals_raise(), state.cluster_lock(a.prefix):
+        with state.cluster_lock(a.prefix):
             removed = tear_down(a.prefix)
         print(f"removed {', '.join(removed)}" if removed else "nothing was up")
         return 0
     except launch.Interrupted as e:
-        done = ("torn down" if a.command in ("up", "down") else "job ended, cluster torn down"
+        done = ("torn down" if a.command == "up" else "job ended, cluster torn down"
                 if a.nodes is not None else "job ended, the cluster stays up")
         print(f"topolab-cluster: interrupted by {e}; {done}", file=sys.stderr)
         return 128 + e.signum

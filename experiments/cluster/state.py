@@ -122,7 +122,8 @@ def me():
 
 
 def alive(owner):
-    return bool(owner) and owner.get("start") is not None and \
+    """Whether the process `owner` ({"pid", "start"}, as me() made it) still runs."""
+    return isinstance(owner, dict) and owner.get("start") is not None and \
         started_at(owner.get("pid")) == owner["start"]
 
 
@@ -145,8 +146,7 @@ def live_reason(prefix):
     namespaces, links = net.ours(prefix)
     mark = net.read_mark(prefix, MARK_BY)
     pieces = namespaces + links
-    inside = {ns: net.namespace_pids(ns) for ns in namespaces}
-    busy = {ns: pids for ns, pids in inside.items() if pids}
+    busy = {ns: pids for ns in namespaces if (pids := net.namespace_pids(ns))}
     where = f" (its files in {mark['dir']})" if mark and mark.get("dir") else ""
     if busy:
         shown = "; ".join(f"{ns}: {' '.join(map(str, pids[:4]))}"
@@ -155,14 +155,14 @@ def live_reason(prefix):
     if mark and mark.get("phase") == UP:
         return pieces, f"it is up{where}"
     if mark and alive(mark.get("owner")):
-        doing = "is bringing it up" if mark["phase"] == CREATING else "runs a job on it"
+        doing = "is bringing it up" if mark.get("phase") == CREATING else "runs a job on it"
         return pieces, f"`experiments.cluster` (pid {mark['owner']['pid']}) {doing}{where}"
     return pieces, None
 
 
 def owner_words(record):
     """What the record's owner is doing, and whether it is still there, in words."""
-    pid = record["owner"].get("pid") if record["owner"] else None
+    pid = record["owner"].get("pid") if isinstance(record["owner"], dict) else None
     if alive(record["owner"]):
         return f"{'being brought up' if record['phase'] == CREATING else 'in use'} by pid {pid}"
     return f"its {'`up`' if record['phase'] == CREATING else '`run --nodes`'} (pid {pid}) " \

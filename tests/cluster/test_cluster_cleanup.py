@@ -12,16 +12,7 @@ import pytest
 
 from conftest import check_ok
 
-from .conftest import Cluster
-
-
-def alive(pid):
-    """Running (a zombie waiting for its parent to reap it counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+from .conftest import Cluster, alive
 
 
 def start_sleeping_job(cluster, pid_dir, timeout=60):

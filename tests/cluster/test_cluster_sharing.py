@@ -16,7 +16,7 @@ import pytest
 
 from conftest import check_ok
 
-from .conftest import Cluster
+from .conftest import Cluster, alive
 
 PREFIX, SUBNET = "tlq-", "10.77.20.0/24"
 
@@ -44,14 +44,6 @@ def refused(result, *words):
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     for w in words:
         assert w in result.stderr, result.stderr
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.timeout(60)
