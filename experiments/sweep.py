@@ -37,10 +37,11 @@ time uses a prefix (a lock), and nothing with it is left after a point.
 
 Unknown keys, values of the wrong type, a name that is not a plain folder name,
 a file that is not UTF-8 or has no [[run]], more points than --max-points
-(default 10,000: experiments/sweepfile.py, MAX_POINTS), and impossible points (ranks that do not factor, a batch that does not split,
-link emulation of a baseline that cannot be slowed, a world size its cluster
-does not have) are reported with their line and reason before anything runs,
-and so is a launcher this machine lacks (srun, root for namespaces).  Each
+(default 10,000: experiments/sweepfile.py, MAX_POINTS), and impossible points
+(ranks that do not factor, a batch that does not split, link emulation of a
+baseline that cannot be slowed, a world size its cluster does not have) are
+reported with their line and reason before anything runs, and so is a
+launcher this machine lacks (srun, root for namespaces).  Each
 point runs under its launcher (psrv.bench and experiments.calibrate start their
 own processes, on this host) with a time limit; points already done are
 skipped, so an interrupted sweep resumes where it stopped; a point that crashes
