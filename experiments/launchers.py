@@ -280,7 +280,8 @@ def tear_down(place, log):
     """`python -m experiments.cluster down` for the place, its output into `log`: after
     a point that did not end cleanly (a timeout or a stop kills the tool before its
     own teardown finished)."""
-    if not leftovers(place) and not os.path.exists(os.path.join(place.run_dir, "state.json")):
+    from experiments.cluster.state import state_path
+    if not leftovers(place) and not os.path.exists(state_path(place.prefix, place.run_dir)):
         return
     argv = [sys.executable, "-m", "experiments.cluster", "down", "--prefix", place.prefix]
     with open(log, "a") as f:

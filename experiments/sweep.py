@@ -36,10 +36,12 @@ are named --cluster-prefix* (default ts-) in --cluster-subnet; one sweep at a
 time uses a prefix (a lock), and nothing with it is left after a point.
 
 Unknown keys, values of the wrong type, a name that is not a plain folder name,
-and impossible points (ranks that do not factor, a batch that does not split,
-link emulation of a baseline that cannot be slowed, a world size its cluster
-does not have) are reported with their line and reason before anything runs,
-and so is a launcher this machine lacks (srun, root for namespaces).  Each
+a file that is not UTF-8 or has no [[run]], more points than --max-points
+(default 10,000: experiments/sweepfile.py, MAX_POINTS), and impossible points
+(ranks that do not factor, a batch that does not split, link emulation of a
+baseline that cannot be slowed, a world size its cluster does not have) are
+reported with their line and reason before anything runs, and so is a
+launcher this machine lacks (srun, root for namespaces).  Each
 point runs under its launcher (psrv.bench and experiments.calibrate start their
 own processes, on this host) with a time limit; points already done are
 skipped, so an interrupted sweep resumes where it stopped; a point that crashes
@@ -68,7 +70,7 @@ from . import launchers
 from .launchers import LAUNCH_KEYS, ClusterLock, ClusterPlace, describe_cluster
 from .points import Stopper, run_point
 from .records import append_jsonl, provenance, read_jsonl
-from .sweepfile import SweepError, defaults_of, full_config, load_sweep
+from .sweepfile import MAX_POINTS, SweepError, defaults_of, full_config, load_sweep
 
 __all__ = ["SweepError", "load_sweep", "command_line", "point_id", "main"]
 
@@ -129,6 +131,13 @@ def command_line(command, p, raw, place=None):
     return head + args + ["--jsonl", raw]
 
 
+def point_limit(text):
+    """--max-points: a whole number >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of points >= 1, got {text!r}")
+    return int(text)
+
+
 def parser():
     ap = argparse.ArgumentParser(prog="python -m experiments.sweep", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -137,6 +146,9 @@ def parser():
                                                "logs/ (default results/NAME)")
     ap.add_argument("--dry-run", action="store_true",
                     help="check the file, list the points and their command lines")
+    ap.add_argument("--max-points", type=point_limit, default=MAX_POINTS, metavar="N",
+                    help=f"refuse a sweep of more than N points (default {MAX_POINTS:,}: "
+                         f"more is nearly always an axis written wrong)")
     ap.add_argument("--cluster-prefix", default=ClusterPlace.prefix,
                     help="of the emulated clusters' namespaces and links (launcher emulated)")
     ap.add_argument("--cluster-subnet", default=ClusterPlace.subnet,
@@ -147,7 +159,7 @@ def parser():
 def main(argv=None):
     a = parser().parse_args(argv)
     try:
-        settings, points = load_sweep(a.file)
+        settings, points = load_sweep(a.file, a.max_points)
     except (SweepError, OSError) as e:
         print(f"sweep rejected, nothing was run:\n{e}", file=sys.stderr)
         return 2

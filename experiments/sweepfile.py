@@ -5,8 +5,10 @@
 See experiments/sweep.py for the file's format.  A value of the wrong type (a
 name that is a number, a list where one command belongs, `[run]` for `[[run]]`,
 a timeout in words) is a problem like any other, never a traceback; the name
-must be a plain folder name, since the results go to results/NAME.  Every
-problem names its line (`key_lines`).  A point is impossible when the command
+must be a plain folder name, since the results go to results/NAME.  So is a
+file that is not UTF-8, one with no [[run]] (an empty file among them), and one
+of more than MAX_POINTS points (counted from the axes, before any is made).
+Every problem names its line (`key_lines`).  A point is impossible when the command
 would refuse it anyway (a world size that does not split into the data-parallel
 ranks, the servers and the nodes; a straggler that is not a rank; link emulation
 of a baseline that cannot be slowed): better said before the first point runs
@@ -34,6 +36,11 @@ SCHEMA = {
     "strategies.train": None,     # TrainConfig's fields and world_size: all axes
 }
 RUN_KEYS = ("command", "timeout_s", "label") + LAUNCH_KEYS   # launchers.py: where it runs
+# The most points a sweep may have unless its caller raises the limit (`sweep
+# --max-points N`): more is nearly always an axis written wrong (a range where one
+# value was meant), and would take hours to run and minutes to check.  Counted from
+# the axes before any point is made or checked.
+MAX_POINTS = 10_000
 
 
 class SweepError(ValueError):
@@ -63,6 +70,12 @@ def schema_of(command):
     if command == "strategies.train":
         return {**{k: "axis" for k in defaults_of(command)}, "world_size": "axis"}
     return SCHEMA[command]
+
+
+def count_points(run, schema):
+    """How many points expand(run, schema) makes, without making them."""
+    return math.prod(len(v) if isinstance(v, list) else 1 for k, v in run.items()
+                     if k not in RUN_KEYS and schema.get(k) == "axis")
 
 
 def expand(run, schema):
@@ -122,10 +135,23 @@ def check_point(command, p):
     return None
 
 
-def load_sweep(path):
-    """(settings, [(command, params, timeout_s, label)]); SweepError lists every problem."""
-    with open(path) as f:
-        text = f.read()
+def read_text(path):
+    """The file's text; a file that is not UTF-8 (as TOML must be) is a SweepError
+    naming the line and the first byte that is not."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise SweepError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                         f"{e.start}); a sweep file is TOML, which is UTF-8") from None
+
+
+def load_sweep(path, max_points=MAX_POINTS):
+    """(settings, [(command, params, timeout_s, label)]); SweepError lists every problem.
+    More than `max_points` points is a problem too, said before any point is made."""
+    text = read_text(path)
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -149,6 +175,9 @@ def load_sweep(path):
         bad("run", 0, None, "[[run]] is an array of tables, one per command: write [[run]], "
                             "not [run] or run = ...")
         runs = []
+    if doc.get("run", []) == []:
+        bad(None, 0, None, ("the file is empty" if not text.strip() else "no [[run]] table")
+            + "; a sweep needs at least one [[run]] (experiments/demo.toml is an example)")
     settings = {"name": os.path.splitext(os.path.basename(path))[0], "timeout_s": 300}
     for key, value in sweep.items():
         if key not in ("name", "timeout_s") + LAUNCH_KEYS:
@@ -159,7 +188,7 @@ def load_sweep(path):
         problem = problem_of(settings[key])
         if problem:
             bad("sweep", 0, key, problem)
-    points = []
+    points, counted, crossing = [], 0, 1
     for i, run in enumerate(runs):
         command = run.get("command")
         if not isinstance(command, str) or command not in SCHEMA:
@@ -200,6 +229,12 @@ def load_sweep(path):
             key, reason = e.args[0]
             bad(*where[key], key, reason)
             continue
+        n = count_points(run, schema) * len(clusters)
+        if counted <= max_points < counted + n:
+            crossing = lines.get(("run", i, None), 1)      # the [[run]] that passes the limit
+        counted += n
+        if counted > max_points:      # counted on, not made: the sweep is refused for its size
+            continue
         for params in expand(run, schema):
             problem = None
             for cluster in clusters:
@@ -216,6 +251,10 @@ def load_sweep(path):
                                run.get("label", "")))
             if problem:
                 break
+    if counted > max_points:
+        problems.append(f"{path}:{crossing}: {counted:,} points, more than the limit of "
+                        f"{max_points:,} (experiments.sweepfile.MAX_POINTS); split the sweep, "
+                        f"or pass --max-points {counted} to run them all")
     if problems:       # a wrong [sweep] launcher is wrong for every run: said once
         raise SweepError("\n".join(dict.fromkeys(problems)))
     return settings, points

@@ -18,127 +18,127 @@ theory predicts (allreduce.bench jobs) and appends one record of kind "wire" a
 host to --jsonl (default: the job's own --jsonl file).
 
 Needs root (CAP_NET_ADMIN): without it, use the application-level emulation,
-`allreduce.bench --link-gbps` and `strategies.train --link-gbps`.  State (what
-is up, the hostfile, the launcher) lives in $TOPOLAB_CLUSTER_DIR
-(default /tmp/topolab-cluster); every name starts with --prefix (default tl-).
-An `up` or `down` after a crash removes what the crashed run left.
+`allreduce.bench --link-gbps` and `strategies.train --link-gbps`.  Every name
+starts with --prefix (default tl-; `run`, `status` and `down` take the one
+cluster recorded, if there is one); each cluster's record (what is up, the
+hostfile, the launcher) lives in $TOPOLAB_CLUSTER_DIR/PREFIX (default
+/tmp/topolab-cluster/tl-).  Clusters side by side (state.py): `up` never touches
+a live cluster (one that is up, runs a job, or is being made), whatever
+directory it was made from: it refuses, naming it, and exits 2.  What a crash
+left (pieces with no process inside and no live owner) the next `up` removes,
+and `down --prefix P` removes a cluster whatever its state.
 """
 import argparse
-import json
 import os
 import sys
 import time
 
-from . import launch, net, wire
+from . import launch, net, state, wire
+from .state import CREATING, OWN_JOB, UP
 
-DEFAULT_DIR = "/tmp/topolab-cluster"
+DEFAULT_PREFIX = "tl-"
 # Jobs that add link latency in their transport (allreduce/emulate.py) when the kernel cannot.
 TRANSPORT_LATENCY = ("allreduce.bench", "strategies.train")
 
 
-def run_dir():
-    return os.environ.get("TOPOLAB_CLUSTER_DIR") or DEFAULT_DIR
+def layout_of(record):
+    return net.Layout(record["nodes"], record["prefix"], record["subnet"])
 
 
-def state_path():
-    return os.path.join(run_dir(), "state.json")
-
-
-def load_state():
+def tear_down(prefix):
+    """Stop the recorded mpiexec, remove every piece named with the prefix and this
+    directory's files of it.  The caller holds the cluster's lock.  Returns the names
+    removed."""
     try:
-        with open(state_path()) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise net.ClusterError(f"{state_path()} is unreadable ({e}): remove it, "
-                               f"then `down --prefix P` removes the pieces") from None
-
-
-def save_state(state):
-    tmp = state_path() + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(state, f, indent=1)
-    os.replace(tmp, state_path())
-
-
-def layout_of(state):
-    return net.Layout(state["nodes"], state["prefix"], state["subnet"])
-
-
-def tear_down(prefix=None):
-    """Stop the recorded mpiexec, remove every piece named with the prefix and the
-    run directory's files.  Returns the names removed."""
-    state = load_state()
-    prefixes = {p for p in (prefix, state and state["prefix"]) if p}
-    if state and state.get("mpiexec_pid") and launch.is_our_mpiexec(state["mpiexec_pid"]):
-        launch.stop_group(state["mpiexec_pid"])
-    removed = []
-    for p in sorted(prefixes):
-        removed += net.destroy(p)
-    for name in ("state.json", "hostfile", "launcher.sh", "hosts"):
-        try:
-            os.remove(os.path.join(run_dir(), name))
-        except FileNotFoundError:
-            pass
-    try:
-        os.rmdir(run_dir())
-    except OSError:
-        pass          # not empty: files someone else put there stay
+        record = state.load(prefix)
+    except net.ClusterError:
+        record = None                 # unreadable: its files go all the same
+    if record and record["mpiexec_pid"] and launch.is_our_mpiexec(record["mpiexec_pid"]):
+        launch.stop_group(record["mpiexec_pid"])
+    removed = net.destroy(prefix)
+    state.forget(prefix)
     return removed
 
 
-def bring_up(a):
-    """Create and shape the cluster `a` describes; returns its state."""
+def bring_up(a, phase):
+    """Create and shape the cluster `a` describes, for `phase` (UP: until `down`;
+    OWN_JOB: for this process's job); returns its record.  The caller holds the
+    cluster's lock.  A live cluster with the prefix is refused, a stale one removed."""
     layout = net.Layout(a.nodes, a.prefix, a.subnet)
     if a.ranks_per_node < 1 or a.inter_gbps <= 0 or a.inter_latency_us < 0:
         raise net.ClusterError(f"need --ranks-per-node >= 1 (got {a.ranks_per_node}), "
                                f"--inter-gbps > 0 (got {a.inter_gbps:g}), "
                                f"--inter-latency-us >= 0 (got {a.inter_latency_us:g})")
+    _, why = state.live_reason(a.prefix)
+    if why:
+        raise net.ClusterError(f"cluster {a.prefix} is in use, so `{a.command}` leaves it "
+                               f"alone: {why}.  Choose another --prefix (and --subnet), or "
+                               f"end it with `down --prefix {a.prefix}`")
     stale = tear_down(a.prefix)
     if stale:
         print(f"removed stale {', '.join(stale)}", file=sys.stderr)
-    os.makedirs(run_dir(), exist_ok=True)
-    state = {"nodes": a.nodes, "ranks_per_node": a.ranks_per_node, "inter_gbps": a.inter_gbps,
-             "inter_latency_us": a.inter_latency_us, "latency_by": None, "prefix": a.prefix,
-             "subnet": a.subnet, "mpiexec_pid": None, "since": time.time()}
-    save_state(state)         # first, so that a crash from here on is cleaned up by prefix
+    record = {"nodes": a.nodes, "ranks_per_node": a.ranks_per_node, "inter_gbps": a.inter_gbps,
+              "inter_latency_us": a.inter_latency_us, "latency_by": None, "prefix": a.prefix,
+              "subnet": a.subnet, "phase": CREATING, "owner": state.me(), "hostfile": None,
+              "launcher": None, "mpiexec_pid": None, "since": time.time()}
+    mark = state.mark_of(record)
+    state.save(record)        # first, so that a crash from here on is cleaned up by prefix
     try:
-        net.create(layout)
-        state["latency_by"] = net.shape(layout, a.inter_gbps, a.inter_latency_us)
-        state["hostfile"], state["launcher"] = launch.write_files(run_dir(), layout,
-                                                                  a.ranks_per_node)
-        save_state(state)
+        with state.subnet_lock():
+            net.create(layout, mark)
+        record["latency_by"] = net.shape(layout, a.inter_gbps, a.inter_latency_us)
+        record["hostfile"], record["launcher"] = launch.write_files(
+            state.cluster_dir(a.prefix), layout, a.ranks_per_node)
+        record["phase"] = phase
+        state.save(record)
+        net.set_mark(a.prefix, state.mark_of(record))   # last: now it is live
     except BaseException:
         tear_down(a.prefix)
         raise
-    print(describe(state), file=sys.stderr)
-    return state
+    print(describe(record), file=sys.stderr)
+    return record
 
 
-def describe(state):
-    layout = layout_of(state)
+def not_usable(record):
+    """None if jobs may run on the recorded cluster; else why not, in words."""
+    prefix = record["prefix"]
+    if record["phase"] == CREATING:
+        return f"cluster {prefix} is not ready: {state.owner_words(record)}"
+    if record["phase"] == OWN_JOB:
+        return f"cluster {prefix} was made by `run --nodes` for one job: " \
+            f"{state.owner_words(record)}"
+    mark = net.read_mark(prefix, state.MARK_BY)
+    if mark is None:
+        return f"cluster {prefix} is not on this machine any more (no {prefix}br, or not ours)"
+    if mark.get("dir") != os.path.abspath(state.run_dir()) or mark.get("phase") != UP:
+        return f"cluster {prefix} on this machine is not the one recorded here: it was made " \
+            f"from {mark.get('dir')} ({mark.get('phase')})"
+    return None
+
+
+def describe(record):
+    layout = layout_of(record)
     hosts = ", ".join(f"{layout.host(i)}={layout.address(i)}" for i in range(layout.nodes))
     latency = {"none": "0 us",
-               "netem": f"{state['inter_latency_us']:g} us one way (netem)",
-               "transport": f"{state['inter_latency_us']:g} us added by the job's transport "
+               "netem": f"{record['inter_latency_us']:g} us one way (netem)",
+               "transport": f"{record['inter_latency_us']:g} us added by the job's transport "
                             f"(this kernel has no netem; allreduce/emulate.py delays every "
                             f"message of the textbook algorithms, inside a host too)"}
-    return (f"cluster: {state['nodes']} hosts x {state['ranks_per_node']} ranks ({hosts}); "
-            f"links {state['inter_gbps']:g} Gbit/s each way (tbf), latency "
-            f"{latency[state['latency_by']]}")
+    return (f"cluster: {record['nodes']} hosts x {record['ranks_per_node']} ranks ({hosts}); "
+            f"links {record['inter_gbps']:g} Gbit/s each way (tbf), latency "
+            f"{latency[record['latency_by']]}")
 
 
-def with_latency(state, job):
+def with_latency(record, job):
     """The job with --link-latency-us added where the kernel cannot add latency."""
-    if state["latency_by"] != "transport" or "--link-latency-us" in job:
+    if record["latency_by"] != "transport" or "--link-latency-us" in job:
         return job
     if job[0] not in TRANSPORT_LATENCY:
         raise net.ClusterError(
             f"this kernel has no netem, so the links cannot add latency, and {job[0]} has no "
             f"--link-latency-us of its own (only {', '.join(TRANSPORT_LATENCY)} do): "
             f"bring the cluster up with --inter-latency-us 0")
-    return job + ["--link-latency-us", f"{state['inter_latency_us']:g}"]
+    return job + ["--link-latency-us", f"{record['inter_latency_us']:g}"]
 
 
 def jsonl_of(job):
@@ -150,25 +150,34 @@ def jsonl_of(job):
     return None
 
 
-def run_on(state, job, jsonl):
-    """Run the job on the cluster that is up; prints and records its wire bytes."""
-    layout = layout_of(state)
-    job = with_latency(state, job)
-    cmd = launch.job_command(layout, state["ranks_per_node"], state["hostfile"],
-                             state["launcher"], job)
+def run_on(record, job, jsonl, lock=None):
+    """Run the job on the cluster; prints and records its wire bytes.  `lock`, held
+    since the check that no job runs, is let go once mpiexec's pid is recorded."""
+    layout = layout_of(record)
+    job = with_latency(record, job)
+    cmd = launch.job_command(layout, record["ranks_per_node"], record["hostfile"],
+                             record["launcher"], job)
 
     def started(pid):
-        state["mpiexec_pid"] = pid
-        save_state(state)
+        record["mpiexec_pid"] = pid
+        state.save(record)
+        if lock:
+            lock.release()
     before = wire.snapshot(layout, layout.nodes)
     code = launch.run_job(cmd, launch.rank_env(layout), started)
-    after = wire.snapshot(layout, layout.nodes)
-    state["mpiexec_pid"] = None
-    save_state(state)
-    spec = {k: state[k] for k in ("nodes", "ranks_per_node", "inter_gbps", "inter_latency_us",
-                                  "latency_by")}
+    with state.cluster_lock(record["prefix"]):
+        now = state.load(record["prefix"])
+        if now is None or now["since"] != record["since"]:
+            print(f"topolab-cluster: cluster {record['prefix']} was taken down during the job; "
+                  f"no wire records", file=sys.stderr)
+            return code
+        after = wire.snapshot(layout, layout.nodes)
+        record["mpiexec_pid"] = None
+        state.save(record)
+    spec = {k: record[k] for k in ("nodes", "ranks_per_node", "inter_gbps", "inter_latency_us",
+                                   "latency_by")}
     records = wire.wire_records(layout, before, after, " ".join(job), spec)
-    theory = wire.job_theory(job[0], job[1:], layout.nodes, state["ranks_per_node"]) \
+    theory = wire.job_theory(job[0], job[1:], layout.nodes, record["ranks_per_node"]) \
         if code == 0 else None
     for i, r in enumerate(records):
         r["theory_tx_bytes"] = theory[i] if theory else None
@@ -186,44 +195,80 @@ def cmd_run(a, job):
     if not job:
         raise net.ClusterError("run needs a job after `--`: MODULE ARGS... (or SCRIPT.py ARGS...)")
     net.require_privileges()
-    own = a.nodes is not None
-    state = bring_up(a) if own else load_state()
-    if state is None:
-        raise net.ClusterError(f"no cluster is up ({state_path()} missing): give --nodes, "
-                               f"--ranks-per-node and --inter-gbps, or run `up` first")
-    running = state.get("mpiexec_pid")
-    if not own and running and launch.is_our_mpiexec(running):
-        raise net.ClusterError(f"a job is running on this cluster (mpiexec pid {running}); "
-                               f"wait for it, or `down` ends it")
-    try:
-        return run_on(state, job, a.jsonl)
-    finally:
-        if own:
-            tear_down(a.prefix)
+    if a.nodes is not None:                     # a cluster of its own, for this job
+        with state.cluster_lock(a.prefix):
+            record = bring_up(a, OWN_JOB)
+        try:
+            return run_on(record, job, a.jsonl)
+        finally:
+            with state.cluster_lock(a.prefix):
+                tear_down(a.prefix)
+    with state.cluster_lock(a.prefix) as lock:  # one job at a time: checked, then started
+        record = state.load(a.prefix)
+        if record is None:
+            raise net.ClusterError(f"no cluster {a.prefix} is up ({state.state_path(a.prefix)} "
+                                   f"missing): give --nodes, --ranks-per-node and "
+                                   f"--inter-gbps, or run `up` first")
+        why = not_usable(record)
+        if why:
+            raise net.ClusterError(f"{why}; `down --prefix {a.prefix}` removes it, then `up`")
+        running = record["mpiexec_pid"]
+        if running and launch.is_our_mpiexec(running):
+            raise net.ClusterError(f"a job is running on this cluster (mpiexec pid {running}); "
+                                   f"wait for it, or `down` ends it")
+        return run_on(record, job, a.jsonl, lock)
 
 
 def cmd_status(a):
-    state = load_state()
-    prefix = state["prefix"] if state else a.prefix
-    namespaces, links = net.ours(prefix)
-    if not state:
-        print(f"no cluster up ({state_path()} missing)" +
-              (f"; stale: {', '.join(namespaces + links)}" if namespaces or links else ""))
+    record = state.load(a.prefix)
+    pieces, why = state.live_reason(a.prefix)
+    if record is None:
+        print(f"no cluster {a.prefix} up ({state.state_path(a.prefix)} missing)" +
+              (f"; on this machine: {', '.join(pieces)}: "
+               f"{why or 'stale, the next `up` or `down` removes them'}" if pieces else ""))
         return 0
-    print(describe(state))
-    layout = layout_of(state)
+    if record["phase"] == CREATING:
+        print(not_usable(record) + ("" if state.alive(record["owner"]) else
+                                    f"; `down --prefix {a.prefix}` removes what it left, "
+                                    f"as does the next `up`"))
+        return 0
+    print(describe(record))
+    layout = layout_of(record)
     for i in range(layout.nodes):
-        present = layout.host(i) in namespaces
+        present = layout.host(i) in pieces
         print(f"  {layout.host(i)}: {'up' if present else 'MISSING'}", end="")
         if present:
             c = net.counters(layout, i)
             root, host = net.qdiscs(layout, i)
             print(f"  tx {c['tx_bytes']} B, rx {c['rx_bytes']} B;  {host} / {root}", end="")
         print()
-    pid = state.get("mpiexec_pid")
+    pid = record["mpiexec_pid"]
     if pid:
         print(f"  job: mpiexec pid {pid} {'running' if launch.is_our_mpiexec(pid) else 'gone'}")
+    trouble = not_usable(record)
+    if trouble:
+        print(f"  {trouble}")
     return 0
+
+
+def chosen_prefix(a):
+    """--prefix, else: `up` and `run --nodes` make tl-; the others take the one cluster
+    recorded in the directory (tl- if none)."""
+    if a.prefix is not None or a.command == "up" or getattr(a, "nodes", None) is not None:
+        return a.prefix or DEFAULT_PREFIX
+    found = [p for p in state.recorded() if prefix_ok(p)]
+    if len(found) > 1:
+        raise net.ClusterError(f"clusters {', '.join(found)} are recorded in {state.run_dir()}: "
+                               f"name one with --prefix")
+    return found[0] if found else DEFAULT_PREFIX
+
+
+def prefix_ok(prefix):
+    try:
+        net.check_prefix(prefix)
+    except net.ClusterError:
+        return False
+    return True
 
 
 def parse_args(argv):
@@ -238,7 +283,8 @@ def parse_args(argv):
     shape.add_argument("--inter-latency-us", type=float, default=0.0,
                        help="one-way latency between hosts (netem; else the job's transport)")
     where = argparse.ArgumentParser(add_help=False)
-    where.add_argument("--prefix", default="tl-", help="of every namespace and link name")
+    where.add_argument("--prefix", help=f"of every namespace and link name (up: default "
+                                        f"{DEFAULT_PREFIX}; else the one cluster recorded)")
     where.add_argument("--subnet", default="10.77.0.0/24", help="private range for the hosts")
     sub.add_parser("up", parents=[shape, where], help="bring the cluster up")
     run = sub.add_parser("run", parents=[shape, where],
@@ -259,12 +305,14 @@ def main(argv=None):
     if job and a.command != "run":
         parser.error(f"only `run` takes a job after --, not `{a.command}`")
     try:
+        a.prefix = chosen_prefix(a)
+        net.check_prefix(a.prefix)
         if a.command == "up":
             if a.nodes is None:
                 parser.error("up needs --nodes")
             net.require_privileges()
-            with launch.signals_raise():
-                bring_up(a)
+            with launch.signals_raise(), state.cluster_lock(a.prefix):
+                bring_up(a, UP)
             return 0
         if a.command == "run":
             with launch.signals_raise():
@@ -272,7 +320,8 @@ def main(argv=None):
         if a.command == "status":
             return cmd_status(a)
         net.require_privileges()
-        removed = tear_down(a.prefix)
+        with state.cluster_lock(a.prefix):
+            removed = tear_down(a.prefix)
         print(f"removed {', '.join(removed)}" if removed else "nothing was up")
         return 0
     except launch.Interrupted as e:

@@ -15,7 +15,8 @@ transport adds it (allreduce/emulate.py): see `shape`.
 
 Every name starts with the prefix ({p}, default "tl-"), so teardown and stale
 cleanup touch only what this module made.  Addresses come from one private
-subnet that must not overlap any address or route the machine already has.
+subnet that must not overlap any address or route the machine already has.  The
+bridge carries a mark, its alias: who made the cluster (state.py reads it).
 """
 import ipaddress
 import json
@@ -42,6 +43,15 @@ class ClusterError(RuntimeError):
     """Something the cluster tool cannot do, with the reason in words."""
 
 
+def check_prefix(prefix):
+    """Every name the tool makes, and every name teardown removes, starts with the
+    prefix: it must be one a machine's own interfaces never have (not "e", which
+    would take eth0 with it)."""
+    if not isinstance(prefix, str) or not re.fullmatch(r"[a-z][a-z0-9]{0,4}-", prefix):
+        raise ClusterError(f"prefix {prefix!r} must be 1-5 lowercase letters or digits "
+                           f"then '-' (e.g. 'tl-'), so interface names stay under 16 bytes")
+
+
 @dataclass(frozen=True)
 class Layout:
     """Names and addresses of a cluster of `nodes` hosts; validated on construction."""
@@ -50,9 +60,7 @@ class Layout:
     subnet: str = "10.77.0.0/24"
 
     def __post_init__(self):
-        if not re.fullmatch(r"[a-z][a-z0-9]{0,4}-", self.prefix):
-            raise ClusterError(f"prefix {self.prefix!r} must be 1-5 lowercase letters or digits "
-                               f"then '-' (e.g. 'tl-'), so interface names stay under 16 bytes")
+        check_prefix(self.prefix)
         try:
             net = ipaddress.ip_network(self.subnet)
         except ValueError as e:
@@ -121,6 +129,25 @@ def ours(prefix):
     return namespaces, links
 
 
+def namespace_pids(ns):
+    """The processes running inside a namespace."""
+    return [int(p) for p in sh("ip", "netns", "pids", ns, check=False).stdout.split()]
+
+
+def read_mark(prefix, by):
+    """The bridge's alias as a dict, if it is a JSON mark {"by": by, ...}; else None."""
+    out = sh("ip", "-j", "link", "show", "dev", f"{prefix}br", check=False)
+    try:
+        mark = json.loads(json.loads(out.stdout or "[]")[0].get("ifalias") or "null")
+    except (ValueError, IndexError, AttributeError):
+        return None
+    return mark if isinstance(mark, dict) and mark.get("by") == by else None
+
+
+def set_mark(prefix, text):
+    sh("ip", "link", "set", "dev", f"{prefix}br", "alias", text)
+
+
 def kill_pids(pids, wait_s=5.0):
     """SIGKILL each pid, then wait until all are gone (a namespace with a live
     process outlives `ip netns del`, and so does its link)."""
@@ -141,8 +168,7 @@ def destroy(prefix):
     inside the namespaces first.  Returns what it removed (names)."""
     namespaces, links = ours(prefix)
     for ns in namespaces:
-        pids = [int(p) for p in sh("ip", "netns", "pids", ns, check=False).stdout.split()]
-        kill_pids(pids)
+        kill_pids(namespace_pids(ns))
         sh("ip", "netns", "del", ns)
     # Deleting a namespace deletes its veth end and so the pair, but the kernel does
     # that a moment later; the bridge is left.  Delete what remains, until nothing does.
@@ -159,30 +185,32 @@ def destroy(prefix):
 
 
 def check_subnet_free(layout):
-    """The subnet must not overlap any address or route of the machine (ours excepted)."""
+    """The subnet must not overlap any address or route of the machine: another
+    cluster's bridge among them (its address and route cover that cluster's subnet)."""
     net = ipaddress.ip_network(layout.subnet)
     for entry in json.loads(sh("ip", "-j", "-4", "addr", "show").stdout or "[]"):
         for a in entry.get("addr_info", []):
             theirs = ipaddress.ip_network(f"{a['local']}/{a['prefixlen']}", strict=False)
-            if theirs.overlaps(net) and not entry["ifname"].startswith(layout.prefix):
+            if theirs.overlaps(net):
                 raise ClusterError(f"subnet {net} overlaps {theirs} on {entry['ifname']}: "
                                    f"choose another with --subnet")
     for route in json.loads(sh("ip", "-j", "-4", "route", "show").stdout or "[]"):
         dst = route.get("dst", "default")
-        if dst != "default" and ipaddress.ip_network(dst, strict=False).overlaps(net) \
-                and not route.get("dev", "").startswith(layout.prefix):
-            raise ClusterError(f"subnet {net} overlaps the route to {dst}: choose another "
-                               f"with --subnet")
+        if dst != "default" and ipaddress.ip_network(dst, strict=False).overlaps(net):
+            raise ClusterError(f"subnet {net} overlaps the route to {dst} (dev "
+                               f"{route.get('dev', '?')}): choose another with --subnet")
 
 
-def create(layout):
-    """The bridge, the namespaces and their links, unshaped.  Stale pieces with the
-    same prefix (from a crash) are removed first.  On failure, removes what it made."""
-    destroy(layout.prefix)
+def create(layout, mark):
+    """The bridge (its alias `mark`, the first thing made, so a crash from here on
+    leaves pieces whose maker is known), the namespaces and their links, unshaped.
+    The caller has removed stale pieces and holds the subnet lock (state.py).
+    On failure, removes what it made."""
     check_subnet_free(layout)
     try:
-        # IPv6 off on every link: its router solicitations would show in the byte counters.
         sh("ip", "link", "add", layout.bridge, "type", "bridge")
+        set_mark(layout.prefix, mark)
+        # IPv6 off on every link: its router solicitations would show in the byte counters.
         sh("sysctl", "-qw", f"net.ipv6.conf.{layout.bridge}.disable_ipv6=1", check=False)
         sh("ip", "addr", "add", f"{layout.bridge_address}/{layout.prefixlen}", "dev", layout.bridge)
         sh("ip", "link", "set", layout.bridge, "up")

@@ -15,6 +15,16 @@ import pytest
 
 from conftest import check_ok, mpi_env, run
 
+
+def alive(pid):
+    """Running (a zombie waiting for its parent to reap it counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 class Cluster:
     """The command line of one cluster: `cli(...)` runs `python -m experiments.cluster`
     with this cluster's run directory, prefix and subnet."""
@@ -36,7 +46,7 @@ class Cluster:
         return check_ok(self.cli("run", "--", *job, timeout=timeout))
 
     def state(self):
-        with open(os.path.join(self.run_dir, "state.json")) as f:
+        with open(os.path.join(self.run_dir, self.prefix, "state.json")) as f:
             return json.load(f)
 
     def leftovers(self):

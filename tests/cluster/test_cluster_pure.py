@@ -88,3 +88,22 @@ def test_launcher_runs_only_on_the_clusters_hosts(tmp_path):
     assert out.returncode == 2 and "not a host of this cluster" in out.stderr
     text = open(launcher).read()
     assert "TOPOLAB_MASTER_ADDR=10.77.11.1" in text and "MPIR_CVAR_CH4_NETMOD=ofi" in text
+
+
+def test_a_prefix_that_could_match_the_machines_own_links_is_refused_first(tmp_path, monkeypatch,
+                                                                           capsys):
+    # teardown removes every link whose name starts with the prefix: "e" would take eth0
+    monkeypatch.setenv("TOPOLAB_CLUSTER_DIR", str(tmp_path))
+    assert cli.main(["status", "--prefix", "e"]) == 2
+    assert "prefix 'e' must be 1-5 lowercase letters" in capsys.readouterr().err
+
+
+def test_a_torn_or_foreign_record_is_named_with_the_way_out(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TOPOLAB_CLUSTER_DIR", str(tmp_path))
+    (tmp_path / "tlz-").mkdir()
+    for text, words in (('{"nodes": 2}', "lacks ranks_per_node"), ('{"nod', "is unreadable")):
+        (tmp_path / "tlz-" / "state.json").write_text(text)
+        assert cli.main(["status"]) == 2                # the one cluster recorded: tlz-
+        err = capsys.readouterr().err
+        assert words in err and "`down --prefix tlz-` removes it" in err
+        assert len(err.strip().splitlines()) == 1
