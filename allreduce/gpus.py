@@ -40,9 +40,9 @@ def library_takes_cuda(lib):
 
 
 def loaded_mpi_library():
-    """The MPI library this process loaded (mpi4py's), as a ctypes.CDLL, or None.
-    Found in the process's memory map: mpi4py may load it privately, where
-    ctypes.CDLL(None) does not see its symbols."""
+    """The MPI library this process loaded (mpi4py's) that has an MPIX query, as a
+    ctypes.CDLL, or None.  Found in the process's memory map: mpi4py may load it
+    privately, where ctypes.CDLL(None) does not see its symbols."""
     try:
         with open("/proc/self/maps") as maps:
             paths = sorted({line.split()[-1] for line in maps
@@ -50,12 +50,12 @@ def loaded_mpi_library():
     except OSError:                      # not Linux: no map to read
         return None
     for path in paths:
-        if "libmpi_abi" in path:         # MPICH's ABI shim: the symbols are in libmpi
-            continue
         try:
-            return ctypes.CDLL(path)     # already loaded: the same handle, not a second copy
+            lib = ctypes.CDLL(path)      # already loaded: the same handle, not a second copy
         except OSError:
             continue
+        if hasattr(lib, "MPIX_GPU_query_support") or hasattr(lib, "MPIX_Query_cuda_support"):
+            return lib
     return None
 
 
