@@ -35,13 +35,15 @@ for name in "${NEEDED[@]}"; do
 done
 [ ${#missing[@]} -eq 0 ] || fail "no wheel of ${missing[*]} in $WHEELS"
 command -v "$PYTHON" >/dev/null || fail "no $PYTHON on PATH"
-torch_dir=$("$PYTHON" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))' \
-    2>/dev/null) || fail "$PYTHON cannot import torch: install a CUDA build of torch for it"
+where_torch='import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))'
+torch_dir=$("$PYTHON" -c "$where_torch" 2>/dev/null) ||
+    fail "$PYTHON cannot import torch: install a CUDA build of torch for it"
 
 # 2. the venv, and the four packages from the wheels: installed before python3's
 # directories are in sight, or pip would call a package of python3's installed
 started=$SECONDS
-"$PYTHON" -m venv "$VENV" || fail "$PYTHON -m venv $VENV failed (Debian: apt-get install python3-venv)"
+"$PYTHON" -m venv "$VENV" ||
+    fail "$PYTHON -m venv $VENV failed (Debian: apt-get install python3-venv)"
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 rm -f "$site/system-torch.pth"
 "$VENV/bin/python" -m pip install -q --no-index --no-deps --find-links "$WHEELS" "${NEEDED[@]}"
