@@ -32,8 +32,9 @@ import importlib
 # commands, the lab checkers) import only allreduce.records and the like.
 _HOME = {
     "create": "factory", "make": "factory", "make_transport": "factory",
-    "host_staged": "factory", "ALGORITHMS": "factory", "COMPOSED": "factory",
-    "Auto": "auto", "HostStaged": "buffers", "Collective": "collective",
+    "host_staged": "factory", "takes_device_buffers": "factory", "ALGORITHMS": "factory",
+    "COMPOSED": "factory",
+    "Auto": "auto", "HostStaged": "staging", "Collective": "collective",
     "AllreduceError": "errors", "CollectiveError": "errors", "CollectiveTimeout": "errors",
     "TransportError": "errors", "TransportTimeout": "errors", "Hierarchical": "hierarchical",
     "ONE_LEVEL": "registry", "TEXTBOOK": "registry", "build": "registry",

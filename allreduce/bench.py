@@ -6,9 +6,11 @@
         --algos ring,tree,halving_doubling,hierarchical,mpi,torch --jsonl results/bench.jsonl
     mpiexec -f hostfile -n 16 python -m mpi4py -m allreduce.bench ...      # several hosts
     mpiexec -n 2 python -m mpi4py -m allreduce.bench --device cuda --algos ring,mpi,torch
-        # one GPU a rank; MPI moves CUDA buffers through pinned host memory
-        # (allreduce.host_staged), NCCL directly; NCCL's own all-reduce (torch)
-        # is always a row: the bar the others are measured against
+        # one GPU a rank; a CUDA-aware MPI takes the ring's CUDA buffers as they
+        # are, any other MPI gets them through pinned host memory
+        # (allreduce.host_staged; the header says which); NCCL moves them itself.
+        # NCCL's own all-reduce (torch) is always a row, the bar the others are
+        # measured against, unless ranks share a GPU (NCCL needs one each)
 
 For every (size, collective) the algorithms take turns iteration by iteration
 (A B C A B C ..., allreduce/harness.py), so a machine that changes speed
@@ -28,15 +30,15 @@ barrier and the wake-up after it are as large as the collective itself, so the
 overhead of one layer over another (x_raw) is compared fairly with --loop; from
 1 MiB the two modes agree within the noise.
 """
-import sys
-
 import numpy as np
 
 from . import create, host_staged, shard_bounds
 from .bench_config import RAW, element_size, parse_args
+from .bench_setup import refuse_unallocatable, use_device, without_shared_gpus
 from .harness import interleaved
 from .native import MPIRaw
 from .records import append_jsonl, provenance
+from .staging import HostStaged
 from .theory import bus_factor, bytes_sent
 from .twolevel import predictor
 from .units import format_size
@@ -88,23 +90,6 @@ def settle(device):
         torch.cuda.synchronize(device)
 
 
-def use_device(args, comm):
-    """torch.device for --device, or exit 2 on every rank with the reason (no GPU)."""
-    import torch
-    if args.device == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        sys.stderr.write(f"allreduce.bench rank {comm.rank}: error: --device cuda but torch "
-                         f"sees no GPU (torch {torch.__version__}); use --device cpu\n")
-        sys.stderr.flush()
-        comm.Barrier()                               # every rank has said it before any exits
-        sys.exit(2)
-    from .torch_world import local_rank
-    device = torch.device("cuda", local_rank(comm) % torch.cuda.device_count())
-    torch.cuda.set_device(device)                    # NCCL and the pinned copies use it
-    return device
-
-
 def runner(coll, collective, n):
     """The call a row times, x -> result."""
     if isinstance(coll, MPIRaw):
@@ -148,6 +133,22 @@ def make_rows(args, comm, device):
     return colls
 
 
+def cuda_path(coll):
+    """How a row's CUDA buffers travel: 'direct' (NCCL, a CUDA-aware MPI) or 'staged'
+    (through pinned host memory: allreduce.host_staged's fallback)."""
+    return "staged" if isinstance(coll, HostStaged) else "direct"
+
+
+def cuda_paths_line(colls):
+    """The header's line on which path each row's CUDA buffers took."""
+    rows = {path: [a for a, c in colls.items() if a != RAW and cuda_path(c) == path]
+            for path in ("direct", "staged")}
+    said = {"direct": "handed to the transport as they are",
+            "staged": "staged through pinned host memory"}
+    return "# CUDA buffers: " + "; ".join(f"{said[path]}: {', '.join(algos)}"
+                                          for path, algos in rows.items() if algos)
+
+
 def header(args, P, width, predict, mpi):
     link = (f" link={args.link_latency_us:g}us/{args.link_gbps or 'inf'}Gbit/s"
             if args.link_latency_us or args.link_gbps else "")
@@ -165,6 +166,8 @@ def main(argv=None):
     comm = MPI.COMM_WORLD
     rank, P = comm.rank, comm.size
     device = use_device(args, comm)
+    args.algos, note = without_shared_gpus(args, comm)
+    refuse_unallocatable(args, comm, device)
     colls = make_rows(args, comm, device)
     predict = predictor(args.predict, comm, args.inner, args.outer,
                         args.ranks_per_node, emulated=bool(args.link_latency_us or args.link_gbps)) \
@@ -174,6 +177,9 @@ def main(argv=None):
     width = 22 if "auto" in args.algos else 16         # auto→halving_doubling
     if rank == 0:
         print(header(args, P, width, predict, meta["mpi"]), flush=True)
+        for line in (note, cuda_paths_line(colls) if device.type == "cuda" else None):
+            if line:
+                print(line, flush=True)
     out = args.jsonl if rank == 0 else None
     window = None
     if "shm" in colls and args.dtype != "bfloat16" and device.type == "cpu":
@@ -245,6 +251,8 @@ def main(argv=None):
                               "vs_raw": vs_raw, "algbw_gbps": algbw, "busbw_gbps": busbw,
                               "sent_bytes": None if native else most_sent,
                               "theory_bytes": theory, "wrong": n_wrong, "device": args.device,
+                              "cuda_path": (cuda_path(colls[algo]) if device.type == "cuda"
+                                            and algo != RAW else None),
                               "transport": ("mpi" if algo == RAW else
                                             "torch" if algo == "torch" else args.transport),
                               "link_latency_us": args.link_latency_us,

@@ -17,6 +17,7 @@ from . import ALGORITHMS
 from .cli import add_output_flags, size, size_list
 from .native import RAW
 from .records import calibration_file
+from .units import format_size
 
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "alltoall")
 DTYPES = ("float32", "float64", "int32", "int64", "float16", "bfloat16")
@@ -74,8 +75,10 @@ def parse_args(argv=None, description=None):
     args = p.parse_args(argv)
     args.algos = [a for a in (args.algos or DEFAULT_ALGOS[args.device]).split(",") if a]
     emulated = args.link_latency_us or args.link_gbps
-    if args.device == "cuda" and "torch" not in args.algos and not emulated:
-        args.algos.append("torch")                 # NCCL's own all-reduce: the baseline row
+    # NCCL's own all-reduce: the baseline row, unless ranks share a GPU (nccl_rows)
+    args.nccl_added = args.device == "cuda" and "torch" not in args.algos and not emulated
+    if args.nccl_added:
+        args.algos.append("torch")
     args.ops = [o for o in args.ops.split(",") if o]
     for a in args.algos:
         if a not in ROWS:
@@ -105,3 +108,56 @@ def parse_args(argv=None, description=None):
             args.sizes.append(lo)
             lo *= max(2, args.factor)
     return args
+
+
+def over_nccl(algos, transport):
+    """The rows that run over NCCL on a GPU: torch's and, with --transport torch,
+    the textbook ones (mpi-raw is MPI's, whatever the transport)."""
+    return [a for a in algos if a == "torch" or (transport == "torch" and a != RAW)]
+
+
+def nccl_rows(algos, transport, added, problem):
+    """(the rows to run, a note or None) where `problem` says why NCCL cannot run
+    this launch's ranks (gpus.nccl_sharing_problem), or is None.  The baseline row
+    the benchmark added itself is left out with a note, as the trainer leaves NCCL
+    out where ranks share a GPU; a row asked for is a ValueError naming it."""
+    nccl = over_nccl(algos, transport)
+    if problem is None or not nccl:
+        return algos, None
+    asked = [a for a in nccl if not (a == "torch" and added)]
+    if asked:
+        raise ValueError(f"--device cuda: {', '.join(asked)} over NCCL cannot run: {problem}; "
+                         f"start fewer ranks, or use --transport mpi (it stages CUDA buffers "
+                         f"through host memory, and ranks may share a GPU)")
+    return [a for a in algos if a != "torch"], f"# no torch (NCCL) row: {problem}"
+
+
+def memory_needed(nbytes, dtype, P, rows, device="cpu"):
+    """(host bytes, device bytes) one rank of the benchmark holds at once for a
+    message of `nbytes`, as allreduce/bench.py allocates it (n elements):
+    the input and each row's buffer and scratch (n * itemsize each; on a GPU on
+    the device, with a pinned host copy each for the staged rows), the float64
+    reference made of all P ranks' inputs and their sum (8n * (P + 1)), and the
+    float64 temporaries of making an input and checking a result (8n * 4)."""
+    n, itemsize = nbytes // element_size(dtype), element_size(dtype)
+    buffers = n * itemsize * (2 + 2 * rows)
+    checking = 8 * n * (P + 5)
+    if device == "cpu":
+        return buffers + checking, 0
+    return n * itemsize * (1 + rows) + checking, buffers
+
+
+def unallocatable(sizes, dtype, P, rows, host_free, device="cpu", device_free=None):
+    """Why the largest of `sizes` cannot be allocated, in one line, or None.
+    `host_free` / `device_free`: the bytes of memory available to one rank."""
+    largest = max(sizes, default=0)
+    host, on_device = memory_needed(largest, dtype, P, rows, device)
+    short = [(need, free, where) for need, free, where in
+             ((host, host_free, "host"), (on_device, device_free, "GPU"))
+             if free is not None and need > free]
+    if not short:
+        return None
+    need, free, where = short[0]
+    return (f"size {format_size(largest)} needs about {need / 2**30:.1f} GiB of {where} memory "
+            f"per rank ({rows} rows, P={P}) but {free / 2**30:.1f} GiB is available to each; "
+            f"give smaller sizes")

@@ -2,10 +2,10 @@
 made here or given.  The package's __init__ hands these names out on first use.
 """
 from .auto import Auto
-from .buffers import HostStaged
 from .errors import CollectiveError, TransportError
 from .hierarchical import Hierarchical
 from .registry import ONE_LEVEL, TEXTBOOK, build, one_level_class
+from .staging import HostStaged
 from .transport import MPITransport
 
 # The order is the one users see in messages and sweeps.
@@ -59,8 +59,22 @@ def create(name, comm=None, transport=None, timeout=None, link_latency_us=None, 
     return make(name, transport, **options)
 
 
+def takes_device_buffers(coll):
+    """Whether `coll` moves CUDA tensors itself.  Over NCCL every collective does.
+    Over a CUDA-aware MPI, those whose bytes all go through the transport's
+    point-to-point calls: the textbook algorithms, and hierarchical built of them;
+    not the MPI library's own collectives (mpi; auto, which may pick them), which
+    native.py hands host views, nor shm, whose buffers live in a host window."""
+    transport = coll.transport
+    if not transport.takes_cuda:
+        return False
+    if not isinstance(transport, MPITransport):
+        return True
+    return all(level in TEXTBOOK for level in getattr(coll, "levels", (coll.name,)))
+
+
 def host_staged(coll):
-    """`coll` itself where its transport moves CUDA tensors (NCCL); otherwise `coll`
-    with CUDA tensors staged through pinned host memory (buffers.HostStaged).  Host
-    buffers go straight through either way."""
-    return coll if coll.transport.takes_cuda else HostStaged(coll)
+    """`coll` itself where it moves CUDA tensors (takes_device_buffers); otherwise
+    `coll` with CUDA tensors staged through pinned host memory (staging.HostStaged),
+    the fallback.  Host buffers go straight through either way."""
+    return coll if takes_device_buffers(coll) else HostStaged(coll)

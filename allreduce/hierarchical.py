@@ -52,6 +52,7 @@ class Hierarchical(Collective):
         self.inner = make_one_level(inner, self.node, **options)
         self.outer = make_one_level(outer, leaders, **options) if self.is_leader else None
         self.node_sizes = self._exchange_node_sizes()
+        self.levels = (inner, outer)                    # the same on every rank
         self.description = f"hierarchical(inner={inner}, outer={outer}, nodes={self.node_sizes})"
 
     def _exchange_node_sizes(self):

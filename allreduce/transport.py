@@ -6,8 +6,9 @@
     t.send / t.recv / t.sendrecv      the blocking forms
     t.wait_all(handles)
     t.split(color)                    a transport over the ranks of the same colour
-    t.takes_cuda                      whether CUDA tensors may be passed (NCCL); where
-                                      not, allreduce.host_staged stages them via the host
+    t.takes_cuda                      whether CUDA tensors may be passed (NCCL, a
+                                      CUDA-aware MPI); where not, allreduce.host_staged
+                                      stages them through host memory
 
 A buffer is a contiguous numpy array or torch tensor.  Its bytes go on the wire
 as they are (`buffers.as_bytes`): never pickled, never copied on the way.
@@ -30,6 +31,7 @@ import numpy as np
 
 from .buffers import as_bytes, nbytes
 from .errors import TransportError, TransportTimeout
+from .gpus import device_ready, mpi_takes_cuda
 from .nap import may_nap
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -114,6 +116,12 @@ class MPITransport(Transport):
         self.size = self.comm.Get_size()
         self.nap = may_nap()
 
+    @property
+    def takes_cuda(self):
+        """Whether the MPI library reads device memory (gpus.mpi_takes_cuda): asked on
+        first use, since a CPU run never needs the answer."""
+        return mpi_takes_cuda(self.MPI)
+
     def isend(self, buf, peer, tag=0):
         self.traffic.sent += nbytes(buf)
         return Handle(self, self.comm.Isend(self._message(buf), peer, tag), peer)
@@ -142,10 +150,12 @@ class MPITransport(Transport):
         if type(buf) is np.ndarray:
             return buf
         if buf.device.type != "cpu":
-            raise TransportError(
-                "the MPI transport takes CPU buffers (the MPI from PyPI is not CUDA-aware): "
-                "use transport='torch' (NCCL) for CUDA tensors, or allreduce.host_staged(coll) "
-                "to stage them through host memory")
+            if not self.takes_cuda:
+                raise TransportError(
+                    "the MPI transport takes CPU buffers (this MPI is not CUDA-aware): use "
+                    "transport='torch' (NCCL) for CUDA tensors, or allreduce.host_staged(coll) "
+                    "to stage them through host memory")
+            device_ready(buf)    # mpi4py takes its memory by DLPack / __cuda_array_interface__
         return as_bytes(buf)
 
     def wait_request(self, request, peer=-1):

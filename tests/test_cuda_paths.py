@@ -1,11 +1,14 @@
 """The CUDA paths, checked where they can be on a machine without a GPU.
 
 Tier (a): the host staging that carries CUDA tensors to transports that move
-host memory only (allreduce.buffers.HostStaging, HostStaged).  Its copying is
+host memory only (allreduce.staging.HostStaging, HostStaged).  Its copying is
 device-independent, so it is checked with CPU tensors: a HostStaged that
 stages every tensor (standing for a CUDA one) over a stand-in collective that
 records what it was handed and changes it the way a reduction over two ranks
-would.  The real thing, CUDA tensors through MPI, is in tests/gpu/.
+would.  The order of its copies on CUDA streams is checked against a simulated
+GPU in tests/test_cuda_staging.py; which collectives take CUDA buffers as they
+are (NCCL, a CUDA-aware MPI) here.  The real thing, CUDA tensors through MPI,
+is in tests/gpu/.
 
 Tier (c): a run that asks for a GPU where torch sees none stops before
 training, with one line naming --device on every rank, and no traceback.
@@ -14,26 +17,27 @@ import pytest
 import torch
 
 import allreduce
-from allreduce.buffers import CollectiveError, HostStaged, HostStaging
+from allreduce.errors import CollectiveError
+from allreduce.staging import HostStaged, HostStaging
 from conftest import mpirun
 
 
-def test_host_copy_reuses_one_buffer_per_dtype_and_grows():
+def test_to_host_reuses_one_buffer_per_dtype_and_grows():
     staging = HostStaging()
     x = torch.arange(12, dtype=torch.float32).reshape(3, 4) * 1.5 - 4
-    host = staging.host_copy(x)
+    host = staging.to_host(x)
     assert host.shape == (12,) and torch.equal(host, x.reshape(-1))
     assert host.data_ptr() != x.data_ptr()                  # a copy, not a view
     first = host.data_ptr()
-    small = staging.host_copy(torch.full((5,), 7.0))
+    small = staging.to_host(torch.full((5,), 7.0))
     assert small.data_ptr() == first and torch.equal(small, torch.full((5,), 7.0))
-    wide = staging.host_copy(torch.arange(40, dtype=torch.float64))   # another dtype
+    wide = staging.to_host(torch.arange(40, dtype=torch.float64))   # another dtype
     assert wide.dtype == torch.float64
     assert torch.equal(wide, torch.arange(40, dtype=torch.float64))
-    assert staging.host_copy(torch.ones(3)).data_ptr() == first    # float32's is still there
-    grown = staging.host_copy(torch.arange(100, dtype=torch.float32))
+    assert staging.to_host(torch.ones(3)).data_ptr() == first    # float32's is still there
+    grown = staging.to_host(torch.arange(100, dtype=torch.float32))
     assert grown.numel() == 100 and torch.equal(grown, torch.arange(100, dtype=torch.float32))
-    empty = staging.host_copy(torch.empty(0, dtype=torch.bfloat16))
+    empty = staging.to_host(torch.empty(0, dtype=torch.bfloat16))
     assert empty.numel() == 0 and empty.dtype == torch.bfloat16
 
 
@@ -128,3 +132,86 @@ def test_cuda_without_a_gpu_stops_every_rank_before_any_work(args):
     assert sorted(ln.split(":")[0] for ln in lines) == [f"{args[1]} rank 0", f"{args[1]} rank 1"]
     assert "Traceback" not in result.stderr
     assert "loss" not in result.stdout and "algbw" not in result.stdout
+
+
+# -- which collectives take CUDA buffers as they are ----------------------------------
+def test_memory_kinds_and_the_mpix_queries_say_whether_mpi_reads_device_memory():
+    from allreduce.gpus import MPIX_GPU_SUPPORT_CUDA, kinds_take_cuda, library_takes_cuda
+    assert kinds_take_cuda("mpi,system,cuda:device") and kinds_take_cuda("system, cuda:device")
+    assert not kinds_take_cuda("mpi,system") and not kinds_take_cuda(None)
+    assert not kinds_take_cuda("cuda:host")             # pinned host memory is not the GPU's
+
+    class MPICH:                                         # MPIX_GPU_query_support(kind, &flag)
+        def __init__(self, flag, code=0):
+            self.flag, self.code = flag, code
+
+        def MPIX_GPU_query_support(self, kind, flag):
+            assert kind == MPIX_GPU_SUPPORT_CUDA
+            flag._obj.value = self.flag
+            return self.code
+
+    class OpenMPI:
+        def __init__(self, answer):
+            self.MPIX_Query_cuda_support = lambda: answer
+
+    assert library_takes_cuda(MPICH(1)) and not library_takes_cuda(MPICH(0))
+    assert not library_takes_cuda(MPICH(1, code=15))    # an error code: not supported
+    assert library_takes_cuda(OpenMPI(1)) and not library_takes_cuda(OpenMPI(0))
+    assert not library_takes_cuda(object())              # neither query: staging
+
+
+def test_this_mpi_library_is_asked():
+    from mpi4py import MPI
+    from allreduce.gpus import loaded_mpi_library, mpi_takes_cuda
+    lib = loaded_mpi_library()
+    assert lib is not None and (hasattr(lib, "MPIX_GPU_query_support")
+                                or hasattr(lib, "MPIX_Query_cuda_support"))
+    assert mpi_takes_cuda(MPI) in (True, False)
+
+
+@pytest.fixture
+def cuda_aware(monkeypatch):
+    """An MPITransport over COMM_SELF whose MPI library says it is CUDA-aware."""
+    from mpi4py import MPI
+    import allreduce.transport as transport
+    monkeypatch.setattr(transport, "mpi_takes_cuda", lambda MPI: True)
+    return transport.MPITransport(MPI.COMM_SELF)
+
+
+def collective(transport, name, levels=None):
+    coll = type("Coll", (), {"transport": transport, "name": name})()
+    if levels:
+        coll.levels = levels
+    return coll
+
+
+@pytest.mark.parametrize("name, levels, direct", [
+    ("ring", None, True), ("tree", None, True), ("halving_doubling", None, True),
+    ("hierarchical", ("ring", "tree"), True),
+    ("hierarchical", ("ring", "mpi"), False),          # the leaders' MPI_Iallreduce: host views
+    ("mpi", None, False), ("auto", None, False), ("shm", None, False)])
+def test_a_cuda_aware_mpi_takes_the_textbook_algorithms_buffers(cuda_aware, name, levels, direct):
+    coll = collective(cuda_aware, name, levels)
+    assert allreduce.takes_device_buffers(coll) is direct
+    assert (allreduce.host_staged(coll) is coll) is direct
+
+
+def test_without_cuda_awareness_every_mpi_collective_is_staged(monkeypatch):
+    from mpi4py import MPI
+    import allreduce.transport as transport
+    monkeypatch.setattr(transport, "mpi_takes_cuda", lambda MPI: False)
+    coll = collective(transport.MPITransport(MPI.COMM_SELF), "ring")
+    assert isinstance(allreduce.host_staged(coll), HostStaged)
+
+
+def test_the_mpi_transport_hands_device_buffers_over_once_their_kernels_are_done(
+        cuda_aware, monkeypatch):
+    import allreduce.transport as transport
+    ready = []
+    monkeypatch.setattr(transport, "device_ready", ready.append)
+    x = torch.empty(6, dtype=torch.float32, device="meta")     # a tensor off the host
+    message = cuda_aware._message(x)
+    assert ready == [x] and message.dtype == torch.uint8 and message.numel() == 24
+    monkeypatch.setattr(transport, "mpi_takes_cuda", lambda MPI: False)
+    with pytest.raises(allreduce.TransportError, match="not CUDA-aware.*host_staged"):
+        cuda_aware._message(x)

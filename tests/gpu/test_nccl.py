@@ -72,3 +72,22 @@ def test_bench_on_cuda_has_nccl_as_the_baseline_row(tmp_path, transport):
     assert {r["algo"] for r in records} >= {"ring", "torch"}       # torch: added as the bar
     assert all(r["device"] == "cuda" and r["wrong"] == 0 for r in records)
     assert all(r["world_size"] == nprocs for r in records)
+    # NCCL moves its own; MPI takes them direct where CUDA-aware, else staged
+    assert {r["cuda_path"] for r in records if r["transport"] == "torch"} == {"direct"}
+    assert {r["cuda_path"] for r in records} <= {"direct", "staged"}
+
+
+@pytest.mark.timeout(300)
+def test_bench_with_more_ranks_than_gpus_leaves_the_nccl_row_out(tmp_path):
+    """NCCL would fail ("Duplicate GPU detected"); the MPI rows may share a GPU."""
+    nprocs = GPUS + 1
+    out = tmp_path / "bench.jsonl"
+    result = check_ok(mpirun(nprocs, ["-m", "allreduce.bench", "--device", "cuda", "--algos",
+                                      "ring,mpi", "--sizes", "4K,1M", "--iters", "3",
+                                      "--jsonl", out], timeout=280))
+    notes = [ln for ln in result.stdout.splitlines() if ln.startswith("# no torch (NCCL) row:")]
+    assert len(notes) == 1 and "NCCL needs a GPU per rank" in notes[0]
+    assert any(ln.startswith("# CUDA buffers: ") for ln in result.stdout.splitlines())
+    records = [json.loads(line) for line in open(out)]
+    assert {r["algo"] for r in records} == {"ring", "mpi"}
+    assert all(r["wrong"] == 0 and r["world_size"] == nprocs for r in records)
