@@ -21,6 +21,7 @@ import os
 import socket
 from dataclasses import dataclass
 
+from allreduce.gpus import nccl_sharing_problem, shared_gpu
 from allreduce.torch_world import init_torch_distributed, torchrun_world
 
 from .choices import PS_SYNCS, ConfigError
@@ -151,27 +152,17 @@ def nccl_gpu_conflict(host, gpus, visible):
     """Why NCCL cannot run the ranks of this host, or None.
 
     NCCL (--sync torch on CUDA) needs a GPU of its own per rank, and without one fails
-    only at its first collective, mid-run.  Local rank i takes the (i mod n)-th of the
-    n GPUs it sees (RunContext.device): `visible[i]` is its CUDA_VISIBLE_DEVICES, None
-    where unset (then it sees all `gpus`); ranks bound to a GPU each (Slurm's
-    --gpus-per-task, say) take different ones.  The MPI syncs stage CUDA tensors
-    through host memory, so their ranks may share a GPU."""
-    taken = {}
-    for i, names in enumerate(visible):
-        names = [str(g) for g in range(gpus)] if names is None else \
-            [n.strip() for n in names.split(",") if n.strip()]
-        if names:                          # none: that rank reports that it sees no GPU
-            taken.setdefault(names[i % len(names)], []).append(i)
-    shared = next(((gpu, ranks) for gpu, ranks in taken.items() if len(ranks) > 1), None)
-    if shared is None:
+    only at its first collective, mid-run; allreduce.gpus decides which local ranks
+    would share one (`visible[i]`: local rank i's CUDA_VISIBLE_DEVICES).  The MPI syncs
+    stage CUDA tensors through host memory, so their ranks may share a GPU."""
+    problem = nccl_sharing_problem(host, gpus, visible)
+    if problem is None:
         return None
-    gpu, ranks = shared
-    return (f"--sync torch --device cuda: {len(visible)} ranks on host {host or '?'} but "
-            f"{len(taken)} GPU{'s' if len(taken) != 1 else ''} for them (local ranks "
-            f"{', '.join(map(str, ranks))} would share GPU {gpu}); NCCL needs a GPU per rank "
-            f"and would fail at its first call.  Start at most {len(taken)} ranks per host, "
-            f"or use an MPI --sync (ring, tree, halving_doubling, hierarchical, mpi): it "
-            f"stages CUDA tensors through host memory, and ranks may share a GPU")
+    taken = shared_gpu(gpus, visible)[2]
+    return (f"--sync torch --device cuda: {problem} and would fail at its first call.  "
+            f"Start at most {taken} ranks per host, or use an MPI --sync (ring, tree, "
+            f"halving_doubling, hierarchical, mpi): it stages CUDA tensors through host "
+            f"memory, and ranks may share a GPU")
 
 
 def ps_checkpoint_options(cfg):
