@@ -4,6 +4,7 @@ Each check raises an error naming what is wrong, on every rank that sees it;
 `check_same_everywhere` compares the ranks' choices, so that a rank started
 with other flags is named instead of hanging its peers in a collective.
 """
+import dataclasses
 import sys
 import zlib
 
@@ -113,16 +114,15 @@ def check_same_everywhere(gather, params, options):
     the collectives would pair unrelated buffers (or wait for ever).  If any rank
     differs, every rank sees a rank unlike itself, so every rank raises."""
     shapes = ";".join(str(tuple(p.shape)) for p in params)
-    settings = f"{options.sync} {options.bucket_mb} {options.overlap} {options.compress} " \
-               f"{options.error_feedback} {options.momentum_correction} " \
-               f"{options.sparsity_warmup}"
+    # every field of the section, so that a new setting is compared without a word here
+    settings = repr(dataclasses.astuple(options))
     mine = [len(params), sum(p.numel() for p in params), zlib.crc32(shapes.encode()),
             zlib.crc32(settings.encode())]
     for rank, theirs in enumerate(gather(mine)):
         theirs = [int(v) for v in theirs]
         if theirs != mine:
-            what = "settings (sync, bucket_mb, overlap, compress, error_feedback, " \
-                   "momentum_correction, sparsity_warmup)" if theirs[:3] == mine[:3] \
+            names = ", ".join(f.name for f in dataclasses.fields(options))
+            what = f"settings (one of {names})" if theirs[:3] == mine[:3] \
                 else f"model ({theirs[0]} trainable tensors, {theirs[1]} elements, shapes " \
                      f"checksum {theirs[2]:x}; here {mine[0]}, {mine[1]}, {mine[2]:x})"
             raise ConfigError(f"rank {rank} of the communicator has another {what} than this "
