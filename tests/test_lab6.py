@@ -2,6 +2,7 @@
 wrong ones without giving the expected figures away.  Pure: no cluster, no MPI."""
 import pytest
 
+from allreduce.units import parse_size
 from experiments.labs import check_cluster
 
 N = 16 << 20                 # 16 MiB
@@ -77,3 +78,32 @@ def test_a_wrong_answer_fails_and_is_not_corrected(tmp_path, capsys, old, new, r
 def test_a_malformed_file_is_refused_with_the_reason(tmp_path, capsys, text, message):
     code, out = check(tmp_path, capsys, text)
     assert code == 2 and message in out, out
+
+
+@pytest.mark.timeout(30)
+def test_the_simulator_prints_a_row_per_size_asked_for(capsys):
+    """Lab 6's question 7 reads hierarchical / ring at 16 MiB per number of hosts."""
+    from experiments import simulate
+    rows, _ = simulate.main(["--ranks-per-node", "2", "--sizes", "16M,64K", "--ranks", "4,8,64"])
+    out = capsys.readouterr().out
+    table = out.split("below 1: faster than the ring)\n")[1].splitlines()
+    header, lines = table[0].split(), [line.split() for line in table[1:]]
+    assert [(line[0], line[2]) for line in lines] == [
+        (P, size) for P in ("4", "8", "64") for size in ("16M", "64K")]
+    hierarchical = header.index("hierarchical") - 1         # the "|" column has no header
+    for line in lines:
+        P, n = int(line[0]), parse_size(line[2])
+        time = {r["algo"]: r["time_s"] for r in rows if r["P"] == P and r["bytes"] == n}
+        assert float(line[3]) == pytest.approx(time["ring"] * 1e3, abs=1e-3)
+        assert float(line[hierarchical]) == pytest.approx(
+            time["hierarchical"] / time["ring"], abs=1e-3)
+
+
+@pytest.mark.timeout(10)
+def test_a_crossover_holds_from_there_on():
+    """A win at a few sizes, lost again further on, is no crossover."""
+    from experiments.simulate import won_until
+    sizes = [1, 2, 4, 8]
+    assert won_until(sizes, [True, True, False, True]) == 2
+    assert won_until(sizes[::-1], [True, False, True, True]) == 8
+    assert won_until(sizes, [False, True, True, True]) is None
