@@ -1,39 +1,26 @@
-"""Lab 6's self-check (experiments/labs/check_cluster.py) accepts right answers and rejects
-wrong ones without giving the expected figures away.  Pure: no cluster, no MPI."""
+"""Lab 6: its self-check (experiments/labs/check_cluster.py) accepts right answers and
+rejects wrong ones without giving the expected figures away (pure: no cluster, no MPI);
+its sheet's commands run as written, as root (skipped without, as tests/cluster/ are);
+the simulator prints what its question 7 reads."""
+import os
+import re
+
 import pytest
+from conftest import ROOT
 
 from allreduce.units import parse_size
 from experiments.labs import check_cluster
+from labs_fixtures import answers
+from labs_fixtures.sheets import SKIP, run_sheet, sheet_commands, student_shell
 
-N = 16 << 20                 # 16 MiB
-MS = N * 8e-9 * 1e3          # n bytes through a 1 Gbit/s link, in ms: 134.2
+SHEET = os.path.join(ROOT, "experiments", "labs", "06_cluster_topologies.md")
+# The sheet's cluster, under names and addresses of the test's own, so that a cluster
+# someone brought up by hand (the default tl- prefix) is never touched.
+PREFIX, SUBNET = "tlk-", "10.77.43.0/24"
 
-# Worked by hand (the teacher's sheet): bytes the busiest host sends across its link, and
-# ms if only the link took time.  2 x 2: ring 2(P-1)/P n = 1.5 n; tree n (host 1 sends
-# its sum up, host 0 the result down, one after the other: 2 n of time); halving-doubling
-# n/2 from both ranks of a host in its first and last steps: 2 n; hierarchical the
-# leaders' ring over 2 hosts: n.  4 x 1: the tree's root sends n to hosts 1 and 2.
-RIGHT = f"""
-bytes = {N}
-gbps = 1
-[2x2]
-ring = {1.5 * N:.0f}
-tree = {N}
-halving_doubling = {2 * N}
-hierarchical = {N}
-[2x2.link_ms]
-ring = {1.5 * MS:.1f}
-tree = {2 * MS:.1f}
-halving_doubling = {2 * MS:.1f}
-hierarchical = {MS:.1f}
-[4x1]
-ring = {1.5 * N:.0f}
-tree = {2 * N}
-halving_doubling = {1.5 * N:.0f}
-hierarchical = {1.5 * N:.0f}
-[4x1.link_ms]
-tree = {4 * MS:.1f}
-"""
+N, MS = answers.N, answers.MS
+
+RIGHT = answers.CLUSTER
 
 
 def check(tmp_path, capsys, text):
@@ -107,3 +94,26 @@ def test_a_crossover_holds_from_there_on():
     assert won_until(sizes, [True, True, False, True]) == 2
     assert won_until(sizes[::-1], [True, False, True, True]) == 8
     assert won_until(sizes, [False, True, True, True]) is None
+
+
+def own_cluster(command):
+    """The command with the test's --prefix (and --subnet, where it takes one)."""
+    command = re.sub(r"(experiments\.cluster (up|run))\b", rf"\1 --prefix {PREFIX} --subnet {SUBNET}",
+                     command)
+    return command.replace("experiments.cluster down", f"experiments.cluster down --prefix {PREFIX}")
+
+
+@pytest.mark.timeout(120)
+def test_the_sheets_commands_run_as_written_as_root(namespaces, tmp_path):
+    """What runs in seconds: the pen-and-paper check, SUDO=... (empty for root, where
+    `sudo` may not exist), and the cluster's up and down through $SUDO.  The benches
+    and calibrations ([long]) are tests/cluster/'s."""
+    root, env = student_shell(tmp_path)
+    env["TOPOLAB_CLUSTER_DIR"] = str(tmp_path / "cluster")
+    commands = [own_cluster(c) for c in sheet_commands(SHEET) if not SKIP.search(c)]
+    assert any("$SUDO" in c and " up " in c for c in commands), commands
+    try:
+        print("\n".join(run_sheet(commands, root, env, os.path.basename(SHEET))))
+    finally:
+        run_sheet([own_cluster("SUDO= ; .venv/bin/python -m experiments.cluster down")], root,
+                  env, "clean-up")
