@@ -99,8 +99,7 @@ def student_traceback(error):
 
 def one_length(ring, t, alarm, world, n):
     """(kind, text) of what went wrong on this rank at length n, or None."""
-    t.reset(n)
-    world.calls.clear()
+    t.reset(n)                          # world.calls: kept from the module's loading on
     x, want = inputs(n, t.rank, t.size)
     try:
         out = ring(t, x)
@@ -118,9 +117,9 @@ def one_length(ring, t, alarm, world, n):
         return "raised", f"raised {type(e).__name__}: {e} (its traceback is above)"
     if world.calls:
         return "around", (
-            f"called MPI.COMM_WORLD.{', '.join(dict.fromkeys(world.calls))} inside the ring: "
-            f"those bytes go around t, and the check cannot call that a ring (send "
-            f"everything with t.sendrecv)")
+            f"called MPI.COMM_WORLD.{', '.join(dict.fromkeys(world.calls))}: those bytes "
+            f"go around t, and the check cannot call that a ring (send everything with "
+            f"t.sendrecv)")
     if t.mismatch:
         return "chunks", t.mismatch
     if t.not_a_ring:
@@ -230,6 +229,7 @@ def worker(path, do_timing, calibration, status):
     for n in lengths(P):
         status.at(rank, n)
         problem = one_length(ring, t, alarm, watched, n)
+        watched.calls.clear()
         lines = verdict(world.allgather((problem, t.bytes_sent)), n, P)
         if lines:
             if rank == 0:

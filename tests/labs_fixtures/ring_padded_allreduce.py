@@ -1,12 +1,14 @@
 """A wrong lab 1 ring: MPI_Allreduce does the sum, then zeros go round the ring in
 chunks of n/P, so that t counts a ring's bytes.  check_ring must refuse it: the
-call on MPI.COMM_WORLD during the ring is named."""
+call on MPI.COMM_WORLD during the ring is named, even under another name taken
+when the module loads."""
 import numpy as np
 from mpi4py import MPI
+from mpi4py.MPI import COMM_WORLD as WORLD
 
 
 def ring_allreduce(t, x):
-    MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+    WORLD.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
     P, r = t.size, t.rank
     bounds = [(a[0], a[-1] + 1) if len(a) else (0, 0)
               for a in np.array_split(np.arange(len(x)), P)]
