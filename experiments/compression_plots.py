@@ -27,13 +27,15 @@ from .records import train_runs
 
 
 def run_label(config):
-    """'topk:0.01', 'topk:0.01 no EF', 'none m=0.9', 'topk:0.01 warm-up 20': what sets
-    a run apart."""
+    """'topk:0.01', 'topk:0.01 no EF', 'none m=0.9', 'topk:0.01 m=0.9 DGC',
+    'topk:0.01 warm-up 20': what sets a run apart."""
     label = config["compress"]
     if not config.get("error_feedback", True):
         label += " no EF"
     if config.get("momentum"):
         label += f" m={config['momentum']:g}"
+    if config.get("momentum_correction"):
+        label += " DGC"               # DGC's momentum correction: the momentum before top-k
     if config.get("sparsity_warmup"):
         label += f" warm-up {config['sparsity_warmup']}"
     return label

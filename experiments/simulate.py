@@ -7,6 +7,10 @@
     python -m experiments.simulate --ranks-per-node 2 --calibration results/cluster-cal
         # intra and link as measured on the emulated cluster (experiments/calibrate_link.py)
 
+It prints, per world size P (--ranks), the crossovers (each holds on every size
+past it, to 4 GiB), then, per P and per size of --sizes, the ring's predicted time
+and each algorithm's time divided by the ring's.
+
 A cluster is N nodes of k ranks, ranks placed in blocks (node i holds ranks
 i*k .. i*k+k-1).  Inside a node: (alpha_intra, beta_intra, gamma); between
 nodes each node has one full-duplex port (alpha_inter, beta_inter), as in a
@@ -92,9 +96,10 @@ def table(sizes, c, ranks=RANKS, servers=(1, 4, 16)):
 
 
 def crossovers(c, ranks=RANKS, n_large=256 << 20):
-    """Per P: the fewest servers for PS to beat the ring on a large message; the largest
-    size where the tree (latency) still beats the ring; the smallest where
-    hierarchical beats the ring."""
+    """Per P: the fewest servers for PS to beat the ring on a large message; the size
+    up to which the tree (latency) beats the ring at every size; the size from which
+    hierarchical beats the ring at every size, up to the grid's 4 GiB.  A win at a
+    few sizes that does not hold on either side is no crossover, and reads "never"."""
     grid = [1 << e for e in range(10, 33)]           # 1 KiB .. 4 GiB
     out = []
     for P in ranks:
@@ -103,13 +108,32 @@ def crossovers(c, ranks=RANKS, n_large=256 << 20):
         s_min = next((S for S in range(1, 4 * nodes + 1) if ps(n_large, P, c, S) < ring_large),
                      None)
         ring_at = {n: allreduce("ring", n, P, c) for n in grid}
-        tree_up_to = max((n for n in grid if allreduce("tree", n, P, c) < ring_at[n]),
-                         default=None)
-        hier_from = min((n for n in grid if allreduce("hierarchical", n, P, c) < ring_at[n]),
-                        default=None)
+        tree_wins = [allreduce("tree", n, P, c) < ring_at[n] for n in grid]
+        hier_wins = [allreduce("hierarchical", n, P, c) < ring_at[n] for n in grid]
         out.append({"kind": "crossover", "P": P, "nodes": nodes, "ps_servers_to_beat_ring":
-                    s_min, "ps_message_bytes": n_large, "tree_beats_ring_up_to_bytes": tree_up_to,
-                    "hierarchical_beats_ring_from_bytes": hier_from})
+                    s_min, "ps_message_bytes": n_large,
+                    "tree_beats_ring_up_to_bytes": won_until(grid, tree_wins),
+                    "hierarchical_beats_ring_from_bytes": won_until(grid[::-1], hier_wins[::-1])})
+    return out
+
+
+def won_until(sizes, wins):
+    """The last of `sizes` in the unbroken run of wins that starts at the first, or
+    None if the first is no win."""
+    last = None
+    for n, won in zip(sizes, wins):
+        if not won:
+            break
+        last = n
+    return last
+
+
+def ratios(rows):
+    """{(P, bytes): {algo: time / the ring's time}} of table()'s records."""
+    ring = {(r["P"], r["bytes"]): r["time_s"] for r in rows if r["algo"] == "ring"}
+    out = {}
+    for r in rows:
+        out.setdefault((r["P"], r["bytes"]), {})[r["algo"]] = r["time_s"] / ring[r["P"], r["bytes"]]
     return out
 
 
@@ -161,27 +185,51 @@ def cluster_argv(a):
             for arg in (f"--{name.replace('_', '-')}", str(getattr(a, name)))]
 
 
+def rank_list(text):
+    """argparse type of a comma list of world sizes -> [P, ...]."""
+    try:
+        ranks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 1:
+        raise argparse.ArgumentTypeError(f"not a list of world sizes: {text!r}; give e.g. 4,8,16")
+    return ranks
+
+
 def parser():
     p = argparse.ArgumentParser(prog="python -m experiments.simulate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_cluster_flags(p)
     p.add_argument("--sizes", type=size_list, default="64K,16M,1G",
-                   help="comma list of message sizes, e.g. 64K,16M,1G")
+                   help="comma list of message sizes, e.g. 64K,16M,1G: a row each per P")
+    p.add_argument("--ranks", type=rank_list, default=RANKS,
+                   help=f"comma list of world sizes P (default {','.join(map(str, RANKS))})")
     add_output_flags(p, out=False)
     return p
 
 
 def main(argv=None):
-    """Print the crossovers; returns the records (rows, crossovers), which the report reads."""
+    """Print the crossovers, then each algorithm's time against the ring's at the sizes
+    asked for; returns the records (rows, crossovers), which the report reads."""
     a = parser().parse_args(argv)
     c = cluster_from_args(a)
-    rows, cross = table(a.sizes, c), crossovers(c)
+    rows, cross = table(a.sizes, c, a.ranks), crossovers(c, a.ranks)
     print(f"{'P':>5} {'nodes':>5} {'PS servers to beat ring':>24} {'tree beats ring up to':>22} "
           f"{'hierarchical beats ring from':>29}")
     for x in cross:
         print(f"{x['P']:5d} {x['nodes']:5d} {str(x['ps_servers_to_beat_ring']):>24} "
               f"{human(x['tree_beats_ring_up_to_bytes']):>22} "
               f"{human(x['hierarchical_beats_ring_from_bytes']):>29}")
+    print("(tree: at every size up to it; hierarchical: at every size from it up to 4G)")
+    algos = [algo for algo in dict.fromkeys(r["algo"] for r in rows) if algo != "ring"]
+    widths = [max(8, len(algo)) for algo in algos]
+    print(f"\nPer size: the ring's time, and each algorithm's time divided by the ring's "
+          f"(below 1: faster than the ring)\n{'P':>5} {'nodes':>5} {'size':>6} {'ring ms':>10} |"
+          + "".join(f" {algo:>{w}}" for algo, w in zip(algos, widths)))
+    ring_s = {(r["P"], r["bytes"]): r["time_s"] for r in rows if r["algo"] == "ring"}
+    for (P, n), ratio in ratios(rows).items():
+        print(f"{P:5d} {c.layout(P)[0]:5d} {format_size(n):>6} {ring_s[P, n] * 1e3:10.3f} |"
+              + "".join(f" {ratio[algo]:{w}.3f}" for algo, w in zip(algos, widths)))
     if a.jsonl:
         cluster = {"ranks_per_node": c.ranks_per_node, "intra": vars(c.intra),
                    "inter": vars(c.inter)}

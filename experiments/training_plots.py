@@ -253,7 +253,11 @@ def pipeline_gantt(traces, out_dir, about=""):
 
 
 def step_ends(steps):
-    """{(rank, step): when that rank ended that step, on its own clock from the run's start}."""
+    """{(rank, step): when that rank ended that step, on its own clock from the run's start}:
+    the records' ended_s, every wait included; records without it, their step times added
+    up, which leave out the waits between steps (a metrics flush)."""
+    if all("ended_s" in s for s in steps):
+        return {(s["rank"], s["step"]): s["ended_s"] for s in steps}
     ends, clock = {}, defaultdict(float)
     for s in sorted(steps, key=lambda s: s["step"]):
         clock[s["rank"]] += s["step_time_s"]
@@ -277,10 +281,23 @@ def server_updates(steps, mode):
     return {k: bisect_right(times, t) for k, t in ends.items()}
 
 
+def loss_as_it_happened(steps, ends):
+    """(seconds, loss): each worker's local loss when it ended a step, in wall-clock
+    order, averaged over the last W of them (W workers: a global batch's worth).
+    Under ASP a fast worker's steps count when they happen, not when the slowest
+    worker reaches the same step number."""
+    points = sorted((ends[(s["rank"], s["step"])], s["local_loss"]) for s in steps
+                    if s.get("local_loss") is not None)
+    W = len({s["rank"] for s in steps})
+    times = [t for t, _ in points][W - 1:]
+    losses = [sum(v for _, v in points[i - W + 1:i + 1]) / W for i in range(W - 1, len(points))]
+    return times, losses
+
+
 def ps_consistency(records, out_dir):
     """(f) the consistency models with a straggler: the global loss against each worker's
-    clock (its step) and against wall-clock (a step ends when its slowest worker ends
-    it), each worker's clock against the server's update counter, and the staleness of
+    clock (its step) and against wall-clock (the workers' losses as their steps end),
+    each worker's clock against the server's update counter, and the staleness of
     each push: the updates the server applied between the worker's pull and its push."""
     runs = {k: v for k, v in train_steps(records).items() if k[0].startswith(("ps/", "hybrid/"))}
     if any("straggler" in name for name, _ in runs):          # compare like with like
@@ -297,10 +314,9 @@ def ps_consistency(records, out_dir):
         for s in steps:
             by_step[s["step"]].append(s)
         order, ends = sorted(by_step), step_ends(steps)
-        wall = [max(ends[(s["rank"], st)] for s in by_step[st]) for st in order]
         loss = [by_step[st][0]["loss"] for st in order]
         a1.plot(order, loss, label=name, color=colour)
-        a2.plot(wall, loss, label=name, color=colour)
+        a2.plot(*loss_as_it_happened(steps, ends), label=name, color=colour)
         updates = server_updates(steps, cfg.get("consistency", "bsp"))
         counted |= not all(s.get("server_version") is not None for s in steps)
         straggler = str(cfg.get("straggler", "")).split(":")[0]
@@ -316,7 +332,8 @@ def ps_consistency(records, out_dir):
                         drawstyle="steps-post", **style)
     a1.set(xlabel="step (each worker's clock)", ylabel="global-batch loss",
            title=f"loss against step ({describe(cfg)}{cores_of(steps)})")
-    a2.set(xlabel="wall-clock (s)", ylabel="global-batch loss", title="loss against time")
+    a2.set(xlabel="wall-clock (s): when each worker ended each step", ylabel="loss (last W steps)",
+           title="loss against time")
     a3.set(xlabel="server updates applied" + (" (counted from the step ends)" if counted else ""),
            ylabel="worker's clock (steps done)", title="each worker's clock against the server's")
     a4.set(xlabel="step (the worker's clock)", ylabel="staleness (server updates)",

@@ -6,7 +6,7 @@ run's `run_id`, so that several runs can share a file:
     {"kind": "config", ...the resolved TrainConfig..., "world_size", "dp_size", "pp_size",
      "tp_size", "host", "start_step"}
     {"kind": "step", "step", "rank", "loss", "local_loss", "step_time_s", "compute_time_s",
-     "comm_time_s", "bytes_sent", "bytes_received", "peak_mem_mb", ...}   per rank
+     "comm_time_s", "ended_s", "bytes_sent", "bytes_received", "peak_mem_mb", ...}   per rank
         plain loop: "staleness";  grid: "coords" [dp, pp, tp], "idle_time_s",
         "bubble_fraction", "peak_in_flight", "micro_batch_activation_bytes", "memory"
         --precision fp16: "loss_scale", "overflow_skips" (so far; the summary has the total)
@@ -28,10 +28,14 @@ main thread was blocked waiting for the sync after backward (communication
 hidden behind backward is not in it).  `bytes_*` are this step's traffic of
 this rank.
 
-Records are gathered to every training rank every `flush_every` steps with one
-small collective.  Synchronous runs flush every step (the bar shows the global
-loss at once); ASP/SSP flush every 20 steps, so the metrics do not keep fast
-workers in lock-step with slow ones.
+`ended_s` is when this rank ended the step, in seconds from the run's start on its
+own clock: every wait (for a server, a peer, a metrics flush) included, which the
+step times leave out where the wait falls between steps.
+
+Records are gathered to every training rank with one small collective, which
+every worker waits in.  Synchronous runs flush every step (the bar shows the
+global loss at once); ASP/SSP flush only at checkpoints and at the end, so that
+the metrics do not hold fast workers back to a slow one's pace.
 """
 import resource
 import time
@@ -56,7 +60,10 @@ class Metrics:
         self.cfg, self.control, self.device, self.traffic = cfg, ctx.workers, device, traffic
         self.rank, self.run_id, self.layout = ctx.rank, run_id, layout
         self.is_writer = self.control.rank == 0
-        self.flush_every = 1 if cfg.synchronous else 20
+        # asynchronous: at checkpoints (a resumed run keeps every record before its
+        # step) and at the end; 0: at the end only
+        self.flush_every = 1 if cfg.synchronous else cfg.checkpoint_every
+        self._start = time.perf_counter()          # the ranks just met (the run id)
         self.pending, self.steps = [], []
         self.wire = []                             # per step: (wire, dense) bytes, all ranks
         self.overflow_skips = None                 # fp16: steps skipped so far (precision.py)
@@ -76,16 +83,17 @@ class Metrics:
     def record(self, step, local_loss, fields):
         """This rank's step: its local loss (None where it computes none) and the
         engine's fields (times, staleness, memory, ...)."""
+        ended_s = time.perf_counter() - self._start
         sent, received = self.traffic()
         self.pending.append({
             "kind": "step", "run_id": self.run_id, "step": step, "rank": self.rank,
             "local_loss": None if local_loss is None else float(local_loss), **fields,
             "bytes_sent": _delta(sent, self._bytes[0]),
             "bytes_received": _delta(received, self._bytes[1]),
-            "peak_mem_mb": round(peak_memory_mb(self.device), 1)})
+            "peak_mem_mb": round(peak_memory_mb(self.device), 1), "ended_s": ended_s})
         self._bytes = (sent, received)
         last = step + 1 == self.cfg.steps
-        if len(self.pending) >= self.flush_every or last:
+        if last or self.flush_every and (step + 1) % self.flush_every == 0:
             self.flush()
 
     def flush(self):

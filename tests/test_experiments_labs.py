@@ -26,14 +26,16 @@ def check_ring(path, *args):
                mpi_env())
 
 
-def fails(result, P, *reasons):
-    """check_ring said WRONG at P for one of `reasons`, and FAIL at the end."""
+def fails(result, P, *reasons, traceback=False):
+    """check_ring said WRONG at P for one of `reasons`, and FAIL at the end; no MPI
+    noise, and no traceback unless the student's ring raised one."""
     out = result.stdout
     assert result.returncode == 1, out + result.stderr
     assert f"P={P}: WRONG" in out and "FAIL" in out, out
     assert any(reason in out for reason in reasons), out
-    assert "MPI_Abort" not in result.stderr and "Traceback" not in out + result.stderr, \
+    assert "MPI_Abort" not in result.stderr and "BAD TERMINATION" not in out + result.stderr, \
         result.stderr
+    assert ("Traceback" in out + result.stderr) == traceback, out + result.stderr
 
 
 @pytest.mark.mpi
@@ -68,22 +70,39 @@ def test_a_missing_all_gather_is_caught_at_n_1_and_p_2(tmp_path):
     fails(result, 2, "n=1: wrong elements")
 
 
-@pytest.mark.mpi
-@pytest.mark.timeout(200)
-def test_check_ring_rejects_whole_vectors_by_their_bytes():
-    """Right sums, (P-1) n bytes per rank: the same as a ring's at P = 2, more at P = 3."""
-    result = check_ring(os.path.join(FIXTURES, "ring_whole_vectors.py"), "--np", "3",
-                        "--no-timing")
-    fails(result, 3, "are whole vectors going round the ring?")
+# Right sums, and a ring's bytes at some P (the padded all-reduce at every P, the
+# pairwise exchange at every P, the last two at P = 2): each must fail at every P
+# it is run at, for the reason given.
+NOT_RINGS = {
+    "ring_padded_allreduce.py": "called MPI.COMM_WORLD.Allreduce",
+    "ring_pairwise.py": "in a ring rank",
+    "ring_whole_vectors.py": "never whole vectors",
+    "ring_gather_to_root.py": "never whole vectors",
+}
 
 
 @pytest.mark.mpi
 @pytest.mark.timeout(200)
-def test_check_ring_rejects_a_direct_mpi_allreduce():
-    result = check_ring(os.path.join(FIXTURES, "ring_mpi_allreduce.py"), "--np", "2",
-                        "--no-timing")
-    fails(result, 2, "the ranks sent 0 bytes through t")
-    assert "MPI_Allreduce" in result.stdout
+@pytest.mark.parametrize("fixture", sorted(NOT_RINGS))
+def test_check_ring_refuses_what_is_not_a_ring_at_p_3_and_4(fixture):
+    """The ring's own shape: exchanges with the neighbours only, chunks not vectors,
+    and nothing on MPI.COMM_WORLD (an Allreduce, then zeros sent round to make up
+    a ring's byte count, used to pass)."""
+    result = check_ring(os.path.join(FIXTURES, fixture), "--np", "3,4", "--no-timing")
+    fails(result, 4, NOT_RINGS[fixture])
+    at_3, at_4 = result.stdout.split("P=3: ")[1].split("P=4: ")
+    assert at_3.startswith("WRONG") and NOT_RINGS[fixture] in at_3, result.stdout
+    assert NOT_RINGS[fixture] in at_4, result.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("fixture", ["ring_whole_vectors.py", "ring_gather_to_root.py"])
+def test_check_ring_refuses_them_at_p_2_too(fixture):
+    """At P = 2 whole vectors and a gather to rank 0 send a ring's bytes: their
+    messages' length gives them away."""
+    result = check_ring(os.path.join(FIXTURES, fixture), "--np", "2", "--no-timing")
+    fails(result, 2, NOT_RINGS[fixture])
 
 
 @pytest.mark.mpi
@@ -113,18 +132,46 @@ def test_ranks_agree_on_the_verdict_of_each_length(tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.timeout(200)
-def test_a_rank_that_raises_is_the_cause_and_the_others_only_waited():
-    result = check_ring(os.path.join(FIXTURES, "ring_raises_on_one_rank.py"), "--np", "2",
+def test_a_rank_that_raises_shows_its_traceback_and_the_others_stop_at_once():
+    """The raising rank tells the others, which stop waiting for it: the whole check
+    ends well before one sendrecv's timeout (a correctness bound, generous on
+    purpose: it took 10 s a P before)."""
+    from experiments.labs.ring_transport import TIMEOUT_S
+    start = time.monotonic()
+    result = check_ring(os.path.join(FIXTURES, "ring_raises_on_one_rank.py"), "--np", "3",
                         "--no-timing")
-    fails(result, 2, "rank 1, n=1: raised IndexError")
-    assert "rank(s) 0 then waited for it in vain" in result.stdout
-    assert "found no partner" not in result.stdout
+    elapsed = time.monotonic() - start
+    fails(result, 3, "rank 1, n=1: raised IndexError", traceback=True)
+    out = result.stdout
+    assert 'raise IndexError("chunk index out of range")' in out, out
+    assert out.index("Traceback") < out.index("P=3: WRONG"), out
+    assert "rank(s) 0, 2 were waiting for it, and stopped" in out
+    assert "found no partner" not in out and "check_ring.py" not in out, out
+    assert elapsed < TIMEOUT_S, f"{elapsed:.1f} s: the others waited for the timeout"
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(200)
+def test_a_rank_that_exits_is_named_with_its_exit_status():
+    """os._exit(3) on rank 1: MPI alone would report another rank's SIGKILL."""
+    result = check_ring(os.path.join(FIXTURES, "ring_exits.py"), "--np", "3", "--no-timing")
+    fails(result, 3, "rank 1 exited with status 3 at n=1")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(200)
+def test_sys_exit_in_the_ring_is_named(tmp_path):
+    path = tmp_path / "exits_politely.py"
+    path.write_text(answers.ring().replace("    return x\n", "    if r == 2:\n"
+                                           "        raise SystemExit(4)\n    return x\n"))
+    result = check_ring(str(path), "--np", "3", "--no-timing")
+    fails(result, 3, "rank 2, n=1: exited with status 4 (sys.exit) inside the ring")
 
 
 @pytest.mark.timeout(60)
 def test_the_untouched_skeleton_fails():
     result = check_ring(SKELETON, "--np", "2", "--no-timing")
-    fails(result, 2, "raised TypeError")
+    fails(result, 2, "raised TypeError", traceback=True)
 
 
 def answer(tmp_path, capsys, main, lab, text, name):

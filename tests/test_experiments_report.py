@@ -116,6 +116,35 @@ def test_lab2_check_reads_the_straggler_runs(results, capsys):
     assert "bsp" in out and "asp" in out and "max staleness 0 (must be 0)" in out
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_lab2_figures_clock_is_each_workers_wall_clock(results):
+    """The consistency figure reads when each worker ended each step, waits included
+    (ended_s), not its step times added up.  Under BSP the fast worker waits for the
+    straggler every step: from its first step's end to its last it takes the
+    straggler's time, within 10 %; under ASP it ends its last step first."""
+    steps = [r for r in load(results) if r.get("kind") == "step"
+             and r["config"].get("sync") == "ps"]
+    for mode in ("bsp", "asp"):
+        mine = [s for s in steps if s["config"]["consistency"] == mode]
+        ends = training_plots.step_ends(mine)
+        assert ends == {(s["rank"], s["step"]): s["ended_s"] for s in mine}
+        last = max(s["step"] for s in mine)
+        fast, slow = (ends[(r, last)] - ends[(r, 0)] for r in (0, 1))     # rank 1 straggles
+        if mode == "bsp":
+            assert fast == pytest.approx(slow, rel=0.1), (fast, slow)
+        else:
+            assert ends[(0, last)] < ends[(1, last)], ends
+
+
+@pytest.mark.timeout(10)
+def test_the_figures_clock_keeps_a_wait_between_steps():
+    """A wait between steps (a metrics flush) is in ended_s, not in any step time."""
+    steps = [{"rank": 0, "step": i, "step_time_s": 0.004,
+              "ended_s": 0.004 * (i + 1) + (0.5 if i >= 10 else 0.0)} for i in range(20)]
+    assert training_plots.step_ends(steps)[(0, 19)] == pytest.approx(0.58)
+
+
 GRID = """
 [sweep]
 name = "grid"

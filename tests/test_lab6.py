@@ -1,38 +1,26 @@
-"""Lab 6's self-check (experiments/labs/check_cluster.py) accepts right answers and rejects
-wrong ones without giving the expected figures away.  Pure: no cluster, no MPI."""
+"""Lab 6: its self-check (experiments/labs/check_cluster.py) accepts right answers and
+rejects wrong ones without giving the expected figures away (pure: no cluster, no MPI);
+its sheet's commands run as written, as root (skipped without, as tests/cluster/ are);
+the simulator prints what its question 7 reads."""
+import os
+import re
+
 import pytest
+from conftest import ROOT
 
+from allreduce.units import parse_size
 from experiments.labs import check_cluster
+from labs_fixtures import answers
+from labs_fixtures.sheets import SKIP, run_sheet, sheet_commands, student_shell
 
-N = 16 << 20                 # 16 MiB
-MS = N * 8e-9 * 1e3          # n bytes through a 1 Gbit/s link, in ms: 134.2
+SHEET = os.path.join(ROOT, "experiments", "labs", "06_cluster_topologies.md")
+# The sheet's cluster, under names and addresses of the test's own, so that a cluster
+# someone brought up by hand (the default tl- prefix) is never touched.
+PREFIX, SUBNET = "tlk-", "10.77.43.0/24"
 
-# Worked by hand (the teacher's sheet): bytes the busiest host sends across its link, and
-# ms if only the link took time.  2 x 2: ring 2(P-1)/P n = 1.5 n; tree n (host 1 sends
-# its sum up, host 0 the result down, one after the other: 2 n of time); halving-doubling
-# n/2 from both ranks of a host in its first and last steps: 2 n; hierarchical the
-# leaders' ring over 2 hosts: n.  4 x 1: the tree's root sends n to hosts 1 and 2.
-RIGHT = f"""
-bytes = {N}
-gbps = 1
-[2x2]
-ring = {1.5 * N:.0f}
-tree = {N}
-halving_doubling = {2 * N}
-hierarchical = {N}
-[2x2.link_ms]
-ring = {1.5 * MS:.1f}
-tree = {2 * MS:.1f}
-halving_doubling = {2 * MS:.1f}
-hierarchical = {MS:.1f}
-[4x1]
-ring = {1.5 * N:.0f}
-tree = {2 * N}
-halving_doubling = {1.5 * N:.0f}
-hierarchical = {1.5 * N:.0f}
-[4x1.link_ms]
-tree = {4 * MS:.1f}
-"""
+N, MS = answers.N, answers.MS
+
+RIGHT = answers.CLUSTER
 
 
 def check(tmp_path, capsys, text):
@@ -77,3 +65,55 @@ def test_a_wrong_answer_fails_and_is_not_corrected(tmp_path, capsys, old, new, r
 def test_a_malformed_file_is_refused_with_the_reason(tmp_path, capsys, text, message):
     code, out = check(tmp_path, capsys, text)
     assert code == 2 and message in out, out
+
+
+@pytest.mark.timeout(30)
+def test_the_simulator_prints_a_row_per_size_asked_for(capsys):
+    """Lab 6's question 7 reads hierarchical / ring at 16 MiB per number of hosts."""
+    from experiments import simulate
+    rows, _ = simulate.main(["--ranks-per-node", "2", "--sizes", "16M,64K", "--ranks", "4,8,64"])
+    out = capsys.readouterr().out
+    table = out.split("below 1: faster than the ring)\n")[1].splitlines()
+    header, lines = table[0].split(), [line.split() for line in table[1:]]
+    assert [(line[0], line[2]) for line in lines] == [
+        (P, size) for P in ("4", "8", "64") for size in ("16M", "64K")]
+    hierarchical = header.index("hierarchical") - 1         # the "|" column has no header
+    for line in lines:
+        P, n = int(line[0]), parse_size(line[2])
+        time = {r["algo"]: r["time_s"] for r in rows if r["P"] == P and r["bytes"] == n}
+        assert float(line[3]) == pytest.approx(time["ring"] * 1e3, abs=1e-3)
+        assert float(line[hierarchical]) == pytest.approx(
+            time["hierarchical"] / time["ring"], abs=1e-3)
+
+
+@pytest.mark.timeout(10)
+def test_a_crossover_holds_from_there_on():
+    """A win at a few sizes, lost again further on, is no crossover."""
+    from experiments.simulate import won_until
+    sizes = [1, 2, 4, 8]
+    assert won_until(sizes, [True, True, False, True]) == 2
+    assert won_until(sizes[::-1], [True, False, True, True]) == 8
+    assert won_until(sizes, [False, True, True, True]) is None
+
+
+def own_cluster(command):
+    """The command with the test's --prefix (and --subnet, where it takes one)."""
+    command = re.sub(r"(experiments\.cluster (up|run))\b", rf"\1 --prefix {PREFIX} --subnet {SUBNET}",
+                     command)
+    return command.replace("experiments.cluster down", f"experiments.cluster down --prefix {PREFIX}")
+
+
+@pytest.mark.timeout(120)
+def test_the_sheets_commands_run_as_written_as_root(namespaces, tmp_path):
+    """What runs in seconds: the pen-and-paper check, SUDO=... (empty for root, where
+    `sudo` may not exist), and the cluster's up and down through $SUDO.  The benches
+    and calibrations ([long]) are tests/cluster/'s."""
+    root, env = student_shell(tmp_path)
+    env["TOPOLAB_CLUSTER_DIR"] = str(tmp_path / "cluster")
+    commands = [own_cluster(c) for c in sheet_commands(SHEET) if not SKIP.search(c)]
+    assert any("$SUDO" in c and " up " in c for c in commands), commands
+    try:
+        print("\n".join(run_sheet(commands, root, env, os.path.basename(SHEET))))
+    finally:
+        run_sheet([own_cluster("SUDO= ; .venv/bin/python -m experiments.cluster down")], root,
+                  env, "clean-up")

@@ -1,32 +1,34 @@
-"""Self-check of lab 1: is your ring all-reduce right, does it send what a ring
-sends, and how fast is it?
+"""Self-check of lab 1: is your ring all-reduce right, is it a ring, and how fast
+is it?
 
     .venv/bin/python -m experiments.labs.check_ring my_ring.py                 # P = 2, 3, 4
     .venv/bin/python -m experiments.labs.check_ring my_ring.py --np 4 \\
         --calibration results/calibration.json
 
-For each P it runs `.venv/bin/mpiexec -n P .venv/bin/python -m mpi4py -m
-experiments.labs.check_ring FILE --worker`.  Your `ring_allreduce(t, x)` gets no
-communicator, only `t`, the lab's transport (t.rank, t.size, t.sendrecv), which
-counts the bytes each rank sends and checks every sendrecv against the one it
-pairs with.  At lengths 1, P - 1, P, P + 1, 17, 1001 and 12345 it checks
+For each P it runs your ring on P ranks under mpiexec (experiments/labs/ring_launch.py).
+Your `ring_allreduce(t, x)` gets no communicator, only `t`, the lab's transport
+(t.rank, t.size, t.sendrecv; experiments/labs/ring_transport.py), which counts the bytes
+each rank sends and watches every exchange.  At lengths 1, P - 1, P, P + 1, 17, 1001
+and 12345 it checks
 
   the values      every rank feeds arange(n) + 1000 (rank + 1): position- and
                   rank-dependent (all-ones would hide a chunk in the wrong place),
                   and no rank adds 0 anywhere, so a missing step or a missing
                   phase leaves some element short at every length
-  chunk sizes     the chunk a rank sends must be as long as the buffer its right
-                  neighbour receives it into
-  the bytes       a ring sends chunks of about n/P, 2(P - 1) of them per rank:
-                  2(P - 1) n elements over all ranks.  More means whole vectors
-                  travel; fewer means part of the sum went around t (a direct
-                  MPI call such as MPI_Allreduce moves no bytes through t)
+  the ring        every exchange sends to the right neighbour and receives from the
+                  left one; no message is longer than a chunk (ceil(n/P)); the chunk
+                  a rank sends is as long as the buffer its neighbour receives it in
+  the bytes       a ring sends 2(P - 1) chunks of about n/P per rank, 2(P - 1) n
+                  elements over all ranks; and nothing goes around t: a call on
+                  MPI.COMM_WORLD during the ring (an MPI_Allreduce, say) is named
 
 After each length the ranks exchange their findings (an allgather), so all of
-them stop at the same length with one verdict, which rank 0 prints.  Then, at
-the first P, it times your ring on 16 MiB and prints its busbw beside the cost
-model's prediction (costmodel.ring_allreduce; alpha, beta, gamma and cores
-from --calibration, else alpha, beta, gamma probed now, without a cores term).
+them stop at the same length with one verdict, which rank 0 prints.  A rank whose
+ring raises prints its traceback at once and tells the others, which stop
+waiting for it; a rank that exits or dies is named with its exit status.  Then,
+at the first P, it times your ring on 16 MiB and prints its busbw beside the cost
+model's prediction (costmodel.ring_allreduce; alpha, beta, gamma and cores from
+--calibration, else alpha, beta, gamma probed now, without a cores term).
 Exit 0: correct.
 """
 import argparse
@@ -34,87 +36,18 @@ import itertools
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 import time
+import traceback
 
 import numpy as np
 
-from allreduce.nap import may_nap
-
 from .grading import load_student
+from .ring_launch import Status, guard, run_all
+from .ring_transport import TIMEOUT_S, Alarm, LabTransport, PeerFailed, WatchedWorld
 
 TIME_BYTES = 16 << 20
-TIMEOUT_S = 10.0        # a wrong ring may wait forever; a right one needs milliseconds
-DATA, LENGTH = 0, 1     # message tags
-
-
-class LabTransport:
-    """What a student's ring gets: rank, size and sendrecv, nothing else.
-
-    Not allreduce.MPITransport: that one imports torch (seconds per rank on a
-    laptop) and offers more than the lab allows.  This one keeps its
-    communicator to itself and counts the bytes sent.  With check=True it sends
-    each message's length first, so the receiver can compare it with its
-    buffer: on a mismatch it records what differs and receives into scratch, so
-    both sides carry on in step (instead of an MPI truncation error on one rank
-    and a wait for it on the others)."""
-
-    def __init__(self, comm, check=True, timeout=TIMEOUT_S):
-        self._comm, self._check, self._timeout = comm, check, timeout
-        self._nap = may_nap()
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.reset()
-
-    def reset(self):
-        self.bytes_sent, self.calls, self.mismatch = 0, 0, None
-
-    def sendrecv(self, sendbuf, dest, recvbuf, source):
-        """Send sendbuf to rank dest while receiving recvbuf from rank source."""
-        self.calls += 1
-        for name, buf in (("sendbuf", sendbuf), ("recvbuf", recvbuf)):
-            if not (isinstance(buf, np.ndarray) and buf.ndim == 1 and buf.flags.c_contiguous
-                    and buf.dtype == np.float64):
-                raise TypeError(f"t.sendrecv: {name} must be a 1-D float64 numpy array such as "
-                                f"x[a:b], got {type(buf).__name__} {getattr(buf, 'dtype', '')}")
-        for name, peer in (("dest", dest), ("source", source)):
-            if not (isinstance(peer, (int, np.integer)) and 0 <= peer < self.size):
-                raise ValueError(f"t.sendrecv: {name}={peer!r} is not a rank (0..{self.size - 1})")
-        if self._check:
-            mine, theirs = np.array([sendbuf.size], np.int64), np.empty(1, np.int64)
-            self._wait([self._comm.Irecv(theirs, source, LENGTH),
-                        self._comm.Isend(mine, dest, LENGTH)], dest, source)
-            if theirs[0] != recvbuf.size:
-                if self.mismatch is None:
-                    self.mismatch = (
-                        f"sendrecv call {self.calls}: rank {source} sent {theirs[0]} elements "
-                        f"into a receive buffer of {recvbuf.size}: the send and receive chunk "
-                        f"sizes differ (the chunk a rank sends right must be the chunk its "
-                        f"right neighbour receives, and receive buffers must be sliced to it)")
-                recvbuf = np.empty(int(theirs[0]))
-        self.bytes_sent += sendbuf.nbytes
-        self._wait([self._comm.Irecv(recvbuf, source, DATA),
-                    self._comm.Isend(sendbuf, dest, DATA)], dest, source)
-
-    def __getattr__(self, name):
-        raise AttributeError(f"the lab's transport has no {name!r}: a ring needs only "
-                             f"t.rank, t.size and t.sendrecv")
-
-    def _wait(self, requests, dest, source):
-        from mpi4py import MPI
-        deadline = time.monotonic() + self._timeout
-        polls = 0
-        while not MPI.Request.Testall(requests):
-            polls += 1
-            if polls > 100:        # then leave the core to a rank that may need it
-                time.sleep(50e-6) if self._nap else os.sched_yield()
-            if polls % 1000 == 0 and time.monotonic() > deadline:
-                for request in requests:
-                    request.Cancel()
-                raise TimeoutError(
-                    f"sendrecv call {self.calls} (to rank {dest}, from rank {source}) found "
-                    f"no partner in {self._timeout:g} s")
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def load(path):
@@ -155,18 +88,42 @@ def diagnose(value, i, n, P):
             f"theirs; a missing step, a missing addition, or no all-gather?)")
 
 
-def one_length(ring, t, n):
-    """(kind, text) of what went wrong on this rank, or None."""
-    t.reset()
+def student_traceback(error):
+    """The traceback of an exception from the student's ring, from its first frame
+    outside this package on (the check's own frames say nothing to a student)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    first = next((i for i, f in enumerate(frames) if not f.filename.startswith(HERE)), 0)
+    return "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames[first:]),
+                    *traceback.format_exception_only(type(error), error)])
+
+
+def one_length(ring, t, alarm, world, n):
+    """(kind, text) of what went wrong on this rank at length n, or None."""
+    t.reset(n)                          # world.calls: kept from the module's loading on
     x, want = inputs(n, t.rank, t.size)
     try:
         out = ring(t, x)
     except TimeoutError as e:
-        return "timeout", str(e)
+        return ("ring", f"{t.not_a_ring}, then waited in vain") if t.not_a_ring else \
+            ("timeout", str(e))
+    except PeerFailed:
+        return "stopped", ""
+    except SystemExit as e:             # sys.exit() in the ring: the rank lives on to say so
+        alarm.ring()
+        return "raised", f"exited with status {e.code!r} (sys.exit) inside the ring"
     except Exception as e:              # noqa: BLE001 - the student's code may raise anything
-        return "raised", f"raised {type(e).__name__}: {e}"
+        print(f"rank {t.rank}, n={n}: your ring raised\n{student_traceback(e)}", flush=True)
+        alarm.ring()
+        return "raised", f"raised {type(e).__name__}: {e} (its traceback is above)"
+    if world.calls:
+        return "around", (
+            f"called MPI.COMM_WORLD.{', '.join(dict.fromkeys(world.calls))}: those bytes "
+            f"go around t, and the check cannot call that a ring (send everything with "
+            f"t.sendrecv)")
     if t.mismatch:
         return "chunks", t.mismatch
+    if t.not_a_ring:
+        return "ring", t.not_a_ring
     out = np.asarray(x if out is None else out)
     if out.shape != want.shape:
         return "values", f"returned an array of shape {out.shape}, not ({n},)"
@@ -183,15 +140,19 @@ def verdict(findings, n, P):
     sent), or [] if nothing is.  The same on every rank."""
     problems = [(r, *p) for r, (p, _) in enumerate(findings) if p]
     if problems:
-        causes = [p for p in problems if p[1] != "timeout"] or problems
+        waits = ("timeout", "stopped")
+        causes = [p for p in problems if p[1] not in waits] or problems
         ranks_of = {}                   # the same text from several ranks: said once
         for r, _, text in causes:
             ranks_of.setdefault(text, []).append(str(r))
         lines = [f"rank{'s' * (len(rs) > 1)} {', '.join(rs)}, n={n}: {text}"
                  for text, rs in ranks_of.items()]
-        waited = [r for r, kind, _ in problems if kind == "timeout"]
-        if len(causes) < len(problems):
-            lines.append(f"rank(s) {', '.join(map(str, waited))} then waited for it in vain "
+        stopped = [str(r) for r, kind, _ in problems if kind == "stopped"]
+        waited = [str(r) for r, kind, _ in problems if kind == "timeout"]
+        if stopped:
+            lines.append(f"rank(s) {', '.join(stopped)} were waiting for it, and stopped")
+        if waited and len(causes) < len(problems):
+            lines.append(f"rank(s) {', '.join(waited)} then waited for it in vain "
                          f"({TIMEOUT_S:g} s)")
         elif waited:
             lines.append("every rank waited: does each sendrecv to the right pair with one "
@@ -202,14 +163,14 @@ def verdict(findings, n, P):
     most = 2 * (P - 1) * math.ceil(n / P) * 8
     if total < ring_total:
         return [f"n={n}: the sums are right, but the ranks sent {total} bytes through t, fewer "
-                f"than the 2(P-1)*n*8 = {ring_total} of a ring: the data went around t (a direct "
-                f"MPI call such as MPI_Allreduce?); send everything with t.sendrecv"]
+                f"than the 2(P-1)*n*8 = {ring_total} of a ring: the data went around t; send "
+                f"everything with t.sendrecv"]
     heaviest = int(np.argmax(sent))
     if total > ring_total or sent[heaviest] > most:
         return [f"n={n}: the sums are right, but rank {heaviest} sent {sent[heaviest]} bytes and "
                 f"all ranks {total}; a ring sends 2(P-1)*n*8 = {ring_total} in all, chunks of "
-                f"about n/P (at most {most} from one rank): are whole vectors going round the "
-                f"ring?"]
+                f"about n/P (at most {most} from one rank), never whole vectors: are whole "
+                f"vectors going round the ring?"]
     return []
 
 
@@ -250,31 +211,39 @@ def timing(ring, comm, calibration):
     return measured, costmodel.ring_allreduce(TIME_BYTES, t.size, m), about
 
 
-def worker(path, do_timing, calibration):
+def worker(path, do_timing, calibration, status):
     from mpi4py import MPI
     world = MPI.COMM_WORLD
-    comm = world.Dup()                  # the ring's messages on a communicator of their own
-    P = comm.Get_size()
+    comm, alarm_comm = world.Dup(), world.Dup()     # the ring's messages, the alarm's
+    watched = MPI.COMM_WORLD = WatchedWorld(world)   # what the student's module sees
+    P, rank = world.Get_size(), world.Get_rank()
     try:
         ring = load(path)
     except Exception as e:              # noqa: BLE001 - the student's file may raise anything
-        if world.rank == 0:
+        if rank == 0:
             print(f"P={P}: WRONG\n  cannot load {path}: {type(e).__name__}: {e}", flush=True)
+        status.finish(rank, world, "wrong")
         return 1
-    t = LabTransport(comm)
+    alarm = Alarm(alarm_comm)
+    t = LabTransport(comm, alarm=alarm)
     for n in lengths(P):
-        problem = one_length(ring, t, n)
+        status.at(rank, n)
+        problem = one_length(ring, t, alarm, watched, n)
+        watched.calls.clear()
         lines = verdict(world.allgather((problem, t.bytes_sent)), n, P)
         if lines:
-            if world.rank == 0:
+            if rank == 0:
                 print(f"P={P}: WRONG\n  " + "\n  ".join(lines), flush=True)
+            status.finish(rank, world, "wrong")
             return 1
-    if world.rank == 0:
-        print(f"P={P}: correct, and every rank sent 2(P-1)/P*n*8 bytes (to a chunk's rounding)",
-              flush=True)
+    alarm.close()
+    if rank == 0:
+        print(f"P={P}: correct: a ring, and every rank sent 2(P-1)/P*n*8 bytes (to a chunk's "
+              f"rounding)", flush=True)
+    status.finish(rank, world, "correct")
     if do_timing:
         measured, predicted, about = timing(ring, comm, calibration)
-        if world.rank == 0:
+        if rank == 0:
             factor = 2 * (P - 1) / P
             busbw = lambda s: TIME_BYTES / s * factor / 1e9  # noqa: E731
             print(f"P={P}: 16 MiB in {measured * 1e3:.2f} ms, busbw {busbw(measured):.2f} "
@@ -291,36 +260,15 @@ def main(argv=None):
     p.add_argument("--np", default="2,3,4", help="world sizes to check")
     p.add_argument("--calibration", default="", help="experiments.calibrate's JSON")
     p.add_argument("--no-timing", dest="timing", action="store_false")
-    p.add_argument("--worker", action="store_true", help="(internal) one rank under mpiexec")
+    p.add_argument("--guard", metavar="DIR", help="(internal) one rank's guard under mpiexec")
+    p.add_argument("--worker", metavar="DIR", help="(internal) one rank, under the guard")
     a = p.parse_args(argv)
+    if a.guard:
+        return guard(a.guard, argv if argv is not None else sys.argv[1:])
     calibration = json.load(open(a.calibration)) if a.calibration else None
     if a.worker:
-        return worker(a.file, a.timing, calibration)
-    from experiments.records import mpiexec_path
-    ok = True
-    for i, P in enumerate(int(x) for x in a.np.split(",")):
-        cmd = [mpiexec_path(), "-n", str(P), sys.executable, "-m", "mpi4py", "-m",
-               "experiments.labs.check_ring", a.file, "--worker"]
-        if not (a.timing and i == 0):
-            cmd.append("--no-timing")
-        if a.calibration:
-            cmd += ["--calibration", a.calibration]
-        # its own process group, so that it can be killed whole; stderr read back so
-        # that mpi4py's "application called MPI_Abort" lines (every rank exits 1 on a
-        # wrong ring) do not bury the verdict
-        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            _, err = proc.communicate(timeout=120)
-            ok &= proc.returncode == 0
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            _, err = proc.communicate()
-            print(f"P={P}: no answer in 120 s: does every rank make the same sendrecv calls?")
-            ok = False
-        sys.stderr.write("".join(line for line in err.splitlines(keepends=True)
-                                 if "application called MPI_Abort" not in line))
-    print("PASS: your ring all-reduce is correct" if ok else "FAIL: see the lines above")
-    return 0 if ok else 1
+        return worker(a.file, a.timing, calibration, Status(a.worker))
+    return run_all(a.file, [int(x) for x in a.np.split(",")], a.timing, a.calibration)
 
 
 if __name__ == "__main__":

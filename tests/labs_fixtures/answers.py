@@ -93,3 +93,33 @@ dense_bytes = 6_000_000
 topk_bytes = 240_000
 break_even_ratio = 0.25
 """
+
+# Lab 6, worked by hand (the teacher's sheet): bytes the busiest host sends across its
+# link, and ms if only the link took time.  2 x 2: ring 2(P-1)/P n = 1.5 n; tree n (host
+# 1 sends its sum up, host 0 the result down, one after the other: 2 n of time);
+# halving-doubling n/2 from both ranks of a host in its first and last steps: 2 n;
+# hierarchical the leaders' ring over 2 hosts: n.  4 x 1: the tree's root sends n to
+# hosts 1 and 2.
+N = 16 << 20                 # 16 MiB
+MS = N * 8e-9 * 1e3          # n bytes through a 1 Gbit/s link, in ms: 134.2
+CLUSTER = f"""
+bytes = {N}
+gbps = 1
+[2x2]
+ring = {1.5 * N:.0f}
+tree = {N}
+halving_doubling = {2 * N}
+hierarchical = {N}
+[2x2.link_ms]
+ring = {1.5 * MS:.1f}
+tree = {2 * MS:.1f}
+halving_doubling = {2 * MS:.1f}
+hierarchical = {MS:.1f}
+[4x1]
+ring = {1.5 * N:.0f}
+tree = {2 * N}
+halving_doubling = {1.5 * N:.0f}
+hierarchical = {1.5 * N:.0f}
+[4x1.link_ms]
+tree = {4 * MS:.1f}
+"""

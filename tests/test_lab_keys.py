@@ -1,0 +1,140 @@
+"""The teacher's keys cannot go stale: every figure of a key that can be regenerated in
+seconds is regenerated, from the project's formulas or from the sheet's own command,
+and compared with what the key prints.
+
+  lab 1  the paper tables (chunk sent at each step)    the five TODOs' formulas, exactly
+  lab 2  the predictions table                         check_ps's formulas, within 1 byte
+  lab 6  the pen-and-paper table and its bonus row     check_cluster's reference: bytes
+                                                       exactly, ms within 0.05
+         question 7's hierarchical / ring per host     the sheet's simulate command, run on
+                                                       the calibration the key was written
+                                                       from, within 0.0005 (3 decimals)
+  lab 8  the pen-and-paper table, the wire figures     compressor.wire_bytes_sent, exactly
+         of the Measure section, question 4's P
+
+Not regenerated: measured times, losses and bytes of benches and training runs
+(minutes each, and machine-dependent); the keys say which run they come from.
+"""
+import os
+import re
+import sys
+
+import pytest
+from conftest import ROOT, mpi_env, run
+from labs_fixtures.sheets import sheet_commands
+
+from experiments.labs import check_cluster, check_ps
+from strategies.compressor import topk_count, wire_bytes_sent
+
+LABS = os.path.join(ROOT, "experiments", "labs")
+FIXTURES = os.path.join(ROOT, "tests", "labs_fixtures")
+
+
+def key(lab):
+    name = next(f for f in os.listdir(os.path.join(LABS, "teacher")) if f.startswith(f"0{lab}_"))
+    return open(os.path.join(LABS, "teacher", name)).read()
+
+
+def number(text):
+    """The first number of a table cell or phrase: 25,165,824 (1.5 n) -> 25165824."""
+    return float(re.search(r"-?\d[\d,]*\.?\d*", text).group().replace(",", ""))
+
+
+def table(text, first_cell):
+    """The rows (as lists of cells) of the markdown table whose header starts with
+    `first_cell`."""
+    lines = text[text.index(f"| {first_cell} |"):].splitlines()
+    rows = []
+    for line in lines[2:]:
+        if not line.strip().startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def table_header(text, first_cell):
+    """The header cells after the first of the table whose header starts with `first_cell`."""
+    line = text[text.index(f"| {first_cell} |"):].splitlines()[0]
+    return [cell.strip() for cell in line.strip().strip("|").split("|")][1:]
+
+
+@pytest.mark.timeout(10)
+def test_lab1_paper_tables_follow_the_todos_formulas():
+    text, P = key(1), 4
+    for header, chunk in (("reduce-scatter", lambda r, s: (r - s - 1) % P),
+                          ("all-gather", lambda r, s: (r - s) % P)):
+        rows = table(text, header)
+        assert len(rows) == P - 1
+        for s, row in enumerate(rows):
+            assert row[1:] == [f"c{chunk(r, s)}" for r in range(P)], (header, row)
+
+
+@pytest.mark.timeout(10)
+def test_lab2_predictions_follow_check_ps():
+    rows = {row[0].strip("`"): number(row[1]) for row in table(key(2), "key")}
+    setting = {"params": 1_000_000, "workers": 2, "servers": 1, "ring_ranks": 3}
+    right = {name: want for name, _, want in check_ps.predictions(setting)}
+    assert set(rows) == set(right)
+    for name, value in rows.items():
+        assert value == pytest.approx(right[name], abs=1), name
+
+
+@pytest.mark.timeout(10)
+def test_lab6_pen_and_paper_follows_check_cluster():
+    text = key(6)
+    n = 16 << 20
+    for layout, algo, nbytes, ms, _ in table(text, "layout"):
+        nodes, R = map(int, layout.split("x"))
+        busiest, link_ms = check_cluster.expected(algo, n, nodes, R, 1)
+        assert number(nbytes) == busiest and number(ms) == pytest.approx(link_ms, abs=0.05), \
+            (layout, algo)
+    bonus = text[text.index("(Bonus, 4x2:"):].split(")", 1)[0]
+    for algo, multiple, ms in re.findall(r"(\w+) ([\d.]+) n /\s+([\d.]+) ms", bonus):
+        busiest, link_ms = check_cluster.expected(algo, n, 4, 2, 1)
+        assert float(multiple) * n == busiest and float(ms) == pytest.approx(link_ms, abs=0.05), \
+            algo
+
+
+@pytest.mark.timeout(60)
+def test_lab6_question_7_is_what_the_sheets_simulate_command_prints(tmp_path):
+    """The sheet's last command, on the calibration the key names."""
+    command = next(c for c in sheet_commands(os.path.join(LABS, "06_cluster_topologies.md"))
+                   if "experiments.simulate" in c)
+    command = re.sub(r"#.*", "", command).replace("\\\n", " ")
+    assert "results/lab6/cal-1g" in command and "--sizes 16M" in command, command
+    argv = command.replace("results/lab6/cal-1g",
+                           os.path.join(FIXTURES, "lab6_cal_1g.json")).split()
+    assert argv[0] == ".venv/bin/python"
+    result = run([sys.executable, *argv[1:]], 50, mpi_env())
+    assert result.returncode == 0, result.stderr
+    printed = {}                                      # hosts -> hierarchical / ring at 16M
+    lines = result.stdout.split("below 1: faster than the ring)\n")[1].splitlines()
+    column = lines[0].split().index("hierarchical") - 1     # the "|" has no header
+    for line in lines[1:]:
+        cells = line.split()
+        printed[int(cells[1])] = float(cells[column])
+    hosts = [int(h) for h in table_header(key(6), "hosts")]
+    ratios = [float(x) for x in table(key(6), "hosts")[0][1:]]
+    assert len(hosts) == len(ratios) >= 8
+    for h, ratio in zip(hosts, ratios):
+        assert printed[h] == pytest.approx(ratio, abs=5e-4), h
+
+
+@pytest.mark.timeout(10)
+def test_lab8_figures_follow_the_compressors_accounting():
+    text = key(8)
+    rows = {row[0].strip("`"): number(row[1].replace("*", "")) for row in table(text, "answer")}
+    topk, dense = wire_bytes_sent(1_000_000, 0.01, 4)
+    assert rows == {"dense_bytes": dense, "topk_bytes": topk, "break_even_ratio": 1 / 4}
+    # Measure: the MLP's one bucket of 142,602 parameters at P = 2
+    n = 142_602
+    topk, dense = wire_bytes_sent(n, 0.01, 2)
+    measure = text[text.index("## Measure"):text.index("## Questions")]
+    for figure in (n, topk_count(n, 0.01), topk, dense, 2 * topk, 2 * dense):
+        assert f"{round(figure):,}" in measure, figure
+    assert f"`wire_ratio` {100 * topk / dense:.1f} %" in measure
+    # question 4: the first P at which top-k over an all-gather sends more than the ring
+    first = next(P for P in range(2, 10_000) if wire_bytes_sent(10 ** 6, 0.01, P)[0]
+                 > wire_bytes_sent(10 ** 6, 0.01, P)[1])
+    answer = text[text.index("\n4. "):]
+    assert f"from P = {first} " in answer, answer[:300]
