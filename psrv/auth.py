@@ -5,8 +5,8 @@ ROUTER, libzmq completes a handshake in which the client proves it holds the
 secret key of its public key, and asks the ZAP handler (RFC 27) whether that
 public key is admitted.  Frames of an unknown key, of a plain (NULL) peer, or
 bytes replayed from another connection never leave libzmq.  Each admitted
-message carries its key as the "User-Id" property (Z85 text), which the
-server ties to one worker id.
+message carries its key as the "User-Id" property (Z85 text), which may speak
+only for the worker id the key was made for (Members).
 
 Why our own ZAP handler and not zmq.auth.ThreadAuthenticator: the server is one
 thread that owns its sockets; the handler is one more socket in the same poll
@@ -114,31 +114,36 @@ class Listener:
 
 class Members:
     """Who speaks for which worker id.  A connection (ROUTER identity) speaks for one
-    worker; a worker id belongs to the first client key (with CURVE: a key is a person)
-    or else the first request connection that used it.  Heartbeats come on a socket of
-    their own, so without keys they bind their connection but claim nothing."""
+    worker.  With CURVE a worker id belongs to the client key bound to it
+    (key_owner: public key -> worker id, from the key files' names or the MPI
+    ranks), so a key can only ever speak for its own worker; without keys, to the
+    first request connection that used it.  Heartbeats come on a socket of their
+    own, so without keys they bind their connection but claim nothing."""
 
-    def __init__(self, by_key):
-        self.by_key = by_key
+    def __init__(self, key_owner=None):
+        self.key_owner = key_owner
         self.speaks_for = {}       # ROUTER identity -> worker id
-        self.owner = {}            # worker id -> client key (by_key) or identity
+        self.owner = {}            # worker id -> identity (without keys)
         self.owned = {}            # and back
 
     def bind(self, identity, user, worker, register):
         """ValueError naming the conflict if this message may not speak for worker."""
+        if self.key_owner is not None:
+            mine = self.key_owner.get(user)
+            if mine != worker:
+                raise ValueError(f"client key {user.decode()} belongs to worker {mine}: it may not "
+                                 f"speak for worker {worker}")
         bound = self.speaks_for.get(identity)
         if bound is not None and bound != worker:
             raise ValueError(f"this connection speaks for worker {bound}, not worker {worker}")
-        me = user if self.by_key else (identity if register else None)
-        if me is not None:
+        if self.key_owner is None and register:
             owner = self.owner.get(worker)
-            if owner is not None and owner != me:
-                raise ValueError(f"worker {worker} is already registered by another "
-                                 f"{'client key' if self.by_key else 'connection'}")
-            if self.owned.get(me, worker) != worker:
-                raise ValueError(f"this client is registered as worker {self.owned[me]}, "
-                                 f"not worker {worker}")
-            self.owner[worker], self.owned[me] = me, worker
+            if owner is not None and owner != identity:
+                raise ValueError(f"worker {worker} is already registered by another connection")
+            if self.owned.get(identity, worker) != worker:
+                raise ValueError(f"this connection is registered as worker "
+                                 f"{self.owned[identity]}, not worker {worker}")
+            self.owner[worker], self.owned[identity] = identity, worker
         self.speaks_for[identity] = worker
 
 

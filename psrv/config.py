@@ -16,6 +16,7 @@ synchronous parallel parameter server"):
          waits until the slowest worker has reached clock t - s
     asp  each push is applied on arrival (scaled by 1/W); nobody waits
 """
+import math
 import struct
 from dataclasses import dataclass
 
@@ -38,15 +39,16 @@ class OptimizerConfig:
     def __post_init__(self):
         if self.name not in OPTIMIZERS:
             raise ValueError(f"optimizer name {self.name!r} is not one of {OPTIMIZERS}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < math.inf:        # also false for NaN
+            raise ValueError(f"lr must be finite and > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
         b1, b2 = self.betas
         if not (0 <= b1 < 1 and 0 <= b2 < 1):
             raise ValueError(f"betas must be in [0, 1), got {self.betas}")
-        if not (self.eps > 0 and self.weight_decay >= 0):
-            raise ValueError(f"need eps > 0 and weight_decay >= 0, got {self.eps}, {self.weight_decay}")
+        if not (0 < self.eps < math.inf and 0 <= self.weight_decay < math.inf):
+            raise ValueError(f"need finite eps > 0 and weight_decay >= 0, got eps {self.eps}, "
+                             f"weight_decay {self.weight_decay}")
         object.__setattr__(self, "betas", (float(b1), float(b2)))
 
 
