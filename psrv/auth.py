@@ -118,7 +118,8 @@ class Members:
     (key_owner: public key -> worker id, from the key files' names or the MPI
     ranks), so a key can only ever speak for its own worker; without keys, to the
     first request connection that used it.  Heartbeats come on a socket of their
-    own, so without keys they bind their connection but claim nothing."""
+    own and claim nothing: without keys only the registered connection's twin
+    (protocol.routing_ids) may send them."""
 
     def __init__(self, key_owner=None):
         self.key_owner = key_owner
@@ -126,17 +127,13 @@ class Members:
         self.owner = {}            # worker id -> identity (without keys)
         self.owned = {}            # and back
 
-    def bind(self, identity, user, worker, register):
-        """ValueError naming the conflict if this message may not speak for worker."""
-        if self.key_owner is not None:
-            mine = self.key_owner.get(user)
-            if mine != worker:
-                raise ValueError(f"client key {user.decode()} belongs to worker {mine}: it may not "
-                                 f"speak for worker {worker}")
+    def bind(self, identity, user, worker):
+        """A request: ValueError naming the conflict if it may not speak for worker."""
+        self._check_key(user, worker)
         bound = self.speaks_for.get(identity)
         if bound is not None and bound != worker:
             raise ValueError(f"this connection speaks for worker {bound}, not worker {worker}")
-        if self.key_owner is None and register:
+        if self.key_owner is None:
             owner = self.owner.get(worker)
             if owner is not None and owner != identity:
                 raise ValueError(f"worker {worker} is already registered by another connection")
@@ -145,6 +142,23 @@ class Members:
                                  f"{self.owned[identity]}, not worker {worker}")
             self.owner[worker], self.owned[identity] = identity, worker
         self.speaks_for[identity] = worker
+
+    def may_beat(self, identity, user, worker):
+        """A heartbeat: True if it may refresh worker; False (ignored) before worker
+        registered without keys; ValueError if it speaks for somebody else's worker."""
+        self._check_key(user, worker)
+        if self.key_owner is not None:
+            return True
+        owner = self.owner.get(worker)
+        if owner is not None and owner != P.request_twin(identity):
+            raise ValueError(f"this heartbeat connection is not the twin of the connection "
+                             f"that registered worker {worker} (protocol.routing_ids)")
+        return owner is not None
+
+    def _check_key(self, user, worker):
+        if self.key_owner is not None and self.key_owner.get(user) != worker:
+            raise ValueError(f"client key {user.decode()} belongs to worker "
+                             f"{self.key_owner.get(user)}: it may not speak for worker {worker}")
 
 
 def make_server(sock, keys):

@@ -38,7 +38,8 @@ class Roster:
         """Refresh w; ValueError (the caller logs it, no reply) if this connection may not."""
         if w >= num_workers or w in self.dead or w in self.closed:
             return
-        self.members.bind(identity, user, w, register=False)
+        if not self.members.may_beat(identity, user, w):
+            return
         self.last_seen[w] = time.monotonic()
         self.joined.add(w)
 
@@ -46,7 +47,7 @@ class Roster:
         """ValueError naming why worker w may not send op on this connection now."""
         if w >= num_workers:
             raise ValueError(f"sender {w} is not a worker id (W={num_workers})")
-        self.members.bind(identity, user, w, register=True)
+        self.members.bind(identity, user, w)
         if w in self.expelled:
             raise ValueError(self.expelled[w])
         if w in self.dead:
