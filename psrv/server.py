@@ -242,7 +242,7 @@ class Server:
             for e, frames in msg.entry_frames():
                 if not frames:
                     raise ValueError("worker 0's INIT must carry the initial value of every key")
-                self.store.check_finite(e, 0, frames, "initial value")
+                self.store.check_finite(e, 0, frames, "an initial value")
             self.store.set_values(msg)
 
     # -- replies -------------------------------------------------------------------

@@ -156,12 +156,12 @@ class Shard:
                              f"{k.version} is still open (waiting for workers {waiting}); "
                              f"under bsp push step t+1 only after step t's values came back")
 
-    def check_finite(self, e, worker, frames, what="gradient"):
+    def check_finite(self, e, worker, frames, what="a gradient"):
         """ValueError naming worker and key if frames hold a NaN or an infinity: one
         would spread through the optimizer into every later value, on every worker."""
         for f in frames:
             if not np.isfinite(np.frombuffer(f, np.float32)).all():
-                raise ValueError(f"worker {worker} sent a {what} with NaN or inf for key {e.key} "
+                raise ValueError(f"worker {worker} sent {what} with NaN or inf for key {e.key} "
                                  f"({self.keys[e.key].describe()}): refused, nothing applied")
 
     # -- pushes ----------------------------------------------------------------
