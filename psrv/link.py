@@ -80,7 +80,7 @@ class Link:
             if self.sock in ready and self.refused is None:
                 return                           # the common case, before any text is built
             if self.monitor in ready:
-                for failure in auth.handshake_failures(self.monitor):
+                for failure in auth.handshake_failures(auth.pending_events(self.monitor)):
                     self.refused = failure
             if self.refused is not None and self.has_keys:
                 raise PSError(f"{self.name} refused the CURVE handshake: {self.refused}: is "

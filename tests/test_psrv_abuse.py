@@ -3,11 +3,16 @@
     another worker's key        a valid key speaks only for the worker id its file names
     replies left unread         a worker that never reads its VALUES is stopped at a byte
                                 limit, naming it; the shard stays small and serves the rest
+    unauthenticated flood       64 connections that each start a 4 MiB CURVE handshake frame:
+                                the server holds at most 2 per key + 16 of them, for at most
+                                5 s, grows by less than they would pin, logs a few lines
     no keys, CURVE server       the client names the refused handshake at once
     heartbeats of a stranger    on loopback, only the registered worker's own heartbeat
                                 socket keeps it alive: a killed worker is still found dead
 """
 import os
+import socket
+import struct
 import threading
 import time
 
@@ -138,6 +143,64 @@ def test_a_worker_that_never_reads_its_replies_is_stopped_at_the_limit():
             assert grown < 48, f"the unread replies grew the server by {grown:.0f} MiB"
         hog.close()
         ctx.term()
+
+
+def start_handshake(address):
+    """A TCP connection that greets as a ZMTP 3.0 CURVE client and then sends most of
+    a HELLO command announced as large as the largest legal frame: libzmq buffers
+    it until the frame is complete or the handshake interval ends."""
+    greeting = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\0") \
+        + b"\0" + bytes(31)
+    size = P.MAX_FRAME_BYTES
+    conn = socket.create_connection(address, timeout=5)
+    try:
+        conn.sendall(greeting + b"\x06" + struct.pack(">Q", size) + bytes(size - 4096))
+    except OSError:
+        pass                              # cut by the server: as it should be
+    return conn
+
+
+def still_open(conn):
+    """False once the server has closed it (what it sent before, its greeting, is read)."""
+    conn.settimeout(0.05)
+    try:
+        while conn.recv(1 << 16):
+            pass
+        return False
+    except socket.timeout:
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(90)
+def test_unauthenticated_connections_are_capped_in_number_time_and_log_lines(keydir):
+    """A CURVE server for 2 worker keys holds at most 2 x 2 + 16 = 20 connections; the
+    64 unfinished handshakes would pin 256 MiB (libzmq's default: for 30 s)."""
+    with psrv.launch.start_local_servers(1, keys=keydir, worker_timeout=30,
+                                         transport="tcp") as servers:
+        pid = servers.procs[0].pid
+        address = ("127.0.0.1", int(servers.endpoints[0].rsplit(":", 1)[1]))
+        before = rss_mib(pid)
+        conns = [start_handshake(address) for _ in range(64)]
+        time.sleep(1.0)                                         # the server's loop cuts
+        held = sum(map(still_open, conns))
+        grown = rss_mib(pid) - before
+        assert held <= 20, f"{held} unauthenticated connections held"
+        assert grown < 120, f"64 unfinished handshakes grew the server by {grown:.0f} MiB"
+        end = time.monotonic() + 15                             # HANDSHAKE_IVL: 5 s
+        while any(still_open(c) for c in conns):
+            assert time.monotonic() < end, "a handshake was held for more than 15 s"
+        for c in conns:
+            c.close()
+        refusals = [line for line in servers.log(0).splitlines() if "refused" in line]
+        assert 1 <= len(refusals) <= 6, "\n".join(refusals)       # not one per connection
+        assert "connections open, the limit is 20" in servers.log(0)
+        with psrv.Client(servers.endpoints, 0, 1, timeout=10,
+                         keys=K.load_worker_keys(keydir, 0)) as c:   # still served
+            params = start_params()
+            c.init(params, SGD)
+            c.push_pull(grads(0), params, 0).wait()
 
 
 @pytest.mark.timeout(60)
