@@ -1,4 +1,5 @@
-"""What a worker tells the servers at initialisation: optimizer and consistency model.
+"""What a worker tells the servers at initialisation: optimizer and consistency model;
+and the checks of a server's own options (check_server_options).
 
 Both are frozen dataclasses validated on construction, and both travel in the
 INIT message as one fixed `struct` (CONFIG below), never pickled:
@@ -79,3 +80,20 @@ def unpack_config(buf):
         raise ValueError(f"unknown optimizer code {code} or consistency code {mode}")
     opt = OptimizerConfig(OPTIMIZERS[code], lr, mom, (b1, b2), eps, wd)
     return opt, Consistency(MODES[mode], s), w
+
+
+def check_server_options(shard, num_shards, worker_timeout, join_timeout, on_worker_death,
+                         checkpoint_every, max_unread):
+    """A server's own options (server.Server): ValueError naming the first bad one,
+    before the server does anything."""
+    if on_worker_death not in ("fail", "continue"):
+        raise ValueError(f"on_worker_death must be 'fail' or 'continue', got {on_worker_death!r}")
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} not in [0, num_shards={num_shards})")
+    for name, value in (("worker_timeout", worker_timeout), ("join_timeout", join_timeout)):
+        if not 0 < value < math.inf:      # also false for NaN
+            raise ValueError(f"{name} must be a finite number of seconds > 0, got {value}")
+    if checkpoint_every < 0:
+        raise ValueError(f"checkpoint_every must be >= 0 steps, got {checkpoint_every}")
+    if max_unread is not None and not 0 < max_unread < math.inf:
+        raise ValueError(f"max_unread must be a finite number of bytes > 0, got {max_unread}")

@@ -37,7 +37,6 @@ updates and answers each while the next ones are on the wire.
 """
 import argparse
 import logging
-import math
 import os
 import signal
 import sys
@@ -47,7 +46,7 @@ import zmq
 
 from . import auth, heap
 from . import protocol as P
-from .config import unpack_config
+from .config import check_server_options, unpack_config
 from .keys import load_server_keys
 from .replies import Outbox, UnreadReplies
 from .roster import MAX_WORKERS, Roster
@@ -69,8 +68,8 @@ class Server:
     def __init__(self, bind="tcp://127.0.0.1:0", shard=0, num_shards=1, worker_timeout=10.0,
                  on_worker_death="fail", checkpoint_dir=None, checkpoint_every=0, resume=False,
                  keys=None, linger_ms=5000, join_timeout=60.0, max_unread=None):
-        check_options(shard, num_shards, worker_timeout, join_timeout, on_worker_death,
-                      checkpoint_every, max_unread)
+        check_server_options(shard, num_shards, worker_timeout, join_timeout, on_worker_death,
+                             checkpoint_every, max_unread)
         if keys is None and not auth.is_local(bind):
             raise ValueError(f"refusing to bind {bind} without authentication: anyone who reaches "
                              f"it could drive the servers; pass --keys DIR (python -m psrv.keys DIR "
@@ -307,22 +306,6 @@ class Server:
             log.info("shard %d: checkpoint at step %d -> %s", self.shard_id, step,
                      self.checkpoint_path)
         return self.checkpoint_path
-
-
-def check_options(shard, num_shards, worker_timeout, join_timeout, on_worker_death,
-                  checkpoint_every, max_unread):
-    """ValueError naming the first bad option, before the server does anything."""
-    if on_worker_death not in ("fail", "continue"):
-        raise ValueError(f"on_worker_death must be 'fail' or 'continue', got {on_worker_death!r}")
-    if not 0 <= shard < num_shards:
-        raise ValueError(f"shard {shard} not in [0, num_shards={num_shards})")
-    for name, value in (("worker_timeout", worker_timeout), ("join_timeout", join_timeout)):
-        if not 0 < value < math.inf:      # also false for NaN
-            raise ValueError(f"{name} must be a finite number of seconds > 0, got {value}")
-    if checkpoint_every < 0:
-        raise ValueError(f"checkpoint_every must be >= 0 steps, got {checkpoint_every}")
-    if max_unread is not None and not 0 < max_unread < math.inf:
-        raise ValueError(f"max_unread must be a finite number of bytes > 0, got {max_unread}")
 
 
 def main(argv=None):
