@@ -141,7 +141,8 @@ def check_options(a):
     if not 0 < a.timeout < math.inf:
         raise ValueError(f"--timeout must be finite and > 0 seconds, got {a.timeout}")
     for flag, value, least in (("--steps", a.steps, 0), ("--servers", a.servers, 1),
-                               ("--worker-id", a.worker_id, 0), ("--num-workers", a.num_workers, 1)):
+                               ("--worker-id", a.worker_id, 0),
+                               ("--num-workers", a.num_workers, 1)):
         if value is not None and value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
     if None not in (a.worker_id, a.num_workers) and a.worker_id >= a.num_workers:

@@ -14,8 +14,9 @@ A server started with `--keys DIR` reads server.key_secret and admits exactly th
 public keys in DIR/workers/worker-I.key, each for worker I alone: the file's name
 binds the key to its worker id, so a key can only ever speak for its own worker
 (a file of any other name, or one key under two ids, is refused).  Worker I
-(`psrv.example --keys DIR`) reads server.key and workers/worker-I.key_secret.  On a shared file system all read DIR.
-A secret file that group or others may read is refused, as ssh refuses one.
+(`psrv.example --keys DIR`) reads server.key and workers/worker-I.key_secret.
+On a shared file system all read DIR.  A secret file that group or others may
+read is refused, as ssh refuses one.
 
 Under mpiexec no files are needed: `for_mpi_rank` has every rank make its own
 keypair (zmq.curve_keypair, libsodium) and gathers the public keys only, so no
@@ -73,7 +74,8 @@ class ServerKeys:
         for key, worker in self.clients.items():
             key = check_key(key, f"client public key of worker {worker}")
             if not isinstance(worker, int) or worker < 0:
-                raise ValueError(f"client key {key.decode()}: worker id {worker!r} is not an int >= 0")
+                raise ValueError(f"client key {key.decode()}: worker id {worker!r} is not "
+                                 f"an int >= 0")
             if clients.setdefault(key, worker) != worker:
                 raise ValueError(f"client key {key.decode()} is given for worker "
                                  f"{clients[key]} and worker {worker}: a key is one worker's")

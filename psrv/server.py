@@ -169,7 +169,7 @@ class Server:
         except Exception as e:      # a bug must not take the shard down with it
             log.exception("shard %d: internal error", self.shard_id)
             self.outbox.error(identity, P.peek_request(frames),
-                             f"internal error: {type(e).__name__}: {e}")
+                              f"internal error: {type(e).__name__}: {e}")
 
     def heartbeat(self, identity, user, w):
         if not self.store.configured:
@@ -189,16 +189,17 @@ class Server:
                 else:
                     s.drop_worker(w)      # a clean finish: BSP steps no longer wait for it
                     self.release()
-            return self.outbox.send(identity, P.encode(P.Op.OK, self.shard_id, msg.request, extras=[b"bye"]))
+            return self.outbox.send(identity, P.encode(P.Op.OK, self.shard_id, msg.request,
+                                                       extras=[b"bye"]))
         if self.failure:
             raise ValueError(self.failure)
         if op == P.Op.STATS:
-            return self.outbox.send(identity, P.encode(P.Op.STATS_REPLY, self.shard_id, msg.request,
-                                                extras=[s.stats()]))
+            return self.outbox.send(identity, P.encode(P.Op.STATS_REPLY, self.shard_id,
+                                                       msg.request, extras=[s.stats()]))
         if op == P.Op.CHECKPOINT:
             path = self.checkpoint(force=True)
             return self.outbox.send(identity, P.encode(P.Op.OK, self.shard_id, msg.request,
-                                                extras=[path.encode()]))
+                                                       extras=[path.encode()]))
         if op == P.Op.INIT:
             self.init(msg)
         else:
@@ -216,7 +217,8 @@ class Server:
                 if self.checkpoint_every:            # O(keys): only when it is needed
                     s.note_pushes(w)
         if op == P.Op.PUSH:
-            self.outbox.send(identity, P.encode(P.Op.OK, self.shard_id, msg.request, extras=[b"pushed"]))
+            self.outbox.send(identity, P.encode(P.Op.OK, self.shard_id, msg.request,
+                                                extras=[b"pushed"]))
         else:
             self.pending.append((identity, op, msg.request, w, msg.entries))
         self.checkpoint()      # before the replies: a worker that has its values can rely on it
