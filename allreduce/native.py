@@ -55,15 +55,22 @@ class MPINative(Collective):
 
     def _make_op(self, x, op):
         """MPI has no bfloat16, and MPICH's float16 is an extension: reduce those
-        with a user-defined MPI_Op that adds through torch or numpy."""
+        with a user-defined MPI_Op that adds through torch or numpy.  The same for
+        max and min of any floating dtype: MPI_MAX and MPI_MIN compare (`a > b ? a
+        : b`), so a NaN wins or loses by its place in the reduction, and ranks can
+        end with different answers; numpy's and torch's maximum and minimum return
+        NaN where either side is NaN, as the textbook algorithms do (reduce_into),
+        so every algorithm gives NaN on every rank (docs/reliability.md)."""
         tensor = is_tensor(x)
         if tensor:
             import torch
             half = x.dtype in (torch.float16, torch.bfloat16)
+            floating = x.dtype.is_floating_point
         else:
             half = x.dtype == np.float16
+            floating = np.issubdtype(x.dtype, np.floating)
         name = _MPI_OPS[op]
-        if not half:
+        if not half and not (floating and op in ("max", "min")):
             return getattr(self.MPI, name)
         # One user op per (dtype, kind, reduction) for the whole process, shared
         # by every baseline: mpi4py allows only a few dozen.
@@ -150,9 +157,31 @@ class TorchNative(Collective):
         return {"sum": R.SUM, "avg": R.SUM, "max": R.MAX, "min": R.MIN}[op]
 
     def _allreduce(self, x, op):
-        if len(x):
-            self._wait(self.dist.all_reduce(self._tensor(x), op=self._reduce_op(op),
-                                            group=self.group, async_op=True))
+        if not len(x):
+            return
+        t = self._tensor(x)
+        nan = self._nan_anywhere(t) if op in ("max", "min") and t.is_floating_point() else None
+        self._wait(self.dist.all_reduce(t, op=self._reduce_op(op), group=self.group,
+                                        async_op=True))
+        if nan is not None:
+            t.masked_fill_(nan, float("nan"))
+
+    def _nan_anywhere(self, t):
+        """Where any rank's t is NaN (a bool mask), or None if no rank has a NaN.  Gloo's
+        and NCCL's max and min compare, so a NaN wins or loses by its place (gloo: even
+        by whether it falls in a vectorised block or the tail); max and min propagate
+        NaN on every other algorithm (buffers.reduce_into, MPINative._make_op), so here
+        the NaNs are found first: one byte all-reduced, and the mask only if needed."""
+        import torch
+        R = self.dist.ReduceOp
+        mask = torch.isnan(t)
+        seen = mask.any().to(torch.uint8).reshape(1)
+        self._wait(self.dist.all_reduce(seen, op=R.MAX, group=self.group, async_op=True))
+        if not seen.item():
+            return None
+        flags = mask.to(torch.uint8)
+        self._wait(self.dist.all_reduce(flags, op=R.MAX, group=self.group, async_op=True))
+        return flags.bool()
 
     def _reduce_scatter(self, x, bounds, op):
         # gloo has no reduce-scatter: all-reduce, then keep our shard.

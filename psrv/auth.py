@@ -5,8 +5,8 @@ ROUTER, libzmq completes a handshake in which the client proves it holds the
 secret key of its public key, and asks the ZAP handler (RFC 27) whether that
 public key is admitted.  Frames of an unknown key, of a plain (NULL) peer, or
 bytes replayed from another connection never leave libzmq.  Each admitted
-message carries its key as the "User-Id" property (Z85 text), which the
-server ties to one worker id.
+message carries its key as the "User-Id" property (Z85 text), which may speak
+only for the worker id the key was made for (Members).
 
 Why our own ZAP handler and not zmq.auth.ThreadAuthenticator: the server is one
 thread that owns its sockets; the handler is one more socket in the same poll
@@ -17,6 +17,8 @@ because libzmq admits every CURVE client when no handler is bound.
 import ipaddress
 import logging
 import os
+import socket
+import time
 
 import zmq
 import zmq.utils.z85
@@ -28,6 +30,14 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"          # fixed by RFC 27
 ZAP_DOMAIN = b"psrv"
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+# Before a CURVE peer is authenticated libzmq buffers its handshake frames, each up to
+# MAXMSGSIZE (protocol.MAX_FRAME_BYTES, 4 MiB), for up to HANDSHAKE_IVL, and takes any
+# number of connections: the bound is ours.  A handshake takes milliseconds, so 5 s
+# (libzmq's default: 30 s) is ample; and a server takes at most two connections per
+# admitted key (a worker's request and heartbeat sockets) + SPARE_CONNECTIONS.
+HANDSHAKE_IVL_MS = 5000
+SPARE_CONNECTIONS = 16
+LOG_EVERY_S = 10.0           # refusals: one line, then one summary line per period
 
 log = logging.getLogger("psrv.auth")
 
@@ -35,8 +45,9 @@ log = logging.getLogger("psrv.auth")
 class ZapHandler:
     """Answers libzmq's ZAP requests for one context: 200 for an admitted CURVE key."""
 
-    def __init__(self, ctx, admitted, name="psrv"):
+    def __init__(self, ctx, admitted, name="psrv", refusals=None):
         self.admitted, self.name = frozenset(admitted), name
+        self.refusals = refusals or RefusalLog(name)
         self.sock = ctx.socket(zmq.REP)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(ZAP_ENDPOINT)
@@ -61,8 +72,8 @@ class ZapHandler:
                 why = "admitted" if ok else f"client key {user.decode()} is not in the key set"
             if not ok:
                 self.refused += 1
-                log.warning("%s: refused a connection from %s: %s", self.name,
-                            address.decode("ascii", "replace"), why)
+                self.refusals.note("key", f"refused a connection from "
+                                   f"{address.decode('ascii', 'replace')}: {why}")
         self.sock.send_multipart([b"1.0", request_id, b"200" if ok else b"400",
                                   why.encode()[:255], user if ok else b"", b""])
 
@@ -70,15 +81,83 @@ class ZapHandler:
         self.sock.close()
 
 
+class RefusalLog:
+    """Log refused peers, of each kind (an unknown key, a failed handshake, the
+    connection cap) at most one line per LOG_EVERY_S, then how many more there were:
+    a flood of refused connections must not become a flood of log lines."""
+
+    def __init__(self, name):
+        self.name, self.last, self.quiet = name, {}, {}
+
+    def note(self, kind, text):
+        now, last = time.monotonic(), self.last.get(kind, -LOG_EVERY_S)
+        if now - last < LOG_EVERY_S:
+            self.quiet[kind] = self.quiet.get(kind, 0) + 1
+            return
+        quiet = self.quiet.pop(kind, 0)
+        more = f" (and {quiet} more like it in the last {now - last:.0f} s)" if quiet else ""
+        log.warning("%s: %s%s", self.name, text, more)
+        self.last[kind] = now
+
+    def close(self):
+        for kind, quiet in self.quiet.items():
+            log.warning("%s: %d more refusals (%s) after the last one logged", self.name,
+                        quiet, kind)
+
+
+class Connections:
+    """The TCP connections a CURVE server holds, from its monitor's ACCEPTED and
+    DISCONNECTED/CLOSED events (whose value is the file descriptor).  Above `limit`
+    a new connection is shut down at once, before its handshake can make libzmq
+    buffer anything for it: shutdown(2) on a duplicate of the descriptor, which
+    libzmq then sees as a peer that hung up.  (The descriptor is read from the
+    event: if libzmq closed it and accepted another under the same number in the
+    moment between, that newer connection is the one cut, and it reconnects.)"""
+
+    def __init__(self, limit):
+        self.limit, self.open, self.cut = limit, set(), 0
+
+    def events(self, batch):
+        """Apply a batch of monitor events in order; -> the texts of the cut connections."""
+        cut, closes = [], {}
+        for i, e in enumerate(batch):           # where each descriptor is last closed
+            if e["event"] & (zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED):
+                closes[e["value"]] = i
+        for i, e in enumerate(batch):
+            fd = e["value"]
+            if e["event"] == zmq.EVENT_ACCEPTED:
+                if len(self.open) < self.limit:
+                    self.open.add(fd)
+                elif closes.get(fd, -1) < i:       # not already closed again: cut it
+                    self.shut(fd)
+                    cut.append(f"refused a connection: {len(self.open)} connections open, "
+                               f"the limit is {self.limit} (2 per worker key + "
+                               f"{SPARE_CONNECTIONS})")
+            elif e["event"] & (zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED):
+                self.open.discard(fd)
+        return cut
+
+    def shut(self, fd):
+        try:
+            with socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM) as dup:
+                dup.shutdown(socket.SHUT_RDWR)
+            self.cut += 1
+        except OSError:
+            pass                   # closed meanwhile: nothing to cut
+
+
 class Listener:
     """A server's ROUTER with its limits; with keys also its ZAP handler and a monitor
-    that logs failed handshakes.  Its own context: there is one ZAP endpoint per context."""
+    that logs failed handshakes and caps the connections (Connections).  Its own
+    context: there is one ZAP endpoint per context."""
 
     def __init__(self, bind, keys, name, linger_ms, hwm):
         self.name, self.ctx = name, zmq.Context()
-        self.zap = self.monitor = None
+        self.zap = self.monitor = self.connections = None
+        self.refusals = RefusalLog(name)
         if keys is not None:       # the handler first: without one libzmq admits any key
-            self.zap = ZapHandler(self.ctx, keys.clients, name)
+            self.zap = ZapHandler(self.ctx, keys.clients, name, self.refusals)
+            self.connections = Connections(2 * len(keys.clients) + SPARE_CONNECTIONS)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)   # libzmq drops larger frames
         self.sock.setsockopt(zmq.RCVHWM, hwm)
@@ -86,7 +165,9 @@ class Listener:
         self.sock.setsockopt(zmq.LINGER, linger_ms)               # let the last replies leave
         if keys is not None:
             make_server(self.sock, keys)
-            self.monitor = watch_handshakes(self.sock)
+            self.sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+            self.monitor = self.sock.get_monitor_socket(
+                HANDSHAKE_FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
         host, _, port = bind.rpartition(":")
         if port in ("0", "*"):
             bind = f"{host}:{self.sock.bind_to_random_port(host)}"
@@ -101,10 +182,14 @@ class Listener:
         """A ZAP request or a monitor event is waiting on sock."""
         if self.zap is not None and sock is self.zap.sock:
             return self.zap.handle()
-        for failure in handshake_failures(self.monitor):
-            log.warning("%s: refused a connection: handshake failed: %s", self.name, failure)
+        batch = pending_events(self.monitor)
+        for text in self.connections.events(batch):
+            self.refusals.note("cap", text)
+        for failure in handshake_failures(batch):
+            self.refusals.note("handshake", f"refused a connection: handshake failed: {failure}")
 
     def close(self):
+        self.refusals.close()
         for s in (self.monitor, self.zap):
             if s is not None:
                 s.close()
@@ -114,32 +199,51 @@ class Listener:
 
 class Members:
     """Who speaks for which worker id.  A connection (ROUTER identity) speaks for one
-    worker; a worker id belongs to the first client key (with CURVE: a key is a person)
-    or else the first request connection that used it.  Heartbeats come on a socket of
-    their own, so without keys they bind their connection but claim nothing."""
+    worker.  With CURVE a worker id belongs to the client key bound to it
+    (key_owner: public key -> worker id, from the key files' names or the MPI
+    ranks), so a key can only ever speak for its own worker; without keys, to the
+    first request connection that used it.  Heartbeats come on a socket of their
+    own and claim nothing: without keys only the registered connection's twin
+    (protocol.routing_ids) may send them."""
 
-    def __init__(self, by_key):
-        self.by_key = by_key
+    def __init__(self, key_owner=None):
+        self.key_owner = key_owner
         self.speaks_for = {}       # ROUTER identity -> worker id
-        self.owner = {}            # worker id -> client key (by_key) or identity
+        self.owner = {}            # worker id -> identity (without keys)
         self.owned = {}            # and back
 
-    def bind(self, identity, user, worker, register):
-        """ValueError naming the conflict if this message may not speak for worker."""
+    def bind(self, identity, user, worker):
+        """A request: ValueError naming the conflict if it may not speak for worker."""
+        self._check_key(user, worker)
         bound = self.speaks_for.get(identity)
         if bound is not None and bound != worker:
             raise ValueError(f"this connection speaks for worker {bound}, not worker {worker}")
-        me = user if self.by_key else (identity if register else None)
-        if me is not None:
+        if self.key_owner is None:
             owner = self.owner.get(worker)
-            if owner is not None and owner != me:
-                raise ValueError(f"worker {worker} is already registered by another "
-                                 f"{'client key' if self.by_key else 'connection'}")
-            if self.owned.get(me, worker) != worker:
-                raise ValueError(f"this client is registered as worker {self.owned[me]}, "
-                                 f"not worker {worker}")
-            self.owner[worker], self.owned[me] = me, worker
+            if owner is not None and owner != identity:
+                raise ValueError(f"worker {worker} is already registered by another connection")
+            if self.owned.get(identity, worker) != worker:
+                raise ValueError(f"this connection is registered as worker "
+                                 f"{self.owned[identity]}, not worker {worker}")
+            self.owner[worker], self.owned[identity] = identity, worker
         self.speaks_for[identity] = worker
+
+    def may_beat(self, identity, user, worker):
+        """A heartbeat: True if it may refresh worker; False (ignored) before worker
+        registered without keys; ValueError if it speaks for somebody else's worker."""
+        self._check_key(user, worker)
+        if self.key_owner is not None:
+            return True
+        owner = self.owner.get(worker)
+        if owner is not None and owner != P.request_twin(identity):
+            raise ValueError(f"this heartbeat connection is not the twin of the connection "
+                             f"that registered worker {worker} (protocol.routing_ids)")
+        return owner is not None
+
+    def _check_key(self, user, worker):
+        if self.key_owner is not None and self.key_owner.get(user) != worker:
+            raise ValueError(f"client key {user.decode()} belongs to worker "
+                             f"{self.key_owner.get(user)}: it may not speak for worker {worker}")
 
 
 def make_server(sock, keys):
@@ -162,16 +266,25 @@ def watch_handshakes(sock):
     return sock.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
 
 
-def handshake_failures(monitor):
-    """Read the monitor's pending events; -> the texts of the failed handshakes among them."""
-    failures = []
+def pending_events(monitor):
+    """The monitor's events waiting now, in order."""
+    events = []
     while monitor.poll(0):
-        event = recv_monitor_message(monitor)
+        events.append(recv_monitor_message(monitor))
+    return events
+
+
+def handshake_failures(events):
+    """-> the texts of the failed handshakes among monitor events."""
+    failures = []
+    for event in events:
         if event["event"] & HANDSHAKE_FAILED:
             name, detail = zmq.Event(event["event"]).name.lower(), event["value"]
-            failures.append(f"{name} (status {int(detail)})"        # the ZAP status code, 400
+            # AUTH: the ZAP status code (400); PROTOCOL: a ZMQ_PROTOCOL_ERROR_* code
+            # (0x1100000X: ZMTP, e.g. a mechanism mismatch); NO_DETAIL: an errno
+            failures.append(f"{name} (status {int(detail)})"
                             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                            else f"{name} ({getattr(detail, 'name', detail)})")
+                            else f"{name} (code {int(detail):#x})")
     return failures
 
 

@@ -40,6 +40,7 @@ import multiprocessing as mp
 import os
 import platform
 import shutil
+import signal
 import socket
 import tempfile
 
@@ -189,40 +190,47 @@ def run_config(num_servers, num_workers, sizes, reps, transport="ipc", with_rpc=
     where = [f"ipc://{socket_dir}/echo{i}" if transport == "ipc" else "tcp://"
              for i in range(num_servers)]
     echo_procs = [ctx.Process(target=echo_server, args=(queue, ep)) for ep in where]
-    for p in echo_procs:
-        p.start()
-    # echo i must own what psrv server i owns; the queue returns them in any order, fine:
-    # the raw client splits bytes per socket index, as psrv does per server index
-    echoes = [queue.get(timeout=60) for _ in echo_procs]
-    rpc_port = free_port() if with_rpc and num_servers == num_workers == 1 else None
-    rpc_procs = [ctx.Process(target=rpc_server, args=(rpc_port, num_workers + 1))] if rpc_port else []
-    for p in rpc_procs:
-        p.start()
-    with start_local_servers(num_servers, worker_timeout=60, transport=transport) as servers:
-        barrier = ctx.Barrier(num_workers)
-        pids = {"psrv": [p.pid for p in servers.procs], "raw_zmq": [p.pid for p in echo_procs]}
-        if rpc_port:
-            pids["torch_rpc"] = [p.pid for p in rpc_procs]
-        procs = [ctx.Process(target=worker, args=(w, num_workers, servers.endpoints, echoes,
-                                                  rpc_port, sizes, reps, barrier, results, pids))
-                 for w in range(num_workers)]
-        for p in procs:
+    procs, rpc_procs, echoes = [], [], []
+    try:        # whatever ends the point (an error, SIGTERM: main), nothing is left behind
+        for p in echo_procs:
             p.start()
-        per_size = {}                          # size -> [(Timings, usage) of each worker]
-        for size, samples, used in collect(results, len(sizes) * num_workers,
-                                           procs + echo_procs + rpc_procs):
-            per_size.setdefault(size, []).append((Timings(samples), used))
-        for p in procs + rpc_procs:
-            p.join(60)
-        servers.wait(60)
-    for ep in echoes:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.connect(ep)
-        sock.send(b"stop")
-        sock.close(linger=2000)
-    for p in echo_procs:
-        p.join(30)
-    shutil.rmtree(socket_dir, ignore_errors=True)
+        # echo i must own what psrv server i owns; the queue returns them in any order, fine:
+        # the raw client splits bytes per socket index, as psrv does per server index
+        echoes = [queue.get(timeout=60) for _ in echo_procs]
+        rpc_port = free_port() if with_rpc and num_servers == num_workers == 1 else None
+        rpc_procs = [ctx.Process(target=rpc_server, args=(rpc_port, num_workers + 1))] if rpc_port else []
+        for p in rpc_procs:
+            p.start()
+        with start_local_servers(num_servers, worker_timeout=60, transport=transport) as servers:
+            barrier = ctx.Barrier(num_workers)
+            pids = {"psrv": [p.pid for p in servers.procs], "raw_zmq": [p.pid for p in echo_procs]}
+            if rpc_port:
+                pids["torch_rpc"] = [p.pid for p in rpc_procs]
+            procs = [ctx.Process(target=worker, args=(w, num_workers, servers.endpoints, echoes,
+                                                      rpc_port, sizes, reps, barrier, results, pids))
+                     for w in range(num_workers)]
+            for p in procs:
+                p.start()
+            per_size = {}                          # size -> [(Timings, usage) of each worker]
+            for size, samples, used in collect(results, len(sizes) * num_workers,
+                                               procs + echo_procs + rpc_procs):
+                per_size.setdefault(size, []).append((Timings(samples), used))
+            for p in procs + rpc_procs:
+                p.join(60)
+            servers.wait(60)
+        for ep in echoes:
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.connect(ep)
+            sock.send(b"stop")
+            sock.close(linger=2000)
+        for p in echo_procs:
+            p.join(30)
+    finally:
+        for p in procs + rpc_procs + echo_procs:
+            if p.pid is not None and p.exitcode is None:
+                p.kill()
+                p.join(10)
+        shutil.rmtree(socket_dir, ignore_errors=True)
     rows = []
     for size in sizes:
         timings = slowest(t for t, _ in per_size[size])       # the slowest worker sets the pace
@@ -241,18 +249,42 @@ def run_config(num_servers, num_workers, sizes, reps, transport="ipc", with_rpc=
     return rows
 
 
-def main(argv=None):
-    a = parser(__doc__.split("\n")[0]).parse_args(argv)
+def counts(flag, text):
+    """"1,2,3" -> [1, 2, 3]; ValueError naming flag unless every item is an int >= 1."""
     try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected comma-separated integers") from None
+    if min(values) < 1:
+        raise ValueError(f"{flag} {text!r}: every count must be >= 1")
+    return values
+
+
+def stop_on_sigterm():
+    """SIGTERM (a sweep's timeout, kill) unwinds like Ctrl-C: every `finally` and
+    `with` runs, so the point's processes and temporary psrv-* files go with it."""
+    def unwind(signum, frame):
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, unwind)
+
+
+def main(argv=None):
+    ap = parser(__doc__.split("\n")[0])
+    a = ap.parse_args(argv)
+    try:                                   # every value, before any work
         sizes = parse_sizes(a.sizes)
+        if any(s % 4 or s <= 0 for s in sizes):
+            raise ValueError("sizes must be positive multiples of 4 bytes (float32)")
+        servers, workers = counts("--servers", a.servers), counts("--workers", a.workers)
+        if a.reps < 1:
+            raise ValueError(f"--reps must be >= 1, got {a.reps}")
     except ValueError as e:
-        raise SystemExit(f"--sizes: {e}") from None
-    if any(s % 4 or s <= 0 for s in sizes):
-        raise SystemExit("sizes must be positive multiples of 4 bytes (float32)")
+        ap.exit(2, f"psrv.bench: {e}\n")
+    stop_on_sigterm()
     print(f"{'kind':<9} {'servers':>7} {'workers':>7} {'bytes':>10} {'time_us':>11} "
           f"{'GB/s':>7} {'cpu_ms':>8} {'faults':>7} {'psrv/this':>9}", flush=True)
-    for s in (int(x) for x in a.servers.split(",")):
-        for w in (int(x) for x in a.workers.split(",")):
+    for s in servers:
+        for w in workers:
             rows = run_config(s, w, sizes, a.reps, a.transport, not a.no_rpc)
             for r in rows:
                 ps = next(x for x in rows if x["kind"] == "psrv" and x["bytes"] == r["bytes"])

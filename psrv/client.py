@@ -86,9 +86,11 @@ class Client:
         self._start_steps = {}                              # INIT request id -> clock
         heap.tune()          # reuse freed 1 MiB frames instead of faulting in fresh pages
         self._ctx = zmq.Context()
-        # a routing id of our own: a reconnect after a network blip is the same connection
-        # to the server, which ties a worker id to the connection that registered it
-        self._links = [self._link(i, b"w" + os.urandom(15)) for i in range(len(self.endpoints))]
+        # routing ids of our own (protocol.routing_ids): a reconnect after a network blip
+        # is the same connection to the server, and the heartbeats' twin id proves
+        # they come from this worker
+        self._ids_of = [P.routing_ids(os.urandom(15)) for _ in self.endpoints]
+        self._links = [self._link(i, self._ids_of[i][0]) for i in range(len(self.endpoints))]
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, args=(heartbeat_interval,), daemon=True)
         self._beat.start()
@@ -280,7 +282,7 @@ class Client:
 
     def _heartbeat(self, interval):
         """Runs in a thread with its own sockets (ZeroMQ sockets are not thread-safe)."""
-        links = [self._link(i, watch=False) for i in range(len(self.endpoints))]
+        links = [self._link(i, self._ids_of[i][1], watch=False) for i in range(len(self.endpoints))]
         try:
             while not self._stop.wait(interval):
                 for link in links:

@@ -1,4 +1,5 @@
-"""What a worker tells the servers at initialisation: optimizer and consistency model.
+"""What a worker tells the servers at initialisation: optimizer and consistency model;
+and the checks of a server's own options (check_server_options).
 
 Both are frozen dataclasses validated on construction, and both travel in the
 INIT message as one fixed `struct` (CONFIG below), never pickled:
@@ -16,6 +17,7 @@ synchronous parallel parameter server"):
          waits until the slowest worker has reached clock t - s
     asp  each push is applied on arrival (scaled by 1/W); nobody waits
 """
+import math
 import struct
 from dataclasses import dataclass
 
@@ -38,15 +40,16 @@ class OptimizerConfig:
     def __post_init__(self):
         if self.name not in OPTIMIZERS:
             raise ValueError(f"optimizer name {self.name!r} is not one of {OPTIMIZERS}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < math.inf:        # also false for NaN
+            raise ValueError(f"lr must be finite and > 0, got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
         b1, b2 = self.betas
         if not (0 <= b1 < 1 and 0 <= b2 < 1):
             raise ValueError(f"betas must be in [0, 1), got {self.betas}")
-        if not (self.eps > 0 and self.weight_decay >= 0):
-            raise ValueError(f"need eps > 0 and weight_decay >= 0, got {self.eps}, {self.weight_decay}")
+        if not (0 < self.eps < math.inf and 0 <= self.weight_decay < math.inf):
+            raise ValueError(f"need finite eps > 0 and weight_decay >= 0, got eps {self.eps}, "
+                             f"weight_decay {self.weight_decay}")
         object.__setattr__(self, "betas", (float(b1), float(b2)))
 
 
@@ -77,3 +80,20 @@ def unpack_config(buf):
         raise ValueError(f"unknown optimizer code {code} or consistency code {mode}")
     opt = OptimizerConfig(OPTIMIZERS[code], lr, mom, (b1, b2), eps, wd)
     return opt, Consistency(MODES[mode], s), w
+
+
+def check_server_options(shard, num_shards, worker_timeout, join_timeout, on_worker_death,
+                         checkpoint_every, max_unread):
+    """A server's own options (server.Server): ValueError naming the first bad one,
+    before the server does anything."""
+    if on_worker_death not in ("fail", "continue"):
+        raise ValueError(f"on_worker_death must be 'fail' or 'continue', got {on_worker_death!r}")
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} not in [0, num_shards={num_shards})")
+    for name, value in (("worker_timeout", worker_timeout), ("join_timeout", join_timeout)):
+        if not 0 < value < math.inf:      # also false for NaN
+            raise ValueError(f"{name} must be a finite number of seconds > 0, got {value}")
+    if checkpoint_every < 0:
+        raise ValueError(f"checkpoint_every must be >= 0 steps, got {checkpoint_every}")
+    if max_unread is not None and not 0 < max_unread < math.inf:
+        raise ValueError(f"max_unread must be a finite number of bytes > 0, got {max_unread}")

@@ -24,6 +24,7 @@ from the same SGD run done serially on the global batch, which BSP must reproduc
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 
@@ -97,13 +98,20 @@ def main(argv=None):
     ap.add_argument("--staleness", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=30.0)
     a = ap.parse_args(argv)
-    consistency = Consistency(a.consistency, a.staleness)
+    try:                                              # every value, before any work
+        consistency = Consistency(a.consistency, a.staleness)
+        check_options(a)
+    except ValueError as e:
+        ap.exit(2, f"psrv.example: {e}\n")
     if a.ps:
         rank, size = mpi_rank_and_size()
         worker_id = rank if a.worker_id is None else a.worker_id
         num_workers = size if a.num_workers is None else a.num_workers
         endpoints = a.ps.split(",")
-        keys = load_worker_keys(a.keys, worker_id) if a.keys else None
+        try:
+            keys = load_worker_keys(a.keys, worker_id) if a.keys else None
+        except ValueError as e:
+            ap.exit(2, f"psrv.example: --keys: {e}\n")
     else:
         from mpi4py import MPI                        # distributed-only: roles from the ranks
         from .launch import mpi_roles
@@ -119,11 +127,28 @@ def main(argv=None):
     try:
         client = Client(endpoints, worker_id, num_workers, timeout=a.timeout, keys=keys)
     except ValueError as e:
-        ap.error(str(e))                              # a bad launch: exit 2 with the reason
+        ap.exit(2, f"psrv.example: {e}\n")           # a bad launch: exit 2 with the reason
     with client:
         result = train(client, worker_id, num_workers, a.steps, a.lr, consistency)
     if worker_id == 0:
         print(json.dumps(result), flush=True)
+
+
+def check_options(a):
+    """ValueError naming the first bad flag (the parsed argparse namespace a)."""
+    if not 0 < a.lr < math.inf:
+        raise ValueError(f"--lr must be finite and > 0, got {a.lr}")
+    if not 0 < a.timeout < math.inf:
+        raise ValueError(f"--timeout must be finite and > 0 seconds, got {a.timeout}")
+    for flag, value, least in (("--steps", a.steps, 0), ("--servers", a.servers, 1),
+                               ("--worker-id", a.worker_id, 0),
+                               ("--num-workers", a.num_workers, 1)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+    if None not in (a.worker_id, a.num_workers) and a.worker_id >= a.num_workers:
+        raise ValueError(f"--worker-id {a.worker_id} is not below --num-workers {a.num_workers}")
+    if a.ps is not None and not all(a.ps.split(",")):
+        raise ValueError(f"--ps {a.ps!r}: an empty endpoint")
 
 
 def mpi_rank_and_size():

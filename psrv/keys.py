@@ -11,9 +11,12 @@ every file 0600 in 0700 directories:
     DIR/workers/worker-I.key_secret  worker I's keypair          -> worker I's host only
 
 A server started with `--keys DIR` reads server.key_secret and admits exactly the
-public keys in DIR/workers/*.key; worker I (`psrv.example --keys DIR`) reads
-server.key and workers/worker-I.key_secret.  On a shared file system all read DIR.
-A secret file that group or others may read is refused, as ssh refuses one.
+public keys in DIR/workers/worker-I.key, each for worker I alone: the file's name
+binds the key to its worker id, so a key can only ever speak for its own worker
+(a file of any other name, or one key under two ids, is refused).  Worker I
+(`psrv.example --keys DIR`) reads server.key and workers/worker-I.key_secret.
+On a shared file system all read DIR.  A secret file that group or others may
+read is refused, as ssh refuses one.
 
 Under mpiexec no files are needed: `for_mpi_rank` has every rank make its own
 keypair (zmq.curve_keypair, libsodium) and gathers the public keys only, so no
@@ -24,9 +27,10 @@ session keys, which is why a captured frame replayed on a new connection is
 worthless; the server's allow-list is its ZAP handler (RFC 27, auth.py).
 """
 import argparse
-import glob
 import os
+import re
 import struct
+import types
 from dataclasses import dataclass
 
 import zmq
@@ -34,6 +38,7 @@ import zmq.auth
 import zmq.utils.z85
 
 KEY_LENGTH = 40                          # a Z85-encoded 32-byte Curve25519 key
+WORKER_FILE = re.compile(r"worker-(0|[1-9][0-9]*)\.key")     # the name binds the key to id I
 
 
 def check_key(key, what):
@@ -53,18 +58,30 @@ def check_key(key, what):
 
 @dataclass(frozen=True)
 class ServerKeys:
-    """A server's keypair and the workers' public keys it admits."""
+    """A server's keypair and the workers' public keys it admits: clients maps each
+    public key to the one worker id it may speak for."""
     public: bytes
     secret: bytes
-    clients: frozenset
+    clients: dict
 
     def __post_init__(self):
         object.__setattr__(self, "public", check_key(self.public, "server public key"))
         object.__setattr__(self, "secret", check_key(self.secret, "server secret key"))
-        clients = frozenset(check_key(c, "client public key") for c in self.clients)
+        if not hasattr(self.clients, "items"):
+            raise ValueError(f"ServerKeys.clients must map each public key to its worker id, "
+                             f"got {type(self.clients).__name__}")
+        clients = {}
+        for key, worker in self.clients.items():
+            key = check_key(key, f"client public key of worker {worker}")
+            if not isinstance(worker, int) or worker < 0:
+                raise ValueError(f"client key {key.decode()}: worker id {worker!r} is not "
+                                 f"an int >= 0")
+            if clients.setdefault(key, worker) != worker:
+                raise ValueError(f"client key {key.decode()} is given for worker "
+                                 f"{clients[key]} and worker {worker}: a key is one worker's")
         if not clients:
             raise ValueError("ServerKeys with no client key would admit nobody")
-        object.__setattr__(self, "clients", clients)
+        object.__setattr__(self, "clients", types.MappingProxyType(clients))
 
     def __repr__(self):                  # never print the secret
         return f"ServerKeys(public={self.public.decode()}, {len(self.clients)} clients)"
@@ -114,21 +131,33 @@ def _write_pair(base):
 
 
 def generate(directory, num_workers):
-    """Write a server keypair and num_workers worker keypairs under directory."""
+    """Write a server keypair and num_workers worker keypairs under directory.  Every
+    check comes before anything is touched: an existing directory keeps its mode."""
     if num_workers < 1:
         raise ValueError(f"need at least one worker key, got {num_workers}")
     workers = os.path.join(directory, "workers")
-    os.makedirs(workers, mode=0o700, exist_ok=True)
-    os.chmod(directory, 0o700)
-    os.chmod(workers, 0o700)
-    _write_pair(os.path.join(directory, "server"))
-    for w in range(num_workers):
-        _write_pair(os.path.join(workers, f"worker-{w}"))
+    for d in (directory, workers):
+        if os.path.lexists(d) and not os.path.isdir(d):
+            raise ValueError(f"{d} exists and is not a directory")
+    bases = [os.path.join(directory, "server")] + [os.path.join(workers, f"worker-{w}")
+                                                   for w in range(num_workers)]
+    there = [b + end for b in bases for end in (".key", ".key_secret") if os.path.lexists(b + end)]
+    if there:
+        more = f" (and {len(there) - 1} more key files)" if len(there) > 1 else ""
+        raise ValueError(f"{there[0]} exists{more}: keys are never overwritten")
+    for d in (directory, workers):
+        if not os.path.isdir(d):
+            os.mkdir(d, 0o700)
+            os.chmod(d, 0o700)            # what we create is 0700 whatever the umask
+    for base in bases:
+        _write_pair(base)
 
 
 def _load(path, secret):
     if not os.path.exists(path):
         raise ValueError(f"key file {path} does not exist (make keys with python -m psrv.keys DIR)")
+    if not os.path.isfile(path):
+        raise ValueError(f"key file {path} is not a regular file")
     if secret and os.stat(path).st_mode & 0o077:
         raise ValueError(f"secret key file {path} may be read by group or others: chmod 600 {path}")
     try:
@@ -141,12 +170,27 @@ def _load(path, secret):
 
 
 def load_server_keys(directory):
-    """DIR/server.key_secret and every DIR/workers/*.key."""
+    """DIR/server.key_secret and every DIR/workers/worker-I.key, the key of worker I."""
     public, secret = _load(os.path.join(directory, "server.key_secret"), secret=True)
-    files = sorted(glob.glob(os.path.join(directory, "workers", "*.key")))
-    if not files:
-        raise ValueError(f"no worker public keys in {os.path.join(directory, 'workers')}/*.key")
-    return ServerKeys(public, secret, frozenset(_load(f, secret=False)[0] for f in files))
+    workers = os.path.join(directory, "workers")
+    try:
+        names = sorted(n for n in os.listdir(workers) if n.endswith(".key"))
+    except OSError as e:
+        raise ValueError(f"worker keys: {workers}: {e.strerror}") from None
+    if not names:
+        raise ValueError(f"no worker public keys in {workers}/worker-I.key")
+    clients = {}
+    for name in names:
+        match = WORKER_FILE.fullmatch(name)
+        if match is None:
+            raise ValueError(f"{os.path.join(workers, name)}: a worker key file is named "
+                             f"worker-I.key, which binds it to worker I")
+        key = _load(os.path.join(workers, name), secret=False)[0]
+        if key in clients:
+            raise ValueError(f"{os.path.join(workers, name)} holds the key of worker "
+                             f"{clients[key]} too: a key is one worker's")
+        clients[key] = int(match.group(1))
+    return ServerKeys(public, secret, clients)
 
 
 def load_worker_keys(directory, worker_id):
@@ -168,7 +212,7 @@ def for_mpi_rank(comm, num_workers):
     keys = [bytes(row) for row in publics]
     if comm.Get_rank() < num_workers:
         return ClientKeys(public, secret, tuple(keys[num_workers:]))
-    return ServerKeys(public, secret, frozenset(keys[:num_workers]))
+    return ServerKeys(public, secret, {key: w for w, key in enumerate(keys[:num_workers])})
 
 
 def main(argv=None):
@@ -178,8 +222,10 @@ def main(argv=None):
     a = ap.parse_args(argv)
     try:
         generate(a.directory, a.workers)
-    except (ValueError, FileExistsError) as e:
-        ap.exit(2, f"psrv.keys: {e} (keys are never overwritten)\n")
+    except ValueError as e:
+        ap.exit(2, f"psrv.keys: {e}\n")
+    except OSError as e:
+        ap.exit(2, f"psrv.keys: {e.filename or a.directory}: {e.strerror}\n")
     print(f"psrv.keys: wrote {a.directory}/server.key[_secret] and "
           f"{a.workers} keypairs in {a.directory}/workers/")
 

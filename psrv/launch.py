@@ -90,7 +90,14 @@ class LocalServers:
     def __init__(self, num_servers=1, timeout=30.0, transport="ipc", **options):
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
-        self.procs, self.endpoints, self.logs = [], [], []
+        self.procs, self.endpoints, self.logs, self.socket_dir = [], [], [], None
+        try:            # an error or a signal while starting removes what was started
+            self._start(num_servers, timeout, transport, options)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, num_servers, timeout, transport, options):
         self.socket_dir = tempfile.mkdtemp(prefix="psrv-") if transport == "ipc" else None
         for shard in range(num_servers):
             bind = (f"ipc://{self.socket_dir}/shard{shard}" if self.socket_dir
@@ -104,10 +111,10 @@ class LocalServers:
                     args += ["--" + k.replace("_", "-"), str(v)]
             log = tempfile.NamedTemporaryFile("w+", prefix=f"psrv-shard{shard}-", suffix=".log",
                                               delete=False)
+            self.logs.append(log.name)
             env = {**os.environ, "PYTHONPATH": checkout_pythonpath()}
             proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
             self.procs.append(proc)
-            self.logs.append(log.name)
             self.endpoints.append(self._read_endpoint(proc, timeout, log.name))
 
     @staticmethod

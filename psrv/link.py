@@ -18,8 +18,9 @@ ZeroMQ hands over a multipart message whole or not at all, so once frame 0 is
 read the rest is there.  A reply that breaks the rules is drained to its last
 frame (the next read starts at a message boundary) and reported as PSError.
 
-Every wait has a deadline; with CURVE keys a monitor socket reports a refused
-handshake at once, instead of after the timeout.
+Every wait has a deadline; a monitor socket reports a refused handshake (an
+unknown CURVE key, or no keys against a CURVE server) at once, instead of after
+the timeout.
 """
 import time
 
@@ -45,7 +46,10 @@ class Link:
         if keys is not None:
             auth.make_client(sock, keys, server_key)
         sock.connect(endpoint)
-        self.monitor = auth.watch_handshakes(sock) if keys is not None and watch else None
+        # also without keys: a CURVE server refuses a plain client in the handshake,
+        # which only the monitor hears (the socket itself just stays silent)
+        self.monitor = auth.watch_handshakes(sock) if watch else None
+        self.has_keys = keys is not None
         self.refused = None                       # why the server refused our key
         self.pollers = {}                         # event -> zmq.Poller, made once
         self.bytes_sent = self.bytes_received = 0
@@ -76,12 +80,16 @@ class Link:
             if self.sock in ready and self.refused is None:
                 return                           # the common case, before any text is built
             if self.monitor in ready:
-                for failure in auth.handshake_failures(self.monitor):
+                for failure in auth.handshake_failures(auth.pending_events(self.monitor)):
                     self.refused = failure
-            if self.refused is not None:
+            if self.refused is not None and self.has_keys:
                 raise PSError(f"{self.name} refused the CURVE handshake: {self.refused}: is "
                               f"this worker's public key in the server's key set, and the "
                               f"server's public key the right one?")
+            if self.refused is not None:
+                raise PSError(f"{self.name} refused the handshake: {self.refused}: this "
+                              f"worker has no keys; is the server a CURVE server (--keys)? "
+                              f"then pass keys (psrv.keys)")
             if left <= 0:
                 raise PSError(f"{self.name} {what} within {self.timeout:g} s: is it alive?")
 

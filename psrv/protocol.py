@@ -28,6 +28,14 @@ a header claims, only views the frames that actually arrived.  Whether a key
 exists and has that shape is the server's check (store.py).  No frame is larger
 than MAX_FRAME_BYTES (the servers set it as ZeroMQ's MAXMSGSIZE).
 
+Connections: a worker has two sockets to each server, whose ZeroMQ routing
+ids are twins: b"w" + 15 random bytes for its requests (fixed, so a reconnect
+after a network blip is the same connection to the server) and b"h" + the same
+15 bytes for its HEARTBEATs (routing_ids).  Without keys (on loopback) a
+heartbeat refreshes worker w only when it comes from the twin of the connection
+that registered w (request_twin), so no other local process can keep a dead
+worker alive; with keys the client key says who speaks.
+
 Authentication and encryption are not in the format: they are ZeroMQ's CURVE
 (auth.py), below it, so a message that reaches `decode` on an authenticated
 server came from a known key over a connection no one else can write to.
@@ -210,6 +218,16 @@ def _entry(buf, at, i):
     if step < 0 or nframes > length + 1:
         raise ProtocolError(f"{where}: negative step {step} or {nframes} frames for {length} elements")
     return Entry(key, offset, length, tuple(shape[:ndim]), dtype, nframes, step, version, stale)
+
+
+def routing_ids(token):
+    """A worker's 15 random bytes -> (request socket's routing id, heartbeat socket's)."""
+    return b"w" + token, b"h" + token
+
+
+def request_twin(heartbeat_id):
+    """The routing id of the request socket that a heartbeat socket's id is the twin of."""
+    return b"w" + heartbeat_id[1:] if heartbeat_id[:1] == b"h" else None
 
 
 def error_message(sender, request, text):

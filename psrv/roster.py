@@ -1,10 +1,11 @@
 """Who is speaking to a shard, and who is still alive: the shard's roster of workers.
 
-    speaking   a connection speaks for one worker id, and a worker id belongs to the
-               first connection (with keys: the first client key) that used it
+    speaking   a connection speaks for one worker id; with keys a worker id belongs to
+               its own client key, without to the first connection that used it
                (auth.Members); heartbeats refresh a worker but claim nothing
     alive      a worker silent for longer than worker_timeout is dead; before its
                first message the limit is join_timeout, so a slow start is no death
+    expelled   a worker that does not read its replies (replies.py) is dead too
     finished   a worker that said BYE or ABORT is closed; the shard is done when
                every worker is closed or dead
 
@@ -20,12 +21,13 @@ MAX_WORKERS = 4096
 
 
 class Roster:
-    def __init__(self, worker_timeout, join_timeout, by_key):
+    def __init__(self, worker_timeout, join_timeout, key_owner=None):
         self.worker_timeout = worker_timeout
         self.join_timeout = max(join_timeout, worker_timeout)   # slow starters are not dead
-        self.members = auth.Members(by_key=by_key)
+        self.members = auth.Members(key_owner)
         self.last_seen = {}        # worker -> time of its last message
         self.joined, self.closed, self.dead = set(), set(), set()
+        self.expelled = {}         # worker -> why the shard stopped serving it
 
     def expect(self, num_workers):
         """INIT: death detection starts now for all W workers (all should init about now)."""
@@ -36,7 +38,8 @@ class Roster:
         """Refresh w; ValueError (the caller logs it, no reply) if this connection may not."""
         if w >= num_workers or w in self.dead or w in self.closed:
             return
-        self.members.bind(identity, user, w, register=False)
+        if not self.members.may_beat(identity, user, w):
+            return
         self.last_seen[w] = time.monotonic()
         self.joined.add(w)
 
@@ -44,7 +47,9 @@ class Roster:
         """ValueError naming why worker w may not send op on this connection now."""
         if w >= num_workers:
             raise ValueError(f"sender {w} is not a worker id (W={num_workers})")
-        self.members.bind(identity, user, w, register=True)
+        self.members.bind(identity, user, w)
+        if w in self.expelled:
+            raise ValueError(self.expelled[w])
         if w in self.dead:
             raise ValueError(f"worker {w} was declared dead after {self.worker_timeout} s of silence")
         if w in self.closed and op not in (P.Op.BYE, P.Op.ABORT):
@@ -58,6 +63,11 @@ class Roster:
             return False
         self.closed.add(w)
         return True
+
+    def expel(self, w, why):
+        """The shard stops serving w: dead from now on, its requests refused with why."""
+        self.dead.add(w)
+        self.expelled[w] = why
 
     def overdue(self):
         """Declare dead every worker silent for too long; -> [(w, why), ...] of the new ones."""

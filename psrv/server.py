@@ -17,8 +17,8 @@ The loop, one message at a time (a single thread owns the sockets and the store)
     0. with keys: the CURVE handshake and ZAP allow-list (auth.py) run before any
        message arrives; every message then carries its client key
     1. decode and validate the header (protocol.decode): bad -> ERROR reply, go on
-    2. who is speaking (roster.py): a connection speaks for one worker id, and a worker
-       id belongs to the first connection (with keys: the first client key) that used it
+    2. who is speaking (roster.py): a connection speaks for one worker id; with keys a
+       worker id belongs to its own client key, without to the first connection using it
     3. check the message against the store (known key, shape, dtype, step): bad -> ERROR
     4. INIT / PUSH / PUSH_PULL change the store; replies that the consistency
        model holds back wait in `pending` and are re-tried after every change
@@ -46,8 +46,9 @@ import zmq
 
 from . import auth, heap
 from . import protocol as P
-from .config import unpack_config
+from .config import check_server_options, unpack_config
 from .keys import load_server_keys
+from .replies import Outbox, UnreadReplies
 from .roster import MAX_WORKERS, Roster
 from .store import Shard
 
@@ -58,16 +59,17 @@ WORKER_OPS = {P.Op.INIT, P.Op.PUSH, P.Op.PULL, P.Op.PUSH_PULL, P.Op.HEARTBEAT, P
 # about (its bytes on this shard) / message_bytes messages a step and gets as many replies
 # (a ROUTER drops replies beyond it).  Frames are at most protocol.MAX_FRAME_BYTES.
 HWM = 1000
+# A worker may leave this much more than two copies of the shard's values unread
+# (replies.py: a pull and a push_pull in flight) before the shard stops serving it.
+UNREAD_MARGIN = 64 << 20
 
 
 class Server:
     def __init__(self, bind="tcp://127.0.0.1:0", shard=0, num_shards=1, worker_timeout=10.0,
                  on_worker_death="fail", checkpoint_dir=None, checkpoint_every=0, resume=False,
-                 keys=None, linger_ms=5000, join_timeout=60.0):
-        if on_worker_death not in ("fail", "continue"):
-            raise ValueError(f"on_worker_death must be 'fail' or 'continue', got {on_worker_death!r}")
-        if not 0 <= shard < num_shards:
-            raise ValueError(f"shard {shard} not in [0, {num_shards})")
+                 keys=None, linger_ms=5000, join_timeout=60.0, max_unread=None):
+        check_server_options(shard, num_shards, worker_timeout, join_timeout, on_worker_death,
+                             checkpoint_every, max_unread)
         if keys is None and not auth.is_local(bind):
             raise ValueError(f"refusing to bind {bind} without authentication: anyone who reaches "
                              f"it could drive the servers; pass --keys DIR (python -m psrv.keys DIR "
@@ -76,7 +78,7 @@ class Server:
             auth.check_private_ipc(bind)
         self.shard_id, self.num_shards, self.keys = shard, num_shards, keys
         self.worker_timeout, self.on_worker_death = worker_timeout, on_worker_death
-        self.linger_ms = linger_ms
+        self.linger_ms, self.max_unread = linger_ms, max_unread
         self.checkpoint_every, self.last_checkpoint = checkpoint_every, 0
         self.checkpoint_path = (os.path.join(checkpoint_dir, f"shard{shard}-of-{num_shards}.npz")
                                 if checkpoint_dir else None)
@@ -88,11 +90,12 @@ class Server:
             log.info("shard %d resumed from %s at step %d", shard, self.checkpoint_path,
                      self.last_checkpoint)
         self.pending = []          # (identity, op, request, worker, entries) held back
-        self.roster = Roster(worker_timeout, join_timeout, by_key=keys is not None)
+        self.roster = Roster(worker_timeout, join_timeout, keys and keys.clients)
         self.failure = None        # the error every request gets once a BSP run failed
         self.stop_signal = None
         self.listener = auth.Listener(bind, keys, f"shard {shard}", linger_ms, HWM)
         self.sock, self.endpoint = self.listener.sock, self.listener.endpoint
+        self.outbox = Outbox(self.sock, shard)
         log.info("shard %d on %s: %s", shard, self.endpoint, f"CURVE, {len(keys.clients)} "
                  f"client keys" if keys else "no authentication (local only)")
 
@@ -101,7 +104,7 @@ class Server:
         poller = zmq.Poller()
         for s in self.listener.sockets():
             poller.register(s, zmq.POLLIN)
-        tick = min(0.1, self.worker_timeout / 4)
+        tick = max(0.01, min(0.1, self.worker_timeout / 4))
         restore = self._catch_signals()
         try:
             while not self.finished() and self.stop_signal is None:
@@ -124,7 +127,7 @@ class Server:
         the ZAP handler and the death check get their turn).  Frames are used in place."""
         for _ in range(most):
             frames = self.sock.recv_multipart(copy=False)      # the poll said one is there
-            user = frames[1].get("User-Id") if self.keys and len(frames) > 1 else None
+            user = frames[1].get("User-Id").encode() if self.keys and len(frames) > 1 else None
             self.handle(frames[0].bytes, frames[1:], user)
             if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
@@ -162,11 +165,11 @@ class Server:
         except (P.ProtocolError, ValueError) as e:
             request = P.peek_request(frames)
             log.warning("shard %d: refused a message (request %d): %s", self.shard_id, request, e)
-            self.reply_error(identity, request, str(e))
+            self.outbox.error(identity, request, str(e))
         except Exception as e:      # a bug must not take the shard down with it
             log.exception("shard %d: internal error", self.shard_id)
-            self.reply_error(identity, P.peek_request(frames),
-                             f"internal error: {type(e).__name__}: {e}")
+            self.outbox.error(identity, P.peek_request(frames),
+                              f"internal error: {type(e).__name__}: {e}")
 
     def heartbeat(self, identity, user, w):
         if not self.store.configured:
@@ -186,16 +189,17 @@ class Server:
                 else:
                     s.drop_worker(w)      # a clean finish: BSP steps no longer wait for it
                     self.release()
-            return self.send(identity, P.encode(P.Op.OK, self.shard_id, msg.request, extras=[b"bye"]))
+            return self.outbox.send(identity, P.encode(P.Op.OK, self.shard_id, msg.request,
+                                                       extras=[b"bye"]))
         if self.failure:
             raise ValueError(self.failure)
         if op == P.Op.STATS:
-            return self.send(identity, P.encode(P.Op.STATS_REPLY, self.shard_id, msg.request,
-                                                extras=[s.stats()]))
+            return self.outbox.send(identity, P.encode(P.Op.STATS_REPLY, self.shard_id,
+                                                       msg.request, extras=[s.stats()]))
         if op == P.Op.CHECKPOINT:
             path = self.checkpoint(force=True)
-            return self.send(identity, P.encode(P.Op.OK, self.shard_id, msg.request,
-                                                extras=[path.encode()]))
+            return self.outbox.send(identity, P.encode(P.Op.OK, self.shard_id, msg.request,
+                                                       extras=[path.encode()]))
         if op == P.Op.INIT:
             self.init(msg)
         else:
@@ -207,19 +211,24 @@ class Server:
                 for e, frames in msg.entry_frames():
                     if not frames:
                         raise ValueError(f"key {e.key}: {op.name} without a gradient")
+                    s.check_finite(e, w, frames)
                 for e, frames in msg.entry_frames():
                     s.push(e.key, w, e.step, frames)
                 if self.checkpoint_every:            # O(keys): only when it is needed
                     s.note_pushes(w)
         if op == P.Op.PUSH:
-            self.send(identity, P.encode(P.Op.OK, self.shard_id, msg.request, extras=[b"pushed"]))
+            self.outbox.send(identity, P.encode(P.Op.OK, self.shard_id, msg.request,
+                                                extras=[b"pushed"]))
         else:
             self.pending.append((identity, op, msg.request, w, msg.entries))
         self.checkpoint()      # before the replies: a worker that has its values can rely on it
         self.release()
 
     def init(self, msg):
-        opt, consistency, num_workers = unpack_config(bytes(msg.extras[0]))
+        try:
+            opt, consistency, num_workers = unpack_config(bytes(msg.extras[0]))
+        except ValueError as e:
+            raise ValueError(f"INIT from worker {msg.sender}: {e}") from None
         if not 0 < num_workers <= MAX_WORKERS or msg.sender >= num_workers:
             raise ValueError(f"INIT from worker {msg.sender} with W={num_workers}")
         names = bytes(msg.extras[1]).decode("utf-8", "replace").split("\n")
@@ -231,58 +240,42 @@ class Server:
         self.store.configure(opt, consistency, num_workers, msg.entries, names)
         self.roster.expect(num_workers)
         if msg.sender == 0 and not self.store.has_values:
-            if any(not f for _, f in msg.entry_frames()):
-                raise ValueError("worker 0's INIT must carry the initial value of every key")
+            for e, frames in msg.entry_frames():
+                if not frames:
+                    raise ValueError("worker 0's INIT must carry the initial value of every key")
+                self.store.check_finite(e, 0, frames, "an initial value")
             self.store.set_values(msg)
 
     # -- replies -------------------------------------------------------------------
     def release(self):
         """Send every held-back reply the consistency model now allows."""
-        s, still = self.store, []
+        s, still, unread = self.store, [], {}
+        limit = self.max_unread or 2 * s.value_bytes + UNREAD_MARGIN
         for item in self.pending:
             identity, op, request, w, entries = item
             ready = s.has_values if op == P.Op.INIT else all(s.may_read(e.key, w) for e in entries)
-            if ready:
-                self.send_values(identity, request, w, entries)
-            else:
+            if not ready:
                 still.append(item)
-        self.pending = still
-
-    def send_values(self, identity, request, worker, entries):
-        out, payload, held = [], [], []
-        for e in entries:
-            k = self.store.keys[e.key]
-            parts = P.chunks(k.value)
-            out.append(P.Entry(e.key, k.offset, k.length, k.shape, nframes=len(parts),
-                               step=k.clock.get(worker, 0), version=k.version,
-                               staleness=k.staleness.get(worker, -1)))
-            payload += parts
-            held += [k] * len(parts)
-            k.read[worker] = k.version
-        head = P.encode(P.Op.VALUES, self.shard_id, request, out, payload=payload)[0]
-        self.sock.send_multipart([identity, head], zmq.SNDMORE if payload else 0)
-        last = len(payload) - 1
-        for i, (k, part) in enumerate(zip(held, payload)):
-            # a value frame leaves zero-copy, and its tracker tells store.Key.writable
-            # whether ZeroMQ still reads it; pyzmq copies a small one anyway (copying
-            # is cheaper than tracking below zmq.COPY_THRESHOLD), so that needs no tracker
-            big = part.nbytes >= zmq.COPY_THRESHOLD
-            tracker = self.sock.send(part, 0 if i == last else zmq.SNDMORE, copy=not big,
-                                     track=big)
-            if big:
-                k.trackers.append(tracker)
-
-    def send(self, identity, frames):
-        """A reply of small frames (everything but VALUES): copied, untracked."""
-        self.sock.send_multipart([identity, *frames])
-
-    def reply_error(self, identity, request, text):
-        self.send(identity, P.error_message(self.shard_id, request, text))
+            elif w not in unread:
+                try:
+                    self.outbox.values(identity, request, w, s.keys, entries, limit)
+                except UnreadReplies as e:
+                    unread[w] = str(e)
+                    self.outbox.error(identity, request, str(e))
+        self.pending = [item for item in still if item[3] not in unread]
+        for w, why in unread.items():
+            self.expel(w, why)
 
     # -- faults and checkpoints -----------------------------------------------------
     def check_workers(self):
         for w, why in self.roster.overdue():
             self.lose_worker(w, why)
+
+    def expel(self, w, why):
+        """Stop serving w (it does not read its replies): from now on it is dead."""
+        self.roster.expel(w, why)
+        self.outbox.forget(w)
+        self.lose_worker(w, why)
 
     def lose_worker(self, w, why):
         """A worker died or crashed: fail the run (BSP/SSP, policy 'fail') or go on without it."""
@@ -299,7 +292,7 @@ class Server:
         """From now on every request gets `text`, the waiting ones at once."""
         self.failure = self.failure or text
         for identity, _, request, _, _ in self.pending:
-            self.reply_error(identity, request, self.failure)
+            self.outbox.error(identity, request, self.failure)
         self.pending = []
 
     def checkpoint(self, force=False):
@@ -332,6 +325,9 @@ def main(argv=None):
     ap.add_argument("--checkpoint-every", type=int, default=0,
                     help="steps between checkpoints (steps every worker has pushed)")
     ap.add_argument("--resume", action="store_true", help="load the checkpoint if there is one")
+    ap.add_argument("--max-unread-mib", type=float,
+                    help="replies a worker may leave unread before the shard stops serving it "
+                    "(default: twice the shard's values + 64 MiB)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -339,7 +335,8 @@ def main(argv=None):
         keys = load_server_keys(a.keys) if a.keys else None
         server = Server(a.bind, a.shard, a.num_shards, a.worker_timeout, a.on_worker_death,
                         a.checkpoint_dir, a.checkpoint_every, a.resume, keys,
-                        join_timeout=a.join_timeout)
+                        join_timeout=a.join_timeout,
+                        max_unread=None if a.max_unread_mib is None else a.max_unread_mib * 2**20)
     except (ValueError, zmq.ZMQError) as e:
         ap.exit(2, f"psrv.server: {e}\n")
     print(f"psrv.server shard {a.shard} listening on {server.endpoint}", flush=True)

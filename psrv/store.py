@@ -83,6 +83,7 @@ class Shard:
         self.keys = {}
         self.opt = self.consistency = None
         self.num_workers = 0
+        self.value_bytes = 0       # of all keys' values (float32)
         self.active = set()
         self.histogram = Counter()
         self.max_clock_gap = 0
@@ -108,6 +109,7 @@ class Shard:
             self.active = set(range(num_workers))
             for e, name in zip(entries, names):
                 self.keys[e.key] = Key(name, e.offset, e.length, e.shape)
+            self.value_bytes = 4 * sum(k.length for k in self.keys.values())
             return
         mine = (self.opt, self.consistency, self.num_workers)
         if mine != (opt, consistency, num_workers):
@@ -153,6 +155,14 @@ class Shard:
             raise ValueError(f"key {e.key}: worker {worker} pushed step {e.step} while step "
                              f"{k.version} is still open (waiting for workers {waiting}); "
                              f"under bsp push step t+1 only after step t's values came back")
+
+    def check_finite(self, e, worker, frames, what="a gradient"):
+        """ValueError naming worker and key if frames hold a NaN or an infinity: one
+        would spread through the optimizer into every later value, on every worker."""
+        for f in frames:
+            if not np.isfinite(np.frombuffer(f, np.float32)).all():
+                raise ValueError(f"worker {worker} sent {what} with NaN or inf for key {e.key} "
+                                 f"({self.keys[e.key].describe()}): refused, nothing applied")
 
     # -- pushes ----------------------------------------------------------------
     def push(self, key, worker, step, frames):
@@ -287,6 +297,7 @@ class Shard:
                 k.state = {n: z[f"{n}_{key}"].astype(np.float32)
                            for n in optim.new_state(self.opt, 0)}
                 self.keys[int(key)] = k
+        self.value_bytes = 4 * sum(k.length for k in self.keys.values())
         for w in {w for k in self.keys.values() for w in k.clock}:
             self.note_pushes(w)
 

@@ -1,0 +1,93 @@
+"""What a shard sends back, and how much of it each worker has not read yet.
+
+    outbox = Outbox(sock, shard_id)
+    outbox.send(identity, frames)                 # small replies: OK, ERROR, STATS_REPLY
+    outbox.values(identity, request, worker, keys, entries, limit)   # VALUES, zero-copy
+
+A VALUES reply references the stored arrays zero-copy, and an update copies a
+value that a queued reply still holds (store.Key.writable).  So every reply a
+worker leaves unread pins one copy of what it asked for: a worker that sends
+PULLs and never reads the answers would grow the shard by a copy of the key per
+update, up to ZeroMQ's SNDHWM (1000 messages) per connection, gigabytes for a
+4 MiB key.  The outbox therefore counts, per worker, the payload bytes of the
+VALUES replies that ZeroMQ still holds (a tracker on each reply's last frame:
+the frames of one message leave in order), and refuses a reply that would take
+the worker above `limit` (UnreadReplies); the server then stops serving that
+worker (server.Server.expel).
+
+Why the count is right for an honest worker: its client reads every reply while
+it waits, and ZeroMQ's I/O threads move the bytes on as they are read, so what
+stays queued is what it asked for and has not waited for yet, at most a pull
+and a push_pull of everything this shard holds (server.py sets the default
+limit from that).
+"""
+from collections import deque
+
+import zmq
+
+from . import protocol as P
+
+
+class UnreadReplies(ValueError):
+    """A worker that does not read its replies: the text names it and the bytes."""
+
+
+class Outbox:
+    def __init__(self, sock, shard_id):
+        self.sock, self.shard_id = sock, shard_id
+        self.queued = {}           # worker -> deque of (tracker, payload bytes) still in ZeroMQ
+        self.queued_bytes = {}     # worker -> their sum
+
+    def send(self, identity, frames):
+        """A reply of small frames (everything but VALUES): copied, untracked."""
+        self.sock.send_multipart([identity, *frames])
+
+    def error(self, identity, request, text):
+        self.send(identity, P.error_message(self.shard_id, request, text))
+
+    def unread(self, worker):
+        """Payload bytes of worker's VALUES replies that ZeroMQ still holds."""
+        q = self.queued.get(worker)
+        while q and q[0][0].done:
+            self.queued_bytes[worker] -= q.popleft()[1]
+        return self.queued_bytes.get(worker, 0)
+
+    def forget(self, worker):
+        self.queued.pop(worker, None)
+        self.queued_bytes.pop(worker, None)
+
+    def values(self, identity, request, worker, keys, entries, limit):
+        """Send worker the values of `entries` (store.Key by key id in `keys`), zero-copy;
+        UnreadReplies, sending nothing, if that would queue more than limit bytes for it."""
+        nbytes = sum(keys[e.key].value.nbytes for e in entries)
+        held = self.unread(worker)
+        if nbytes and held + nbytes > limit:
+            raise UnreadReplies(f"worker {worker} has {held / 2**20:.1f} MiB of replies it has "
+                                f"not read (limit {limit / 2**20:.1f} MiB): it is not reading "
+                                f"its replies; shard {self.shard_id} stops serving it")
+        out, payload, owners = [], [], []
+        for e in entries:
+            k = keys[e.key]
+            parts = P.chunks(k.value)
+            out.append(P.Entry(e.key, k.offset, k.length, k.shape, nframes=len(parts),
+                               step=k.clock.get(worker, 0), version=k.version,
+                               staleness=k.staleness.get(worker, -1)))
+            payload += parts
+            owners += [k] * len(parts)
+            k.read[worker] = k.version
+        head = P.encode(P.Op.VALUES, self.shard_id, request, out, payload=payload)[0]
+        self.sock.send_multipart([identity, head], zmq.SNDMORE if payload else 0)
+        last = len(payload) - 1
+        for i, (k, part) in enumerate(zip(owners, payload)):
+            # a value frame leaves zero-copy, and its tracker tells store.Key.writable
+            # whether ZeroMQ still reads it; pyzmq copies a small one anyway (copying
+            # is cheaper than tracking below zmq.COPY_THRESHOLD), so that needs no
+            # tracker, except the last frame, whose tracker counts the whole reply
+            tracked = part.nbytes >= zmq.COPY_THRESHOLD or i == last
+            tracker = self.sock.send(part, 0 if i == last else zmq.SNDMORE, copy=not tracked,
+                                     track=tracked)
+            if tracked:
+                k.trackers.append(tracker)
+            if i == last:
+                self.queued.setdefault(worker, deque()).append((tracker, nbytes))
+                self.queued_bytes[worker] = held + nbytes

@@ -1,0 +1,258 @@
+"""Tier (c): peers that abuse what they were given.  Real server processes, real sockets.
+
+    another worker's key        a valid key speaks only for the worker id its file names
+    replies left unread         a worker that never reads its VALUES is stopped at a byte
+                                limit, naming it; the shard stays small and serves the rest
+    unauthenticated flood       64 connections that each start a 4 MiB CURVE handshake frame:
+                                the server holds at most 2 per key + 16 of them, for at most
+                                5 s, grows by less than they would pin, logs a few lines
+    no keys, CURVE server       the client names the refused handshake at once
+    heartbeats of a stranger    on loopback, only the registered worker's own heartbeat
+                                socket keeps it alive: a killed worker is still found dead
+"""
+import os
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+import psrv
+from psrv import keys as K
+from psrv import protocol as P
+from psrv.config import Consistency, OptimizerConfig, pack_config
+
+SHAPES = {"w": (6, 4), "b": (4,)}
+SGD = OptimizerConfig("sgd", lr=0.5)
+
+
+def start_params():
+    return {n: (np.arange(np.prod(s), dtype=np.float32).reshape(s) % 5) / 4 for n, s in SHAPES.items()}
+
+
+def grads(step, w=0):
+    return {n: ((np.arange(np.prod(s)) % 4 - 1.5) * (1 + (step + w) % 3) / 8).astype(np.float32)
+            .reshape(s) for n, s in SHAPES.items()}
+
+
+@pytest.fixture
+def keydir(tmp_path):
+    K.generate(str(tmp_path / "keys"), 2)
+    return str(tmp_path / "keys")
+
+
+def rss_mib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def wait_for_log(servers, text, seconds=30):
+    end = time.monotonic() + seconds
+    while text not in servers.log(0):
+        assert time.monotonic() < end, f"no {text!r} in the log within {seconds} s:\n" \
+                                       f"{servers.log(0)[-2000:]}"
+        time.sleep(0.1)
+
+
+def test_the_key_files_bind_each_key_to_its_worker(keydir):
+    server = K.load_server_keys(keydir)
+    assert {w: K.load_worker_keys(keydir, w).public for w in range(2)} == \
+        {w: key for key, w in server.clients.items()}
+    workers = os.path.join(keydir, "workers")
+    os.link(os.path.join(workers, "worker-1.key"), os.path.join(workers, "worker-7.key"))
+    with pytest.raises(ValueError, match="worker-7.key holds the key of worker 1 too"):
+        K.load_server_keys(keydir)
+    os.rename(os.path.join(workers, "worker-7.key"), os.path.join(workers, "spare.key"))
+    with pytest.raises(ValueError, match="spare.key: a worker key file is named worker-I.key"):
+        K.load_server_keys(keydir)
+
+
+@pytest.mark.timeout(60)
+def test_a_key_speaks_only_for_its_own_worker(keydir):
+    """Worker 1's key asks first to be worker 0: refused, naming both; then the real
+    worker 0 and worker 1 train (old rule: first come, first served, the real worker 0
+    refused)."""
+    with psrv.launch.start_local_servers(1, keys=keydir, worker_timeout=30) as servers:
+        def connect(w, key_of):
+            return psrv.Client(servers.endpoints, w, 2, timeout=10, consistency=Consistency("asp"),
+                               keys=K.load_worker_keys(keydir, key_of))
+        intruder = connect(0, 1)
+        with pytest.raises(psrv.PSError, match="belongs to worker 1: it may not speak for worker 0"):
+            intruder.init(start_params(), SGD)
+        intruder.close()
+        workers = [connect(w, w) for w in range(2)]
+        params = [start_params() for _ in workers]
+        for c, p in zip(workers, params):
+            c.init(p, SGD)
+        for c, p in zip(workers, params):
+            c.push_pull(grads(0, c.worker_id), p, 0).wait()
+        assert sum(workers[0].stats()["histogram"].values()) == 2 * len(workers[0].placement.slices)
+        for c in workers:
+            c.close()
+        assert servers.wait(30) == [0]
+
+
+def raw_socket(ctx, endpoint, routing_id=None, rcvhwm=None):
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if routing_id:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    if rcvhwm:                       # what a peer that wants the server to hold its replies does
+        sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.connect(endpoint)
+    return sock
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_that_never_reads_its_replies_is_stopped_at_the_limit():
+    """ASP, W=2, a 1 MiB key, --max-unread-mib 8: worker 0 (a raw socket that reads
+    nothing) sends 150 PUSH + PULL pairs, so every reply pins a fresh copy of the key.
+    The shard stops serving it once 8 MiB are unread, naming it; it grows by far less
+    than the 150 MiB the replies would pin; worker 1 is still served."""
+    n = 1 << 18                                              # float32: 1 MiB
+    opts = dict(worker_timeout=30, max_unread_mib=8)
+    with psrv.launch.start_local_servers(1, **opts) as servers:
+        pid = servers.procs[0].pid
+        ctx = zmq.Context()
+        hog = raw_socket(ctx, servers.endpoints[0], rcvhwm=1)
+        entry = P.Entry(0, 0, n, (n,), nframes=1)
+        cfg = pack_config(SGD, Consistency("asp"), 2)
+        value = np.arange(n, dtype=np.float32) % 7
+        hog.send_multipart(P.encode(P.Op.INIT, 0, 1, [entry], [cfg, b"w"], [value]))
+        time.sleep(0.5)
+        before = rss_mib(pid)
+        grad = np.full(n, 0.25, np.float32)
+        for step in range(150):
+            hog.send_multipart(P.encode(P.Op.PUSH, 0, 2 + 2 * step,
+                                        [P.Entry(0, 0, n, (n,), nframes=1, step=step)],
+                                        payload=[grad]))
+            hog.send_multipart(P.encode(P.Op.PULL, 0, 3 + 2 * step, [P.Entry(0, 0, n, (n,))]))
+        wait_for_log(servers, "worker 0 has")
+        log = servers.log(0)
+        assert "of replies it has not read (limit 8.0 MiB): it is not reading its replies" in log
+        with psrv.Client(servers.endpoints, 1, 2, timeout=10, consistency=Consistency("asp")) as c:
+            out = {"w": np.zeros(n, np.float32)}
+            c.init(out, SGD)
+            c.push_pull({"w": grad}, out, 0).wait()
+            assert np.all(out["w"] < value + 1e-6) and np.any(out["w"] != value)
+            grown = rss_mib(pid) - before
+            assert grown < 48, f"the unread replies grew the server by {grown:.0f} MiB"
+        hog.close()
+        ctx.term()
+
+
+def start_handshake(address):
+    """A TCP connection that greets as a ZMTP 3.0 CURVE client and then sends most of
+    a HELLO command announced as large as the largest legal frame: libzmq buffers
+    it until the frame is complete or the handshake interval ends."""
+    greeting = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\0") \
+        + b"\0" + bytes(31)
+    size = P.MAX_FRAME_BYTES
+    conn = socket.create_connection(address, timeout=5)
+    try:
+        conn.sendall(greeting + b"\x06" + struct.pack(">Q", size) + bytes(size - 4096))
+    except OSError:
+        pass                              # cut by the server: as it should be
+    return conn
+
+
+def still_open(conn):
+    """False once the server has closed it (what it sent before, its greeting, is read)."""
+    conn.settimeout(0.05)
+    try:
+        while conn.recv(1 << 16):
+            pass
+        return False
+    except socket.timeout:
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(90)
+def test_unauthenticated_connections_are_capped_in_number_time_and_log_lines(keydir):
+    """A CURVE server for 2 worker keys holds at most 2 x 2 + 16 = 20 connections; the
+    64 unfinished handshakes would pin 256 MiB (libzmq's default: for 30 s)."""
+    with psrv.launch.start_local_servers(1, keys=keydir, worker_timeout=30,
+                                         transport="tcp") as servers:
+        pid = servers.procs[0].pid
+        address = ("127.0.0.1", int(servers.endpoints[0].rsplit(":", 1)[1]))
+        before = rss_mib(pid)
+        conns = [start_handshake(address) for _ in range(64)]
+        time.sleep(1.0)                                         # the server's loop cuts
+        held = sum(map(still_open, conns))
+        grown = rss_mib(pid) - before
+        assert held <= 20, f"{held} unauthenticated connections held"
+        assert grown < 120, f"64 unfinished handshakes grew the server by {grown:.0f} MiB"
+        end = time.monotonic() + 15                             # HANDSHAKE_IVL: 5 s
+        while any(still_open(c) for c in conns):
+            assert time.monotonic() < end, "a handshake was held for more than 15 s"
+        for c in conns:
+            c.close()
+        refusals = [line for line in servers.log(0).splitlines() if "refused" in line]
+        assert 1 <= len(refusals) <= 6, "\n".join(refusals)       # not one per connection
+        assert "connections open, the limit is 20" in servers.log(0)
+        with psrv.Client(servers.endpoints, 0, 1, timeout=10,
+                         keys=K.load_worker_keys(keydir, 0)) as c:   # still served
+            params = start_params()
+            c.init(params, SGD)
+            c.push_pull(grads(0), params, 0).wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_client_without_keys_names_the_refused_handshake_at_once(keydir):
+    with psrv.launch.start_local_servers(1, keys=keydir, worker_timeout=30) as servers:
+        plain = psrv.Client(servers.endpoints, 0, 1, timeout=20)        # loopback: no keys needed
+        began = time.monotonic()
+        with pytest.raises(psrv.PSError, match="refused the handshake: .* this worker has no "
+                                               "keys; is the server a CURVE server"):
+            plain.init(start_params(), SGD)
+        assert time.monotonic() - began < 10                   # not the 20 s timeout
+        plain.close()
+
+
+def stranger_heartbeats(endpoint, worker, stop):
+    """Until stop is set: HEARTBEATs for worker every 0.2 s on two connections of our
+    own, one with a heartbeat-socket routing id (protocol.routing_ids) of a wrong twin."""
+    ctx = zmq.Context()
+    strangers = [raw_socket(ctx, endpoint), raw_socket(ctx, endpoint, P.routing_ids(os.urandom(15))[1])]
+    while not stop.wait(0.2):
+        for s in strangers:
+            s.send_multipart(P.encode(P.Op.HEARTBEAT, worker, 0))
+    for s in strangers:
+        s.close()
+    ctx.term()
+
+
+@pytest.mark.timeout(60)
+def test_heartbeats_from_another_connection_keep_no_dead_worker_alive():
+    """Loopback, no keys, BSP, W=2: worker 1 (a raw socket) sends its INIT and goes
+    silent, as if killed, while a stranger sends HEARTBEATs for worker 1 from then on.
+    The survivor still gets the death error, not its own timeout."""
+    with psrv.launch.start_local_servers(1, worker_timeout=3) as servers:
+        ctx = zmq.Context()
+        victim = raw_socket(ctx, servers.endpoints[0], routing_id=P.routing_ids(os.urandom(15))[0])
+        cfg = pack_config(SGD, Consistency("bsp"), 2)
+        victim.send_multipart(P.encode(P.Op.INIT, 1, 1, [P.Entry(0, 0, 4, (4,))], [cfg, b"b"]))
+        stop = threading.Event()
+        beats = threading.Thread(target=stranger_heartbeats, args=(servers.endpoints[0], 1, stop))
+        beats.start()
+        try:
+            survivor = psrv.Client(servers.endpoints, 0, 2, timeout=20)
+            params = {"b": np.arange(4, dtype=np.float32)}
+            survivor.init(params, SGD)
+            began = time.monotonic()
+            with pytest.raises(psrv.PSError, match="worker 1 sent nothing for .* fails the bsp run"):
+                survivor.push_pull({"b": np.ones(4, np.float32)}, params, 0).wait()
+            assert time.monotonic() - began < 15                 # not the 20 s timeout
+            assert "is not the twin of the connection that registered worker 1" in servers.log(0)
+            survivor.close()
+        finally:
+            stop.set()
+            beats.join(10)
+            victim.close()
+            ctx.term()
