@@ -230,29 +230,31 @@ def world_of(cfg, world_size):
 
 def dp_size_of(cfg, world_size):
     """The data-parallel size, after checking that the world and the batch fit it: the one
-    check of the global batch, for the plain loop and the grid alike."""
+    check of the global batch, for the plain loop and the grid alike.  The flags passed
+    TrainConfig's checks alone, so an error here is about them against the world: its
+    field is world_size (the straggler's rank excepted)."""
     dp, where = world_of(cfg, world_size)
     if dp < 1:
         raise ConfigError(f"no worker left: {where}; use fewer --servers or more ranks",
-                          field="servers")
+                          field="world_size")
     if cfg.straggler and cfg.straggler_rank >= world_size:
         raise ConfigError(f"--straggler rank {cfg.straggler_rank} is not a rank "
                           f"(world size {world_size})", field="straggler")
     if cfg.sync == "local" and world_size != 1:
-        raise ConfigError(f"--sync local runs on one process, not {world_size}", field="sync")
+        raise ConfigError(f"--sync local runs on one process, not {world_size}", field="world_size")
     if cfg.global_batch % dp:
         raise ConfigError(f"--global-batch {cfg.global_batch} is not divisible by the "
                           f"data-parallel size: {cfg.global_batch} % dp({dp}) = "
-                          f"{cfg.global_batch % dp} ({where})", field="global_batch")
+                          f"{cfg.global_batch % dp} ({where})", field="world_size")
     local = cfg.global_batch // dp
     if local % cfg.grad_accum:
         raise ConfigError(f"--grad-accum {cfg.grad_accum} does not divide the local batch: "
                           f"global batch {cfg.global_batch} / dp({dp}) = {local} samples, "
                           f"{local} % {cfg.grad_accum} = {local % cfg.grad_accum} ({where})",
-                          field="grad_accum")
+                          field="world_size")
     if cfg.sync == "hybrid" and cfg.ranks_per_node and dp % cfg.ranks_per_node:
         raise ConfigError(f"--ranks-per-node {cfg.ranks_per_node} does not divide dp({dp}) "
-                          f"into whole nodes ({where})", field="ranks_per_node")
+                          f"into whole nodes ({where})", field="world_size")
     return dp
 
 
