@@ -200,14 +200,16 @@ class Listener:
 class Members:
     """Who speaks for which worker id.  A connection (ROUTER identity) speaks for one
     worker.  With CURVE a worker id belongs to the client key bound to it
-    (key_owner: public key -> worker id, from the key files' names or the MPI
-    ranks), so a key can only ever speak for its own worker; without keys, to the
+    (key_owner: public key -> worker id, from the key files' names; a key exchanged
+    inside one MPI job, which no file holds, binds to the first id it speaks for),
+    so a key can only ever speak for its own worker; without keys, to the
     first request connection that used it.  Heartbeats come on a socket of their
     own and claim nothing: without keys only the registered connection's twin
     (protocol.routing_ids) may send them."""
 
     def __init__(self, key_owner=None):
-        self.key_owner = key_owner
+        # a key mapped to None (keys.for_mpi_rank) binds to the first id it speaks for
+        self.key_owner = None if key_owner is None else dict(key_owner)
         self.speaks_for = {}       # ROUTER identity -> worker id
         self.owner = {}            # worker id -> identity (without keys)
         self.owned = {}            # and back
@@ -241,7 +243,13 @@ class Members:
         return owner is not None
 
     def _check_key(self, user, worker):
-        if self.key_owner is not None and self.key_owner.get(user) != worker:
+        if self.key_owner is None:
+            return
+        if user in self.key_owner and self.key_owner[user] is None:
+            if worker in self.key_owner.values():
+                raise ValueError(f"worker {worker} belongs to another client key")
+            self.key_owner[user] = worker          # bound now, for good
+        if self.key_owner.get(user) != worker:
             raise ValueError(f"client key {user.decode()} belongs to worker "
                              f"{self.key_owner.get(user)}: it may not speak for worker {worker}")
 

@@ -59,7 +59,8 @@ def check_key(key, what):
 @dataclass(frozen=True)
 class ServerKeys:
     """A server's keypair and the workers' public keys it admits: clients maps each
-    public key to the one worker id it may speak for."""
+    public key to the one worker id it may speak for, or to None: the first id it
+    speaks for (auth.Members), for keys that never leave one MPI job's processes."""
     public: bytes
     secret: bytes
     clients: dict
@@ -73,10 +74,12 @@ class ServerKeys:
         clients = {}
         for key, worker in self.clients.items():
             key = check_key(key, f"client public key of worker {worker}")
-            if not isinstance(worker, int) or worker < 0:
+            if worker is not None and (not isinstance(worker, int) or worker < 0):
                 raise ValueError(f"client key {key.decode()}: worker id {worker!r} is not "
                                  f"an int >= 0")
-            if clients.setdefault(key, worker) != worker:
+            if worker is None:
+                clients.setdefault(key, None)
+            elif clients.setdefault(key, worker) != worker:
                 raise ValueError(f"client key {key.decode()} is given for worker "
                                  f"{clients[key]} and worker {worker}: a key is one worker's")
         if not clients:
@@ -204,7 +207,11 @@ def load_worker_keys(directory, worker_id):
 # -- under mpiexec ------------------------------------------------------------------
 def for_mpi_rank(comm, num_workers):
     """Collective: ranks < num_workers are workers, the rest servers.  -> this rank's
-    ClientKeys or ServerKeys.  Only public keys travel (one 40-byte Allgather)."""
+    ClientKeys or ServerKeys.  Only public keys travel (one 40-byte Allgather).
+
+    A key made here never leaves the job's processes, and the worker id it will speak
+    for is not known yet (the hybrid sync's node leaders speak for their node's index,
+    decided after this exchange), so each binds to the first id it speaks for."""
     import numpy as np
     public, secret = zmq.curve_keypair()
     publics = np.empty((comm.Get_size(), KEY_LENGTH), np.uint8)
@@ -212,7 +219,7 @@ def for_mpi_rank(comm, num_workers):
     keys = [bytes(row) for row in publics]
     if comm.Get_rank() < num_workers:
         return ClientKeys(public, secret, tuple(keys[num_workers:]))
-    return ServerKeys(public, secret, {key: w for w, key in enumerate(keys[:num_workers])})
+    return ServerKeys(public, secret, dict.fromkeys(keys[:num_workers]))
 
 
 def main(argv=None):

@@ -256,3 +256,18 @@ def test_heartbeats_from_another_connection_keep_no_dead_worker_alive():
             beats.join(10)
             victim.close()
             ctx.term()
+
+
+def test_a_key_exchanged_under_mpiexec_binds_to_the_first_id_it_speaks_for():
+    """keys.for_mpi_rank's keys (no file, the id decided after the exchange: a hybrid
+    node leader speaks for its node's index) bind at first use, then hold."""
+    from psrv.auth import Members
+    one, two = b"1" * 40, b"2" * 40
+    members = Members({one: None, two: None})
+    members.bind(b"a", one, 1)                     # rank 2's key, speaking for node 1
+    members.bind(b"a", one, 1)
+    with pytest.raises(ValueError, match="worker 1 belongs to another client key"):
+        members.bind(b"b", two, 1)
+    with pytest.raises(ValueError, match="belongs to worker 1: it may not speak for worker 0"):
+        members.bind(b"c", one, 0)
+    members.bind(b"b", two, 0)
