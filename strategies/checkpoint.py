@@ -56,7 +56,7 @@ def save(cfg, ctx, step, engine, run_id):
     sync_state = engine.sync.state_dict()  # every rank: a sync's state_dict may be collective
     if ctx.dp_rank != 0 and not sharded(cfg):
         return                      # every data-parallel replica holds the same state
-    os.makedirs(cfg.checkpoint_dir, exist_ok=True)
+    os.makedirs(cfg.checkpoint_dir, mode=0o700, exist_ok=True)   # the run's state: its owner's
     precision = engine.precision.state_dict() if engine.precision else {}
     payload = {"format": FORMAT, "step": step, "run_id": run_id, "sync": sync_state,
                "model_kind": cfg.model, "signature": engine.signature, "dp_size": ctx.dp_size,
@@ -66,7 +66,7 @@ def save(cfg, ctx, step, engine, run_id):
                "optimizer": engine.optimizer.state_dict()}
     final = path_of(cfg, ctx.rank)
     tmp = f"{final}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
         torch.save(payload, f)
         f.flush()
         os.fsync(f.fileno())

@@ -8,9 +8,22 @@ SyncOptions (sync.py), which share those fields: `cli` names a field as a flag
 The checks that also need the world size are in config.dp_size_of,
 expert_parallel.check and interleaved.check.
 """
+import dataclasses
+import math
+
 from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, EMULATED_SYNCS, OPTIMIZERS, PS_SYNCS,
                       SYNCS, ConfigError, flag_of, setting_of)
 from .compressor import check_compress
+
+
+def check_finite(cfg, cli=True):
+    """Every float field of a config is a number: inf and NaN train to NaN, or hang a
+    wait for ever (a NaN timeout), so they are refused where they are read."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{flag_of(f.name, cli)} must be a finite number, got {value!r}",
+                              field=f.name)
 
 
 def check_values(cfg, cli=True, choices=(), positive=(), at_least=()):
@@ -35,11 +48,16 @@ def check_values(cfg, cli=True, choices=(), positive=(), at_least=()):
 def check_sync(cfg, cli=True):
     """The settings the syncs read, for TrainConfig and SyncOptions alike; returns the
     CompressSpec (compressor.py checks --compress against the sync)."""
+    check_finite(cfg, cli)
     check_values(cfg, cli, choices=(("sync", SYNCS), ("consistency", CONSISTENCIES),
                                     ("optimizer", OPTIMIZERS)),
-                 positive=("bucket_mb", "lr"),
+                 positive=("bucket_mb", "lr", "timeout"),
                  at_least=((0, ("ranks_per_node", "staleness", "momentum", "weight_decay",
                                 "link_latency_us", "link_gbps")),))
+    if not cfg.momentum < 1:
+        raise ConfigError(f"{flag_of('momentum', cli)} must be < 1, got {cfg.momentum!r}: "
+                          f"the velocity v = m v + g grows without bound from m = 1",
+                          field="momentum")
     if (cfg.link_latency_us or cfg.link_gbps) and cfg.sync not in EMULATED_SYNCS:
         raise ConfigError(f"link emulation slows the textbook all-reduces "
                           f"({', '.join(EMULATED_SYNCS)}), "

@@ -12,17 +12,19 @@ names each factor (`global batch 10 % dp(3) != 0`).
 """
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from allreduce.cli import dataclass_flags
 
 from .choices import (ALLREDUCE_SYNCS, DEVICES, MODELS, PRECISIONS, PS_SYNCS, SCHEDULES, SYNCS,
-                      ZERO_STAGES, ConfigError)
+                      ZERO_STAGES, ConfigError, flag_of)
 from .combinations import check_moe, check_precision, check_schedule, check_sync, check_values
 from .mesh import Mesh, needs_grid
 
-__all__ = ["ALLREDUCE_SYNCS", "PS_SYNCS", "SYNCS", "ConfigError", "TrainConfig", "dp_size_of",
-           "parse_args", "parse_straggler", "parser", "world_of"]
+__all__ = ["ALLREDUCE_SYNCS", "PS_SYNCS", "SYNCS", "ConfigError", "TrainConfig",
+           "check_checkpoint_dir", "check_outputs", "dp_size_of", "parse_args",
+           "parse_straggler", "parser", "world_of"]
 
 
 def parse_straggler(text):
@@ -33,7 +35,7 @@ def parse_straggler(text):
     except ValueError:
         raise ConfigError(f"--straggler {text!r} is not RANK:SECONDS (e.g. 1:0.05)",
                           field="straggler") from None
-    if not sep or rank < 0 or seconds < 0:
+    if not sep or rank < 0 or not 0 <= seconds < float("inf"):
         raise ConfigError(f"--straggler {text!r} needs RANK >= 0 and SECONDS >= 0",
                           field="straggler")
     return rank, seconds
@@ -134,7 +136,7 @@ class TrainConfig:
                                     "d_model", "heads", "vocab", "seq_len", "in_dim", "classes",
                                     "dataset_size", "servers", "pp", "tp", "micro_batches",
                                     "virtual_stages", "grad_accum")),
-                               (0, ("checkpoint_every", "threads", "dp"))))
+                               (0, ("checkpoint_every", "threads", "dp", "seed"))))
         spec = check_sync(self)
         if self.straggler:
             parse_straggler(self.straggler)
@@ -213,6 +215,31 @@ class TrainConfig:
 
     def as_dict(self):
         return dataclasses.asdict(self)
+
+
+def check_outputs(cfg, writer):
+    """The files the run will write, before it starts: a run that trains to the end and
+    then finds no folder for its parameters loses them.  `writer`: whether this rank
+    writes the records, the parameters and the trace (every rank may checkpoint)."""
+    outputs = [("params_out", cfg.params_out), ("trace", cfg.trace), ("jsonl", cfg.jsonl)]
+    for field, path in outputs if writer else ():
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            raise ConfigError(f"{flag_of(field)} {path}: no folder {folder} to write it in"
+                              if not os.path.isdir(folder) else
+                              f"{flag_of(field)} {path}: the folder {folder} is not writable",
+                              field=field)
+        if path and os.path.isdir(path):
+            raise ConfigError(f"{flag_of(field)} {path} is a folder, not a file", field=field)
+    check_checkpoint_dir(cfg)
+
+
+def check_checkpoint_dir(cfg):
+    """--checkpoint-dir names a folder, or nothing yet (it is made)."""
+    if cfg.checkpoint_dir and os.path.exists(cfg.checkpoint_dir) and \
+            not os.path.isdir(cfg.checkpoint_dir):
+        raise ConfigError(f"--checkpoint-dir {cfg.checkpoint_dir} is a file, not a folder",
+                          field="checkpoint_dir")
 
 
 def world_of(cfg, world_size):

@@ -25,7 +25,7 @@ from allreduce.gpus import nccl_sharing_problem, shared_gpu
 from allreduce.torch_world import init_torch_distributed, torchrun_world
 
 from .choices import PS_SYNCS, ConfigError
-from .config import dp_size_of
+from .config import check_checkpoint_dir, dp_size_of
 from .mesh import Mesh
 
 
@@ -170,8 +170,9 @@ def ps_checkpoint_options(cfg):
     state) under DIR/ps themselves, and --resume loads them."""
     if not cfg.checkpoint_dir:
         return {}
+    check_checkpoint_dir(cfg)
     ps_dir = os.path.join(cfg.checkpoint_dir, "ps")
-    os.makedirs(ps_dir, exist_ok=True)                 # psrv does not make it
+    os.makedirs(ps_dir, mode=0o700, exist_ok=True)     # psrv does not make it
     return {"checkpoint_dir": ps_dir, "checkpoint_every": cfg.checkpoint_every,
             "resume": cfg.resume}
 

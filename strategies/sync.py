@@ -50,7 +50,7 @@ from allreduce.buffers import TORCH_DTYPES
 
 from .buckets import GradBuckets
 from .choices import EMULATED_SYNCS, ConfigError
-from .combinations import check_sync, check_values
+from .combinations import check_sync
 from .compress import make_compressor
 from .compressor import parse_compress
 from .powersgd import PowerSGDCompressor
@@ -82,7 +82,6 @@ class SyncOptions:
 
     def __post_init__(self):
         spec = check_sync(self, cli=False)
-        check_values(self, cli=False, positive=("timeout",))
         if not isinstance(self.overlap, bool):
             raise ConfigError(f"overlap={self.overlap!r} must be True or False", field="overlap")
         if self.momentum_correction and not (spec.kind == "topk" and self.error_feedback and

@@ -37,7 +37,7 @@ from allreduce.torch_world import under_torchrun
 
 from . import checkpoint, loop
 from .choices import ConfigError
-from .config import parse_args
+from .config import check_outputs, parse_args
 from .context import MPIControl, RunContext
 from .data import load_data
 from .expert_parallel import ExpertParallel, check as check_experts
@@ -55,6 +55,7 @@ def prepare(argv=None):
     try:
         cfg = parse_args(argv)
         ctx = RunContext.create(cfg)           # ps, hybrid: psrv.launch says who serves
+        check_outputs(cfg, writer=ctx.rank == 0)   # before any work, not after it
         ctx.set_threads(cfg)
         device = ctx.device(cfg)
         if not ctx.is_server:
