@@ -146,5 +146,4 @@ def check_precision(cfg):
     check_values(cfg, positive=("loss_scale",), at_least=((1, ("loss_scale_window",)),))
     if cfg.precision == "fp32":
         return
-    what = f"--precision {cfg.precision}"
     check_precision_sync(cfg.precision, cfg.sync)

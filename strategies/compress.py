@@ -27,6 +27,8 @@ class Compressor:
     wire_dtype = torch.float32
     step = 0                     # the step whose buckets come next (set_step)
     kept_ratio = None            # top-k: the fraction of each bucket its last step sent
+    lossy = False                # drops part of each bucket (top-k, PowerSGD): it compresses
+                                 # an all-reduce, not a reduce-scatter (zero.py)
 
     def set_step(self, step):
         """The sync says which step's buckets come next (AllReduceSync.synchronize); only

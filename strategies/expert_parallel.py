@@ -58,7 +58,6 @@ to the order of float additions (tests/test_moe.py).
 """
 import time
 
-import torch
 import torch.nn as nn
 
 from allreduce.alltoall import bytes_sent, uses_bruck

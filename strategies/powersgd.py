@@ -56,6 +56,7 @@ def orthonormalise(p):
 
 class PowerSGDCompressor(Compressor):
     """powersgd:RANK over any all-reduce."""
+    lossy = True
 
     def __init__(self, rank, error_feedback=True, seed=0):
         self.name = f"powersgd:{rank}"

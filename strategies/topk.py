@@ -71,6 +71,7 @@ def unpack_sum(gathered, k, size, out):
 
 class TopKCompressor(Compressor):
     """topk:RATIO over a collective that can all-gather (every allreduce/ algorithm)."""
+    lossy = True
 
     def __init__(self, ratio, coll, error_feedback=True, momentum=0.0, warmup=0):
         self.name = f"topk:{ratio:g}"

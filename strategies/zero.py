@@ -292,7 +292,7 @@ class ZeRO(GradientSync):
         16-bit; top-k and PowerSGD compress an all-reduce, whose result the shard is cut
         from."""
         replicas = unit.replicas
-        if self.compressor.name in ("topk", "powersgd") or replicas.size == 1:
+        if self.compressor.lossy or replicas.size == 1:
             self.allreduce_avg(unit, flat)
             return flat[unit.start:unit.stop].clone()
         self.comm_rounds += 1

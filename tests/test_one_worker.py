@@ -132,3 +132,16 @@ def test_bf16_through_parameter_servers_and_topk_on_the_grid_train(tmp_path):
     assert abs(topk - dense) / dense < 0.05, (topk, dense)
     records = runs["topk"][0]
     assert all(r["wire_bytes"] < 0.5 * r["dense_bytes"] for r in records)
+
+
+@pytest.mark.timeout(300)
+def test_lossy_compression_shrinks_the_wire_at_every_zero_stage(tmp_path):
+    """Top-k and PowerSGD compress an all-reduce whose result each rank cuts its shard
+    from (zero.py), so stages 1 and 2 send a fraction of the dense bytes too."""
+    runs = launch(tmp_path, 2, [(f"{kind}_zero{s}", MLP_SGD + ["--zero", str(s), "--momentum",
+                                                              "0", "--compress", spec])
+                                for s in (1, 2) for kind, spec in (("topk", "topk:0.1"),
+                                                                  ("powersgd", "powersgd:1"))])
+    for name, (records, _) in runs.items():
+        assert all(r["wire_bytes"] < 0.6 * r["dense_bytes"] for r in records), name
+        assert all(np.isfinite(r["loss"]) for r in records), name

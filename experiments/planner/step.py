@@ -5,7 +5,7 @@
     p.step_s, p.split          # {"compute", "tp", "pp", "dp", "ep", "bubble"}: seconds, sum step_s
     p.mem_bytes, p.memory      # the fullest rank, and its parts
 
-Ranks are laid out as the trainer lays them (strategies/grid.py): arange(world)
+Ranks are laid out as the trainer lays them (strategies/mesh.py): arange(world)
 reshaped (dp, pp, tp), tp fastest, and a node holds G consecutive ranks.  A tp
 group is inside a node (the planner never puts it across); a pp or dp group
 whose members lie stride apart spans nodes once stride x size > G, and then the
