@@ -4,8 +4,8 @@ The collectives' formulas and the calibrated Machine live in allreduce/costs.py
 (one host) and allreduce/twolevel.py (hosts joined by links), below their users:
 `allreduce.bench --predict` needs them and must not import this package.  Those
 of one host are imported here under their old names, and so are ZeRO's traffic
-(allreduce/theory.py), ZeRO's memory (strategies/memory.py) and the pipeline
-bubble (strategies/bubble.py), which the benchmarks read too.
+(allreduce/theory.py), ZeRO's memory (strategies/parallel/memory.py) and the pipeline
+bubble (strategies/parallel/bubble.py), which the benchmarks read too.
 
     m = Machine(alpha=5e-6, beta=1 / 10e9, gamma=1 / 40e9)     # s, s/byte, s/byte
     ring_allreduce(64 << 20, P=8, m)          # predicted seconds
@@ -60,10 +60,10 @@ from allreduce.costs import (Machine, allreduce_time,  # noqa: F401 (re-exported
                              tree_allreduce)
 from allreduce.theory import Step, zero_comm_bytes  # noqa: F401 (re-exported)
 from allreduce.twolevel import cluster_allreduce_time, profile, profile_time
-from strategies.bubble import (  # noqa: F401 (re-exported)
+from strategies.parallel.bubble import (  # noqa: F401 (re-exported)
     activations_in_flight as pipeline_activations_in_flight, bubble_fraction)
 
-from strategies.memory import zero_memory  # noqa: F401 (re-exported)
+from strategies.parallel.memory import zero_memory  # noqa: F401 (re-exported)
 
 
 # ------------------------------------------------------------- parameter server
@@ -115,7 +115,7 @@ def ps_round_trip(n, m):
 
 
 # -------------------------------------------------------------------- pipelines
-# The bubble and the activations in flight: strategies/bubble.py, re-exported above.
+# The bubble and the activations in flight: strategies/parallel/bubble.py, re-exported above.
 def pipeline_step_time(p, m, t_forward, t_backward, activation_bytes, link, v=1):
     """(v m + p - 1) slots of one micro-batch's forward + backward on one chunk (1/v of
     a stage: v = 1 for GPipe and 1F1B, v chunks a rank interleaved), each slot also

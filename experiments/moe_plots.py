@@ -21,7 +21,7 @@ backward), each of the (E, G, C, d) float32 buffer, (ep-1)/ep of it leaving the 
 import sys
 from collections import defaultdict
 
-from strategies.expert_parallel import alltoall_bytes_per_step
+from strategies.parallel.expert_parallel import alltoall_bytes_per_step
 
 from .palette import MEASURED, PREDICTED, records_main, save, two_panels
 from .records import train_runs

@@ -4,7 +4,7 @@
     .venv/bin/python -m experiments.recompute_memory --layers 2,4,8   # docs/training.md
 
 One process, no communication: for each GPT depth, the same model and batch with
-and without strategies.recompute, the peak bytes autograd saves for backward over
+and without strategies.parallel.recompute, the peak bytes autograd saves for backward over
 one forward (memory.ActivationMeter, through recompute.saved_activation_bytes) and
 the median time of a forward + backward.  Without recompute the saved bytes grow
 with the blocks' insides, with it with the blocks' inputs (B x T x d floats each);
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from strategies.models import GPT
-from strategies.recompute import Recompute, saved_activation_bytes
+from strategies.model.models import GPT
+from strategies.parallel.recompute import Recompute, saved_activation_bytes
 
 
 def measure(layers, d_model, seq_len, batch, heads, vocab, repeats):

@@ -114,7 +114,7 @@ def check_point(command, p):
             return "ranks_per_node", (f"world_size {P} does not factor into nodes of "
                                       f"{k} ranks: {P} % {k} = {P % k}")
     elif command == "strategies.train":
-        from strategies.config import ConfigError, TrainConfig, dp_size_of
+        from strategies.config.settings import ConfigError, TrainConfig, dp_size_of
         fields = {k: v for k, v in p.items()                    # TrainConfig checks the rest
                   if k != "world_size" and k not in LAUNCH_KEYS}
         if fields.get("trace"):
@@ -322,7 +322,7 @@ def value_problems(run, schema, defaults):
 def defaults_of(command):
     """The values the command uses for the keys a point leaves out."""
     if command == "strategies.train":
-        from strategies.config import TrainConfig
+        from strategies.config.settings import TrainConfig
         return {f.name: f.default for f in dataclasses.fields(TrainConfig)
                 if f.name not in ("jsonl", "progress")}
     if command == "allreduce.bench":

@@ -13,9 +13,9 @@ from collections import defaultdict
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from strategies.bubble import bubble_fraction
-from strategies.choices import SCHEDULES
-from strategies.mesh import needs_grid
+from strategies.parallel.bubble import bubble_fraction
+from strategies.config.choices import SCHEDULES
+from strategies.config.mesh import needs_grid
 
 from .palette import PARTS, colour_of, cores_of, save, spread, timeline_legend
 from .records import describe, labelled, model_of, one_comparison, slowest_rank
@@ -152,7 +152,7 @@ def last_step(events):
     return [e for e in events if e.get("ts", 0) >= start]
 
 
-MICRO_BATCH = re.compile(r"mb ?(\d+)")          # strategies/pipeline.py: "forward mb3"
+MICRO_BATCH = re.compile(r"mb ?(\d+)")          # strategies/parallel/pipeline.py: "forward mb3"
 CHUNK = re.compile(r"chunk ?(\d+)")             # interleaved: "forward mb3 chunk1"
 
 

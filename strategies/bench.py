@@ -36,13 +36,13 @@ from allreduce.cli import add_output_flags, dataclass_flags
 from allreduce.harness import interleaved
 from allreduce.records import append_jsonl, provenance
 
-from .config import ALLREDUCE_SYNCS, ConfigError, TrainConfig
-from .context import RunContext
-from .data import load_data
-from .loop import DataParallel, one_step
-from .metrics import now
-from .models import build_model, count_parameters
-from .sync import GradientSync, make_optimizer
+from .config.settings import ALLREDUCE_SYNCS, ConfigError, TrainConfig
+from .engine.loop import DataParallel, one_step
+from .model.data import load_data
+from .model.models import build_model, count_parameters
+from .runtime.context import RunContext
+from .runtime.metrics import now
+from .sync.gradient_sync import GradientSync, make_optimizer
 
 
 class DDPSync(GradientSync):
@@ -89,7 +89,7 @@ def make_method(method, base, ctx, data, device):
 
 
 def parser():
-    """The bench's own flags, then every TrainConfig flag (help from strategies/config.py)."""
+    """The bench's own flags, then every TrainConfig flag (help from strategies/config/settings.py)."""
     p = argparse.ArgumentParser(prog="python -m strategies.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--syncs", default="ring,mpi,torch,ddp",

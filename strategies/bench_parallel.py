@@ -41,8 +41,8 @@ from allreduce.harness import interleaved
 from allreduce.records import append_jsonl, provenance, read_jsonl
 from allreduce.theory import zero_comm_bytes
 
-from .bubble import bubble_fraction
-from .memory import zero_memory
+from .parallel.bubble import bubble_fraction
+from .parallel.memory import zero_memory
 
 MLP = ["--model", "mlp", "--width", "512", "--depth", "4", "--in-dim", "512", "--classes", "16",
        "--dataset-size", "2048", "--global-batch", "64", "--threads", "1", "--no-progress",

@@ -5,7 +5,7 @@
 
 A technique is a few TrainConfig fields (`--pp 2 --micro-batches 2`, a pipeline).
 Each pair of techniques is merged onto `--sync ring` and handed to TrainConfig,
-whose validation (config.py, combinations.py, compressor.py) is the one judge: a
+whose validation (config/settings.py, combinations.py, config/compress_spec.py) is the one judge: a
 pair it refuses is listed with the ConfigError's own words, which say why.  The
 table is generated, never written by hand, so it cannot disagree with the code;
 tests/test_compatibility.py checks that docs/training.md holds today's table.
@@ -19,8 +19,8 @@ import sys
 from itertools import combinations
 from pathlib import Path
 
-from .choices import ConfigError
-from .config import TrainConfig
+from .config.choices import ConfigError
+from .config.settings import TrainConfig
 
 BASE = {"sync": "ring"}
 MODELS = ("gpt", "mlp")          # each pair is tried on both (moe techniques set their own)

@@ -27,7 +27,7 @@ under sync.no_sync, accumulation.py) -> sync.synchronize (wait for the rest) ->
 sync.step (the update).  The syncs are built by strategies.DistributedOptimizer,
 the API a user's own loop has (optimizer.py); the step and the loop around it
 (records, checkpoints, summary) are loop.py's, the loop shared with the dp x pp x tp
-grid (parallel.py).  Every problem with the flags, the data or the checkpoint is
+grid (engine/grid.py).  Every problem with the flags, the data or the checkpoint is
 found before training, on every rank, and reported by every rank (exit 2).
 """
 import sys
@@ -35,15 +35,16 @@ import time
 
 from allreduce.torch_world import under_torchrun
 
-from . import checkpoint, loop
-from .choices import ConfigError
-from .config import check_outputs, parse_args
-from .context import MPIControl, RunContext
-from .data import load_data
-from .expert_parallel import ExpertParallel, check as check_experts
-from .loop import DataParallel
-from .models import build_model
-from .parallel import GridEngine, check
+from .config.choices import ConfigError
+from .config.settings import check_outputs, parse_args
+from .engine import checkpoint, loop
+from .engine.experts import ExpertParallel
+from .engine.grid import GridEngine, check
+from .engine.loop import DataParallel
+from .model.data import load_data
+from .model.models import build_model
+from .parallel.expert_parallel import check as check_experts
+from .runtime.context import MPIControl, RunContext
 
 
 def prepare(argv=None):

@@ -1,4 +1,4 @@
-"""Gradient accumulation (--grad-accum k, strategies/accumulation.py): every tier.
+"""Gradient accumulation (--grad-accum k, strategies/engine/accumulation.py): every tier.
 
 Equivalence: k micro-steps of b/k samples, each loss scaled by 1/k, make the step
 of the unsplit batch b; only the order of float additions changes (the sum of k
@@ -18,13 +18,13 @@ import pytest
 import torch
 
 import strategies
-from strategies.accumulation import accumulate
-from strategies.buckets import GradBuckets
-from strategies.choices import ConfigError
-from strategies.compress import make_compressor
-from strategies.config import TrainConfig, dp_size_of
-from strategies.models import MLP
-from strategies.sync import LocalSync
+from strategies.engine.accumulation import accumulate
+from strategies.sync.buckets import GradBuckets
+from strategies.config.choices import ConfigError
+from strategies.compression.casts import make_compressor
+from strategies.config.settings import TrainConfig, dp_size_of
+from strategies.model.models import MLP
+from strategies.sync.gradient_sync import LocalSync
 from test_parallel_runs import launch as launch_runs
 
 RTOL, ATOL = 1e-5, 1e-6

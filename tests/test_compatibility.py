@@ -6,7 +6,7 @@ table in docs/training.md must be the one the code gives today, so that the docs
 the code cannot disagree about what is refused.
 """
 from strategies.compatibility import TECHNIQUES, documented, markdown, merged, refusal, table
-from strategies.config import TrainConfig
+from strategies.config.settings import TrainConfig
 
 
 def test_docs_hold_todays_table():

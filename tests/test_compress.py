@@ -1,5 +1,5 @@
-"""Gradient compression: top-k and PowerSGD with error feedback (strategies/topk.py,
-powersgd.py, error_feedback.py, compressor.py).
+"""Gradient compression: top-k and PowerSGD with error feedback (strategies/compression/topk.py,
+powersgd.py, error_feedback.py, strategies/config/compress_spec.py).
 
 Tiers (a) and (c): the pure parts in one process with a one-rank stand-in for
 the collective, the exchanges under mpiexec against a reference every rank
@@ -18,14 +18,14 @@ import pytest
 import torch
 
 from conftest import check_ok, mpirun
-from strategies.choices import ConfigError
-from strategies.compressor import CompressSpec, parse_compress
-from strategies.config import TrainConfig
-from strategies.error_feedback import ErrorFeedback
-from strategies.powersgd import PowerSGDCompressor
-from strategies.sync import build_compressor
-from strategies.topk import TopKCompressor, select_topk
-from strategies.compressor import kept_ratio_at, topk_count
+from strategies.config.choices import ConfigError
+from strategies.config.compress_spec import CompressSpec, parse_compress
+from strategies.config.settings import TrainConfig
+from strategies.compression.error_feedback import ErrorFeedback
+from strategies.compression.powersgd import PowerSGDCompressor
+from strategies.sync.gradient_sync import build_compressor
+from strategies.compression.topk import TopKCompressor, select_topk
+from strategies.config.compress_spec import kept_ratio_at, topk_count
 
 
 class OneRank:
@@ -81,7 +81,7 @@ def test_combinations_that_cannot_compress_are_refused(flags, message):
 
 
 def test_the_api_refuses_with_keyword_names():
-    from strategies.sync import SyncOptions
+    from strategies.sync.gradient_sync import SyncOptions
     with pytest.raises(ConfigError, match="compress='topk:0.01' with sync='ps'"):
         SyncOptions(sync="ps", compress="topk:0.01")
     assert SyncOptions(sync="ring", compress="powersgd:2", error_feedback=False)
@@ -187,7 +187,7 @@ def test_the_sync_tells_the_step_and_a_resumed_run_goes_on_from_it():
     """AllReduceSync.synchronize(s) readies step s + 1's ratio (its buckets may leave
     during its backward); its state_dict carries that step, so a resumed run picks up
     the warm-up where the checkpoint was written.  Without warm-up the state is {}."""
-    from strategies.sync import AllReduceSync, SyncOptions
+    from strategies.sync.gradient_sync import AllReduceSync, SyncOptions
 
     def sync_of(warmup):
         options = SyncOptions(compress="topk:0.01", overlap=False, sparsity_warmup=warmup)

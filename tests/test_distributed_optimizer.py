@@ -13,7 +13,7 @@ reason: only the order of float32 additions differs (P partial means summed
 in ring, tree or pairwise order), a few ulps per step; measured at most
 6.5e-8 here, while a missing shard, a sum not averaged, a bucket out of place
 or a rank left on its own init is off by far more.  Compression rounds the
-sums to 16 bits (compress.py): fp16 (11 significant bits) measured 2.2e-4,
+sums to 16 bits (strategies/compression/casts.py): fp16 (11 significant bits) measured 2.2e-4,
 checked at atol 2e-3; bf16 (8 bits) measured 1.4e-3, checked at atol 2e-2.
 """
 import re
@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from conftest import BIN, check_ok, mpi_env, mpirun, run
-from strategies.buckets import GradBuckets
-from strategies.compress import make_compressor
-from strategies.config import ALLREDUCE_SYNCS, ConfigError
-from strategies.optimizer import server_settings, transport_for
-from strategies.sync import SyncOptions
+from strategies.sync.buckets import GradBuckets
+from strategies.compression.casts import make_compressor
+from strategies.config.settings import ALLREDUCE_SYNCS, ConfigError
+from strategies.engine.optimizer import server_settings, transport_for
+from strategies.sync.gradient_sync import SyncOptions
 
 SCRIPT = "tests/mpi/distributed_optimizer.py"
 

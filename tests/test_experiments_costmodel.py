@@ -7,7 +7,7 @@ import pytest
 from experiments import costmodel as cm
 from experiments import simulate
 from experiments.fits import fit_alpha_beta, fit_two_regimes
-from strategies.config import parse_straggler
+from strategies.config.settings import parse_straggler
 
 # alpha 10 us, 1 GB/s links, reducing at 2 GB/s; one core per rank
 M = cm.Machine(alpha=1e-5, beta=1e-9, gamma=5e-10)

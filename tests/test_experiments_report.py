@@ -207,6 +207,6 @@ def test_grid_runs_feed_the_zero_memory_and_pipeline_figures(tmp_path):
 
 
 def mlp_parameters(in_dim, width, depth, classes):
-    """Ψ of strategies.models.MLP: `depth` hidden Linear layers of `width`, then the head."""
+    """Ψ of strategies.model.models.MLP: `depth` hidden Linear layers of `width`, then the head."""
     dims = [in_dim] + [width] * depth + [classes]
     return sum(a * b + b for a, b in zip(dims[:-1], dims[1:]))

@@ -148,9 +148,9 @@ def cycles(graph):
 def test_the_reader_finds_both_kinds_of_import():
     """The graph sees a relative import, a function-level import and a package __init__."""
     graph = import_graph()
-    assert "strategies.choices" in graph["strategies.config"]        # from .choices import
+    assert "strategies.config.choices" in graph["strategies.config.settings"]        # from .choices import
     assert "strategies" in graph["strategies.example_user_model"]    # import strategies
-    assert graph["strategies"] >= {"strategies.optimizer"}           # inside __getattr__
+    assert graph["strategies"] >= {"strategies.engine.optimizer"}           # inside __getattr__
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
 
 
@@ -173,9 +173,38 @@ def test_packages_import_only_downward():
                        f"({' -> '.join(reversed(LAYERS))}):\n" + "\n".join(upward)
 
 
+# The worker's own layers, lowest first: each subpackage of strategies/ imports only
+# from its own and the ones before it; the modules at strategies/'s top (train.py,
+# bench.py, compatibility.py, ...) sit above them all.
+WORKER_LAYERS = ("config", "runtime", "model", "compression", "sync", "parallel", "engine")
+
+
+def worker_layer(module):
+    """The index of a strategies module's subpackage; len(WORKER_LAYERS) for the top."""
+    parts = module.split(".")
+    if len(parts) > 2 and parts[1] in WORKER_LAYERS:
+        return WORKER_LAYERS.index(parts[1])
+    return len(WORKER_LAYERS)
+
+
+@pytest.mark.timeout(60)
+def test_the_worker_layers_import_only_downward():
+    """config <- runtime <- model <- compression <- sync <- parallel <- engine <- the
+    commands: a step engine may use a parallelism, a parallelism a sync, never back."""
+    graph = import_graph()
+    assert {m.split(".")[1] for m in graph if m.count(".") >= 2 and
+            m.startswith("strategies.")} == set(WORKER_LAYERS)
+    upward = sorted(f"{source} -> {target}" for source, targets in graph.items()
+                    if source.startswith("strategies.") for target in targets
+                    if target.startswith("strategies.")
+                    and worker_layer(target) > worker_layer(source))
+    assert not upward, "imports that point up the worker's layers " \
+                       f"({' <- '.join(WORKER_LAYERS)} <- the commands):\n" + "\n".join(upward)
+
+
 TORCH_FREE = ("experiments.cluster.cli", "experiments.labs.check_ring",
               "experiments.labs.check_ps", "allreduce.records", "allreduce.units",
-              "strategies.choices")
+              "strategies.config.choices")
 
 
 @pytest.mark.timeout(60)

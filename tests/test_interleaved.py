@@ -1,4 +1,4 @@
-"""The interleaved 1F1B schedule (strategies/interleaved.py): tiers (a) and (c).
+"""The interleaved 1F1B schedule (strategies/parallel/interleaved.py): tiers (a) and (c).
 
 (a) No processes: each rank's order runs every (chunk, micro-batch) forward once and
 its backward once after it; a simulation of the sends and blocking receives (equal
@@ -19,13 +19,13 @@ import re
 import pytest
 from test_parallel_runs import assert_same_run, launch
 
-from strategies import interleaved
-from strategies.bubble import activations_in_flight, bubble_fraction, bubble_to_compute
-from strategies.choices import ConfigError
-from strategies.config import TrainConfig
-from strategies.interleaved import chunk_layers, interleaved_order
-from strategies.models import GPT, MLP
-from strategies.parallel import check
+from strategies.parallel import interleaved
+from strategies.parallel.bubble import activations_in_flight, bubble_fraction, bubble_to_compute
+from strategies.config.choices import ConfigError
+from strategies.config.settings import TrainConfig
+from strategies.parallel.interleaved import chunk_layers, interleaved_order
+from strategies.model.models import GPT, MLP
+from strategies.engine.grid import check
 
 CASES = [(2, 2, 2), (2, 2, 4), (2, 3, 4), (2, 4, 8), (3, 2, 6), (4, 2, 4), (4, 2, 8),
          (4, 3, 8)]

@@ -24,7 +24,7 @@ from conftest import ROOT, mpi_env, run
 from labs_fixtures.sheets import sheet_commands
 
 from experiments.labs import check_cluster, check_ps
-from strategies.compressor import topk_count, wire_bytes_sent
+from strategies.config.compress_spec import topk_count, wire_bytes_sent
 
 LABS = os.path.join(ROOT, "experiments", "labs")
 FIXTURES = os.path.join(ROOT, "tests", "labs_fixtures")

@@ -1,4 +1,4 @@
-"""Mixture of experts (strategies/moe.py) and expert parallelism (strategies/expert_parallel.py).
+"""Mixture of experts (strategies/model/moe.py) and expert parallelism (strategies/parallel/expert_parallel.py).
 
 Tier (a), no processes: GShard's gating on hand-made logits (the docstring's table;
 second choices queue behind every first choice), the MoE layer against a
@@ -26,11 +26,11 @@ import pytest
 import torch
 
 from conftest import check_ok, mpirun
-from strategies.choices import ConfigError
-from strategies.config import TrainConfig
-from strategies.expert_parallel import ExpertPlacement, alltoall_bytes_per_step, check
-from strategies.mesh import Mesh
-from strategies.moe import MoE, expert_capacity, route
+from strategies.config.choices import ConfigError
+from strategies.config.settings import TrainConfig
+from strategies.parallel.expert_parallel import ExpertPlacement, alltoall_bytes_per_step, check
+from strategies.config.mesh import Mesh
+from strategies.model.moe import MoE, expert_capacity, route
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -165,7 +165,7 @@ TOP1 = ["--top-k", "1", "--capacity-factor", "0.5"]       # 4 of 32 tokens per e
 # "--replicas" runs the expert-parallel engine at ep 1: all experts on each rank,
 # two replicas of each, their gradients through the replica all-reduce.
 SCRIPT = ["-c", "import json, sys\nimport strategies.train as train\n"
-                "from strategies.expert_parallel import ExpertParallel\n"
+                "from strategies.engine.experts import ExpertParallel\n"
                 "plain = train.DataParallel\n"
                 "for argv in json.loads(sys.argv[1]):\n"
                 "    train.DataParallel = ExpertParallel if '--replicas' in argv else plain\n"

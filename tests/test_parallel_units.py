@@ -2,12 +2,12 @@
 import pytest
 import torch
 
-from strategies.config import ConfigError, TrainConfig
-from strategies.mesh import Mesh
-from strategies.memory import ActivationMeter, state_bytes, storage_bytes
-from strategies.models import GPT, MLP
-from strategies.parallel import check
-from strategies.pipeline import Pipeline, stage_layers
+from strategies.config.settings import ConfigError, TrainConfig
+from strategies.config.mesh import Mesh
+from strategies.parallel.memory import ActivationMeter, state_bytes, storage_bytes
+from strategies.model.models import GPT, MLP
+from strategies.engine.grid import check
+from strategies.parallel.pipeline import Pipeline, stage_layers
 
 
 @pytest.mark.timeout(30)

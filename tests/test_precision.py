@@ -1,4 +1,4 @@
-"""Mixed precision (--precision, strategies/precision.py): the loss scaler, the ZeRO
+"""Mixed precision (--precision, strategies/runtime/precision.py): the loss scaler, the ZeRO
 memory formula, the refused combinations (tier a), and real runs (tier c).
 
 Tolerance of bf16 against fp32: bf16 keeps 8 bits of mantissa, so each matmul's
@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from conftest import check_ok, mpirun
-from strategies.choices import ConfigError
-from strategies.config import TrainConfig
-from strategies.memory import zero_memory
-from strategies.precision import LossScaler, MixedPrecision
+from strategies.config.choices import ConfigError
+from strategies.config.settings import TrainConfig
+from strategies.parallel.memory import zero_memory
+from strategies.runtime.precision import LossScaler, MixedPrecision
 from test_parallel_runs import COMMON, GPT, MLP_ADAM, SEVERAL
 
 N_STEPS = 20
@@ -213,7 +213,7 @@ POISONED = 3
 POISON = [SEVERAL[0], SEVERAL[1].replace(
     "from strategies.train import main\n",
     "from strategies.train import main\n"
-    "import strategies.zero as zero\n"
+    "import strategies.parallel.zero as zero\n"
     "synchronize = zero.ZeRO.synchronize\n"
     "def poisoned(self, step):\n"
     "    synchronize(self, step)\n"

@@ -1,4 +1,4 @@
-"""Tier (a)/(b): activation recomputation (--recompute, strategies/recompute.py), in process.
+"""Tier (a)/(b): activation recomputation (--recompute, strategies/parallel/recompute.py), in process.
 
 Equivalence: a model with its blocks checkpointed trains exactly as the same model
 without: the replayed forward runs the same kernels on the same block input (no
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from strategies.choices import ConfigError
-from strategies.config import TrainConfig
-from strategies.models import GPT, MLP
-from strategies.recompute import Recompute, saved_activation_bytes
-from strategies.trace import Tracer
+from strategies.config.choices import ConfigError
+from strategies.config.settings import TrainConfig
+from strategies.model.models import GPT, MLP
+from strategies.parallel.recompute import Recompute, saved_activation_bytes
+from strategies.runtime.trace import Tracer
 
 RTOL, ATOL = 1e-6, 1e-7
 B, T, D, LAYERS, VOCAB = 8, 16, 32, 4, 12

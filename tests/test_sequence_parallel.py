@@ -1,4 +1,4 @@
-"""Sequence parallelism (strategies/sequence_parallel.py): equal to one process, less memory.
+"""Sequence parallelism (strategies/parallel/sequence_parallel.py): equal to one process, less memory.
 
 Equivalence: `--tp 2 --sequence-parallel` (alone, with micro-batches, ZeRO-1 and
 ZeRO-3, over the tree backend) and `--tp 3 --sequence-parallel` train the same
@@ -19,9 +19,9 @@ launch runs without TOPOLAB_CHECK, whose argument checks send messages of their 
 """
 import pytest
 
-from strategies.choices import ConfigError
-from strategies.config import TrainConfig, parse_args
-from strategies.sequence_parallel import saved_bytes_saving, tp_bytes_sent
+from strategies.config.choices import ConfigError
+from strategies.config.settings import TrainConfig, parse_args
+from strategies.parallel.sequence_parallel import saved_bytes_saving, tp_bytes_sent
 from test_parallel_runs import GPT, assert_same_run, launch
 
 SP = ["--tp", "2", "--sequence-parallel"]

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import psrv.launch
-from strategies.context import MPIControl, RunContext
-from strategies.ps_sync import HybridSync, PSSync
-from strategies.sync import AllReduceSync, GradientSync, LocalSync, SyncOptions, collective_for
+from strategies.runtime.context import MPIControl, RunContext
+from strategies.sync.ps_sync import HybridSync, PSSync
+from strategies.sync.gradient_sync import AllReduceSync, GradientSync, LocalSync, SyncOptions, collective_for
 
 RTOL, ATOL = 1e-6, 1e-7
 LR, MOMENTUM = 0.1, 0.9

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from strategies.buckets import GradBuckets, plan_buckets
-from strategies.compress import make_compressor
-from strategies.config import ConfigError, TrainConfig, dp_size_of, parse_args
-from strategies.context import RunContext, nccl_gpu_conflict
-from strategies.data import load_data
-from strategies.models import build_model
+from strategies.sync.buckets import GradBuckets, plan_buckets
+from strategies.compression.casts import make_compressor
+from strategies.config.settings import ConfigError, TrainConfig, dp_size_of, parse_args
+from strategies.runtime.context import RunContext, nccl_gpu_conflict
+from strategies.model.data import load_data
+from strategies.model.models import build_model
 
 
 @pytest.mark.timeout(30)

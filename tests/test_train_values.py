@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import run
 
-from strategies.config import ConfigError, TrainConfig, check_outputs, parse_args
+from strategies.config.settings import ConfigError, TrainConfig, check_outputs, parse_args
 
 
 @pytest.mark.parametrize("argv, message", [

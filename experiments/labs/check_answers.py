@@ -43,7 +43,7 @@ Answer files (templates in the lab sheets):
     break_even_ratio = ...    # the RATIO at which both send the same
 
 Each answer within 1 % of the formula (experiments/costmodel.py holds them;
-lab 8's is strategies/compressor.py's wire_bytes_sent)
+lab 8's is strategies/config/compress_spec.py's wire_bytes_sent)
 is `ok`.  A wrong one is `WRONG` with your figure, never the expected one: the
 check says which answer (and which part of it) to rework, not what it should be.
 """
@@ -55,7 +55,7 @@ import tomllib
 import numpy as np
 
 from experiments import costmodel
-from strategies.compressor import wire_bytes_sent
+from strategies.config.compress_spec import wire_bytes_sent
 
 from .grading import grade, load_student
 

@@ -99,7 +99,7 @@ def wall_clock_step(steps):
 
 def check(mode, bound, steps):
     """[(ok, text)] for one consistency model's run."""
-    from strategies.config import parse_straggler      # imports torch: only for runs
+    from strategies.config.settings import parse_straggler      # imports torch: only for runs
     slow, delay = parse_straggler(steps[0]["config"]["straggler"])
     workers = len({s["rank"] for s in steps})
     fast_step = wall_clock_step(s for s in steps if s["rank"] != slow)

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m experiments.labs.check_answers grid my_grid.py
 
-The layout (the one torchtitan and Megatron-LM use, and strategies/grid.py builds):
+The layout (the one torchtitan and Megatron-LM use, and strategies/config/mesh.py builds):
 
     grid = np.arange(world).reshape(dp, pp, tp)    # tp varies fastest
 

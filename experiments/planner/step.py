@@ -5,7 +5,7 @@
     p.step_s, p.split          # {"compute", "tp", "pp", "dp", "ep", "bubble"}: seconds, sum step_s
     p.mem_bytes, p.memory      # the fullest rank, and its parts
 
-Ranks are laid out as the trainer lays them (strategies/mesh.py): arange(world)
+Ranks are laid out as the trainer lays them (strategies/config/mesh.py): arange(world)
 reshaped (dp, pp, tp), tp fastest, and a node holds G consecutive ranks.  A tp
 group is inside a node (the planner never puts it across); a pp or dp group
 whose members lie stride apart spans nodes once stride x size > G, and then the
@@ -24,8 +24,8 @@ with the logit layer too, the slower of the two pacing the pipeline) takes
 none of which overlaps the compute (Megatron runs them in line).  The pipeline
 runs (v m + p - 1) slots of a micro-batch's forward and backward on one chunk,
 each slot sending an activation and its gradient (costmodel.pipeline_step_time);
-the p - 1 idle slots are the bubble, strategies/bubble.py's fraction of them.
-Then the data-parallel axis, as the worker runs it (strategies/buckets.py):
+the p - 1 idle slots are the bubble, strategies/parallel/bubble.py's fraction of them.
+Then the data-parallel axis, as the worker runs it (strategies/sync/buckets.py):
 ZeRO 0-2 reduce the gradients in buckets during the last micro-batch's backward,
 so only what outlasts that backward is exposed; ZeRO 1 and 2 then all-gather the
 updated parameters (exposed); ZeRO 3 gathers each layer's parameters before its
@@ -34,7 +34,7 @@ prefetched beside the compute of the same micro-batch.  The optimizer's own
 update and the embedding's gradient all-reduce between the first and last
 stage are left out.
 
-Memory: model states are strategies/memory.py's zero_memory for the parameters
+Memory: model states are strategies/parallel/memory.py's zero_memory for the parameters
 a rank holds, activations Korthikanti et al.'s per layer (transformer.py) times
 the layers of a stage times the micro-batches it holds at once
 (bubble.activations_in_flight); under full recomputation one layer's whole
@@ -43,8 +43,8 @@ activations on top, while its backward replays it; the last stage's logits.
 from dataclasses import asdict, dataclass
 
 from experiments.costmodel import cluster_collective_time, pipeline_step_time
-from strategies.bubble import activations_in_flight, bubble_fraction
-from strategies.memory import zero_memory
+from strategies.parallel.bubble import activations_in_flight, bubble_fraction
+from strategies.parallel.memory import zero_memory
 
 from .transformer import (expert_parameters, layer_activation_bytes, layer_forward_flops,
                           logit_flops, logits_bytes, parameters, recompute_flops,

@@ -8,7 +8,7 @@ The machine at hand is a cluster of one node (or of the emulated cluster's
 nodes, experiments/cluster) whose "GPUs" are MPI ranks on CPU cores.  Its
 figures are measured, never assumed:
 
-  compute   a transformer block (strategies/models.py's Block) at the model's shape
+  compute   a transformer block (strategies/model/models.py's Block) at the model's shape
             timed forward and backward, with the threads a rank gets (the cores
             over the ranks, as strategies.train gives them; a share of a core
             where ranks outnumber cores): FLOPs (transformer.py) over seconds,
@@ -24,7 +24,7 @@ this host, or the emulated cluster), with the trainer's flags (layout_args);
 the measured step is the median over the steps after the first two of the
 slowest rank's step_time_s (experiments/records.py), from the trainer's JSONL.
 What the trainer cannot run yet (recomputation on the grid, a mixture of
-experts with micro-batches or pipeline stages: strategies/config.py) is not
+experts with micro-batches or pipeline stages: strategies/config/settings.py) is not
 offered to --verify (runnable()).
 """
 import contextlib
@@ -50,7 +50,7 @@ def measured_rate(gpt, b, threads, repeats=5):
     """FLOP/s of one block forward and backward on b sequences, the best of `repeats`."""
     import torch
 
-    from strategies.models import Block
+    from strategies.model.models import Block
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     block = Block(gpt.d_model, gpt.heads)

@@ -13,9 +13,9 @@ import sys
 import torch
 
 import allreduce
-from strategies.powersgd import PowerSGDCompressor
-from strategies.compressor import topk_count
-from strategies.topk import TopKCompressor, select_topk
+from strategies.compression.powersgd import PowerSGDCompressor
+from strategies.config.compress_spec import topk_count
+from strategies.compression.topk import TopKCompressor, select_topk
 
 RTOL, ATOL = 1e-6, 1e-6
 N, RATIO = 101, 0.1                       # an awkward length: k = 11

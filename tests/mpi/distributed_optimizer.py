@@ -108,14 +108,14 @@ def train(seed, rank, clip=None, rtol=RTOL, atol=ATOL, **kwargs):
 
 def equivalence(world):
     """Every all-reduce sync over COMM_WORLD, then ps and hybrid (rank P-1 serves)."""
-    from strategies.config import ALLREDUCE_SYNCS
+    from strategies.config.settings import ALLREDUCE_SYNCS
     rank = world.rank
     runs = [(name, {"sync": name}) for name in ALLREDUCE_SYNCS if name != "hierarchical"]
     runs += [("hierarchical", {"sync": "hierarchical", "ranks_per_node": 2}),   # nodes {0,1} {2}
              ("ring no-overlap", {"sync": "ring", "overlap": False}),
              ("tree one-bucket", {"sync": "tree", "bucket_mb": 25.0}),
              ("ring clip", {"sync": "ring", "clip": 0.5}),
-             # 16 bits on the wire: the sums round to 11 significant bits (compress.py)
+             # 16 bits on the wire: the sums round to 11 significant bits (strategies/compression/casts.py)
              ("ring fp16", {"sync": "ring", "compress": "fp16", "rtol": 0, "atol": 2e-3}),
              ("ring bf16", {"sync": "ring", "compress": "bf16", "rtol": 0, "atol": 2e-2})]
     for label, kwargs in runs:

@@ -18,14 +18,14 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from strategies.config import parse_args
-from strategies.data import DataSpec
-from strategies.models import build_model
-from strategies.pipeline import Stage, stage_layers
-from strategies.sequence_parallel import (all_gather_sequence, positions_per_rank,
+from strategies.config.settings import parse_args
+from strategies.model.data import DataSpec
+from strategies.model.models import build_model
+from strategies.parallel.pipeline import Stage, stage_layers
+from strategies.parallel.sequence_parallel import (all_gather_sequence, positions_per_rank,
                                          reduce_scatter_sequence, split_sequence)
-from strategies.sync import collective_for
-from strategies.tensor_parallel import TensorParallel, parallelize_blocks
+from strategies.sync.gradient_sync import collective_for
+from strategies.parallel.tensor_parallel import TensorParallel, parallelize_blocks
 
 RTOL, ATOL = 1e-5, 1e-6
 B = 3

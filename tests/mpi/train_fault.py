@@ -15,7 +15,7 @@ import sys
 
 from mpi4py import MPI
 
-import strategies.loop as loop
+import strategies.engine.loop as loop
 import strategies.train as train
 
 fault_rank, fault_step, runs = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])

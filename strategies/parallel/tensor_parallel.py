@@ -30,9 +30,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .models import Block, causal_attention
-from .precision import as_wire
-from .trace import span
+from ..model.models import Block, causal_attention
+from ..runtime.precision import as_wire
+from ..runtime.trace import span
 
 
 class TensorParallel:

@@ -32,8 +32,8 @@ import os
 
 import torch
 
-from .choices import ConfigError
-from .models import signature
+from ..config.choices import ConfigError
+from ..model.models import signature
 
 FILE = "checkpoint.pt"
 FORMAT = 3

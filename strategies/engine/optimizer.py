@@ -11,7 +11,7 @@
 
 The seam is the optimizer, as in Horovod (Sergeev & Del Balso, 2018) and
 BytePS: the loop keeps its four lines.  Underneath is a sync of the contract
-in sync.py, the one strategies.train drives too: `setup` broadcasts rank 0's
+in sync/gradient_sync.py, the one strategies.train drives too: `setup` broadcasts rank 0's
 parameters and buffers and attaches the bucket hooks, `zero_grad` is its
 before_backward, `step` its synchronize and step.  Each rank's loss is the mean over its shard and the
 gradients are averaged over the communicator, so with equal shards every rank
@@ -74,14 +74,14 @@ import torch
 
 import allreduce
 
-from .choices import PS_SYNCS, SYNCS, ConfigError
-from .combinations import check_precision_sync
-from .context import MPIControl, RunContext, ps_role
-from .optimizer_checks import (check_comm, check_model, check_same_everywhere, gathered,
+from ..config.choices import PS_SYNCS, SYNCS, ConfigError
+from ..config.combinations import check_precision_sync
+from ..config.optimizer_checks import (check_comm, check_model, check_same_everywhere, gathered,
                                server_settings, transport_for)
-from .precision import MixedPrecision
-from .ps_sync import HybridSync, PSSync
-from .sync import AllReduceSync, LocalSync, SyncOptions, broadcast_tensor, collective_for
+from ..runtime.context import MPIControl, RunContext, ps_role
+from ..runtime.precision import MixedPrecision
+from ..sync.gradient_sync import AllReduceSync, LocalSync, SyncOptions, broadcast_tensor, collective_for
+from ..sync.ps_sync import HybridSync, PSSync
 
 
 def ps_roles(servers=1, comm=None):

@@ -1,4 +1,4 @@
-"""The parameter-server syncs of the GradientSync contract (sync.py): ps and hybrid.
+"""The parameter-server syncs of the GradientSync contract (sync/gradient_sync.py): ps and hybrid.
 
 The servers (psrv/) hold the parameters and the optimizer state; a worker
 pushes its gradients and pulls fresh parameters (`push_pull`).  Under BSP the
@@ -17,9 +17,9 @@ import zlib
 import numpy as np
 import torch
 
-from .choices import ConfigError
-from .context import require_psrv
-from .sync import AllReduceSync, GradientSync, collective_for
+from ..config.choices import ConfigError
+from ..runtime.context import require_psrv
+from .gradient_sync import AllReduceSync, GradientSync, collective_for
 
 
 def check_servers_step(start_step, state):

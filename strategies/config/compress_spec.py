@@ -5,8 +5,8 @@
     spec = parse_compress("fp16")           # CompressSpec(kind="fp16")
 
     spec        what travels                               file
-    none        float32, all-reduced                       compress.py
-    fp16, bf16  a 16-bit cast, all-reduced                 compress.py
+    none        float32, all-reduced                       compression/casts.py
+    fp16, bf16  a 16-bit cast, all-reduced                 compression/casts.py
     topk:R      the largest R fraction of each bucket,     topk.py
                 (index, value) pairs all-gathered
     powersgd:K  rank-K factors P, Q of each matrix,        powersgd.py

@@ -72,10 +72,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .models import Block
-from .precision import as_wire
+from ..model.models import Block
+from ..runtime.precision import as_wire
+from ..runtime.trace import span
 from .tensor_parallel import ColumnParallelLinear, Conjugate, RowParallelLinear
-from .trace import span
 
 SEQUENCE = 1                     # (B, T, C): the axis the shards split
 

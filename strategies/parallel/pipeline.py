@@ -39,8 +39,8 @@ import torch.nn as nn
 from allreduce import shard_bounds
 from allreduce.transport import MPITransport
 
-from .models import GPT, MLP
-from .precision import MixedPrecision, as_wire
+from ..model.models import GPT, MLP
+from ..runtime.precision import MixedPrecision, as_wire
 
 SPINS = 200_000        # polls (~0.1 s) before falling back to the transport's yielding wait
 
@@ -122,7 +122,7 @@ class Pipeline:
         self.schedule, self.activation_shape = schedule, activation_shape
         self.tracer, self.meter = tracer, meter
         self.precision = precision or MixedPrecision()
-        self.recompute = None           # a recompute.Recompute of --recompute (parallel.py)
+        self.recompute = None           # a recompute.Recompute of --recompute (engine/grid.py)
         self.global_stages = stages * len(self.chunks)
         self.last = stage == stages - 1        # the rank that holds the loss
         # an MPI request can be tested without blocking; other transports' handles wait

@@ -1,9 +1,9 @@
 """Which flags go together: the checks of one technique against the rest of a TrainConfig.
 
-TrainConfig.__post_init__ (config.py) calls each; a combination that has no
+TrainConfig.__post_init__ (config/settings.py) calls each; a combination that has no
 implementation gets a ConfigError that names both flags, before any rank starts.
 The settings of the syncs are checked here once for TrainConfig and for
-SyncOptions (sync.py), which share those fields: `cli` names a field as a flag
+SyncOptions (sync/gradient_sync.py), which share those fields: `cli` names a field as a flag
 (`--link-gbps`), else as DistributedOptimizer's keyword (`link_gbps`).
 The checks that also need the world size are in config.dp_size_of,
 expert_parallel.check and interleaved.check.
@@ -13,7 +13,7 @@ import math
 
 from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, EMULATED_SYNCS, OPTIMIZERS, PS_SYNCS,
                       SYNCS, ConfigError, flag_of, setting_of)
-from .compressor import check_compress
+from .compress_spec import check_compress
 
 
 def check_finite(cfg, cli=True):
@@ -47,7 +47,7 @@ def check_values(cfg, cli=True, choices=(), positive=(), at_least=()):
 
 def check_sync(cfg, cli=True):
     """The settings the syncs read, for TrainConfig and SyncOptions alike; returns the
-    CompressSpec (compressor.py checks --compress against the sync)."""
+    CompressSpec (config/compress_spec.py checks --compress against the sync)."""
     check_finite(cfg, cli)
     check_values(cfg, cli, choices=(("sync", SYNCS), ("consistency", CONSISTENCIES),
                                     ("optimizer", OPTIMIZERS)),

@@ -34,7 +34,7 @@ class ConfigError(ValueError):
         self.field = field
 
 
-# how the checks of combinations.py and compressor.py name a field in their messages
+# how the checks of combinations.py and config/compress_spec.py name a field in their messages
 def flag_of(field, cli=True):
     return f"--{field.replace('_', '-')}" if cli else field
 

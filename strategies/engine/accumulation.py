@@ -32,11 +32,11 @@ In a loop of one's own, DistributedOptimizer's `no_sync()` does the same (the lo
 in optimizer.py's docstring).
 
 On the dp x pp x tp grid the pipeline accumulates over --micro-batches already
-(parallel.py), so --grad-accum is refused there (config.py).
+(engine/grid.py), so --grad-accum is refused there (config/settings.py).
 """
 from contextlib import nullcontext
 
-from .precision import MixedPrecision
+from ..runtime.precision import MixedPrecision
 
 
 def accumulate(step, model, forward, x, y, k, sync, clock, tracer=None, recompute=None,
@@ -47,7 +47,7 @@ def accumulate(step, model, forward, x, y, k, sync, clock, tracer=None, recomput
     (recompute.Recompute) and precision (precision.MixedPrecision: autocast, fp16's
     scaled backward) are optional."""
     precision = precision or MixedPrecision()
-    micro_x, micro_y = x.chunk(k), y.chunk(k)      # config.py checked that k divides b
+    micro_x, micro_y = x.chunk(k), y.chunk(k)      # config/settings.py checked that k divides b
     total = 0.0
     for i, (xi, yi) in enumerate(zip(micro_x, micro_y)):
         last = i == k - 1

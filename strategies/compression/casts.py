@@ -18,7 +18,7 @@ handed to the collectives: the "wire bytes" of the step records.
 """
 import torch
 
-from .precision import HALF_DTYPES
+from ..runtime.precision import HALF_DTYPES
 
 
 class Compressor:

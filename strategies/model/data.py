@@ -29,7 +29,7 @@ import torch
 
 from allreduce import shard_bounds
 
-from .choices import ConfigError
+from ..config.choices import ConfigError
 
 
 @dataclass(frozen=True)

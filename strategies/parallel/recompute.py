@@ -41,10 +41,10 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .choices import ConfigError
+from ..config.choices import ConfigError
+from ..model.models import GPT, MLP
+from ..runtime.trace import span
 from .memory import ActivationMeter
-from .models import GPT, MLP
-from .trace import span
 
 
 class _KeptInput(torch.autograd.Function):
@@ -87,7 +87,7 @@ class Recompute:
     @classmethod
     def of_blocks(cls, blocks, tracer=None):
         """The GPT blocks a pipeline stage holds, [(name, block)], each checkpointed:
-        the grid's share of the model (parallel.py), already split over tp, whose
+        the grid's share of the model (engine/grid.py), already split over tp, whose
         collectives the replay runs again, in the same order on every tp rank."""
         recompute = cls(None, tracer)
         for name, block in blocks:

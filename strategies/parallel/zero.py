@@ -58,7 +58,7 @@ every rank of the dp axis: they run the same schedule on the same stage.
 --no-overlap runs each collective inside the hook instead.
 
 --compress works on this axis as on plain data parallelism's buckets: a layer
-is a bucket of the compressor (compress.py, topk.py, powersgd.py), keyed by its
+is a bucket of the compressor (compression/casts.py, topk.py, powersgd.py), keyed by its
 index.  The 16-bit casts halve a reduce-scatter as they halve an all-reduce;
 top-k and PowerSGD compress an all-reduce, so stages 1-3 take their shard of
 the compressed all-reduce's result (the shard's bytes are the stage's; the
@@ -69,12 +69,12 @@ import torch.nn as nn
 
 from allreduce import shard_of
 
-from .comm_thread import CommThread
-from .compress import Compressor
+from ..compression.casts import Compressor
+from ..runtime.precision import MixedPrecision, any_rank
+from ..runtime.trace import span
+from ..sync.comm_thread import CommThread
+from ..sync.gradient_sync import GradientSync, make_optimizer
 from .memory import optimizer_tensors, state_bytes
-from .precision import MixedPrecision, any_rank
-from .sync import GradientSync, make_optimizer
-from .trace import span
 
 EMPTY = torch.empty(0)
 
@@ -212,7 +212,7 @@ class ZeroUnit:
 
 class ZeRO(GradientSync):
     """The data-parallel axis of a grid run: plain DP (stage 0) or ZeRO stages 1-3, a
-    sync of the contract in sync.py.  The replicas start equal at construction (each
+    sync of the contract in sync/gradient_sync.py.  The replicas start equal at construction (each
     layer broadcast from rank 0), and gradients travel from backward's hooks, so
     `synchronize` only checks that every layer's gradient arrived.
 
@@ -221,7 +221,7 @@ class ZeRO(GradientSync):
     expert's, expert_parallel.py).
     coll: an allreduce/ collective over the dp communicator; thread_coll: another, over
     a duplicate of it, for the comm thread (None: no thread, every collective in its
-    hook); compressor: a compressor of --compress (compress.py), None: float32.  The
+    hook); compressor: a compressor of --compress (compression/casts.py), None: float32.  The
     layers go to the thread in the order backward finishes them; where layers have
     different replicas, ranks that share an expert finish it in the same order, so
     every communicator sees its collectives in one order on all of its ranks."""

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from allreduce.gpus import nccl_sharing_problem, shared_gpu
 from allreduce.torch_world import init_torch_distributed, torchrun_world
 
-from .choices import PS_SYNCS, ConfigError
-from .config import check_checkpoint_dir, dp_size_of
-from .mesh import Mesh
+from ..config.choices import PS_SYNCS, ConfigError
+from ..config.mesh import Mesh
+from ..config.settings import check_checkpoint_dir, dp_size_of
 
 
 class MPIControl:

@@ -48,13 +48,13 @@ import torch
 import allreduce
 from allreduce.buffers import TORCH_DTYPES
 
+from ..compression.casts import make_compressor
+from ..compression.powersgd import PowerSGDCompressor
+from ..compression.topk import TopKCompressor
+from ..config.choices import EMULATED_SYNCS, ConfigError
+from ..config.combinations import check_sync
+from ..config.compress_spec import parse_compress
 from .buckets import GradBuckets
-from .choices import EMULATED_SYNCS, ConfigError
-from .combinations import check_sync
-from .compress import make_compressor
-from .compressor import parse_compress
-from .powersgd import PowerSGDCompressor
-from .topk import TopKCompressor
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class SyncOptions:
 
 
 def build_compressor(compress, coll=None, error_feedback=True, momentum=0.0, warmup=0):
-    """The compressor of a --compress spec: compress.py's casts, topk.py, powersgd.py.
+    """The compressor of a --compress spec: compression/casts.py's casts, topk.py, powersgd.py.
     `coll`: the collective top-k all-gathers over; `momentum`: top-k's momentum
     correction (0: none); `warmup`: top-k's --sparsity-warmup steps (0: none)."""
     spec = parse_compress(compress)

@@ -11,7 +11,7 @@ How the pieces meet in one step (every rank):
 
     x, y = this dp replica's part of the global batch            (data.py)
     zero.before_backward()                                       (zero.py: dp axis, a sync
-    pipeline.run(x, y): micro-batches through this rank's stage   of the contract in sync.py)
+    pipeline.run(x, y): micro-batches through this rank's stage   of the contract in sync/gradient_sync.py)
         each block's matrices split over the tp ranks            (tensor_parallel.py: tp axis)
         each layer's gradient reduced over dp as soon as backward finishes it
     zero.synchronize(step)                                       (every layer's gradient came)
@@ -33,22 +33,22 @@ import torch.nn as nn
 
 from allreduce import make_transport
 
-from .choices import ConfigError
-from .config import dp_size_of
-from .mesh import Mesh
-from .interleaved import InterleavedPipeline, chunk_layers
-from .interleaved import check as check_interleaved
+from ..config.choices import ConfigError
+from ..config.mesh import Mesh
+from ..config.settings import dp_size_of
+from ..model.models import signature
+from ..parallel.interleaved import InterleavedPipeline, chunk_layers
+from ..parallel.interleaved import check as check_interleaved
+from ..parallel.memory import ActivationMeter
+from ..parallel.pipeline import Pipeline, Stage
+from ..parallel.recompute import Recompute
+from ..parallel.sequence_parallel import positions_per_rank, split_sequence
+from ..parallel.tensor_parallel import TensorParallel, parallelize_blocks
+from ..parallel.zero import ZeRO
+from ..runtime.precision import any_rank_of, of_config
+from ..runtime.trace import Tracer, busy_seconds
+from ..sync.gradient_sync import build_compressor, collective_for
 from .loop import StepEngine
-from .memory import ActivationMeter
-from .models import signature
-from .pipeline import Pipeline, Stage
-from .precision import any_rank_of, of_config
-from .recompute import Recompute
-from .sequence_parallel import positions_per_rank, split_sequence
-from .sync import build_compressor, collective_for
-from .tensor_parallel import TensorParallel, parallelize_blocks
-from .trace import Tracer, busy_seconds
-from .zero import ZeRO
 
 
 def check(cfg, world_size):

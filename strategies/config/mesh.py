@@ -42,7 +42,7 @@ EXPERT_AXES = ("ep", "ep_replicas")
 
 def needs_grid(config):
     """Whether a run of these settings (a mapping of TrainConfig's fields: its own, or a
-    record's "config") needs the dp x pp x tp worker (parallel.py), not the plain loop."""
+    record's "config") needs the dp x pp x tp worker (engine/grid.py), not the plain loop."""
     return bool(config.get("dp") or config.get("pp", 1) > 1 or config.get("tp", 1) > 1 or
                 config.get("zero") or config.get("micro_batches", 1) > 1)
 

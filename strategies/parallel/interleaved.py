@@ -39,7 +39,7 @@ whole stages (2 slots an op) needs (m + p - 1) x 2 x 2 = 20 slots, idle 4: 1/5.
 The messages and the stage modules are pipeline.py's (Pipeline with a list of v
 chunks): only the order of operations is this file's.
 """
-from .choices import ConfigError
+from ..config.choices import ConfigError
 from .pipeline import Pipeline, stage_layers
 
 

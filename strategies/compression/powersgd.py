@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from .compress import Compressor
+from .casts import Compressor
 from .error_feedback import ErrorFeedback
 
 

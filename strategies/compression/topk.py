@@ -42,8 +42,8 @@ their int32 bit pattern, so one message of one dtype carries both.
 """
 import torch
 
-from .compress import Compressor
-from .compressor import kept_ratio_at, topk_count
+from ..config.compress_spec import kept_ratio_at, topk_count
+from .casts import Compressor
 from .error_feedback import ErrorFeedback
 
 

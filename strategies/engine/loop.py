@@ -3,11 +3,11 @@ for every kind of run.  What differs between kinds is the step engine.
 
     engine = DataParallel(cfg, ctx, device, data, model)    below: one sync, the
                                                              model whole on each rank
-    engine = GridEngine(cfg, ctx, device, data, model)      parallel.py: ZeRO, pipeline
+    engine = GridEngine(cfg, ctx, device, data, model)      engine/grid.py: ZeRO, pipeline
                                                              and tensor parallel
     summary = run(cfg, ctx, device, data, engine, checkpoint_state, started)
 
-An engine has three parts of the sync contract (sync.py) and a step:
+An engine has three parts of the sync contract (sync/gradient_sync.py) and a step:
 
     engine.model, engine.optimizer   what this rank trains and its optimizer
     engine.sync                      a GradientSync: the loop calls its state_dict and
@@ -34,15 +34,16 @@ import uuid
 
 import numpy as np
 
-from . import checkpoint, recompute
+from ..config.settings import world_of
+from ..model.models import count_parameters, signature
+from ..parallel import recompute
+from ..runtime.metrics import Metrics, now
+from ..runtime.precision import MixedPrecision, of_config
+from ..runtime.trace import Tracer, write_chrome_trace
+from ..sync.gradient_sync import make_optimizer
+from . import checkpoint
 from .accumulation import accumulate
-from .config import world_of
-from .metrics import Metrics, now
-from .models import count_parameters, signature
 from .optimizer import DistributedOptimizer
-from .precision import MixedPrecision, of_config
-from .sync import make_optimizer
-from .trace import Tracer, write_chrome_trace
 
 
 class StepEngine:
@@ -54,7 +55,7 @@ class StepEngine:
 
     def __init__(self, cfg, ctx, device, data, model):
         """What an engine without pipeline or tensor axes (pp = tp = 1) keeps: every rank
-        a data-parallel worker.  GridEngine (parallel.py) sets its own from the grid."""
+        a data-parallel worker.  GridEngine (engine/grid.py) sets its own from the grid."""
         self.cfg, self.ctx, self.device, self.data, self.model = cfg, ctx, device, data, model
         self.signature = signature(model)          # before an engine keeps a share of it
         self.layout = {"world_size": ctx.world_size, "dp_size": ctx.dp_size, "pp_size": 1,

@@ -1,0 +1,10 @@
+"""What travels on the wire instead of float32 gradients (--compress).
+
+    casts.py          the Compressor interface; none / fp16 / bf16 casts
+    error_feedback.py residuals per rank: what a lossy compression dropped comes next step
+    topk.py           top-k sparsification over an all-gather (DGC's momentum correction)
+    powersgd.py       PowerSGD: low-rank factors P, Q all-reduced, warm-started
+
+A compressor reduces one flat bucket through a collective it is handed; the buckets
+and ZeRO's layers (sync/, parallel/zero.py) decide when.
+"""

@@ -1,0 +1,10 @@
+"""What every layer of a running worker shares: where this rank sits, its numbers,
+what it records.
+
+    context.py     RunContext: ranks, the mesh's communicators, servers (psrv decides), device
+    precision.py   --precision bf16 / fp16: autocast, fp32 master weights, loss scaling
+    trace.py       Chrome trace (Perfetto) of forward, backward, communication and idle time
+    metrics.py     JSON Lines records, progress bar, summary
+
+Above config/ only.
+"""

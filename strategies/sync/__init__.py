@@ -1,0 +1,9 @@
+"""Data parallelism's gradient synchronisation: one contract, every backend.
+
+    gradient_sync.py  GradientSync (the contract), SyncOptions, local and the all-reduce syncs
+    buckets.py        flat gradient buckets, all-reduced during backward
+    comm_thread.py    the one communication thread that buckets and ZeRO's layers leave on
+    ps_sync.py        parameter servers, and hybrid (all-reduce in a node, servers between)
+
+Uses compression/ for what goes on the wire and allreduce/ or psrv/ to move it.
+"""
