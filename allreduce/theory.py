@@ -10,7 +10,7 @@ bandwidth each link must have sustained, so algorithms and P compare directly:
 
 Last, ZeRO's bytes sent per rank and step (`zero_comm_bytes`), built on them and
 read by the cost model and strategies/bench_parallel.py alike.  ZeRO's memory and
-the pipeline bubble live beside what they predict: strategies/parallel/memory.py and
+the pipeline bubble live beside what they predict: strategies/runtime/memory.py and
 strategies/parallel/bubble.py.
 """
 import math

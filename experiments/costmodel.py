@@ -4,7 +4,7 @@ The collectives' formulas and the calibrated Machine live in allreduce/costs.py
 (one host) and allreduce/twolevel.py (hosts joined by links), below their users:
 `allreduce.bench --predict` needs them and must not import this package.  Those
 of one host are imported here under their old names, and so are ZeRO's traffic
-(allreduce/theory.py), ZeRO's memory (strategies/parallel/memory.py) and the pipeline
+(allreduce/theory.py), ZeRO's memory (strategies/runtime/memory.py) and the pipeline
 bubble (strategies/parallel/bubble.py), which the benchmarks read too.
 
     m = Machine(alpha=5e-6, beta=1 / 10e9, gamma=1 / 40e9)     # s, s/byte, s/byte
@@ -63,7 +63,7 @@ from allreduce.twolevel import cluster_allreduce_time, profile, profile_time
 from strategies.parallel.bubble import (  # noqa: F401 (re-exported)
     activations_in_flight as pipeline_activations_in_flight, bubble_fraction)
 
-from strategies.parallel.memory import zero_memory  # noqa: F401 (re-exported)
+from strategies.runtime.memory import zero_memory  # noqa: F401 (re-exported)
 
 
 # ------------------------------------------------------------- parameter server

@@ -12,8 +12,8 @@ Its layers, lowest first; each subpackage imports only from those before it
     runtime/      where this rank sits (RunContext), precision, trace, records
     model/        the MLP, the GPT, mixture of experts, the data
     compression/  what goes on the wire: casts, top-k, PowerSGD, error feedback
-    sync/         the GradientSync contract: buckets, the comm thread, all-reduce, servers
-    parallel/     the splits: ZeRO, tensor, sequence, pipeline, experts, recompute
+    sync/         data parallelism, one contract: buckets, the comm thread, ZeRO, servers
+    parallel/     the splits of a model: tensor, sequence, pipeline, experts, recompute
     engine/       the step engines and the loop; DistributedOptimizer for your own loop
 and the commands on top:
     train.py              the command line: preflight, then the engine the flags ask for

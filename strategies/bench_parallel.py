@@ -42,7 +42,7 @@ from allreduce.records import append_jsonl, provenance, read_jsonl
 from allreduce.theory import zero_comm_bytes
 
 from .parallel.bubble import bubble_fraction
-from .parallel.memory import zero_memory
+from .runtime.memory import zero_memory
 
 MLP = ["--model", "mlp", "--width", "512", "--depth", "4", "--in-dim", "512", "--classes", "16",
        "--dataset-size", "2048", "--global-batch", "64", "--threads", "1", "--no-progress",

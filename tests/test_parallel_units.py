@@ -4,7 +4,7 @@ import torch
 
 from strategies.config.settings import ConfigError, TrainConfig
 from strategies.config.mesh import Mesh
-from strategies.parallel.memory import ActivationMeter, state_bytes, storage_bytes
+from strategies.runtime.memory import ActivationMeter, state_bytes, storage_bytes
 from strategies.model.models import GPT, MLP
 from strategies.engine.grid import check
 from strategies.parallel.pipeline import Pipeline, stage_layers

@@ -20,7 +20,7 @@ from experiments.planner.step import PARTS, Layout, memory_of, placement, predic
 from experiments.planner.transformer import (GPT, layer_activation_bytes, parameters,
                                              step_flops)
 from strategies.parallel.bubble import bubble_fraction
-from strategies.parallel.memory import zero_memory
+from strategies.runtime.memory import zero_memory
 
 SMALL = GPT(layers=8, d_model=512, heads=8, seq_len=256, vocab=1024, global_batch=32)
 TWO_NODES = Cluster("test", nodes=2, gpus_per_node=4, gpu_mem_gib=16, gpu_tflops=100,

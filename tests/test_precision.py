@@ -20,7 +20,7 @@ import torch
 from conftest import check_ok, mpirun
 from strategies.config.choices import ConfigError
 from strategies.config.settings import TrainConfig
-from strategies.parallel.memory import zero_memory
+from strategies.runtime.memory import zero_memory
 from strategies.runtime.precision import LossScaler, MixedPrecision
 from test_parallel_runs import COMMON, GPT, MLP_ADAM, SEVERAL
 
@@ -213,7 +213,7 @@ POISONED = 3
 POISON = [SEVERAL[0], SEVERAL[1].replace(
     "from strategies.train import main\n",
     "from strategies.train import main\n"
-    "import strategies.parallel.zero as zero\n"
+    "import strategies.sync.zero as zero\n"
     "synchronize = zero.ZeRO.synchronize\n"
     "def poisoned(self, step):\n"
     "    synchronize(self, step)\n"

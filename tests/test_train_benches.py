@@ -2,7 +2,7 @@
 
 strategies.bench builds its methods as strategies.train does (DistributedOptimizer's
 syncs) beside DDP; strategies.bench_parallel times whole training launches with the
-harness's own_clock rounds and sets ZeRO's memory (strategies/parallel/memory.py, fp32 and bf16)
+harness's own_clock rounds and sets ZeRO's memory (strategies/runtime/memory.py, fp32 and bf16)
 and traffic (allreduce/theory.py) against the formulas.
 """
 import pytest

@@ -8,6 +8,6 @@ on a cluster you do not have (python -m experiments.plan; docs/planner.md).
     figure.py        step time against memory per rank, the Pareto front marked
     verify.py        the best and the worst layouts run with strategies.train on this machine
 
-It imports the cost model (experiments/costmodel.py), strategies/parallel/memory.py's
+It imports the cost model (experiments/costmodel.py), strategies/runtime/memory.py's
 zero_memory and strategies/parallel/bubble.py's formulas; nothing below experiments imports it.
 """

@@ -34,7 +34,7 @@ prefetched beside the compute of the same micro-batch.  The optimizer's own
 update and the embedding's gradient all-reduce between the first and last
 stage are left out.
 
-Memory: model states are strategies/parallel/memory.py's zero_memory for the parameters
+Memory: model states are strategies/runtime/memory.py's zero_memory for the parameters
 a rank holds, activations Korthikanti et al.'s per layer (transformer.py) times
 the layers of a stage times the micro-batches it holds at once
 (bubble.activations_in_flight); under full recomputation one layer's whole
@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 
 from experiments.costmodel import cluster_collective_time, pipeline_step_time
 from strategies.parallel.bubble import activations_in_flight, bubble_fraction
-from strategies.parallel.memory import zero_memory
+from strategies.runtime.memory import zero_memory
 
 from .transformer import (expert_parameters, layer_activation_bytes, layer_forward_flops,
                           logit_flops, logits_bytes, parameters, recompute_flops,

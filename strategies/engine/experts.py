@@ -6,9 +6,9 @@ from ..model.models import count_parameters
 from ..model.moe import MoE
 from ..parallel.expert_parallel import (AllToAllExperts, ExpertPlacement, shard_experts, total,
                                         units_of)
-from ..parallel.zero import ZeRO, Replicas
 from ..runtime.precision import any_rank_of, of_config
 from ..sync.gradient_sync import build_compressor, collective_for
+from ..sync.zero import ZeRO, Replicas
 from .loop import StepEngine, one_step
 
 

@@ -39,15 +39,15 @@ from ..config.settings import dp_size_of
 from ..model.models import signature
 from ..parallel.interleaved import InterleavedPipeline, chunk_layers
 from ..parallel.interleaved import check as check_interleaved
-from ..parallel.memory import ActivationMeter
 from ..parallel.pipeline import Pipeline, Stage
 from ..parallel.recompute import Recompute
 from ..parallel.sequence_parallel import positions_per_rank, split_sequence
 from ..parallel.tensor_parallel import TensorParallel, parallelize_blocks
-from ..parallel.zero import ZeRO
+from ..runtime.memory import ActivationMeter
 from ..runtime.precision import any_rank_of, of_config
 from ..runtime.trace import Tracer, busy_seconds
 from ..sync.gradient_sync import build_compressor, collective_for
+from ..sync.zero import ZeRO
 from .loop import StepEngine
 
 

@@ -1,6 +1,5 @@
 """The splits of a model over ranks, each on its own textbook page.
 
-    zero.py               ZeRO stages 0-3 over the dp axis, layer by layer (0 is plain DP)
     tensor_parallel.py    Megatron's f and g, column/row-parallel linears, split heads
     sequence_parallel.py  LayerNorms and residuals on T/tp positions (--sequence-parallel)
     pipeline.py           stages of blocks; GPipe and 1F1B over the point-to-point transport
@@ -8,8 +7,8 @@
     expert_parallel.py    experts over the ep ranks, tokens moved by all-to-alls
     recompute.py          each block's forward re-run in backward (activation checkpointing)
     bubble.py             the pipeline formulas: bubble fractions, activations in flight
-    memory.py             params / grads / optimizer / saved-activation bytes, measured
 
 Each takes a model (model/) and the mesh's communicators (config/mesh.py) and changes
-the model in place or wraps it; the step engines (engine/) drive the result.
+the model in place or wraps it; the data parallelism over what is left, plain or
+sharded (ZeRO), is sync/'s; the step engines (engine/) drive the result.
 """

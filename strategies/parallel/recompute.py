@@ -43,8 +43,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config.choices import ConfigError
 from ..model.models import GPT, MLP
+from ..runtime.memory import ActivationMeter
 from ..runtime.trace import span
-from .memory import ActivationMeter
 
 
 class _KeptInput(torch.autograd.Function):

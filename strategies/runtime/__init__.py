@@ -5,6 +5,7 @@ what it records.
     precision.py   --precision bf16 / fp16: autocast, fp32 master weights, loss scaling
     trace.py       Chrome trace (Perfetto) of forward, backward, communication and idle time
     metrics.py     JSON Lines records, progress bar, summary
+    memory.py      params / grads / optimizer / saved-activation bytes, measured
 
 Above config/ only.
 """

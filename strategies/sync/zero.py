@@ -70,11 +70,11 @@ import torch.nn as nn
 from allreduce import shard_of
 
 from ..compression.casts import Compressor
+from ..runtime.memory import optimizer_tensors, state_bytes
 from ..runtime.precision import MixedPrecision, any_rank
 from ..runtime.trace import span
-from ..sync.comm_thread import CommThread
-from ..sync.gradient_sync import GradientSync, make_optimizer
-from .memory import optimizer_tensors, state_bytes
+from .comm_thread import CommThread
+from .gradient_sync import GradientSync, make_optimizer
 
 EMPTY = torch.empty(0)
 
