@@ -187,7 +187,8 @@ def test_the_sync_tells_the_step_and_a_resumed_run_goes_on_from_it():
     """AllReduceSync.synchronize(s) readies step s + 1's ratio (its buckets may leave
     during its backward); its state_dict carries that step, so a resumed run picks up
     the warm-up where the checkpoint was written.  Without warm-up the state is {}."""
-    from strategies.sync.gradient_sync import AllReduceSync, SyncOptions
+    from strategies.sync.gradient_sync import SyncOptions
+    from strategies.sync.zero import AllReduceSync
 
     def sync_of(warmup):
         options = SyncOptions(compress="topk:0.01", overlap=False, sparsity_warmup=warmup)

@@ -20,7 +20,8 @@ import torch
 import psrv.launch
 from strategies.runtime.context import MPIControl, RunContext
 from strategies.sync.ps_sync import HybridSync, PSSync
-from strategies.sync.gradient_sync import AllReduceSync, GradientSync, LocalSync, SyncOptions, collective_for
+from strategies.sync.gradient_sync import GradientSync, LocalSync, SyncOptions, collective_for
+from strategies.sync.zero import AllReduceSync
 
 RTOL, ATOL = 1e-6, 1e-7
 LR, MOMENTUM = 0.1, 0.9

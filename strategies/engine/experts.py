@@ -4,10 +4,9 @@ parameters and of each expert's replicas, one step of the loop (engine/loop.py).
 """
 from ..model.models import count_parameters
 from ..model.moe import MoE
-from ..parallel.expert_parallel import (AllToAllExperts, ExpertPlacement, shard_experts, total,
-                                        units_of)
+from ..parallel.expert_parallel import AllToAllExperts, ExpertPlacement, shard_experts, units_of
 from ..runtime.precision import any_rank_of, of_config
-from ..sync.gradient_sync import build_compressor, collective_for
+from ..sync.gradient_sync import build_compressor, collective_for, total
 from ..sync.zero import ZeRO, Replicas
 from .loop import StepEngine, one_step
 

@@ -80,7 +80,8 @@ from ..config.optimizer_checks import (check_comm, check_model, check_same_every
                                server_settings, transport_for)
 from ..runtime.context import MPIControl, RunContext, ps_role
 from ..runtime.precision import MixedPrecision
-from ..sync.gradient_sync import AllReduceSync, LocalSync, SyncOptions, broadcast_tensor, collective_for
+from ..sync.gradient_sync import LocalSync, SyncOptions, broadcast_tensor, collective_for
+from ..sync.zero import AllReduceSync
 from ..sync.ps_sync import HybridSync, PSSync
 
 

@@ -161,11 +161,6 @@ def shard_experts(model, placement, exchange):
     return params
 
 
-def total(counts):
-    """The sum of byte counts; None (not observable) if any of them is."""
-    return None if None in counts else sum(counts)
-
-
 def units_of(model, experts):
     """The model as ZeRO's layers (zero.py), in forward order: the embeddings; each
     block's dense parameters, then each of its experts held here, with `experts` (a

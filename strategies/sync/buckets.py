@@ -1,4 +1,8 @@
-"""Gradient buckets: flat buffers all-reduced while backward is still running.
+"""Gradient buckets: flat buffers reduced while backward is still running.
+
+This is the one engine of data parallelism: plain data parallelism and ZeRO
+(zero.py) both hand their gradients to it, and differ only in what a bucket's
+collective is (an all-reduce, or a reduce-scatter into this rank's shard).
 
 The teaching ladder (picotron's): the naive data-parallel step all-reduces
 every gradient after backward, one call per tensor.  Two improvements, as in
@@ -6,12 +10,14 @@ PyTorch DDP (Li et al., "PyTorch Distributed", VLDB 2020):
 
 1. Bucketing.  Gradients travel in a few flat buffers of at most --bucket-mb
    each, so one collective moves many small tensors at once instead of paying
-   a latency each (a tensor bigger than the cap is reduced alone, in place).
+   a latency each.  A bucket holds whole layers (a layer bigger than the cap
+   gets a bucket of its own), all of one dtype and one set of replicas, as
+   Megatron-LM's gradient buffer cuts its buckets.
 2. Overlap.  Backward produces gradients from the last layer to the first.
-   Parameters are put in buckets in reverse order, so the bucket of the last
+   Layers are put in buckets in reverse order, so the bucket of the last
    layers fills first; a post-accumulate-grad hook counts a bucket's ready
    gradients and, when it is full, hands it to a communication thread, which
-   all-reduces it while backward computes the earlier layers' gradients.
+   reduces it while backward computes the earlier layers' gradients.
 
        backward:  [layer 3 grads][layer 2 grads][layer 1 grads]
        comm:                     [bucket 0 ----][bucket 1 ----][bucket 2]
@@ -21,118 +27,196 @@ Only the communication still running when backward ends is "exposed" and
 costs step time.  Ordering constraint: every rank must issue the same
 collectives in the same order, so buckets go to the thread (comm_thread.py) in
 index order 0, 1, 2 ..., a bucket that is ready early waiting for the ones
-before it (DDP does the same).  --no-overlap reduces the buckets on the main
-thread after backward, the same calls in the same order.
+before it (DDP does the same).  --no-overlap reduces each bucket on the main
+thread, inside the hook, in the same order: backward waits for it.
 
-One backward per step: a bucket is handed over once its parameters' gradients
-arrived, so a second backward before `wait` would add into buffers the thread
-may be sending; the hook refuses it.  Except inside `accumulating()` (DDP's
-no_sync, used by accumulation.py): there the hooks hand nothing over and
-autograd adds each micro-batch's gradients into .grad; the backward after it
-sends the sum, one all-reduce per bucket for the whole step.  `wait` re-arms
-the buckets, so the next backward works whoever cleared the gradients (a user
-loop may call model.zero_grad() or not clear them at all).
+Micro-batches.  A pipeline runs m backwards a step (backwards_per_step): a
+bucket is complete when each of its parameters' gradients arrived m times,
+autograd adding them up in between.  Gradient accumulation in a plain loop
+uses `accumulating()` instead (DDP's no_sync, accumulation.py): its hooks count
+nothing, and the backward after it sends the sum.  A second backward beyond
+those, before `wait`, would add into buffers the thread may be sending; the
+hook refuses it.  `wait` re-arms the buckets, so the next backward works
+whoever cleared the gradients (a user loop may call model.zero_grad() or not
+clear them at all).
 """
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
+
+from allreduce import shard_of
 
 from .comm_thread import CommThread
 
 
-class Bucket:
-    """A run of parameters whose gradients travel as one flat buffer.
+class Replicas:
+    """The ranks that hold replicas of a layer, over which its gradient is averaged (and,
+    under ZeRO, its state sharded): the dp axis, or (expert parallelism) an expert's
+    replicas.
 
-    A bucket of one parameter all-reduces that parameter's .grad in place; a
-    bucket of several copies each .grad into its slice of `flat` as it arrives
-    and points .grad at the slice.  That costs one copy, where keeping .grad a
-    view of `flat` for good (DDP's gradient_as_bucket_view) would cost zeroing
-    the buffer every step plus autograd's read-add-write into it.
+    coll: an allreduce/ collective over them; thread_coll: another over a duplicate of
+    its communicator, for the comm thread where the main thread talks on the first
+    meanwhile (None: the same); scale: a factor after the average (an expert's gradient,
+    summed over the tokens of its expert group by autograd, is averaged over the world,
+    not its replicas)."""
+
+    def __init__(self, coll, thread_coll=None, scale=1.0):
+        self.coll, self.thread_coll, self.scale = coll, thread_coll or coll, scale
+        self.rank, self.size = coll.rank, coll.size
+
+
+class OneRank:
+    """The replicas of a bucket with none to talk to: the whole buffer is this rank's."""
+    rank, size, scale, coll, thread_coll = 0, 1, 1.0, None, None
+
+
+class Layer(NamedTuple):
+    """A unit that is never cut between buckets: its name, module (None for a lone
+    parameter), parameters, and replicas (None: the engine's default)."""
+    name: str
+    module: object
+    params: list
+    replicas: object = None
+
+
+class Bucket:
+    """A run of whole layers whose gradients travel as one flat buffer.
+
+    keep_flat (plain data parallelism, ZeRO 1): the bucket owns a persistent flat
+    gradient; each .grad is copied into its slice as it arrives and pointed at it,
+    one copy, where keeping .grad a view for good (DDP's gradient_as_bucket_view)
+    would cost zeroing the buffer every step plus autograd's read-add-write.  A
+    bucket of one parameter reduces that .grad in place.  Without it (ZeRO 2, 3),
+    the gradients are concatenated when the bucket is complete and let go at once:
+    only the shard the reduce-scatter returns is kept.
     """
 
-    def __init__(self, index, params, device, wire_dtype):
-        self.index = index
-        self.params = params
-        n = sum(p.numel() for p in params)
-        self.alone = len(params) == 1                # reduced in place: no flat buffer
-        self.flat = None if self.alone else torch.zeros(n, dtype=torch.float32, device=device)
-        self.wire = None if wire_dtype == torch.float32 else \
-            torch.empty(n, dtype=wire_dtype, device=device)
+    def __init__(self, index, layers, replicas, wire_dtype, keep_flat=True):
+        self.index, self.layers, self.replicas = index, layers, replicas
+        self.name = layers[0].name if len(layers) == 1 else \
+            f"{layers[-1].name}..{layers[0].name}"
+        self.params = [p for layer in layers for p in layer.params]
+        self.shapes = [p.shape for p in self.params]     # the flat layout, for powersgd
+        self.sizes = [p.numel() for p in self.params]
+        self.numel = sum(self.sizes)
+        self.start, self.stop = shard_of(replicas.rank, self.numel, replicas.size)
+        first = self.params[0]
+        self.dtype, self.device = first.dtype, first.device
+        self.keep_flat = keep_flat
+        self.alone = keep_flat and len(self.params) == 1
+        self.flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device) \
+            if keep_flat and not self.alone else None
+        self.wire = None if wire_dtype in (torch.float32, self.dtype) or not keep_flat else \
+            torch.empty(self.numel, dtype=wire_dtype, device=self.device)
         self.views = {}
-        self.shapes = [p.shape for p in params]      # the flat layout, for powersgd
         offset = 0
-        for p in params if not self.alone else ():
-            self.views[p] = self.flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+        for p, n in zip(self.params, self.sizes) if self.flat is not None else ():
+            self.views[p] = self.flat[offset:offset + n].view_as(p)
+            offset += n
         self.target = self.flat          # what is reduced this step
-        self.pending = len(params)
-        self.arrived = set()             # parameters whose gradient came this step
+        self.arrivals = {}               # parameter -> backwards whose gradient came
+        self.count = 0                   # gradients arrived this step, all parameters
+        self.complete = False            # handed over this step
         self.event = None
 
     def rearm(self):
-        self.pending = len(self.params)
-        self.arrived.clear()
+        self.arrivals.clear()
+        self.count = 0
+        self.complete = False
 
     def take(self, p):
-        """p's fresh gradient joins the bucket (called from p's hook)."""
+        """p's gradient joins the bucket (from p's hook; again after each micro-batch)."""
+        if not self.keep_flat:
+            return                       # concatenated when the bucket is complete
         if self.alone:
             if not p.grad.is_contiguous():
                 p.grad = p.grad.contiguous()
             self.target = p.grad.view(-1)
-        else:
+        elif p.grad is not self.views[p]:
             self.views[p].copy_(p.grad)
-            p.grad = self.views[p]
-            self.target = self.flat
+            p.grad = self.views[p]       # later micro-batches add into the slice itself
+
+    def gradient(self):
+        """The flat gradient to reduce, once complete."""
+        if self.keep_flat:
+            return self.target
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+        for p in self.params:
+            p.grad = None                # ZeRO 2, 3: only the reduced shard is kept
+        return flat
 
     def fill_missing(self):
         """Parameters that got no gradient in the last backward contribute the one they
         hold (accumulated under no_sync, or left by a loop that did not clear it), or zeros."""
-        for p in self.params:
-            if p not in self.arrived:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+        for p, shape in zip(self.params, self.shapes):
+            if p not in self.arrivals:
+                if p.grad is None:       # (the shape kept: ZeRO 3 may hold no data now)
+                    p.grad = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 self.take(p)
 
 
-def plan_buckets(params, cap_bytes):
-    """Group params (in the order given) into runs of at most cap_bytes of float32;
-    a parameter larger than the cap gets a bucket of its own."""
+def plan_buckets(layers, cap_bytes):
+    """Runs of consecutive layers (in the order given; a bare parameter is a layer of its
+    own), each at most cap_bytes, of one dtype and one set of replicas; a layer larger
+    than the cap gets a bucket of its own, and cap_bytes 0 gives every layer its own."""
     groups, current, size = [], [], 0
-    for p in params:
-        nbytes = p.numel() * 4
-        if current and size + nbytes > cap_bytes:
-            groups.append(current)
+    for item in layers:
+        layer = item if isinstance(item, Layer) else Layer("", None, [item])
+        nbytes = sum(p.numel() * p.element_size() for p in layer.params)
+        if current and (size + nbytes > cap_bytes or layer.replicas is not current[0][1].replicas
+                        or layer.params[0].dtype != current[0][1].params[0].dtype):
+            groups.append([i for i, _ in current])
             current, size = [], 0
-        current.append(p)
+        current.append((item, layer))
         size += nbytes
     if current:
-        groups.append(current)
+        groups.append([i for i, _ in current])
     return groups
 
 
-class GradBuckets:
-    """Owns the gradients of `params`; `reduce(flat_tensor)` is the collective
-    (in place, averaging over the data-parallel ranks).  `reduce` takes the
-    buckets on their device: AllReduceSync gives it a collective made with
-    allreduce.host_staged, which carries CUDA buckets through pinned host memory
-    where MPI moves them, the one staging of every user of a collective."""
+def as_layers(params_or_layers, replicas):
+    """Layers, each with its replicas: a bare parameter is a layer of its own."""
+    return [Layer(x.name, x.module, x.params, x.replicas or replicas) if isinstance(x, Layer)
+            else Layer(f"param {i}", None, [x], replicas)
+            for i, x in enumerate(params_or_layers)]
 
-    def __init__(self, params, reduce, cap_bytes, compressor, overlap=True):
-        params = [p for p in params if p.requires_grad]
+
+class GradBuckets:
+    """Owns the gradients of `layers` (parameters, or Layer tuples in forward order).
+
+    reduce(flat): the collective of plain data parallelism (in place, averaging over
+    the replicas), through the compressor; or reduce_bucket(bucket, flat) -> the bytes
+    this rank handed to the collectives, where the owner reduces otherwise (ZeRO's
+    reduce-scatter).  CUDA buckets reach `reduce` on their device: AllReduceSync gives
+    it a collective made with allreduce.host_staged, which carries them through pinned
+    host memory where MPI moves them, the one staging of every user of a collective.
+    after_backward(bucket): called each time one backward completed the bucket's
+    gradients (ZeRO 3 frees the layer's parameters there)."""
+
+    def __init__(self, layers, reduce, cap_bytes, compressor, overlap=True, *, replicas=None,
+                 reduce_bucket=None, keep_flat=True, backwards_per_step=1, after_backward=None,
+                 name="grad-comm"):
+        layers = [layer for layer in as_layers(layers, replicas or OneRank())
+                  if any(p.requires_grad for p in layer.params)]
+        layers = [layer._replace(params=[p for p in layer.params if p.requires_grad])
+                  for layer in layers]
         self.reduce, self.compressor, self.overlap = reduce, compressor, overlap
-        device = params[0].device
-        ordered = list(reversed(params))             # roughly the order backward makes them
-        self.buckets = [Bucket(i, group, device, compressor.wire_dtype)
+        self.reduce_bucket = reduce_bucket or self._allreduce_bucket
+        self.backwards_per_step, self.after_backward = backwards_per_step, after_backward
+        ordered = list(reversed(layers))             # roughly the order backward makes them
+        self.buckets = [Bucket(i, group, group[0].replicas, compressor.wire_dtype, keep_flat)
                         for i, group in enumerate(plan_buckets(ordered, cap_bytes))]
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
-        self.reductions = 0                          # bucket all-reduces so far
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for b in self.buckets for p in b.params]
+        self.reductions = 0                          # bucket collectives so far
         self._accumulating = False
         # this rank's bytes handed to the collectives, and what float32 all-reduces of
         # the same buckets would have handed over: compression's saving, measured
         self.wire_bytes = self.dense_bytes = 0
-        self._next = 0                               # the next bucket to hand to the thread
-        self._thread = CommThread() if overlap else None
+        self._next = 0                               # the next bucket to hand over
+        self._thread = CommThread(name) if overlap else None
         self.zero_()
 
     # ------------------------------------------------------------ per step
@@ -145,7 +229,7 @@ class GradBuckets:
 
     @contextmanager
     def accumulating(self):
-        """Backwards inside add into .grad and launch no all-reduce (DDP's no_sync):
+        """Backwards inside add into .grad and launch no collective (DDP's no_sync):
         the micro-batches of gradient accumulation before the last one."""
         self._accumulating = True
         try:
@@ -154,56 +238,63 @@ class GradBuckets:
             self._accumulating = False
 
     def _on_grad_ready(self, p):
-        # Runs inside backward, once p.grad holds this step's full gradient.
+        # Runs inside backward, once p.grad holds this backward's full gradient.
         if self._accumulating:
             return                                   # autograd keeps adding into p.grad
         b = self.bucket_of[p]
-        if b.pending < 0 or p in b.arrived:
+        seen = b.arrivals.get(p, 0) + 1
+        if b.complete or seen > self.backwards_per_step:
             raise RuntimeError("a second backward before the gradients of the first were "
                                "synchronised: call step() after each backward (to accumulate "
                                "micro-batches, add their losses and call backward once)")
-        b.arrived.add(p)
+        b.arrivals[p] = seen
         b.take(p)
-        b.pending -= 1
-        if b.pending == 0:
-            self._mark_ready(b)
+        b.count += 1
+        if b.count == len(b.params) * self.backwards_per_step:
+            self._mark_complete(b)
+        if self.after_backward is not None and b.count % len(b.params) == 0:
+            self.after_backward(b)                   # one backward through the bucket done
 
-    def _mark_ready(self, b):
-        b.pending = -1                               # handed over; not again this step
-        if b.target.is_cuda:                         # UNVERIFIED on GPU: the hook runs when
+    def _mark_complete(self, b):
+        b.complete = True                            # handed over; not again this step
+        if b.device.type == "cuda":                  # UNVERIFIED on GPU: the hook runs when
             b.event = torch.cuda.Event()             # the kernel is queued, not finished
             b.event.record()
         # strictly in index order on every rank: bucket i leaves after 0 .. i-1
-        while self.overlap and self._next < len(self.buckets) and \
-                self.buckets[self._next].pending == -1:
-            self._thread.submit(lambda b=self.buckets[self._next]: self._reduce(b))
+        while self._next < len(self.buckets) and self.buckets[self._next].complete:
+            bucket = self.buckets[self._next]
+            flat = bucket.gradient()
+            if self.overlap:
+                self._thread.submit(lambda b=bucket, flat=flat: self._reduce(b, flat))
+            else:
+                self._reduce(bucket, flat)
             self._next += 1
 
     def wait(self):
-        """After backward: finish every bucket's all-reduce; grads are then averaged."""
-        for b in self.buckets:                       # parameters that got no gradient
-            if b.pending >= 0:
-                b.fill_missing()
-                self._mark_ready(b)
+        """After backward: finish every bucket's collective; grads are then reduced."""
         try:
+            for b in self.buckets:                   # parameters that got no gradient
+                if not b.complete:
+                    b.fill_missing()
+                    self._mark_complete(b)
             if self.overlap:
                 self._thread.flush()                 # raises a reduction's error here
-            else:
-                for b in self.buckets:
-                    self._reduce(b)
         finally:
             for b in self.buckets:                   # ready for the next backward
                 b.rearm()
             self._next = 0
 
     # -------------------------------------------------- communication side
-    def _reduce(self, b):
+    def _reduce(self, b, flat):
         if b.event is not None:
             b.event.synchronize()
         self.reductions += 1
-        self.wire_bytes += self.compressor.reduce_bucket(b.index, b.target, b.wire, b.shapes,
-                                                         self.reduce)
-        self.dense_bytes += b.target.numel() * 4
+        self.wire_bytes += self.reduce_bucket(b, flat)
+        self.dense_bytes += b.numel * 4
+
+    def _allreduce_bucket(self, b, flat):
+        """Plain data parallelism: flat := its mean over the replicas, compressed on the wire."""
+        return self.compressor.reduce_bucket(b.index, flat, b.wire, b.shapes, self.reduce)
 
     def close(self):
         for h in self._hooks:

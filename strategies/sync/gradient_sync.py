@@ -22,14 +22,16 @@ DistributedOptimizer itself (optimizer.py), and the grid's data-parallel axis
 
 Implementations:
   LocalSync       one process, nothing to do: the reference the others must reproduce.
-  AllReduceSync   ring, tree, halving_doubling, hierarchical, mpi, torch, auto (allreduce/),
-                  through GradBuckets: bucketed, overlapped with backward.
+  AllReduceSync   ring, tree, halving_doubling, hierarchical, mpi, torch, auto (allreduce/):
+                  ZeRO's stage 0 over the model's parameters (zero.py), on the one
+                  bucket engine (buckets.py): bucketed, overlapped with backward.
   PSSync          parameter servers (psrv/): push gradients, pull parameters; the
                   servers average the workers' gradients and run the optimizer.
   HybridSync      all-reduce inside a node, then the node leaders talk to the
                   servers and broadcast the new parameters inside their node.
                   (both in ps_sync.py, which builds on this file)
-  ZeRO            the dp axis of the grid, its optimizer state sharded (zero.py)
+  ZeRO            stages 1-3: the same buckets reduce-scattered, the optimizer state,
+                  gradients and parameters sharded (zero.py)
 
 Every data-parallel rank computes the mean loss over its B/P samples, and the
 syncs average over P ranks, so the update is the one of the mean over all B
@@ -54,7 +56,6 @@ from ..compression.topk import TopKCompressor
 from ..config.choices import EMULATED_SYNCS, ConfigError
 from ..config.combinations import check_sync
 from ..config.compress_spec import parse_compress
-from .buckets import GradBuckets
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,12 @@ def build_compressor(compress, coll=None, error_feedback=True, momentum=0.0, war
     if spec.kind == "powersgd":
         return PowerSGDCompressor(spec.rank, error_feedback)
     return make_compressor(spec.kind)
+
+
+def total(counts):
+    """A sum of byte counts; None (not observable) if any of them is."""
+    counts = list(counts)
+    return None if None in counts else sum(counts)
 
 
 def make_optimizer(cfg, params):
@@ -235,77 +242,3 @@ def broadcast_module(coll, module):
     with torch.no_grad():
         for t in chain(module.parameters(), module.buffers()):
             broadcast_tensor(coll, t.data)
-
-
-class AllReduceSync(GradientSync):
-    """ctx is read only to make the collective (its dp_comm); with `coll` given it may be None."""
-
-    def __init__(self, cfg, ctx, device, coll=None):
-        super().__init__(cfg, ctx, device)
-        self.name = cfg.sync
-        coll = coll or collective_for(cfg.sync, cfg, ctx.dp_comm)
-        # On a GPU every collective of this sync (the broadcast of setup, the
-        # buckets) goes through one staging: NCCL moves CUDA tensors itself, the
-        # MPI transports (not CUDA-aware) get them through pinned host memory.
-        self.coll = allreduce.host_staged(coll) if device.type == "cuda" else coll
-
-    def setup(self, model):
-        super().setup(model)
-        broadcast_module(self.coll, model)          # DDP does the same: rank 0's weights win
-        self.buckets = GradBuckets(list(model.parameters()),
-                                   lambda flat: self.coll.allreduce(flat, op="avg"),
-                                   int(self.cfg.bucket_mb * 2**20),
-                                   build_compressor(self.cfg.compress, self.coll,
-                                                    self.cfg.error_feedback,
-                                                    self.cfg.momentum_correction,
-                                                    self.cfg.sparsity_warmup),
-                                   self.cfg.overlap)
-
-    def before_backward(self):
-        self.buckets.zero_()
-
-    def no_sync(self):
-        return self.buckets.accumulating()      # the hooks hand no bucket to the thread
-
-    def synchronize(self, step):
-        self.buckets.wait()
-        # The next step's buckets may leave during its backward, before its own
-        # synchronize: the compressor learns that step here (top-k's warm-up, a
-        # function of the step; the other compressions ignore it).
-        self.buckets.compressor.set_step(step + 1)
-
-    def state_dict(self):
-        # --sparsity-warmup: a resumed run goes on at its step's top-k ratio
-        return {"compressor_step": self.buckets.compressor.step} \
-            if self.cfg.sparsity_warmup else {}
-
-    def load_state_dict(self, state):
-        if "compressor_step" in state:
-            self.buckets.compressor.set_step(state["compressor_step"])
-
-    @property
-    def comm_rounds(self):
-        return self.buckets.reductions
-
-    @property
-    def bytes_sent(self):
-        return self.coll.bytes_sent
-
-    @property
-    def bytes_received(self):
-        return self.coll.bytes_received
-
-    @property
-    def wire_bytes(self):
-        return self.buckets.wire_bytes
-
-    @property
-    def dense_bytes(self):
-        return self.buckets.dense_bytes
-
-    @property
-    def kept_ratio(self):
-        return self.buckets.compressor.kept_ratio
-
-    def close(self):
-        self.buckets.close()

@@ -19,7 +19,8 @@ import torch
 
 from ..config.choices import ConfigError
 from ..runtime.context import require_psrv
-from .gradient_sync import AllReduceSync, GradientSync, collective_for
+from .gradient_sync import GradientSync, collective_for
+from .zero import AllReduceSync
 
 
 def check_servers_step(start_step, state):

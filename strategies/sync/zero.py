@@ -11,14 +11,17 @@ fp32 Adam (see memory.py for how the paper's 16 bytes map onto pure fp32):
     3      -                             params, grads, m, v   16Ψ/N + one layer  3Ψ
 
 (traffic in elements each rank sends, times (N-1)/N.)  The unit of everything
-is a *layer* (a GPT block, an embedding, one linear of the MLP): its
-parameters are one flat buffer, cut by `allreduce.shard_bounds`, the rule that
-reduce-scatter and all-gather use as well, so rank r's shard of parameters,
-gradients and optimizer state are the same elements.
+is a *bucket* of the one bucket engine (buckets.py): a run of whole layers (GPT
+blocks, an embedding, the linears of the MLP) of at most --bucket-mb, one layer
+at stage 3, whose parameters are one flat buffer, cut by `allreduce.shard_bounds`,
+the rule that reduce-scatter and all-gather use as well, so rank r's shard of
+parameters, gradients and optimizer state are the same elements.  Plain data
+parallelism is stage 0 over the same buckets (AllReduceSync, below): there is
+one implementation of data parallelism, and ZeRO is a choice of its collective.
 
-A step, per layer, in the order backward finishes the layers:
+A step, per bucket, in the order backward finishes them:
 
-    stage 0  all-reduce(avg) the layer's flat gradient            -> every rank updates all
+    stage 0  all-reduce(avg) the bucket's flat gradient           -> every rank updates all
     stage 1  reduce-scatter(avg) into the shard of the full gradient buffer
     stage 2  reduce-scatter(avg) into a gradient shard; the full gradient is freed at once
     stage 3  as 2, and the parameters too live as shards only:
@@ -48,17 +51,15 @@ reads them as fp32, unscaled, for its step only, and the updated master shard
 is cast back into the 16-bit buffer before the all-gather.
 
 The gradient collectives of stages 0-2 (and stage 3's reduce-scatters) run on
-the communication thread (comm_thread.py), as plain data parallelism's buckets
-do: a layer's collective is handed over the moment backward finishes its
-gradient, and runs while backward computes the layers before it.  The thread
+the communication thread (comm_thread.py), through the bucket engine: a bucket's
+collective is handed over the moment backward finishes its gradients, and runs
+while backward computes the layers before it.  The thread
 has a collective of its own, over a duplicate of the dp communicator, because
 the main thread keeps talking on dp meanwhile (stage 3's gathers).  The layers
-go to the thread in the order backward finishes them, which is the same on
-every rank of the dp axis: they run the same schedule on the same stage.
+go to the thread in index order, the same on every rank of the dp axis.
 --no-overlap runs each collective inside the hook instead.
 
---compress works on this axis as on plain data parallelism's buckets: a layer
-is a bucket of the compressor (compression/casts.py, topk.py, powersgd.py), keyed by its
+--compress works on every stage: a bucket is a bucket of the compressor (compression/casts.py, topk.py, powersgd.py), keyed by its
 index.  The 16-bit casts halve a reduce-scatter as they halve an all-reduce;
 top-k and PowerSGD compress an all-reduce, so stages 1-3 take their shard of
 the compressed all-reduce's result (the shard's bytes are the stage's; the
@@ -67,81 +68,57 @@ wire carries what the compressor sends).
 import torch
 import torch.nn as nn
 
-from allreduce import shard_of
+import allreduce
 
 from ..compression.casts import Compressor
 from ..runtime.memory import optimizer_tensors, state_bytes
 from ..runtime.precision import MixedPrecision, any_rank
 from ..runtime.trace import span
-from .comm_thread import CommThread
-from .gradient_sync import GradientSync, make_optimizer
+from .buckets import GradBuckets, Layer, Replicas
+from .gradient_sync import (GradientSync, broadcast_module, build_compressor, collective_for,
+                            make_optimizer, total)
+
+__all__ = ["AllReduceSync", "Replicas", "ZeRO"]
 
 EMPTY = torch.empty(0)
 
 
-class Replicas:
-    """The ranks that hold replicas of a layer, over which its gradient is averaged and
-    its state sharded: the dp axis, or (expert parallelism) an expert's replicas.
-
-    coll: an allreduce/ collective over them; thread_coll: another over a duplicate of
-    its communicator, for the comm thread (None: the collectives run in the hooks);
-    scale: a factor after the average (an expert's gradient, summed over the tokens of
-    its expert group by autograd, is averaged over the world, not its replicas)."""
-
-    def __init__(self, coll, thread_coll=None, scale=1.0):
-        self.coll, self.thread_coll, self.scale = coll, thread_coll or coll, scale
-        self.rank, self.size = coll.rank, coll.size
-
-
 class ZeroUnit:
-    """One layer's parameters as one flat buffer and this rank's shard of it."""
+    """One bucket's parameters as one flat buffer and this rank's shard of it."""
 
-    def __init__(self, index, name, module, params, zero, replicas):
-        self.index, self.name, self.module, self.params = index, name, module, params
-        self.zero, self.replicas = zero, replicas
-        self.shapes = [p.shape for p in params]
-        self.sizes = [p.numel() for p in params]
-        self.numel = sum(self.sizes)
-        self.start, self.stop = shard_of(replicas.rank, self.numel, replicas.size)
-        self.arrivals = 0              # parameter gradients seen this step
-        full = torch.cat([p.detach().reshape(-1) for p in params])
-        if replicas.size > 1:          # rank 0's weights win, as in DDP
+    def __init__(self, bucket, zero, bind=True):
+        self.bucket, self.zero = bucket, zero
+        self.index, self.name, self.params = bucket.index, bucket.name, bucket.params
+        self.module = bucket.layers[0].module           # stage 3: one layer a bucket
+        self.replicas = replicas = bucket.replicas
+        self.shapes, self.sizes, self.numel = bucket.shapes, bucket.sizes, bucket.numel
+        self.start, self.stop = bucket.start, bucket.stop
+        self.full = self.shard = self.master = None
+        if not bind:                     # plain data parallelism on the user's own tensors
+            return
+        full = torch.cat([p.detach().reshape(-1) for p in self.params])
+        if replicas.size > 1:            # rank 0's weights win, as in DDP
             replicas.coll.broadcast(full, root=0)
         # mixed precision: the fp32 master weights of this rank's shard (all, at stage 0)
-        self.master = None
         if zero.precision.mixed:
             mine = full if zero.stage == 0 else full[self.start:self.stop]
             self.master = nn.Parameter(mine.clone())
             full = full.to(zero.precision.half)
-        self.full = None
-        self.grad_full = None
         if zero.stage < 3:
             self._bind(full)
-        if zero.stage in (0, 1):       # a persistent full gradient; p.grad are views of it
-            self.grad_full = torch.zeros(self.numel, dtype=full.dtype)
-            self._views(self.grad_full, "grad")
-        if zero.stage == 0:
-            self.shard = None
-        elif zero.stage < 3:           # the optimizer's parameter: a view into `full`
+        if zero.stage in (1, 2):         # the optimizer's parameter: a view into `full`
             self.shard = nn.Parameter(full[self.start:self.stop])
-        else:
+        elif zero.stage == 3:
             self.shard = nn.Parameter(full[self.start:self.stop].clone())
             self._bind(None)
-
-    def _views(self, flat, attr):
-        offset = 0
-        for p, shape, n in zip(self.params, self.shapes, self.sizes):
-            setattr(p, attr, flat[offset:offset + n].view(shape))
-            offset += n
 
     def _bind(self, full):
         """Point the parameters at `full`, or at nothing (stage 3 between uses)."""
         self.full = full
-        if full is None:
-            for p in self.params:
-                p.data = EMPTY
-        else:
-            self._views(full, "data")
+        offset = 0
+        for p, shape, n in zip(self.params, self.shapes, self.sizes):
+            p.data = EMPTY if full is None else full[offset:offset + n].view(shape)
+            offset += n
 
     # ------------------------------------------------------------- stage 3
     def gather(self, why):
@@ -158,44 +135,10 @@ class ZeroUnit:
             self.zero.gathered.pop(self.full.untyped_storage().data_ptr(), None)
             self._bind(None)
 
-    # --------------------------------------------------------- gradients
-    def gradient_arrived(self):
-        """A parameter's gradient of this micro-batch is complete (its hook, in backward)."""
-        self.arrivals += 1
-        if self.arrivals % len(self.params):
-            return
-        if self.arrivals == len(self.params) * self.zero.backwards_per_step:
-            self.zero.launch(self)
-        if self.zero.stage == 3:
-            self.release()              # until the next micro-batch's forward or backward
-
-    def flat_gradient(self):
-        """The layer's whole gradient as one flat buffer, taken in the hook: stages 0-1
-        keep it in grad_full; stages 2-3 gather it and let the parameters' go."""
-        if self.zero.stage < 2:
-            return self.grad_full
-        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
-        for p in self.params:
-            p.grad = None               # stages 2 and 3 keep only the shard
-        return flat
-
-    def reduce(self, flat):
-        """Average `flat` over dp: all of it (stage 0) or this rank's shard (1-3)."""
-        zero = self.zero
-        if zero.stage == 0:
-            with span(zero.tracer, f"all-reduce grads {self.name}", zero.category):
-                zero.allreduce_avg(self, flat)
-            return
-        with span(zero.tracer, f"reduce-scatter grads {self.name}", zero.category):
-            shard = zero.reduce_scatter_avg(self, flat)
-        if zero.stage == 1:
-            self.grad_full[self.start:self.stop].copy_(shard)
-            shard = self.grad_full[self.start:self.stop]
-        self.shard.grad = shard
-
+    # --------------------------------------------------------- the update
     def gradient(self):
         """The synchronised gradient the optimizer steps on (16-bit when mixed)."""
-        return self.grad_full if self.zero.stage == 0 else self.shard.grad
+        return self.bucket.target if self.zero.stage == 0 else self.shard.grad
 
     def master_step_done(self):
         """Mixed precision: the updated fp32 master into the 16-bit weights (step 5)."""
@@ -211,25 +154,26 @@ class ZeroUnit:
 
 
 class ZeRO(GradientSync):
-    """The data-parallel axis of a grid run: plain DP (stage 0) or ZeRO stages 1-3, a
-    sync of the contract in sync/gradient_sync.py.  The replicas start equal at construction (each
-    layer broadcast from rank 0), and gradients travel from backward's hooks, so
-    `synchronize` only checks that every layer's gradient arrived.
+    """Data parallelism over the bucket engine: plain (stage 0) or ZeRO stages 1-3, a
+    sync of the contract in gradient_sync.py.  The replicas start equal at construction
+    (each bucket broadcast from rank 0), and gradients travel from backward's hooks, so
+    `synchronize` waits for the last buckets' collectives.
 
     units: [(name, module, [parameters])] of this rank's layers, in forward order, or
     (name, module, [parameters], Replicas) where a layer has replicas of its own (an
     expert's, expert_parallel.py).
     coll: an allreduce/ collective over the dp communicator; thread_coll: another, over
     a duplicate of it, for the comm thread (None: no thread, every collective in its
-    hook); compressor: a compressor of --compress (compression/casts.py), None: float32.  The
-    layers go to the thread in the order backward finishes them; where layers have
-    different replicas, ranks that share an expert finish it in the same order, so
-    every communicator sees its collectives in one order on all of its ranks."""
+    hook); compressor: a compressor of --compress (compression/casts.py), None: float32.
+    Buckets never mix replicas; ranks that share an expert hold the same buckets in the
+    same order, so every communicator sees its collectives in one order on all of its
+    ranks."""
     name = "zero"
 
     def __init__(self, stage, units, coll, cfg, backwards_per_step=1, tracer=None,
-                 precision=None, agree=None, thread_coll=None, compressor=None, overlap=True):
-        super().__init__(cfg, None, torch.device("cpu"))   # the grid runs on CPUs so far
+                 precision=None, agree=None, thread_coll=None, compressor=None, overlap=True,
+                 device=None):
+        super().__init__(cfg, None, device or torch.device("cpu"))
         self.stage, self.coll, self.tracer = stage, coll, tracer
         self.precision = precision or MixedPrecision()
         # fp16: how the ranks agree on an overflow.  Over dp where each holds a shard
@@ -239,85 +183,95 @@ class ZeRO(GradientSync):
         self.backwards_per_step = backwards_per_step
         self.gathered = {}              # storage ptr of a gathered layer -> its ZeroUnit
         self.peak_gathered_bytes = 0
-        # the comm thread's own collective (over a duplicate of dp) and the compressor
         self.thread_coll = thread_coll or coll
         self.compressor = compressor or Compressor()
-        self.wire_bytes = self.dense_bytes = 0
-        self.comm_rounds = 0
-        self.thread = CommThread("zero-comm") if overlap and thread_coll is not None else None
+        self.overlap = overlap and thread_coll is not None
         # a collective on the thread overlaps backward: its own track in the trace
-        self.category = "dp-comm" if self.thread else "comm"
-        dp = Replicas(coll, thread_coll)
-        self.units = [ZeroUnit(i, name, module, params, self, rest[0] if rest else dp)
-                      for i, (name, module, params, *rest) in enumerate(units)]
-        self._hooks = []
-        for unit in self.units:
-            for p in unit.params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda p, unit=unit: unit.gradient_arrived()))
-            if stage == 3:
-                self._hooks.append(unit.module.register_forward_pre_hook(
-                    lambda m, args, unit=unit: unit.gather("forward")))
-                self._hooks.append(unit.module.register_forward_hook(
-                    lambda m, args, out, unit=unit: self._after_forward(unit, out)))
+        self.category = "dp-comm" if self.overlap else "comm"
+        self.units, self._hooks = [], []
+        if units is not None:
+            self._build([Layer(*u) for u in units], Replicas(coll, thread_coll))
 
-    def launch(self, unit):
-        """A layer's gradient is complete for the step: its collective, now or queued."""
-        flat = unit.flat_gradient()
-        if self.thread is None:
-            unit.reduce(flat)
-        else:
-            self.thread.submit(lambda: unit.reduce(flat))
+    def _build(self, layers, replicas, bind=True):
+        """The buckets of `layers` (stage 3: a layer each), and each one's parameter side."""
+        cap = 0 if self.stage == 3 else int(self.cfg.bucket_mb * 2**20)
+        self.engine = GradBuckets(layers, None, cap, self.compressor, self.overlap,
+                                  replicas=replicas, reduce_bucket=self._reduce_bucket,
+                                  keep_flat=self.stage < 2,
+                                  backwards_per_step=self.backwards_per_step,
+                                  after_backward=self._after_backward if self.stage == 3
+                                  else None, name="zero-comm")
+        self.units = [ZeroUnit(b, self, bind) for b in self.engine.buckets]
+        for unit in self.units if self.stage == 3 else ():
+            self._hooks.append(unit.module.register_forward_pre_hook(
+                lambda m, args, unit=unit: unit.gather("forward")))
+            self._hooks.append(unit.module.register_forward_hook(
+                lambda m, args, out, unit=unit: self._after_forward(unit, out)))
 
-    def allreduce_avg(self, unit, flat):
-        """flat := its mean over the unit's replicas, through the compressor (the unit a
-        bucket of its own).  A compressor other than float32's reads fp32: 16-bit
-        buffers go through a copy."""
-        replicas = unit.replicas
-        self.comm_rounds += 1
-        self.dense_bytes += flat.numel() * 4
-        if replicas.size > 1:
-            work = flat if flat.dtype == torch.float32 or type(self.compressor) is Compressor \
-                else flat.float()
-            self.wire_bytes += self.compressor.reduce_bucket(
-                unit.index, work, None, unit.shapes,
-                lambda t: replicas.thread_coll.allreduce(t, op="avg"))
-            if work is not flat:
-                flat.copy_(work)
+    # ------------------------------------------------ a bucket's collective
+    def _reduce_bucket(self, bucket, flat):
+        """Average `flat` over the bucket's replicas: all of it (stage 0), or this rank's
+        shard (1-3), which becomes the shard's gradient.  Returns the wire bytes."""
+        unit = self.units[bucket.index]
+        if self.stage == 0:
+            with span(self.tracer, f"all-reduce grads {unit.name}", self.category):
+                return self._allreduce_avg(bucket, flat)
+        with span(self.tracer, f"reduce-scatter grads {unit.name}", self.category):
+            shard, sent = self._reduce_scatter_avg(bucket, flat)
+        if self.stage == 1:             # the full gradient stays; its shard is the one read
+            flat[unit.start:unit.stop].copy_(shard)
+            shard = flat[unit.start:unit.stop]
+        unit.shard.grad = shard
+        return sent
+
+    def _allreduce_avg(self, bucket, flat):
+        """flat := its mean over the replicas, through the compressor.  A compressor other
+        than float32's reads fp32: 16-bit buffers go through a copy."""
+        replicas = bucket.replicas
+        work = flat if flat.dtype == torch.float32 or type(self.compressor) is Compressor \
+            else flat.float()
+        # one replica too: --compress means what the gradient goes through, wherever it goes
+        sent = self.compressor.reduce_bucket(
+            bucket.index, work, bucket.wire if work is flat else None, bucket.shapes,
+            lambda t: replicas.thread_coll.allreduce(t, op="avg"))
+        if work is not flat:
+            flat.copy_(work)
         if replicas.scale != 1.0:
             flat.mul_(replicas.scale)
+        return sent
 
-    def reduce_scatter_avg(self, unit, flat):
-        """This rank's shard of flat's mean over the unit's replicas.  The casts travel
-        16-bit; top-k and PowerSGD compress an all-reduce, whose result the shard is cut
-        from."""
-        replicas = unit.replicas
+    def _reduce_scatter_avg(self, bucket, flat):
+        """(this rank's shard of flat's mean over the replicas, the wire bytes).  The casts
+        travel 16-bit; top-k and PowerSGD compress an all-reduce, whose result the shard
+        is cut from."""
+        replicas = bucket.replicas
         if self.compressor.lossy or replicas.size == 1:
-            self.allreduce_avg(unit, flat)
-            return flat[unit.start:unit.stop].clone()
-        self.comm_rounds += 1
-        self.dense_bytes += flat.numel() * 4
+            sent = self._allreduce_avg(bucket, flat)
+            return flat[bucket.start:bucket.stop].clone(), sent
         # float32's identity sends the buffer as it is (16-bit under --precision)
         wire = flat if type(self.compressor) is Compressor else \
             flat.to(self.compressor.wire_dtype)
-        self.wire_bytes += wire.numel() * wire.element_size()
         shard = replicas.thread_coll.reduce_scatter(wire, op="avg").to(flat.dtype)
         if replicas.scale != 1.0:
             shard.mul_(replicas.scale)
-        return shard
+        return shard, wire.numel() * wire.element_size()
 
+    # ---------------------------------------------------- stage 3's gathers
     def _after_forward(self, unit, out):
         unit.release()
         if torch.is_tensor(out) and out.requires_grad:
             # fires when the gradient of the layer's output is ready: just before its backward
             out.register_hook(lambda grad: unit.gather("backward"))
 
+    def _after_backward(self, bucket):
+        self.units[bucket.index].release()   # until the next micro-batch's forward or backward
+
     def note_gathered(self):
         now = sum(u.full.nbytes for u in self.gathered.values())
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, now)
 
-    # ---------------------------------------------------- saved tensors (stage 3)
     def pack(self, t):
+        """Saved tensors (stage 3): a view of a gathered layer travels as a token."""
         unit = self.gathered.get(t.untyped_storage().data_ptr()) if self.gathered else None
         if unit is None:
             return None
@@ -341,21 +295,21 @@ class ZeRO(GradientSync):
         return make_optimizer(self.cfg, params)
 
     def before_backward(self):
-        for unit in self.units:
-            unit.arrivals = 0
-            if unit.grad_full is not None:
-                unit.grad_full.zero_()  # autograd adds into the views in place
+        self.engine.zero_()
+
+    def no_sync(self):
+        return self.engine.accumulating()  # the hooks hand no bucket over
 
     def synchronize(self, step):
-        if self.thread is not None:
+        if self.overlap:
             with span(self.tracer, f"wait for gradients {step}", "comm"):
-                self.thread.flush()     # the last layers' collectives: the exposed part
+                self.engine.wait()      # the last buckets' collectives: the exposed part
+        else:
+            self.engine.wait()
+        # The next step's buckets may leave during its backward, before its own
+        # synchronize: the compressor learns that step here (top-k's warm-up, a
+        # function of the step; the other compressions ignore it).
         self.compressor.set_step(step + 1)
-        missing = [u.name for u in self.units
-                   if u.arrivals != len(u.params) * self.backwards_per_step]
-        if missing:
-            raise RuntimeError(f"ZeRO: no complete gradient for {', '.join(missing)} "
-                               "(every layer must take part in every micro-batch)")
 
     def gradients(self):
         return [u.gradient() for u in self.units]
@@ -383,10 +337,11 @@ class ZeRO(GradientSync):
                 unit.master_step_done()
         return self.precision.step(grads, update, self.agree)
 
+    # ------------------------------------------------------ what it holds
     def state_bytes(self, optimizer):
         """Params, grads and optimizer state this rank holds between steps, measured."""
         params = [u.full for u in self.units] + [u.shard for u in self.units if u.shard is not None]
-        grads = [u.grad_full for u in self.units] + \
+        grads = [u.bucket.flat for u in self.units] + \
             [u.shard.grad for u in self.units if u.shard is not None]
         masters = [u.master for u in self.units if u.master is not None]
         # the fp32 master weights count with the optimizer's state, as in the paper's K = 12
@@ -394,6 +349,18 @@ class ZeRO(GradientSync):
 
     def param_storages(self):
         return [u.full.untyped_storage().data_ptr() for u in self.units if u.full is not None]
+
+    @property
+    def comm_rounds(self):
+        return self.engine.reductions if self.units else 0
+
+    @property
+    def wire_bytes(self):
+        return self.engine.wire_bytes if self.units else 0
+
+    @property
+    def dense_bytes(self):
+        return self.engine.dense_bytes if self.units else 0
 
     @property
     def kept_ratio(self):
@@ -411,11 +378,11 @@ class ZeRO(GradientSync):
 
     @property
     def bytes_sent(self):
-        return sum(c.bytes_sent for c in self.colls())
+        return total(c.bytes_sent for c in self.colls())
 
     @property
     def bytes_received(self):
-        return sum(c.bytes_received for c in self.colls())
+        return total(c.bytes_received for c in self.colls())
 
     def state_dict(self):
         """What the model's state_dict does not hold: stage 3's parameter shards (the
@@ -439,5 +406,46 @@ class ZeRO(GradientSync):
     def close(self):
         for h in self._hooks:
             h.remove()
-        if self.thread is not None:
-            self.thread.close()
+        self._hooks = []
+        if self.units:
+            self.engine.close()
+
+
+class AllReduceSync(ZeRO):
+    """Plain data parallelism of a whole model, for strategies.train's loop and a user's
+    own (DistributedOptimizer): stage 0 over the model's own parameters, each a layer of
+    its own, bucketed by --bucket-mb, through any all-reduce --sync and any compressor.
+    ctx is read only to make the collective (its dp_comm); with `coll` given it may be None."""
+
+    def __init__(self, cfg, ctx, device, coll=None):
+        coll = coll or collective_for(cfg.sync, cfg, ctx.dp_comm)
+        # On a GPU every collective of this sync (the broadcast of setup, the
+        # buckets) goes through one staging: NCCL moves CUDA tensors itself, the
+        # MPI transports (not CUDA-aware) get them through pinned host memory.
+        coll = allreduce.host_staged(coll) if device.type == "cuda" else coll
+        compressor = build_compressor(cfg.compress, coll, cfg.error_feedback,
+                                      cfg.momentum_correction, cfg.sparsity_warmup)
+        # one collective for the thread and the main thread: a plain loop talks on
+        # neither meanwhile
+        super().__init__(0, None, coll, cfg, thread_coll=coll if cfg.overlap else None,
+                         compressor=compressor, overlap=cfg.overlap, device=device)
+        self.ctx, self.name = ctx, cfg.sync
+
+    def setup(self, model):
+        GradientSync.setup(self, model)
+        broadcast_module(self.coll, model)          # DDP does the same: rank 0's weights win
+        self._build(list(model.parameters()), Replicas(self.coll), bind=False)
+
+    def make_optimizer(self, model):
+        return GradientSync.make_optimizer(self, model)
+
+    def gradients(self):
+        return [p.grad for p in self.model.parameters()]
+
+    def state_dict(self):
+        # --sparsity-warmup: a resumed run goes on at its step's top-k ratio
+        return {"compressor_step": self.compressor.step} if self.cfg.sparsity_warmup else {}
+
+    def load_state_dict(self, state):
+        if "compressor_step" in state:
+            self.compressor.set_step(state["compressor_step"])
