@@ -23,13 +23,16 @@ events, the way torch's NCCL collectives order theirs:
    event `returned` (on the GPU: the CPU goes on to the next buffer at once),
    so whatever reads x next, on that stream, sees the reduced values.
 
-Where the caller makes a stream of its own current for communication (a
-gradient-sync thread that waits for each bucket's event on it), `produced`
+Where the caller makes a stream of its own current for communication (the
+gradient-sync thread, strategies/sync/comm_thread.py, whose stream waits for
+each bucket's event and is current while it reduces the bucket), `produced`
 marks exactly that bucket, and its copy overlaps the backward of the next.
 On the default stream it marks everything queued so far: correct, with less
 overlap.  The ordering is written once, against `CudaCopies`; the tests run it
 against a simulated GPU whose streams run only when waited for.
 """
+from contextlib import nullcontext
+
 from .buffers import is_tensor, validate
 
 try:  # torch is optional for the numpy-only user
@@ -61,6 +64,10 @@ class HostCopies:
     def synchronize(self, event):
         pass
 
+    def using(self, stream):
+        """A context in which `stream` is the current one."""
+        return nullcontext()
+
 
 class CudaCopies(HostCopies):
     """The side stream of one GPU, and the CUDA calls the staging makes on it."""
@@ -89,6 +96,9 @@ class CudaCopies(HostCopies):
 
     def synchronize(self, event):
         event.synchronize()
+
+    def using(self, stream):
+        return torch.cuda.stream(stream)
 
 
 def copies_for(device):

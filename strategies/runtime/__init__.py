@@ -3,6 +3,7 @@ what it records.
 
     context.py     RunContext: ranks, the mesh's communicators, servers (psrv decides), device
     precision.py   --precision bf16 / fp16: autocast, fp32 master weights, loss scaling
+    loss_scaling.py  fp16's dynamic loss scale, on the host or as tensors on the GPU
     trace.py       Chrome trace (Perfetto) of forward, backward, communication and idle time
     metrics.py     JSON Lines records, progress bar, summary
     memory.py      params / grads / optimizer / saved-activation bytes, measured

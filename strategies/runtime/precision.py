@@ -29,6 +29,10 @@ every rank holds the same values, so every rank sees the same inf and skips
 the same steps.  A rank of ZeRO stages 1-3 holds only its shard: there one
 all-reduce(max) of a flag makes the ranks agree (`agree`).
 
+Where the scale lives (loss_scaling.py): on the host for a CPU run, as Python
+numbers; on the GPU for a CUDA run, as tensors, so that step 4 is decided by
+kernels and the CPU does not wait for backward to learn whether to step.
+
 Where the master weights are:
   the data-parallel loop (train.py)  the model's parameters stay fp32: they are the
                                      master weights; autocast casts them for each matmul
@@ -48,54 +52,29 @@ from contextlib import nullcontext
 import torch
 
 from ..config.choices import PRECISIONS, ConfigError
+from .loss_scaling import DeviceLossScaler, LossScaler, SkipWhereFound
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class LossScaler:
-    """Dynamic loss scaling (Micikevicius section 3.2; the same rule as torch.amp's
-    GradScaler): halve on overflow and skip the step, double after `window` clean steps."""
-
-    def __init__(self, scale=2.0**16, window=2000):
-        if not scale > 0 or window < 1:
-            raise ConfigError(f"loss scale {scale} must be > 0 and its window {window} >= 1",
-                              field="loss_scale")
-        self.scale, self.window = float(scale), int(window)
-        self.clean_steps = 0            # in a row, since the last overflow or growth
-        self.overflow_skips = 0         # steps skipped so far
-
-    @staticmethod
-    def overflowed(grads):
-        """Whether any of the gradients holds an inf or a NaN."""
-        return any(not torch.isfinite(g).all() for g in grads if g is not None)
-
-    def update(self, overflow):
-        """The scale after this step; True where the step is to be taken."""
-        if overflow:
-            self.scale /= 2
-            self.clean_steps = 0
-            self.overflow_skips += 1
-            return False
-        self.clean_steps += 1
-        if self.clean_steps == self.window:
-            self.scale *= 2
-            self.clean_steps = 0
-        return True
 
 
 class MixedPrecision:
     """The precision of a run: its autocast, its scaled backward and its guarded update.
 
-    precision: fp32, bf16 or fp16; device_type: "cpu" or "cuda"."""
+    precision: fp32, bf16 or fp16; device_type: "cpu" or "cuda"; on_device: fp16's
+    scale kept as tensors on device_type (default: on a GPU, not on the CPU)."""
 
     def __init__(self, precision="fp32", device_type="cpu", loss_scale=2.0**16,
-                 loss_scale_window=2000):
+                 loss_scale_window=2000, on_device=None):
         if precision not in PRECISIONS:
             raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}",
                               field="precision")
         self.name, self.device_type = precision, device_type
         self.half = HALF_DTYPES.get(precision)        # None: fp32
-        self.scaler = LossScaler(loss_scale, loss_scale_window) if precision == "fp16" else None
+        self.scaler = None
+        if precision == "fp16":
+            on_device = device_type != "cpu" if on_device is None else on_device
+            self.scaler = DeviceLossScaler(loss_scale, loss_scale_window, device_type) \
+                if on_device else LossScaler(loss_scale, loss_scale_window)
 
     @property
     def mixed(self):
@@ -112,18 +91,22 @@ class MixedPrecision:
         if self.scaler is None:
             loss.backward()
         else:
-            (loss * self.scaler.scale).backward()
+            (loss * self.scaler.multiplier).backward()
 
     def step(self, grads, update, agree=None):
         """Steps 4-5 on the synchronised `grads`: skip (fp16 overflow) or unscale them
-        and run `update()`.  agree(bool) -> bool: every rank's vote (ZeRO's shards);
-        None where every rank holds the same gradients.  Returns whether it stepped."""
+        and run `update()`.  agree(found_inf) -> found_inf: every rank's vote (ZeRO's
+        shards), over a one-element tensor (a bool on the host's path); None where
+        every rank holds the same gradients.  Returns whether it stepped: a bool, or
+        on the device's path a bool tensor (reading it is a host read, the caller's)."""
         if self.scaler is None:
             update()
             return True
+        if isinstance(self.scaler, DeviceLossScaler):
+            return self._device_step(grads, update, agree)
         overflow = self.scaler.overflowed(grads)
         if agree is not None:
-            overflow = agree(overflow)
+            overflow = bool(agree(overflow))
         scale = self.scaler.scale
         if not self.scaler.update(overflow):
             return False
@@ -134,23 +117,37 @@ class MixedPrecision:
         update()
         return True
 
+    def _device_step(self, grads, update, agree):
+        """loss_scaling.py's steps 1-4: no host read where the optimizers allow."""
+        with torch.no_grad():
+            found_inf = self.scaler.unscale(grads)          # unscaled even where skipped
+        if agree is not None:
+            voted = agree(found_inf)
+            if not torch.is_tensor(voted):
+                found_inf.fill_(float(voted))
+            elif voted is not found_inf:
+                found_inf.copy_(voted)
+        with SkipWhereFound(found_inf):
+            update()
+        self.scaler.update(found_inf)
+        return found_inf.view(()) == 0
+
     def state_dict(self):
         """fp16's loss scale and counters, for checkpoints ({} without a scaler)."""
-        s = self.scaler
-        return {} if s is None else {"scale": s.scale, "clean_steps": s.clean_steps,
-                                     "overflow_skips": s.overflow_skips}
+        return {} if self.scaler is None else self.scaler.snapshot()
 
     def load_state_dict(self, state):
         if self.scaler is not None and state:
-            self.scaler.scale = state["scale"]
-            self.scaler.clean_steps = state["clean_steps"]
-            self.scaler.overflow_skips = state["overflow_skips"]
+            self.scaler.restore(state)
 
     def record(self):
-        """The step record's fields: the scale and the skips so far (fp16 only)."""
+        """The step record's fields: the scale and the skips so far (fp16 only).  On the
+        device's path this is the step's one host read of them, made when the record
+        is written, beside the loss the loop reads every step anyway."""
         if self.scaler is None:
             return {}
-        return {"loss_scale": self.scaler.scale, "overflow_skips": self.scaler.overflow_skips}
+        state = self.scaler.snapshot()
+        return {"loss_scale": state["scale"], "overflow_skips": state["overflow_skips"]}
 
 
 def as_wire(t, copy=False):
@@ -162,19 +159,27 @@ def as_wire(t, copy=False):
 
 def any_rank(coll):
     """agree() for MixedPrecision.step over an allreduce/ collective: whether any rank
-    saw an overflow (ZeRO stages 1-3, whose ranks each check their own shard)."""
-    def agree(overflow):
-        flag = torch.tensor([float(overflow)])
+    saw an overflow (ZeRO stages 1-3, whose ranks each check their own shard).  A
+    found_inf tensor is reduced where it is (a CUDA one through NCCL, or staged
+    through host memory for MPI); a bool, on the host."""
+    def agree(found):
+        flag = found if torch.is_tensor(found) else torch.tensor([float(found)])
         if coll.size > 1:
             coll.allreduce(flag, op="max")
-        return bool(flag.item())
+        return flag if torch.is_tensor(found) else bool(flag.item())
     return agree
 
 
 def any_rank_of(comm):
-    """agree() over an mpi4py communicator: the grid's vote over every rank."""
+    """agree() over an mpi4py communicator: the grid's vote over every rank.  MPI's
+    Python objects live on the host: a found_inf tensor is read there (on a GPU the
+    one host read of fp16's step where pp, tp or ep split the gradients)."""
     from mpi4py import MPI
-    return lambda overflow: bool(comm.allreduce(int(bool(overflow)), op=MPI.MAX))
+
+    def agree(found):
+        voted = comm.allreduce(int(bool(found)), op=MPI.MAX)
+        return found.fill_(voted) if torch.is_tensor(found) else bool(voted)
+    return agree
 
 
 def of_config(cfg, device_type="cpu"):

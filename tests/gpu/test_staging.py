@@ -62,3 +62,27 @@ def test_buckets_staged_from_a_communication_stream_keep_their_order():
     torch.cuda.current_stream().wait_stream(comm)
     for i, b in enumerate(buckets):
         assert torch.equal(b, torch.full_like(b, 2.0 * i + 100))
+
+
+@pytest.mark.timeout(120)
+def test_the_comm_threads_stream_waits_for_each_buckets_event():
+    """The same through strategies' CommThread: submit(call, after=event) from the
+    main thread, which neither waits for the kernels nor for the thread; flush makes
+    the main stream wait for the thread's."""
+    import allreduce
+    from strategies.sync.comm_thread import CommThread
+    coll = allreduce.host_staged(StandIn())
+    buckets = [torch.zeros(1 << 18, device="cuda") for _ in range(4)]
+    thread = CommThread("gpu-test")
+    try:
+        for i, b in enumerate(buckets):
+            busy_then_write(b, torch.full_like(b, float(i)))
+            thread.submit(lambda b=b: coll.allreduce(b),
+                          after=torch.cuda.current_stream().record_event())
+        thread.flush()
+    finally:
+        thread.close()
+    assert thread.streams.side != torch.cuda.current_stream()
+    for i, b in enumerate(buckets):
+        assert torch.equal(b, torch.full_like(b, 2.0 * i + 100))
+
