@@ -257,15 +257,16 @@ class GradBuckets:
 
     def _mark_complete(self, b):
         b.complete = True                            # handed over; not again this step
-        if b.device.type == "cuda":                  # UNVERIFIED on GPU: the hook runs when
-            b.event = torch.cuda.Event()             # the kernel is queued, not finished
+        if b.device.type == "cuda":                  # the hook runs when backward's kernels are
+            b.event = torch.cuda.Event()             # queued, not finished (comm_thread.py)
             b.event.record()
         # strictly in index order on every rank: bucket i leaves after 0 .. i-1
         while self._next < len(self.buckets) and self.buckets[self._next].complete:
             bucket = self.buckets[self._next]
             flat = bucket.gradient()
-            if self.overlap:
-                self._thread.submit(lambda b=bucket, flat=flat: self._reduce(b, flat))
+            if self.overlap:               # on a GPU the thread's stream waits for the event
+                self._thread.submit(lambda b=bucket, flat=flat: self._reduce(b, flat),
+                                    after=bucket.event)
             else:
                 self._reduce(bucket, flat)
             self._next += 1
@@ -286,8 +287,9 @@ class GradBuckets:
 
     # -------------------------------------------------- communication side
     def _reduce(self, b, flat):
-        if b.event is not None:
-            b.event.synchronize()
+        # no host wait for the bucket's event: the collective's device work (staging's
+        # copy down, NCCL) orders itself after the current stream, the thread's (which
+        # waits for the event) or, without overlap, the one that made the gradients
         self.reductions += 1
         self.wire_bytes += self.reduce_bucket(b, flat)
         self.dense_bytes += b.numel * 4

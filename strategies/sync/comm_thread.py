@@ -1,10 +1,10 @@
 """The communication thread: gradient collectives run beside backward, in one order.
 
 Backward makes gradients from the last layer to the first.  A collective started
-as soon as a group of them is complete (a bucket, buckets.py; a ZeRO layer,
-zero.py) overlaps with the backward of the layers before it; only what is still
+as soon as a group of them is complete (a bucket of buckets.py, whose collective
+zero.py chooses) overlaps with the backward of the layers before it; only what is still
 running when backward ends is exposed (Li et al., "PyTorch Distributed", VLDB
-2020, section 3.2.3).  This file is that thread, once, for both users:
+2020, section 3.2.3).  This file is that thread, once, for the bucket engine:
 
     thread = CommThread()
     thread.submit(reduce_bucket_0)     # from a gradient hook, in the main thread
@@ -15,14 +15,14 @@ running when backward ends is exposed (Li et al., "PyTorch Distributed", VLDB
 
 Calls run one at a time, in the order submitted.  Every rank of a communicator
 must issue the same collectives in the same order, so the order of `submit` is
-the contract: the callers submit in an order that is the same on every rank
-(buckets in index order, ZeRO layers in the order the schedule finishes them).
+the contract: the buckets are submitted in index order, the same on every rank.
 
 The thread's collectives must not share a communicator with collectives the
 main thread runs meanwhile (ZeRO-3 gathers parameters in backward, tensor
 parallelism all-reduces activations): two threads' messages on one communicator
-and tag could match each other's receives.  Its users give it a collective of
-its own, over a duplicate of the communicator (zero.py).
+and tag could match each other's receives.  Where the main thread talks
+meanwhile, the thread gets a collective of its own, over a duplicate of the
+communicator (zero.py's thread_coll).
 
 On a GPU the thread has a CUDA stream of its own.  A gradient hook runs when
 backward has *queued* the kernels that make the gradient, not when they have
