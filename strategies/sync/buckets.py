@@ -101,19 +101,13 @@ class Bucket:
         self.sizes = [p.numel() for p in self.params]
         self.numel = sum(self.sizes)
         self.start, self.stop = shard_of(replicas.rank, self.numel, replicas.size)
-        first = self.params[0]
-        self.dtype, self.device = first.dtype, first.device
-        self.keep_flat = keep_flat
+        self.device = self.params[0].device
+        self.keep_flat, self.wire_dtype = keep_flat, wire_dtype
         self.alone = keep_flat and len(self.params) == 1
-        self.flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device) \
-            if keep_flat and not self.alone else None
-        self.wire = None if wire_dtype in (torch.float32, self.dtype) or not keep_flat else \
-            torch.empty(self.numel, dtype=wire_dtype, device=self.device)
+        # allocated at the first gradient, in its dtype: ZeRO may rebind the parameters
+        # to a 16-bit buffer after the buckets are planned
+        self.flat = self.wire = None
         self.views = {}
-        offset = 0
-        for p, n in zip(self.params, self.sizes) if self.flat is not None else ():
-            self.views[p] = self.flat[offset:offset + n].view_as(p)
-            offset += n
         self.target = self.flat          # what is reduced this step
         self.arrivals = {}               # parameter -> backwards whose gradient came
         self.count = 0                   # gradients arrived this step, all parameters
@@ -133,9 +127,23 @@ class Bucket:
             if not p.grad.is_contiguous():
                 p.grad = p.grad.contiguous()
             self.target = p.grad.view(-1)
-        elif p.grad is not self.views[p]:
+        else:
+            if self.flat is None or self.flat.dtype != p.grad.dtype:
+                self._allocate(p.grad.dtype)
+            if p.grad is self.views[p]:
+                return                   # already in place (a later micro-batch, or kept)
             self.views[p].copy_(p.grad)
             p.grad = self.views[p]       # later micro-batches add into the slice itself
+
+    def _allocate(self, dtype):
+        self.flat = torch.zeros(self.numel, dtype=dtype, device=self.device)
+        self.wire = None if self.wire_dtype in (torch.float32, dtype) else \
+            torch.empty(self.numel, dtype=self.wire_dtype, device=self.device)
+        self.views, offset = {}, 0
+        for p, shape, n in zip(self.params, self.shapes, self.sizes):
+            self.views[p] = self.flat[offset:offset + n].view(shape)
+            offset += n
+        self.target = self.flat
 
     def gradient(self):
         """The flat gradient to reduce, once complete."""
@@ -152,7 +160,7 @@ class Bucket:
         for p, shape in zip(self.params, self.shapes):
             if p not in self.arrivals:
                 if p.grad is None:       # (the shape kept: ZeRO 3 may hold no data now)
-                    p.grad = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                    p.grad = torch.zeros(shape, dtype=p.dtype, device=self.device)
                 self.take(p)
 
 

@@ -341,7 +341,7 @@ class ZeRO(GradientSync):
     def state_bytes(self, optimizer):
         """Params, grads and optimizer state this rank holds between steps, measured."""
         params = [u.full for u in self.units] + [u.shard for u in self.units if u.shard is not None]
-        grads = [u.bucket.flat for u in self.units] + \
+        grads = [u.bucket.target for u in self.units] + \
             [u.shard.grad for u in self.units if u.shard is not None]
         masters = [u.master for u in self.units if u.master is not None]
         # the fp32 master weights count with the optimizer's state, as in the paper's K = 12
