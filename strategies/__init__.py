@@ -29,7 +29,8 @@ Read in this order:
     recompute.py   --recompute: each block's forward re-run in backward (checkpointing)
     example_user_model.py  a complete run of it on a small CNN of its own
     metrics.py     JSON Lines records, progress bar, summary
-    checkpoint.py  atomic checkpoints and --resume
+    checkpoint.py  atomic checkpoints and --resume; --sync ps: sets of one step
+    stopping.py    SIGINT/SIGTERM under --sync ps: the workers stop at one agreed step
     loop.py        the training loop, once, over a step engine; the data-parallel engine
     train.py       the command line: preflight, then the engine the flags ask for
     expert_parallel.py  --ep: experts split over ranks, tokens moved by all-to-alls
