@@ -9,12 +9,11 @@
 It prints one line `psrv.server shard I listening on ENDPOINT` on stdout
 (launch.start_local_servers reads it), logs to stderr, and exits once every
 worker has said BYE or been declared dead, or on SIGINT/SIGTERM (after writing
-its checkpoint when it has a --checkpoint-dir).  Where the workers keep state of
-their own (strategies' --sync ps), on_signal="drain": a signal writes nothing and the
-shard serves on until its workers have closed, since they end the run at a step they
-agree on and ask for the checkpoint set of that step (checkpoints.py); a second signal
-stops it at once.  A non-loopback --bind without
---keys (python -m psrv.keys) is refused: nobody else may drive the servers.
+its checkpoint when it has a --checkpoint-dir; on_signal="drain": it writes nothing
+and serves on until its workers have closed, as they write the checkpoint set of the
+step they stop at, checkpoints.py; a second signal stops it).  A non-loopback
+--bind without --keys (python -m psrv.keys) is refused: nobody else may drive
+the servers.
 
 The loop, one message at a time (a single thread owns the sockets and the store):
 

@@ -58,10 +58,15 @@ class SignalStop:
             self.previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, error, trace):
         self._restore()
+        for _, receive in self.receives:               # a proposal that never came
+            if not receive.Test():
+                receive.Cancel()
+                receive.Wait()
         self.MPI.Request.Waitall(self.sends)          # tiny sends: already delivered
-        self.comm.Free()
+        if kind is None:                               # a failing run aborts instead
+            self.comm.Free()
 
     def _restore(self):
         for s, handler in self.previous.items():
