@@ -4,6 +4,7 @@
     placement.py  parameter names -> slices -> servers, byte-balanced (BytePS-style slicing)
     optim.py      torch's SGD and Adam formulas in float32 numpy
     store.py      one shard's keys, optimizer state, consistency rules, checkpoints
+    checkpoints.py  a shard's checkpoint files: its own, or its part of a set of one step
     server.py     the ROUTER loop: validation, held-back replies, dead and crashed workers
     roster.py     a shard's workers: who speaks for which id, who is alive, who has finished
     auth.py       who may talk to a server: CURVE, the ZAP allow-list, worker ids bound to keys

@@ -149,9 +149,12 @@ class Client:
                 hist[int(s)] = hist.get(int(s), 0) + int(c)
         return {"histogram": dict(sorted(hist.items())), "max_clock_gap": gap}
 
-    def checkpoint(self):
-        """Ask every shard to write its checkpoint now; returns their paths."""
-        return [bytes(self._call(s, P.Op.CHECKPOINT).extras[0]).decode()
+    def checkpoint(self, step=None):
+        """Ask every shard to write its checkpoint now; returns their paths.  step: save
+        it as the shards' part of the checkpoint set of `step` (checkpoints.py), which a
+        shard refuses unless every live worker is exactly at `step`; None: its own file."""
+        frame = P.CHECKPOINT_STEP.pack(-1 if step is None else step)
+        return [bytes(self._call(s, P.Op.CHECKPOINT, [frame]).extras[0]).decode()
                 for s in range(len(self.endpoints))]
 
     def close(self, error=None):
@@ -252,8 +255,8 @@ class Client:
             self._expect[server][request] = out
         return (server, request, op, out)
 
-    def _call(self, server, op, timeout=None):
-        s, request, _, _ = self._send(server, op, [], [], [], None)
+    def _call(self, server, op, extras=(), timeout=None):
+        s, request, _, _ = self._send(server, op, [], [], list(extras), None)
         return self._receive(s, request, time.monotonic() + (timeout or self.timeout), op)
 
     def _receive(self, server, request, deadline, op):

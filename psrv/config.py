@@ -83,11 +83,13 @@ def unpack_config(buf):
 
 
 def check_server_options(shard, num_shards, worker_timeout, join_timeout, on_worker_death,
-                         checkpoint_every, max_unread):
+                         checkpoint_every, max_unread, on_signal="checkpoint"):
     """A server's own options (server.Server): ValueError naming the first bad one,
     before the server does anything."""
     if on_worker_death not in ("fail", "continue"):
         raise ValueError(f"on_worker_death must be 'fail' or 'continue', got {on_worker_death!r}")
+    if on_signal not in ("checkpoint", "drain"):
+        raise ValueError(f"on_signal must be 'checkpoint' or 'drain', got {on_signal!r}")
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} not in [0, num_shards={num_shards})")
     for name, value in (("worker_timeout", worker_timeout), ("join_timeout", join_timeout)):

@@ -5,7 +5,9 @@ A message is one ZeroMQ multipart message (after the ROUTER's identity frame):
     frame 0          HEADER, then num_entries ENTRY records, nothing else
     extra frames     how many depends on the op (EXTRA_FRAMES): INIT carries the
                      config struct and the parameter names; ERROR a utf-8 text;
-                     STATS_REPLY an int64 array of (staleness, count) pairs
+                     STATS_REPLY an int64 array of (staleness, count) pairs;
+                     CHECKPOINT the step to save as one int64 (CHECKPOINT_STEP; -1:
+                     the shard's own file, not a step of a set: checkpoints.py)
     payload frames   raw little-endian array bytes, entry after entry, each entry
                      in `nframes` chunks (~1 MiB: ZeroMQ moves 1-4 MiB frames at
                      3-4 GB/s here and one 64 MiB frame at 1.5 GB/s), sent zero-copy
@@ -48,7 +50,7 @@ from enum import IntEnum
 import numpy as np
 
 MAGIC = b"TLPS"
-VERSION = 2                       # 2: no HMAC flag; ABORT
+VERSION = 3                       # 2: no HMAC flag; ABORT.  3: CHECKPOINT names its step
 HEADER = struct.Struct("<4sBBBBIIIQ")
 ENTRY = struct.Struct("<IBBHIQQqqi4I")
 CHUNK_BYTES = 1 << 20
@@ -69,7 +71,7 @@ class Op(IntEnum):
     HEARTBEAT = 5     # no reply: "I am alive" while the worker computes
     BYE = 6           # the worker finished cleanly; reply OK
     STATS = 7         # reply STATS_REPLY: histogram of applied-update staleness
-    CHECKPOINT = 8    # reply OK with the file written
+    CHECKPOINT = 8    # the step to save (CHECKPOINT_STEP); reply OK with the file written
     ABORT = 9         # the worker stops on an error (its text): a crash, not a finish; reply OK
     OK = 64
     VALUES = 65
@@ -78,7 +80,9 @@ class Op(IntEnum):
 
 
 _OPS = {int(op): op for op in Op}     # code -> Op without Enum's slower call
-EXTRA_FRAMES = {Op.INIT: 2, Op.ERROR: 1, Op.STATS_REPLY: 1, Op.OK: 1, Op.ABORT: 1}
+EXTRA_FRAMES = {Op.INIT: 2, Op.ERROR: 1, Op.STATS_REPLY: 1, Op.OK: 1, Op.ABORT: 1,
+                Op.CHECKPOINT: 1}
+CHECKPOINT_STEP = struct.Struct("<q")      # -1: the shard's own file; else a set's step
 CARRIES_PAYLOAD = {Op.INIT, Op.PUSH, Op.PUSH_PULL, Op.VALUES}
 
 # The dtype table: the order is the contract.  The server stores float32 only.

@@ -9,8 +9,11 @@
 It prints one line `psrv.server shard I listening on ENDPOINT` on stdout
 (launch.start_local_servers reads it), logs to stderr, and exits once every
 worker has said BYE or been declared dead, or on SIGINT/SIGTERM (after writing
-its checkpoint when it has a --checkpoint-dir).  A non-loopback --bind without
---keys (python -m psrv.keys) is refused: nobody else may drive the servers.
+its checkpoint when it has a --checkpoint-dir; on_signal="drain": it writes nothing
+and serves on until its workers have closed, as they write the checkpoint set of the
+step they stop at, checkpoints.py; a second signal stops it).  A non-loopback
+--bind without --keys (python -m psrv.keys) is refused: nobody else may drive
+the servers.
 
 The loop, one message at a time (a single thread owns the sockets and the store):
 
@@ -37,7 +40,6 @@ updates and answers each while the next ones are on the wire.
 """
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
@@ -46,6 +48,7 @@ import zmq
 
 from . import auth, heap
 from . import protocol as P
+from .checkpoints import ShardCheckpoints, requested_step
 from .config import check_server_options, unpack_config
 from .keys import load_server_keys
 from .replies import Outbox, UnreadReplies
@@ -67,9 +70,10 @@ UNREAD_MARGIN = 64 << 20
 class Server:
     def __init__(self, bind="tcp://127.0.0.1:0", shard=0, num_shards=1, worker_timeout=10.0,
                  on_worker_death="fail", checkpoint_dir=None, checkpoint_every=0, resume=False,
-                 keys=None, linger_ms=5000, join_timeout=60.0, max_unread=None):
+                 keys=None, linger_ms=5000, join_timeout=60.0, max_unread=None,
+                 on_signal="checkpoint", resume_step=None):
         check_server_options(shard, num_shards, worker_timeout, join_timeout, on_worker_death,
-                             checkpoint_every, max_unread)
+                             checkpoint_every, max_unread, on_signal)
         if keys is None and not auth.is_local(bind):
             raise ValueError(f"refusing to bind {bind} without authentication: anyone who reaches "
                              f"it could drive the servers; pass --keys DIR (python -m psrv.keys DIR "
@@ -78,21 +82,19 @@ class Server:
             auth.check_private_ipc(bind)
         self.shard_id, self.num_shards, self.keys = shard, num_shards, keys
         self.worker_timeout, self.on_worker_death = worker_timeout, on_worker_death
-        self.linger_ms, self.max_unread = linger_ms, max_unread
-        self.checkpoint_every, self.last_checkpoint = checkpoint_every, 0
-        self.checkpoint_path = (os.path.join(checkpoint_dir, f"shard{shard}-of-{num_shards}.npz")
-                                if checkpoint_dir else None)
+        self.linger_ms, self.max_unread, self.on_signal = linger_ms, max_unread, on_signal
+        self.checkpoints = ShardCheckpoints(checkpoint_dir, shard, num_shards, checkpoint_every,
+                                            resume_step) if checkpoint_dir else None
         heap.tune()          # reuse freed 1 MiB frames instead of faulting in fresh pages
         self.store = Shard(shard)
-        if resume and self.checkpoint_path and os.path.exists(self.checkpoint_path):
-            self.store.load(self.checkpoint_path)
-            self.last_checkpoint = self.store.steps_done()
-            log.info("shard %d resumed from %s at step %d", shard, self.checkpoint_path,
-                     self.last_checkpoint)
+        loaded = self.checkpoints.load(self.store) if resume and self.checkpoints else None
+        if loaded:
+            log.info("shard %d resumed from %s at step %d", shard, loaded,
+                     self.store.steps_done())
         self.pending = []          # (identity, op, request, worker, entries) held back
         self.roster = Roster(worker_timeout, join_timeout, keys and keys.clients)
         self.failure = None        # the error every request gets once a BSP run failed
-        self.stop_signal = None
+        self.stop_signal, self.signals = None, 0      # the last signal, how many so far
         self.listener = auth.Listener(bind, keys, f"shard {shard}", linger_ms, HWM)
         self.sock, self.endpoint = self.listener.sock, self.listener.endpoint
         self.outbox = Outbox(self.sock, shard)
@@ -107,7 +109,7 @@ class Server:
         tick = max(0.01, min(0.1, self.worker_timeout / 4))
         restore = self._catch_signals()
         try:
-            while not self.finished() and self.stop_signal is None:
+            while not self.finished() and not self.stopping():
                 for s, _ in poller.poll(tick * 1000):
                     if s is self.sock:
                         self.receive()
@@ -116,7 +118,7 @@ class Server:
                 self.check_workers()
         finally:
             restore()
-        if self.stop_signal is not None:
+        if self.stopping():
             self.stop(signal.Signals(self.stop_signal).name)
         self.listener.close()
         log.info("shard %d done: workers closed %s, dead %s", self.shard_id,
@@ -133,17 +135,29 @@ class Server:
                 return
 
     def _catch_signals(self):
-        """SIGINT/SIGTERM end the loop at its next turn (only the main thread may catch)."""
+        """SIGINT/SIGTERM end the loop at its next turn (only the main thread may catch);
+        draining, the first one only counts (stopping)."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
         def note(signum, frame):
-            self.stop_signal = signum
+            self.stop_signal, self.signals = signum, self.signals + 1
+            if self.signals == 1 and self.on_signal == "drain":
+                log.warning("shard %d: %s: serving on until the workers have closed (they "
+                            "checkpoint); a second signal stops it now", self.shard_id,
+                            signal.Signals(signum).name)
         old = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
         return lambda: [signal.signal(s, h) for s, h in old.items()]
 
+    def stopping(self):
+        """A signal ends the loop: the first, or draining the second."""
+        return self.stop_signal is not None and \
+            (self.on_signal == "checkpoint" or self.signals > 1)
+
     def stop(self, why):
-        """Stopped from outside: save what there is, tell the waiting workers."""
-        path = self.checkpoint(force=True) if self.checkpoint_path and self.store.has_values else None
+        """Stopped from outside: save what there is (draining: nothing, the workers own the
+        checkpoint), tell the waiting workers."""
+        path = self.checkpoint(force=True) if self.checkpoints and self.store.has_values \
+            and self.on_signal == "checkpoint" else None
         log.warning("shard %d: %s: %s", self.shard_id, why,
                     f"final checkpoint {path}" if path else "nothing to checkpoint")
         self.fail(f"shard {self.shard_id} was stopped by {why}")
@@ -197,7 +211,7 @@ class Server:
             return self.outbox.send(identity, P.encode(P.Op.STATS_REPLY, self.shard_id,
                                                        msg.request, extras=[s.stats()]))
         if op == P.Op.CHECKPOINT:
-            path = self.checkpoint(force=True)
+            path = self.checkpoint(force=True, step=requested_step(msg.extras[0]))
             return self.outbox.send(identity, P.encode(P.Op.OK, self.shard_id, msg.request,
                                                        extras=[path.encode()]))
         if op == P.Op.INIT:
@@ -214,7 +228,7 @@ class Server:
                     s.check_finite(e, w, frames)
                 for e, frames in msg.entry_frames():
                     s.push(e.key, w, e.step, frames)
-                if self.checkpoint_every:            # O(keys): only when it is needed
+                if self.checkpoints and self.checkpoints.every:   # O(keys): only if needed
                     s.note_pushes(w)
         if op == P.Op.PUSH:
             self.outbox.send(identity, P.encode(P.Op.OK, self.shard_id, msg.request,
@@ -295,19 +309,16 @@ class Server:
             self.outbox.error(identity, request, self.failure)
         self.pending = []
 
-    def checkpoint(self, force=False):
-        s = self.store
-        if not self.checkpoint_path or not s.has_values:
+    def checkpoint(self, force=False, step=None):
+        """The own file when forced or due; with a step, the part of that step's set."""
+        if not self.checkpoints or not self.store.has_values:
             if force:
                 raise ValueError("cannot checkpoint now: no checkpoint dir or no values yet")
             return None
-        step = s.steps_done()
-        if force or (self.checkpoint_every and step >= self.last_checkpoint + self.checkpoint_every):
-            s.save(self.checkpoint_path)
-            self.last_checkpoint = step
-            log.info("shard %d: checkpoint at step %d -> %s", self.shard_id, step,
-                     self.checkpoint_path)
-        return self.checkpoint_path
+        path = self.checkpoints.write(self.store, force, step)
+        if path:
+            log.info("shard %d: checkpoint -> %s", self.shard_id, path)
+        return path
 
 
 def main(argv=None):

@@ -27,7 +27,8 @@ The staleness of an applied update is version - read[w]: how many updates the
 key took between the read the gradient was computed from and this update
 (always 0 under BSP).  Every value is counted in `histogram`.
 
-Checkpoints are one .npz per shard (arrays only, loaded with allow_pickle=False),
+Checkpoints are one .npz per shard and file (checkpoints.py names the files; arrays
+only, loaded with allow_pickle=False),
 written to a temporary name and renamed, so a crash leaves the old file or the
 new one, never half of one.  A BSP step that is half pushed is saved as not
 pushed (the clocks of the workers that pushed it are saved one lower), so after
@@ -257,6 +258,17 @@ class Shard:
         return np.array([self.max_clock_gap, len(pairs)] + [x for p in pairs for x in p], np.int64)
 
     # -- checkpoints -----------------------------------------------------------
+    def off_step(self, step):
+        """Why the shard is not exactly at `step` (as text), or None: every live worker
+        has pushed `step` steps to every key (a half-pushed BSP step counts as not
+        pushed, as save writes it).  A checkpoint set must be of one step."""
+        for key, k in self.keys.items():
+            for w in sorted(self.active):
+                clock = k.clock.get(w, 0) - (w in k.arrived)
+                if clock != step:
+                    return f"worker {w} is at step {clock} on key {key} ({k.name})"
+        return None
+
     def save(self, path):
         def clocks(k):        # a half-pushed BSP step is saved as not pushed
             return {str(w): c - (w in k.arrived) for w, c in k.clock.items()}
@@ -274,7 +286,7 @@ class Shard:
             arrays[f"value_{key}"] = k.value
             arrays.update({f"{n}_{key}": s for n, s in k.state.items()})
         tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             np.savez(f, **arrays)
             f.flush()
             os.fsync(f.fileno())

@@ -9,8 +9,8 @@
 Its layers, lowest first; each subpackage imports only from those before it
 (tests/test_imports.py checks), and its __init__ lists its files:
     config/       what a run is asked to do: TrainConfig, the flag checks, the mesh
-    runtime/      where this rank sits (RunContext), precision, trace, records
     model/        the MLP, the GPT, mixture of experts, the data
+    runtime/      where this rank sits (RunContext), precision, trace, records, checkpoints
     compression/  what goes on the wire: casts, top-k, PowerSGD, error feedback
     sync/         data parallelism, one contract: buckets, the comm thread, ZeRO, servers
     parallel/     the splits of a model: tensor, sequence, pipeline, experts, recompute

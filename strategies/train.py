@@ -37,13 +37,14 @@ from allreduce.torch_world import under_torchrun
 
 from .config.choices import ConfigError
 from .config.settings import check_outputs, parse_args
-from .engine import checkpoint, loop
+from .engine import loop
 from .engine.experts import ExpertParallel
 from .engine.grid import GridEngine, check
 from .engine.loop import DataParallel
 from .model.data import load_data
 from .model.models import build_model
 from .parallel.expert_parallel import check as check_experts
+from .runtime import checkpoint
 from .runtime.context import MPIControl, RunContext
 
 

@@ -176,7 +176,7 @@ def test_packages_import_only_downward():
 # The worker's own layers, lowest first: each subpackage of strategies/ imports only
 # from its own and the ones before it; the modules at strategies/'s top (train.py,
 # bench.py, compatibility.py, ...) sit above them all.
-WORKER_LAYERS = ("config", "runtime", "model", "compression", "sync", "parallel", "engine")
+WORKER_LAYERS = ("config", "model", "runtime", "compression", "sync", "parallel", "engine")
 
 
 def worker_layer(module):
@@ -189,7 +189,7 @@ def worker_layer(module):
 
 @pytest.mark.timeout(60)
 def test_the_worker_layers_import_only_downward():
-    """config <- runtime <- model <- compression <- sync <- parallel <- engine <- the
+    """config <- model <- runtime <- compression <- sync <- parallel <- engine <- the
     commands: a step engine may use a parallelism, a parallelism a sync, never back."""
     graph = import_graph()
     assert {m.split(".")[1] for m in graph if m.count(".") >= 2 and

@@ -28,7 +28,11 @@ Steps run from the checkpoint's step (or 0) to cfg.steps; the records and the
 summary go through metrics.Metrics; checkpoints every --checkpoint-every steps
 and at the end.  If a step raises, the sync hears of it (abort) before it closes:
 parameter servers fail the run instead of waiting for a worker that is gone.
+Under --sync ps, SIGINT and SIGTERM end the run at a step the workers agree on
+(stopping.py), with the checkpoint set of that step, and exit 128 + the signal.
 """
+import signal
+import sys
 import time
 import uuid
 
@@ -37,13 +41,14 @@ import numpy as np
 from ..config.settings import world_of
 from ..model.models import count_parameters, signature
 from ..parallel import recompute
+from ..runtime import checkpoint
 from ..runtime.metrics import Metrics, now
 from ..runtime.precision import MixedPrecision, of_config
 from ..runtime.trace import Tracer, write_chrome_trace
 from ..sync.gradient_sync import make_optimizer
-from . import checkpoint
 from .accumulation import accumulate
 from .optimizer import DistributedOptimizer
+from .stopping import NoStop, SignalStop
 
 
 class StepEngine:
@@ -178,21 +183,44 @@ def run(cfg, ctx, device, data, engine, state, started):
               f"{engine.describe()}, global batch {cfg.global_batch}, data {data.name} "
               f"({len(data)} samples)" + (f", resumed at step {start}" if start else ""),
               flush=True)
+    stop = SignalStop(control, cfg.timeout) if engine.sync.signal_stop else NoStop()
+    saved = stopped = start            # steps of the last checkpoint, and where the run ends
     try:
-        for step in range(start, cfg.steps):
-            local_loss, fields = engine.step(step)
-            metrics.record(step, local_loss, fields)
-            done = step + 1
-            if cfg.checkpoint_dir and cfg.checkpoint_every and \
-                    done % cfg.checkpoint_every == 0 and done < cfg.steps:
-                checkpoint.save(cfg, ctx, done, engine, run_id)
-        if cfg.checkpoint_dir:
-            checkpoint.save(cfg, ctx, cfg.steps, engine, run_id)
+        with stop:
+            for step in range(start, cfg.steps):
+                if stop.at(step):
+                    break
+                local_loss, fields = engine.step(step)
+                done = stopped = step + 1
+                meet = done == cfg.steps or cfg.checkpoint_every and \
+                    done % cfg.checkpoint_every == 0
+                if meet:   # every worker at `done` before the servers save it; and none in
+                    control.barrier()   # the records' allgather while one waits (stopping.py)
+                metrics.record(step, local_loss, fields)
+                if meet and cfg.checkpoint_dir:
+                    checkpoint.save(cfg, ctx, done, engine, run_id)
+                    saved = done
+            if stopped < cfg.steps:              # stopped by a signal, at an agreed step
+                control.barrier()
+                metrics.flush()
+                if cfg.checkpoint_dir and stopped > saved:
+                    checkpoint.save(cfg, ctx, stopped, engine, run_id)
+                    saved = stopped
     except BaseException as e:
         engine.sync.abort(e)           # ps, hybrid: the servers hear of a crash, not a finish
         raise
     finally:
         engine.sync.close()
+    if stopped < cfg.steps:
+        if stopped > start:
+            metrics.summary(time.perf_counter() - started, world)
+        if writer:
+            sys.stderr.write(f"strategies.train: stopped by {signal.Signals(stop.signum).name} "
+                             f"after step {stopped} of {cfg.steps}" + (
+                                 f"; checkpoint of step {saved} in {cfg.checkpoint_dir} "
+                                 f"(--resume goes on from it)" if cfg.checkpoint_dir else "")
+                             + "\n")
+        raise SystemExit(128 + stop.signum)
     if cfg.params_out:
         params = engine.parameters_npz()
         if writer:

@@ -7,6 +7,7 @@ what it records.
     trace.py       Chrome trace (Perfetto) of forward, backward, communication and idle time
     metrics.py     JSON Lines records, progress bar, summary
     memory.py      params / grads / optimizer / saved-activation bytes, measured
+    checkpoint.py  atomic per-rank checkpoints, --sync ps's sets of one step, --resume
 
-Above config/ only.
+Above config/ and model/ (a checkpoint names the model it holds).
 """

@@ -19,6 +19,8 @@ torch.distributed's object collectives; gradients never do.
 """
 import os
 import socket
+import sys
+import time
 from dataclasses import dataclass
 
 from allreduce.gpus import nccl_sharing_problem, shared_gpu
@@ -27,6 +29,7 @@ from allreduce.torch_world import init_torch_distributed, torchrun_world
 from ..config.choices import PS_SYNCS, ConfigError
 from ..config.mesh import Mesh
 from ..config.settings import check_checkpoint_dir, dp_size_of
+from . import checkpoint
 
 
 class MPIControl:
@@ -38,7 +41,12 @@ class MPIControl:
         return self.comm.allgather(obj)
 
     def barrier(self):
-        self.comm.Barrier()
+        """Wait for every rank, polling a non-blocking barrier: a rank waiting here still
+        runs its Python signal handlers, which a blocking MPI call holds back until it
+        returns (the workers' stop on a signal needs them: stopping.py)."""
+        request = self.comm.Ibarrier()
+        while not request.Test():
+            time.sleep(0.001)
 
 
 class TorchControl:
@@ -94,7 +102,7 @@ class RunContext:
         local.Free()
         control = MPIControl(comm)
         if cfg.sync in PS_SYNCS:          # psrv.launch decides who serves; we ask it
-            role = ps_role(comm, cfg.servers, **ps_checkpoint_options(cfg))
+            role = ps_role(comm, cfg.servers, **ps_checkpoint_options(cfg, comm))
             workers = role.worker_comm            # None on a server
             return cls(comm.rank, comm.size, local_rank, local_size,
                        -1 if role.is_server else workers.rank, role.num_workers,
@@ -165,16 +173,34 @@ def nccl_gpu_conflict(host, gpus, visible):
             f"memory, and ranks may share a GPU")
 
 
-def ps_checkpoint_options(cfg):
+def ps_checkpoint_options(cfg, comm):
     """With --checkpoint-dir the servers save their shards (parameters and optimizer
-    state) under DIR/ps themselves, and --resume loads them."""
+    state) under DIR/ps when the workers ask, as parts of a checkpoint set
+    (checkpoint.py); a signal makes them serve on until the workers have written the
+    set of the step they stop at ("drain").  --resume: rank 0 (a worker) picks the set,
+    every rank says so if it is not the newest on disk, and every server loads its part
+    (collective over `comm`; every rank raises the same ConfigError if there is none)."""
     if not cfg.checkpoint_dir:
         return {}
     check_checkpoint_dir(cfg)
-    ps_dir = os.path.join(cfg.checkpoint_dir, "ps")
+    ps_dir = checkpoint.ps_folder(cfg)
     os.makedirs(ps_dir, mode=0o700, exist_ok=True)     # psrv does not make it
-    return {"checkpoint_dir": ps_dir, "checkpoint_every": cfg.checkpoint_every,
-            "resume": cfg.resume}
+    options = {"checkpoint_dir": ps_dir, "on_signal": "drain"}
+    if not cfg.resume:
+        return options
+    found = None
+    if comm.rank == 0:
+        try:
+            found = (*checkpoint.ps_set_to_resume(cfg), None)
+        except ConfigError as e:
+            found = (None, "", str(e))
+    step, note, problem = comm.bcast(found)
+    if problem:
+        raise ConfigError(problem, field="resume")
+    if note:                                   # one write, so that ranks do not interleave
+        sys.stderr.write(f"strategies.train rank {comm.rank}: note: {note}\n")
+        sys.stderr.flush()
+    return {**options, "resume": True, "resume_step": step}
 
 
 def ps_role(comm, servers, **server_options):

@@ -148,7 +148,9 @@ class GradientSync:
     and what float32 would have been; None elsewhere), kept_ratio (top-k: the fraction
     of each bucket the last step sent; None elsewhere), staleness (ps: how many steps old
     the parameters of the last step were; None elsewhere), start_step, comm_rounds
-    (the collectives or server round trips this rank has made so far).
+    (the collectives or server round trips this rank has made so far), signal_stop
+    (whether the loop may end a run on SIGINT/SIGTERM at a step the workers agree on:
+    only where every wait inside a step runs Python's signal handlers, stopping.py).
     """
     name = "?"
     staleness = None
@@ -157,6 +159,7 @@ class GradientSync:
     comm_rounds = 0
     wire_bytes = dense_bytes = None    # all-reduce syncs: bytes handed to the collectives
     kept_ratio = None                  # top-k: the fraction of each bucket sent
+    signal_stop = False                # ps: a signal ends the run at an agreed step
 
     def __init__(self, cfg, ctx, device):
         self.cfg, self.ctx, self.device = cfg, ctx, device

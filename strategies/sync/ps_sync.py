@@ -39,6 +39,7 @@ class PSSync(GradientSync):
     from (CPU); off where another sync owns .grad (HybridSync's buckets).
     """
     name = "ps"
+    signal_stop = True           # its waits are ZeroMQ polls, which run signal handlers
 
     def __init__(self, cfg, ctx, device, worker_id=None, num_workers=None, bind_grads=True):
         super().__init__(cfg, ctx, device)
@@ -117,10 +118,11 @@ class PSSync(GradientSync):
 
     def state_dict(self):
         """The servers hold parameters and optimizer state and write their own shards
-        (under --checkpoint-dir/ps): worker 0 asks them to do it now.  The checkpoint
-        keeps the step the servers' shards are at, for the check on resuming."""
+        (under --checkpoint-dir/ps): worker 0 asks them for their parts of the checkpoint
+        set of this step (every worker is at it: checkpoint.save).  The checkpoint keeps
+        the step the servers' shards are at, for the check on resuming."""
         if self.ctx.dp_rank == 0:
-            self.client.checkpoint()
+            self.client.checkpoint(self.next_step)
         return {"servers_step": self.next_step}
 
     def load_state_dict(self, state):

@@ -26,7 +26,18 @@ Two layouts of the files:
 A checkpoint is written to a temporary file in the same directory, flushed to
 disk, then renamed over its name: rename is atomic, so a crash leaves the
 previous checkpoint or the new one, never half a file.  Every rank reads the
-file itself, so several hosts need a shared file system for --resume.
+file itself, so several hosts need a shared file system for --resume.  No rank
+goes on past a checkpoint before all its files are written (save ends in a barrier).
+
+With --sync ps or hybrid a checkpoint is a SET of one step s: the servers' shards
+DIR/ps/shardI-of-N-steps.npz and the workers' checkpoint.pt.  Every worker is at s
+(the loop's barrier), worker 0 asks each server for its part of step s (psrv
+refuses unless every worker is exactly at s), then writes checkpoint.pt: last, so
+that the set is complete once it is there.  A server keeps its parts of the last
+two steps asked for (psrv/checkpoints.py), so whatever stops the run, and whenever,
+the set that checkpoint.pt names is on disk.  --resume takes that set; if newer
+shards are there (a run stopped between the servers' parts and the workers' file)
+every rank says so in one line and resumes the complete set (ps_set_to_resume).
 """
 import os
 
@@ -36,6 +47,7 @@ from ..config.choices import ConfigError
 from ..model.models import signature
 
 FILE = "checkpoint.pt"
+PS_FOLDER = "ps"                # under --checkpoint-dir: the servers' shards
 FORMAT = 3
 # what a split run must share with the run it resumes: each rank's file holds its share
 LAYOUT = ("dp", "pp", "tp", "ep", "zero", "virtual_stages", "sequence_parallel")
@@ -51,11 +63,22 @@ def path_of(cfg, rank=0):
     return os.path.join(cfg.checkpoint_dir, name)
 
 
+def ps_folder(cfg):
+    return os.path.join(cfg.checkpoint_dir, PS_FOLDER)
+
+
 def save(cfg, ctx, step, engine, run_id):
-    """`step` is the number of steps done: a resumed run starts at it."""
+    """`step` is the number of steps done: a resumed run starts at it.  Every worker
+    calls it at `step` (ps: the servers save their part of step `step` first)."""
     sync_state = engine.sync.state_dict()  # every rank: a sync's state_dict may be collective
-    if ctx.dp_rank != 0 and not sharded(cfg):
-        return                      # every data-parallel replica holds the same state
+    if ctx.dp_rank == 0 or sharded(cfg):   # every data-parallel replica holds the same state
+        _write(cfg, ctx, step, engine, run_id, sync_state)
+    # the set is complete before any rank goes on: none pushes step `step` to the
+    # servers before they saved it, none exits while another still writes
+    ctx.workers.barrier()
+
+
+def _write(cfg, ctx, step, engine, run_id, sync_state):
     os.makedirs(cfg.checkpoint_dir, mode=0o700, exist_ok=True)   # the run's state: its owner's
     precision = engine.precision.state_dict() if engine.precision else {}
     payload = {"format": FORMAT, "step": step, "run_id": run_id, "sync": sync_state,
@@ -73,9 +96,8 @@ def save(cfg, ctx, step, engine, run_id):
     os.replace(tmp, final)
 
 
-def read(cfg, ctx, model):
-    """The checkpoint to resume from, checked against this run (before training)."""
-    path = path_of(cfg, ctx.rank)
+def load(path):
+    """A checkpoint file's state, or ConfigError saying why it cannot be one."""
     if not os.path.isfile(path):
         raise ConfigError(f"--resume: no checkpoint at {path}", field="resume")
     try:
@@ -85,6 +107,39 @@ def read(cfg, ctx, model):
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ConfigError(f"--resume: {path} is not a topolab checkpoint (format {FORMAT})",
                           field="resume")
+    return state
+
+
+def ps_set_to_resume(cfg):
+    """--resume under --sync ps/hybrid: (step, note) of the newest complete set, where
+    the note ("" if none) says which newer parts there are; ConfigError if no set is
+    complete.  The workers' checkpoint.pt names the only step that can be."""
+    from psrv.checkpoints import saved_steps        # here: psrv needs ZeroMQ
+    path = path_of(cfg)
+    shards = saved_steps(ps_folder(cfg), cfg.servers)
+    found = "; ".join(f"shard {i}: {', '.join(map(str, s)) or 'none'}"
+                      for i, s in shards.items())
+    try:
+        step = load(path)["step"]
+    except ConfigError as e:
+        raise ConfigError(f"{e}; the servers' parts of checkpoint sets in {ps_folder(cfg)} "
+                          f"are of steps {found}", field="resume") from None
+    if any(step not in s for s in shards.values()):
+        raise ConfigError(f"--resume: no complete checkpoint set in {cfg.checkpoint_dir}: "
+                          f"{path} is of step {step}, the servers' parts are of steps {found}",
+                          field="resume")
+    newest = max(max(s) for s in shards.values())
+    if newest == step:
+        return step, ""
+    return step, (f"--resume: the checkpoint set of step {newest} is incomplete (the "
+                  f"servers' parts of steps {found}; {FILE}, written last, is of step "
+                  f"{step}): resuming from step {step}, the newest complete set")
+
+
+def read(cfg, ctx, model):
+    """The checkpoint to resume from, checked against this run (before training)."""
+    path = path_of(cfg, ctx.rank)
+    state = load(path)
     mine = [(n, tuple(s)) for n, s in signature(model)]
     theirs = [(n, tuple(s)) for n, s in state["signature"]]
     if state["model_kind"] != cfg.model or mine != theirs:
