@@ -9,6 +9,7 @@ settings is named instead of hanging its peers in a collective.
 """
 import dataclasses
 import sys
+import textwrap
 import zlib
 
 import torch
@@ -45,7 +46,8 @@ def keyword_help():
         comments = field_comments(kind)
         for f in dataclasses.fields(kind):
             if f.name != "sync":
-                lines.append(f"    {f.name}={f.default!r}: {comments[f.name]}")
+                lines += textwrap.wrap(f"{f.name}={f.default!r}: {comments[f.name]}", 84,
+                                       initial_indent="    ", subsequent_indent="        ")
     return "\n".join(lines)
 
 
