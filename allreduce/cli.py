@@ -96,9 +96,11 @@ def dataclass_flags(parser, cls, skip=()):
     """Add one flag per field of the dataclass `cls` (`global_batch` is `--global-batch`):
     a bool that defaults to True is switched off with `--no-key`, one that defaults to
     False on with `--key`; other fields take a value of their type, default the field's.
-    The help text is the field's trailing comment.  Returns the parser;
+    The help text is the field's trailing comment, or its metadata's "help" (a dataclass
+    made of others' fields has no source of its own).  Returns the parser;
     `cls(**vars(parser.parse_args()))` is then the config."""
-    comments = field_comments(cls)
+    described = all("help" in f.metadata for f in dataclasses.fields(cls))
+    comments = {} if described else field_comments(cls)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
@@ -108,7 +110,7 @@ def dataclass_flags(parser, cls, skip=()):
         if f.default_factory is not dataclasses.MISSING:
             default = f.default_factory()
         kind = optional_of(hints.get(f.name, str))
-        text = comments.get(f.name, "")
+        text = f.metadata.get("help") or comments.get(f.name, "")
         if kind is bool:
             if default:
                 parser.add_argument("--no-" + flag, dest=f.name, action="store_false",

@@ -114,7 +114,7 @@ def check_point(command, p):
             return "ranks_per_node", (f"world_size {P} does not factor into nodes of "
                                       f"{k} ranks: {P} % {k} = {P % k}")
     elif command == "strategies.train":
-        from strategies.config.settings import ConfigError, TrainConfig, dp_size_of
+        from strategies.config.settings import ConfigError, TrainConfig, check_world
         fields = {k: v for k, v in p.items()                    # TrainConfig checks the rest
                   if k != "world_size" and k not in LAUNCH_KEYS}
         if fields.get("trace"):
@@ -126,12 +126,9 @@ def check_point(command, p):
         except TypeError as e:                              # not a field of TrainConfig
             return "command", str(e)
         try:
-            dp_size_of(cfg, P)
+            check_world(cfg, P)                 # the trainer's own check against the world
         except ConfigError as e:
             return e.field or "world_size", str(e)
-        grid = [p.get(k) for k in ("dp", "pp", "tp") if p.get(k)]
-        if grid and P % math.prod(grid):
-            return "world_size", f"world_size {P} does not factor into dp x pp x tp {grid}"
     return None
 
 

@@ -35,6 +35,6 @@ def __getattr__(name):
         from .engine import optimizer
         return getattr(optimizer, name)
     if name == "SyncOptions":
-        from .sync.gradient_sync import SyncOptions
+        from .config.sections import SyncOptions
         return SyncOptions
     raise AttributeError(f"module 'strategies' has no attribute {name!r}")

@@ -5,14 +5,14 @@
 
 A technique is a few TrainConfig fields (`--pp 2 --micro-batches 2`, a pipeline).
 Each pair of techniques is merged onto `--sync ring` and handed to TrainConfig,
-whose validation (config/settings.py, combinations.py, config/compress_spec.py) is the one judge: a
+whose validation (config/validate.py's check_flags, config/compress_spec.py) is the one judge: a
 pair it refuses is listed with the ConfigError's own words, which say why.  The
 table is generated, never written by hand, so it cannot disagree with the code;
 tests/test_compatibility.py checks that docs/training.md holds today's table.
 
 Checks that need the world size (divisibility of batches, layers and heads) are
-not combinations of techniques and are left out: they are config.dp_size_of's,
-parallel.check's and expert_parallel.check's.
+not combinations of techniques and are left out: they are config/validate.py's
+check_world's.
 """
 import argparse
 import sys

@@ -39,11 +39,10 @@ from .config.choices import ConfigError
 from .config.settings import check_outputs, parse_args
 from .engine import loop
 from .engine.experts import ExpertParallel
-from .engine.grid import GridEngine, check
+from .engine.grid import GridEngine
 from .engine.loop import DataParallel
 from .model.data import load_data
 from .model.models import build_model
-from .parallel.expert_parallel import check as check_experts
 from .runtime import checkpoint
 from .runtime.context import MPIControl, RunContext
 
@@ -64,10 +63,6 @@ def prepare(argv=None):
             data = load_data(cfg)
             model = build_model(cfg, data.spec, device)
             state = checkpoint.read(cfg, ctx, model) if cfg.resume else None
-            if cfg.on_grid:
-                check(cfg, ctx.world_size)     # layers, heads, micro-batches vs the grid
-            if cfg.model == "moe":
-                check_experts(cfg, ctx.world_size)   # experts, groups vs the world
     except ConfigError as e:
         problem = str(e)
     if ctx is not None:

@@ -22,7 +22,7 @@ from strategies.engine.accumulation import accumulate
 from strategies.sync.buckets import GradBuckets
 from strategies.config.choices import ConfigError
 from strategies.compression.casts import make_compressor
-from strategies.config.settings import TrainConfig, dp_size_of
+from strategies.config.settings import TrainConfig, check_world
 from strategies.model.models import MLP
 from strategies.sync.gradient_sync import LocalSync
 from test_parallel_runs import launch as launch_runs
@@ -143,7 +143,7 @@ def test_distributed_optimizer_no_sync_in_a_users_loop():
 ])
 def test_bad_combinations_name_their_flags(flags, world, message):
     with pytest.raises(ConfigError, match=message):
-        dp_size_of(TrainConfig(**flags), world)
+        check_world(TrainConfig(**flags), world)
 
 
 def test_on_the_grid_grad_accum_is_micro_batches():

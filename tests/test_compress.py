@@ -81,7 +81,7 @@ def test_combinations_that_cannot_compress_are_refused(flags, message):
 
 
 def test_the_api_refuses_with_keyword_names():
-    from strategies.sync.gradient_sync import SyncOptions
+    from strategies.config.sections import SyncOptions
     with pytest.raises(ConfigError, match="compress='topk:0.01' with sync='ps'"):
         SyncOptions(sync="ps", compress="topk:0.01")
     assert SyncOptions(sync="ring", compress="powersgd:2", error_feedback=False)
@@ -187,11 +187,11 @@ def test_the_sync_tells_the_step_and_a_resumed_run_goes_on_from_it():
     """AllReduceSync.synchronize(s) readies step s + 1's ratio (its buckets may leave
     during its backward); its state_dict carries that step, so a resumed run picks up
     the warm-up where the checkpoint was written.  Without warm-up the state is {}."""
-    from strategies.sync.gradient_sync import SyncOptions
     from strategies.sync.zero import AllReduceSync
 
     def sync_of(warmup):
-        options = SyncOptions(compress="topk:0.01", overlap=False, sparsity_warmup=warmup)
+        options = TrainConfig(sync="ring", compress="topk:0.01", overlap=False,
+                              sparsity_warmup=warmup)
         sync = AllReduceSync(options, None, torch.device("cpu"), OneRankCollective())
         sync.setup(torch.nn.Linear(100, 10))
         return sync

@@ -25,8 +25,8 @@ from conftest import BIN, check_ok, mpi_env, mpirun, run
 from strategies.sync.buckets import GradBuckets
 from strategies.compression.casts import make_compressor
 from strategies.config.settings import ALLREDUCE_SYNCS, ConfigError
-from strategies.engine.optimizer import server_settings, transport_for
-from strategies.sync.gradient_sync import SyncOptions
+from strategies.config.optimizer_checks import server_settings, transport_for
+from strategies.config.sections import SyncOptions
 
 SCRIPT = "tests/mpi/distributed_optimizer.py"
 

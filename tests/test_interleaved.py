@@ -25,7 +25,7 @@ from strategies.config.choices import ConfigError
 from strategies.config.settings import TrainConfig
 from strategies.parallel.interleaved import chunk_layers, interleaved_order
 from strategies.model.models import GPT, MLP
-from strategies.engine.grid import check
+from strategies.config.validate import check_world
 
 CASES = [(2, 2, 2), (2, 2, 4), (2, 3, 4), (2, 4, 8), (3, 2, 6), (4, 2, 4), (4, 2, 8),
          (4, 3, 8)]
@@ -153,7 +153,7 @@ def test_flag_errors(kw, message):
 ])
 def test_grid_errors(kw, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        check(cfg(**kw), 2)
+        check_world(cfg(**kw), 2)
 
 
 GPT4 = ["--model", "gpt", "--layers", "4", "--d-model", "16", "--heads", "2", "--vocab", "12",

@@ -28,7 +28,8 @@ import torch
 from conftest import check_ok, mpirun
 from strategies.config.choices import ConfigError
 from strategies.config.settings import TrainConfig
-from strategies.parallel.expert_parallel import ExpertPlacement, alltoall_bytes_per_step, check
+from strategies.config.validate import check_world
+from strategies.parallel.expert_parallel import ExpertPlacement, alltoall_bytes_per_step
 from strategies.config.mesh import Mesh
 from strategies.model.moe import MoE, expert_capacity, route
 
@@ -134,7 +135,7 @@ MOE = dict(model="moe", sync="ring", experts=4)
 ])
 def test_config_errors(flags, world, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check(TrainConfig(**flags), world)
+        check_world(TrainConfig(**flags), world)
 
 
 def test_capacity_figure_reads_the_records(tmp_path):

@@ -6,7 +6,7 @@ from strategies.config.settings import ConfigError, TrainConfig
 from strategies.config.mesh import Mesh
 from strategies.runtime.memory import ActivationMeter, state_bytes, storage_bytes
 from strategies.model.models import GPT, MLP
-from strategies.engine.grid import check
+from strategies.config.validate import check_world
 from strategies.parallel.pipeline import Pipeline, stage_layers
 
 
@@ -61,7 +61,7 @@ def cfg(**kw):
 ])
 def test_grid_config_errors(kw, world, message):
     with pytest.raises(ConfigError, match=message):
-        check(cfg(**kw), world)
+        check_world(cfg(**kw), world)
 
 
 @pytest.mark.timeout(30)

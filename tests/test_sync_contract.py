@@ -20,7 +20,8 @@ import torch
 import psrv.launch
 from strategies.runtime.context import MPIControl, RunContext
 from strategies.sync.ps_sync import HybridSync, PSSync
-from strategies.sync.gradient_sync import GradientSync, LocalSync, SyncOptions, collective_for
+from strategies.config.settings import TrainConfig
+from strategies.sync.gradient_sync import GradientSync, LocalSync, collective_for
 from strategies.sync.zero import AllReduceSync
 
 RTOL, ATOL = 1e-6, 1e-7
@@ -72,7 +73,7 @@ def assert_contract(sync, steps=2):
         sync.close()
 
 
-OPTIONS = SyncOptions(sync="ring", lr=LR, momentum=MOMENTUM, bucket_mb=0.0001)
+OPTIONS = TrainConfig(sync="ring", lr=LR, momentum=MOMENTUM, bucket_mb=0.0001)
 
 
 @pytest.mark.timeout(60)
@@ -93,7 +94,7 @@ def test_all_reduce_sync_updates_in_step_only():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["ps", "hybrid"])
 def test_parameter_server_syncs_update_in_step_only(kind, tmp_path):
-    options = SyncOptions(sync=kind, lr=LR, momentum=MOMENTUM, ranks_per_node=1)
+    options = TrainConfig(sync=kind, lr=LR, momentum=MOMENTUM, ranks_per_node=1)
     with psrv.launch.start_local_servers(1, worker_timeout=30,
                                          checkpoint_dir=str(tmp_path)) as servers:
         role = psrv.launch.Role(False, servers.endpoints, 1, worker_id=0)

@@ -10,7 +10,7 @@ import torch
 
 from strategies.sync.buckets import GradBuckets, plan_buckets
 from strategies.compression.casts import make_compressor
-from strategies.config.settings import ConfigError, TrainConfig, dp_size_of, parse_args
+from strategies.config.settings import ConfigError, TrainConfig, check_world, parse_args
 from strategies.runtime.context import RunContext, nccl_gpu_conflict
 from strategies.model.data import load_data
 from strategies.model.models import build_model
@@ -43,16 +43,16 @@ def test_bad_flags_raise_config_error(argv, message):
 
 @pytest.mark.timeout(30)
 def test_dp_size_names_every_factor():
-    assert dp_size_of(TrainConfig(sync="ring", global_batch=12), 3) == 3
-    assert dp_size_of(TrainConfig(sync="ps", servers=1, global_batch=12), 4) == 3
+    assert check_world(TrainConfig(sync="ring", global_batch=12), 3) == 3
+    assert check_world(TrainConfig(sync="ps", servers=1, global_batch=12), 4) == 3
     with pytest.raises(ConfigError, match=r"10 % dp\(3\) = 1 \(world 3 = dp\(3\)\)"):
-        dp_size_of(TrainConfig(sync="ring", global_batch=10), 3)
+        check_world(TrainConfig(sync="ring", global_batch=10), 3)
     with pytest.raises(ConfigError, match=r"world 3 = dp\(2\) \+ servers\(1\)"):
-        dp_size_of(TrainConfig(sync="ps", global_batch=9), 3)
+        check_world(TrainConfig(sync="ps", global_batch=9), 3)
     with pytest.raises(ConfigError, match="no worker left"):
-        dp_size_of(TrainConfig(sync="ps", servers=2), 2)
+        check_world(TrainConfig(sync="ps", servers=2), 2)
     with pytest.raises(ConfigError, match="one process"):
-        dp_size_of(TrainConfig(sync="local"), 2)
+        check_world(TrainConfig(sync="local"), 2)
 
 
 @pytest.mark.timeout(30)

@@ -1,11 +1,12 @@
-"""ConfigError, the values each choice flag may take, and how an error message names a
-flag: the bottom of strategies/.
+"""ConfigError, the values each choice flag may take, how an error message names a
+flag, and the checks of one field alone: the bottom of strategies/.
 
-combinations.py (the checks of TrainConfig and SyncOptions), mesh.py (Mesh)
-and the optimizer all check against these tuples and raise ConfigError, so they
-live in a module that imports nothing of the package: none of those files needs
-another one of them for a name.
+validate.py (every rule of a config), mesh.py (Mesh) and the optimizer all check
+against these tuples and raise ConfigError, so they live in a module that imports
+nothing of the package: none of those files needs another one of them for a name.
 """
+import dataclasses
+import math
 
 # auto: allreduce picks one of the others per call, from the size, P and the nodes
 ALLREDUCE_SYNCS = ("ring", "tree", "halving_doubling", "hierarchical", "mpi", "torch", "auto")
@@ -22,6 +23,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ZERO_STAGES = (0, 1, 2, 3)
 # compute under autocast, fp32 master weights (precision.py)
 PRECISIONS = ("fp32", "bf16", "fp16")
+# the least value of each parallel degree (dp 0: what is left), for flags and Mesh alike
+DEGREES = ((1, ("pp", "tp", "ep")), (0, ("dp",)))
 
 
 class ConfigError(ValueError):
@@ -34,7 +37,7 @@ class ConfigError(ValueError):
         self.field = field
 
 
-# how the checks of combinations.py and config/compress_spec.py name a field in their messages
+# how the checks of validate.py and compress_spec.py name a field in their messages
 def flag_of(field, cli=True):
     return f"--{field.replace('_', '-')}" if cli else field
 
@@ -42,3 +45,35 @@ def flag_of(field, cli=True):
 def setting_of(field, value, cli=True):
     """A field and its value as a message names them: `--sync local` or `sync='local'`."""
     return f"{flag_of(field)} {value}" if cli else f"{field}={value!r}"
+
+
+def check_types(cfg, cli=True):
+    """Every float field of a config (a dataclass) is a number, every bool field True or
+    False: inf and NaN train to NaN, or hang a wait for ever (a NaN timeout), so they
+    are refused where they are read; a keyword given "yes" would read as True."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{flag_of(f.name, cli)} must be a finite number, got {value!r}",
+                              field=f.name)
+        if f.type in (bool, "bool") and not isinstance(value, bool):
+            raise ConfigError(f"{f.name}={value!r} must be True or False", field=f.name)
+
+
+def check_values(cfg, cli=True, choices=(), positive=(), at_least=()):
+    """Each field alone: `choices` pairs a field with the values it may take,
+    `positive` fields must be > 0, `at_least` pairs a least value with its fields."""
+    for field, options in choices:
+        value = getattr(cfg, field)
+        if value not in options:
+            raise ConfigError(f"{flag_of(field, cli)}{' ' if cli else '='}{value!r} is not "
+                              f"one of {', '.join(map(str, options))}", field=field)
+    for field in positive:
+        if not getattr(cfg, field) > 0:
+            raise ConfigError(f"{flag_of(field, cli)} must be > 0, got {getattr(cfg, field)!r}",
+                              field=field)
+    for least, fields in at_least:
+        for field in fields:
+            if not getattr(cfg, field) >= least:
+                raise ConfigError(f"{flag_of(field, cli)} must be >= {least}, "
+                                  f"got {getattr(cfg, field)!r}", field=field)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .choices import ConfigError
+from .choices import DEGREES, ConfigError, check_values
 
 AXES = ("dp", "pp", "tp")
 EXPERT_AXES = ("ep", "ep_replicas")
@@ -56,11 +56,7 @@ class Mesh:
     ep: int = 1          # expert groups of ep dp ranks (carved out of dp)
 
     def __post_init__(self):
-        for axis in ("pp", "tp", "ep"):
-            if getattr(self, axis) < 1:
-                raise ConfigError(f"--{axis} must be >= 1, got {getattr(self, axis)}", field=axis)
-        if self.dp < 0:
-            raise ConfigError(f"--dp must be >= 0 (0: what is left), got {self.dp}", field="dp")
+        check_values(self, at_least=DEGREES)          # the flags' own rule
         if self.dp == 0:
             if self.world_size % (self.pp * self.tp):
                 raise ConfigError(

@@ -1,18 +1,71 @@
 """DistributedOptimizer's arguments, checked before any message is sent.
 
-Each check raises an error naming what is wrong, on every rank that sees it;
-`check_same_everywhere` compares the ranks' choices, so that a rank started
-with other flags is named instead of hanging its peers in a collective.
+Its keywords are the fields of two sections (sections.py): `sections_of` builds them,
+each checking its fields (validate.py's rules, named as keywords); the wrapped torch
+optimizer gives the third, OptimizerOptions (`described_optimizer`).  Each check raises
+an error naming what is wrong, on every rank that sees it; `check_same_everywhere`
+compares every field of the ranks' sections, so that a rank started with other
+settings is named instead of hanging its peers in a collective.
 """
 import dataclasses
 import sys
+import textwrap
 import zlib
 
 import torch
 
+from allreduce.cli import field_comments
 from allreduce.torch_world import torchrun_world
 
 from .choices import ConfigError
+from .sections import OptimizerOptions, PrecisionOptions, SyncOptions
+
+KEYWORD_SECTIONS = (SyncOptions, PrecisionOptions)     # DistributedOptimizer's **settings
+
+
+def sections_of(settings, sync):
+    """(SyncOptions, PrecisionOptions) of DistributedOptimizer's keywords; an unknown
+    keyword is a TypeError naming the known ones."""
+    known = {f.name: kind for kind in KEYWORD_SECTIONS for f in dataclasses.fields(kind)}
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        names = ", ".join(n for n in known if n != "sync")
+        raise TypeError(f"DistributedOptimizer got an unknown keyword {unknown[0]!r}; "
+                        f"its settings are {names}")
+    return tuple(kind(**{k: v for k, v in settings.items() if known[k] is kind},
+                      **({"sync": sync} if kind is SyncOptions else {}))
+                 for kind in KEYWORD_SECTIONS)
+
+
+def keyword_help():
+    """The keywords' lines of help(DistributedOptimizer), from the sections' comments."""
+    lines = ["Build the sync (every rank of comm alike).  Keyword settings, each a field of",
+             "config.sections' SyncOptions or PrecisionOptions (the flags of strategies.train):",
+             ""]
+    for kind in KEYWORD_SECTIONS:
+        comments = field_comments(kind)
+        for f in dataclasses.fields(kind):
+            if f.name != "sync":
+                lines += textwrap.wrap(f"{f.name}={f.default!r}: {comments[f.name]}", 84,
+                                       initial_indent="    ", subsequent_indent="        ")
+    return "\n".join(lines)
+
+
+def described_optimizer(optimizer, servers, momentum_correction):
+    """The OptimizerOptions of the wrapped optimizer, where a sync needs them: the
+    servers run it (ps, hybrid), or top-k takes its momentum (momentum_correction);
+    else the defaults, which no sync reads."""
+    if servers:
+        return OptimizerOptions(**server_settings(optimizer))
+    if not momentum_correction:
+        return OptimizerOptions()
+    if type(optimizer) not in SERVER_OPTIMIZERS:
+        raise ConfigError(f"momentum_correction=True moves the momentum of torch.optim.SGD "
+                          f"into the compressor, not of {type(optimizer).__name__}",
+                          field="momentum_correction")
+    group = optimizer.param_groups[0]
+    return OptimizerOptions(optimizer=SERVER_OPTIMIZERS[type(optimizer)][0],
+                            momentum=float(group.get("momentum", 0.0)))
 
 
 def check_model(optimizer, model):
@@ -109,19 +162,20 @@ def check_comm(comm, transport):
                     f"not {type(comm).__name__}")
 
 
-def check_same_everywhere(gather, params, options):
+def check_same_everywhere(gather, params, sections):
     """Every rank must bring the same model and settings, or the buckets differ and
     the collectives would pair unrelated buffers (or wait for ever).  If any rank
-    differs, every rank sees a rank unlike itself, so every rank raises."""
+    differs, every rank sees a rank unlike itself, so every rank raises.  `sections`:
+    the config sections the ranks must share, compared field by field (a new setting
+    is compared without a word here)."""
     shapes = ";".join(str(tuple(p.shape)) for p in params)
-    # every field of the section, so that a new setting is compared without a word here
-    settings = repr(dataclasses.astuple(options))
+    settings = repr([dataclasses.astuple(s) for s in sections])
     mine = [len(params), sum(p.numel() for p in params), zlib.crc32(shapes.encode()),
             zlib.crc32(settings.encode())]
     for rank, theirs in enumerate(gather(mine)):
         theirs = [int(v) for v in theirs]
         if theirs != mine:
-            names = ", ".join(f.name for f in dataclasses.fields(options))
+            names = ", ".join(f.name for s in sections for f in dataclasses.fields(s))
             what = f"settings (one of {names})" if theirs[:3] == mine[:3] \
                 else f"model ({theirs[0]} trainable tensors, {theirs[1]} elements, shapes " \
                      f"checksum {theirs[2]:x}; here {mine[0]}, {mine[1]}, {mine[2]:x})"

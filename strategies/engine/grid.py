@@ -33,12 +33,8 @@ import torch.nn as nn
 
 from allreduce import make_transport
 
-from ..config.choices import ConfigError
-from ..config.mesh import Mesh
-from ..config.settings import dp_size_of
 from ..model.models import signature
 from ..parallel.interleaved import InterleavedPipeline, chunk_layers
-from ..parallel.interleaved import check as check_interleaved
 from ..parallel.pipeline import Pipeline, Stage
 from ..parallel.recompute import Recompute
 from ..parallel.sequence_parallel import positions_per_rank, split_sequence
@@ -49,36 +45,6 @@ from ..runtime.trace import Tracer, busy_seconds
 from ..sync.gradient_sync import build_compressor, collective_for
 from ..sync.zero import ZeRO
 from .loop import StepEngine
-
-
-def check(cfg, world_size):
-    """Every problem of the grid flags against the world and the model (ConfigError);
-    TrainConfig checked the flags alone (--zero with --sync ps, the schedule's name).
-    The global batch against dp is config.dp_size_of's, the one check of it."""
-    dp_size_of(cfg, world_size)
-    grid = Mesh(world_size, cfg.dp, cfg.pp, cfg.tp)
-    blocks, what = cfg.blocks
-    if blocks % grid.pp:
-        raise ConfigError(f"{what} {blocks} is not divisible by pp({grid.pp}): "
-                          f"{blocks} % {grid.pp} = {blocks % grid.pp}", field=what[2:])
-    if cfg.schedule == "interleaved":
-        check_interleaved(cfg, grid.pp)
-    if grid.tp > 1:
-        if cfg.model != "gpt":
-            raise ConfigError(f"--tp {grid.tp}: tensor parallelism splits the GPT's attention "
-                              "and MLP; use --model gpt", field="tp")
-        if cfg.heads % grid.tp:
-            raise ConfigError(f"--heads {cfg.heads} is not divisible by tp({grid.tp}): "
-                              f"{cfg.heads} % {grid.tp} = {cfg.heads % grid.tp}", field="heads")
-        if cfg.d_model % grid.tp:
-            raise ConfigError(f"--d-model {cfg.d_model} is not divisible by tp({grid.tp})",
-                              field="d_model")
-    per_replica = cfg.global_batch // grid.dp
-    if cfg.micro_batches > per_replica:
-        raise ConfigError(f"--micro-batches {cfg.micro_batches} is more than the "
-                          f"{per_replica} samples of each replica (global batch "
-                          f"{cfg.global_batch} / dp({grid.dp}))", field="micro_batches")
-    return grid
 
 
 class GridEngine(StepEngine):

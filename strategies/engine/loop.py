@@ -38,6 +38,7 @@ import uuid
 
 import numpy as np
 
+from ..config.sections import PrecisionOptions, SyncOptions
 from ..config.settings import world_of
 from ..model.models import count_parameters, signature
 from ..parallel import recompute
@@ -45,7 +46,7 @@ from ..runtime import checkpoint
 from ..runtime.metrics import Metrics, now
 from ..runtime.precision import MixedPrecision, of_config
 from ..runtime.trace import Tracer, write_chrome_trace
-from ..sync.gradient_sync import make_optimizer
+from ..sync.gradient_sync import torch_optimizer
 from .accumulation import accumulate
 from .optimizer import DistributedOptimizer
 from .stopping import NoStop, SignalStop
@@ -134,15 +135,9 @@ class DataParallel(StepEngine):
 
     def __init__(self, cfg, ctx, device, data, model):
         super().__init__(cfg, ctx, device, data, model)
-        opt = DistributedOptimizer(
-            make_optimizer(cfg, model.parameters()), model, sync=cfg.sync, comm=ctx.dp_comm,
-            role=ctx.role, bucket_mb=cfg.bucket_mb, overlap=cfg.overlap, compress=cfg.compress,
-            error_feedback=cfg.error_feedback,
-            momentum_correction=cfg.momentum if cfg.momentum_correction else 0.0,
-            sparsity_warmup=cfg.sparsity_warmup,
-            ranks_per_node=cfg.ranks_per_node, timeout=cfg.timeout,
-            consistency=cfg.consistency, staleness=cfg.staleness,
-            link_latency_us=cfg.link_latency_us, link_gbps=cfg.link_gbps)
+        settings = {**vars(cfg.section(SyncOptions)), **vars(cfg.section(PrecisionOptions))}
+        opt = DistributedOptimizer(torch_optimizer(cfg, model.parameters()), model,
+                                   comm=ctx.dp_comm, role=ctx.role, **settings)
         self.sync, self.optimizer = opt.sync, opt.optimizer
         self.parameters = count_parameters(model)
         # the model's fp32 parameters are the master weights; autocast casts them per matmul

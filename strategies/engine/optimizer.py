@@ -22,12 +22,13 @@ takes the step of the mean loss over the global batch.
            or local: one process, no communication (the reference for the others)
     comm   an mpi4py communicator (default COMM_WORLD; under torchrun the whole world);
            for the torch transport also a list of global ranks
-    bucket_mb, overlap, compress ("none", "fp16", "bf16", "topk:0.01", "powersgd:4"),
-    error_feedback (topk / powersgd: residuals per rank), momentum_correction (topk: DGC's
-    momentum m, kept per rank; wrap an SGD without momentum), sparsity_warmup (topk: DGC's
-    warm-up, the kept fraction falls from 25 % to RATIO over that many steps),
-    ranks_per_node, timeout,
-    link_latency_us, link_gbps (slower emulated links for the textbook all-reduces)
+    **settings   the fields of config/sections.py's SyncOptions and PrecisionOptions, the
+           flags of strategies.train by their keyword names (help(DistributedOptimizer.
+           __init__) lists them): bucket_mb, overlap, compress ("none", "fp16", "bf16",
+           "topk:0.01", "powersgd:4"), error_feedback, momentum_correction (topk: the
+           wrapped SGD's momentum moves into the compressor, DGC), sparsity_warmup,
+           ranks_per_node, timeout, consistency, staleness, link_latency_us, link_gbps,
+           precision, loss_scale, loss_scale_window; each checked by the rule the flag has
 
 Gradient accumulation (DDP's and Horovod's pattern; accumulation.py): backwards
 inside `opt.no_sync()` only add into .grad; the one after it carries the sum:
@@ -74,13 +75,15 @@ import torch
 
 import allreduce
 
-from ..config.choices import PS_SYNCS, SYNCS, ConfigError
-from ..config.combinations import check_precision_sync
-from ..config.optimizer_checks import (check_comm, check_model, check_same_everywhere, gathered,
-                               server_settings, transport_for)
+from ..config.choices import PS_SYNCS, ConfigError
+from ..config.optimizer_checks import (check_comm, check_model, check_same_everywhere,
+                                       described_optimizer, gathered, keyword_help, sections_of,
+                                       transport_for)
+from ..config.settings import TrainConfig
+from ..config.validate import check_sync_combinations, check_sync_world
 from ..runtime.context import MPIControl, RunContext, ps_role
-from ..runtime.precision import MixedPrecision
-from ..sync.gradient_sync import LocalSync, SyncOptions, broadcast_tensor, collective_for
+from ..runtime.precision import of_config
+from ..sync.gradient_sync import LocalSync, broadcast_tensor, collective_for, without_momentum
 from ..sync.zero import AllReduceSync
 from ..sync.ps_sync import HybridSync, PSSync
 
@@ -101,71 +104,55 @@ class DistributedOptimizer(torch.optim.Optimizer):
     A torch.optim.Optimizer for LR schedulers and checkpoints: param_groups, state,
     state_dict and load_state_dict are the wrapped optimizer's own."""
 
-    def __init__(self, optimizer, model, sync="ring", comm=None, *, bucket_mb=25.0,
-                 overlap=True, compress="none", error_feedback=True, momentum_correction=0.0,
-                 sparsity_warmup=0, ranks_per_node=0, timeout=60.0,
-                 transport=None, role=None, consistency="bsp", staleness=0,
-                 link_latency_us=0.0, link_gbps=0.0, precision="fp32", loss_scale=2.0**16,
-                 loss_scale_window=1000):
+    def __init__(self, optimizer, model, sync="ring", comm=None, *, transport=None, role=None,
+                 **settings):
         # No Optimizer.__init__: the wrapped optimizer owns the parameter groups and state.
         if isinstance(optimizer, DistributedOptimizer):
             raise ConfigError("the optimizer is a DistributedOptimizer already; wrap the "
                               "plain one")
         params, device = check_model(optimizer, model)
-        self.precision = MixedPrecision(precision, device.type, loss_scale, loss_scale_window)
         if isinstance(sync, allreduce.Collective):
             if comm is not None or transport is not None:
                 raise ConfigError("sync is a collective already: it has its communicator and "
                                   "transport, so pass neither comm nor transport")
             name, coll = sync.name, sync
-        elif sync in SYNCS:
-            name, coll = sync, None
         else:
-            raise ConfigError(f"sync={sync!r} is not one of {', '.join(SYNCS)} "
-                              "(or a collective from allreduce.create)", field="sync")
-        server_optimizer = {}
-        if name in PS_SYNCS:
-            check_precision_sync(precision, name, cli=False)
-            server_optimizer = server_settings(optimizer)
-        elif role is not None:
+            name, coll = sync, None
+        # the keywords are the sections' fields, each checked by its section (keyword names)
+        options, precision = sections_of(settings, sync=name)
+        if name not in PS_SYNCS and role is not None:
             raise ConfigError(f"role= is for sync='ps' or 'hybrid', not {name!r}", field="role")
-        options = SyncOptions(sync=name, bucket_mb=bucket_mb, overlap=overlap, compress=compress,
-                              error_feedback=error_feedback,
-                              momentum_correction=momentum_correction,
-                              sparsity_warmup=sparsity_warmup, timeout=timeout,
-                              ranks_per_node=ranks_per_node,
-                              link_latency_us=link_latency_us, link_gbps=link_gbps,
-                              consistency=consistency, staleness=staleness, **server_optimizer)
-        if momentum_correction and any(g.get("momentum", 0) for g in optimizer.param_groups):
-            raise ConfigError(f"momentum_correction={momentum_correction} keeps the momentum "
-                              f"in the compressor: wrap an optimizer without momentum",
-                              field="momentum_correction")
+        described = described_optimizer(optimizer, name in PS_SYNCS, options.momentum_correction)
+        check_sync_combinations(options, precision, described, cli=False)
+        if options.momentum_correction:
+            without_momentum(optimizer)      # its momentum is the compressor's now
         self.optimizer, self.model, self.options = optimizer, model, options
+        self.sections = (options, precision, described)
+        # what the syncs read: a TrainConfig of these sections, the same object as the trainer's
+        self.config = TrainConfig.of(*self.sections)
+        self.precision = of_config(self.config, device.type)
         if name in PS_SYNCS:
-            self.sync = self._parameter_server_sync(role, options, device, params)
+            self.sync = self._parameter_server_sync(role, self.config, device, params)
         elif name == "local":              # one process: the reference the others reproduce
             check_comm(comm, "mpi")
-            if comm is not None and comm.Get_size() != 1:
-                raise ConfigError(f"sync='local' trains one process alone, but comm has "
-                                  f"{comm.Get_size()} ranks: pick an all-reduce sync",
-                                  field="sync")
+            check_sync_world(options, 1 if comm is None else comm.Get_size(), cli=False)
             self.rank, self.size = 0, 1
-            self.sync = LocalSync(options, None, device)
+            self.sync = LocalSync(self.config, None, device)
         else:
             if coll is None:
                 transport = transport_for(name, transport)
                 check_comm(comm, transport)
-                coll = collective_for(name, options, comm, transport)
+                coll = collective_for(name, self.config, comm, transport)
             self.rank, self.size = coll.rank, coll.size
-            check_same_everywhere(lambda mine: gathered(coll, mine), params, options)
-            self.sync = AllReduceSync(options, None, device, coll)
+            check_same_everywhere(lambda mine: gathered(coll, mine), params, self.sections)
+            self.sync = AllReduceSync(self.config, None, device, coll)
         self.sync.setup(model)             # rank 0's weights win; the bucket hooks attach
         self._step = self.sync.start_step  # > 0 where parameter servers resumed a run
         self._synchronized, self._closed = False, False
 
-    def _parameter_server_sync(self, role, options, device, params):
+    def _parameter_server_sync(self, role, config, device, params):
         if role is None:
-            raise ConfigError(f"sync={options.sync!r} needs role=strategies.ps_roles(servers=S), "
+            raise ConfigError(f"sync={config.sync!r} needs role=strategies.ps_roles(servers=S), "
                               "made on every rank before the optimizer (the server ranks serve "
                               "instead), or run `python -m strategies.train --sync ps`",
                               field="sync")
@@ -175,16 +162,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         from mpi4py import MPI
         workers = role.worker_comm
         self.rank, self.size = workers.rank, workers.size
-        check_same_everywhere(workers.allgather, params, options)
+        check_same_everywhere(workers.allgather, params, self.sections)
         local = workers.Split_type(MPI.COMM_TYPE_SHARED, key=workers.rank)
         # The workers' view of the run: the servers are not part of the optimizer's world.
         ctx = RunContext(workers.rank, workers.size, local.rank, local.size, workers.rank,
                          workers.size, False, workers, workers, MPIControl(workers), role=role,
                          host=socket.gethostname())
         local.Free()
-        sync = (PSSync if options.sync == "ps" else HybridSync)(options, ctx, device)
+        sync = (PSSync if config.sync == "ps" else HybridSync)(config, ctx, device)
         # The servers hand out worker 0's parameters; the buffers are not theirs to keep.
-        coll = collective_for("mpi", options, workers)
+        coll = collective_for("mpi", config, workers)
         for b in self.model.buffers():
             broadcast_tensor(coll, b.data)
         return sync
@@ -246,9 +233,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         lr = self.optimizer.param_groups[0]["lr"]
-        if self.options.sync in PS_SYNCS and lr != self.options.lr:
+        if self.options.sync in PS_SYNCS and lr != self.config.lr:
             raise ConfigError(f"sync={self.options.sync!r}: the servers run the optimizer with "
-                              f"lr={self.options.lr}; a schedule cannot change it to {lr}",
+                              f"lr={self.config.lr}; a schedule cannot change it to {lr}",
                               field="sync")
         self.synchronize()
         # every rank holds the same averaged gradients: all skip the same fp16 steps
@@ -312,3 +299,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if error is not None and not self._closed:
             self.sync.abort(error)        # ps: the servers fail the run instead of waiting
         self.close()
+
+
+# help(DistributedOptimizer): its keywords, with their meanings, from the sections
+DistributedOptimizer.__init__.__doc__ = keyword_help()

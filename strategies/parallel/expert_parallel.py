@@ -62,23 +62,9 @@ import torch.nn as nn
 
 from allreduce.alltoall import bytes_sent, uses_bruck
 
-from ..config.choices import ConfigError
-from ..config.mesh import Mesh
-from ..config.settings import dp_size_of
 from ..model.moe import MoE, expert_capacity, run_experts
 from ..runtime.precision import as_wire
 from .tensor_parallel import Conjugate
-
-
-def check(cfg, world_size):
-    """The MoE flags against the world (ConfigError); TrainConfig checked the flags alone."""
-    dp = dp_size_of(cfg, world_size)
-    Mesh(world_size, cfg.dp, cfg.pp, cfg.tp, cfg.ep)      # ep divides dp
-    local = cfg.global_batch // dp
-    if cfg.moe_group and local % cfg.moe_group:
-        raise ConfigError(f"--moe-group {cfg.moe_group} does not divide the local batch: "
-                          f"global batch {cfg.global_batch} / dp({dp}) = {local} sequences",
-                          field="moe_group")
 
 
 def alltoall_bytes_per_step(cfg, world_size):

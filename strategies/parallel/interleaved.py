@@ -39,7 +39,6 @@ whole stages (2 slots an op) needs (m + p - 1) x 2 x 2 = 20 slots, idle 4: 1/5.
 The messages and the stage modules are pipeline.py's (Pipeline with a list of v
 chunks): only the order of operations is this file's.
 """
-from ..config.choices import ConfigError
 from .pipeline import Pipeline, stage_layers
 
 
@@ -75,19 +74,6 @@ def chunk_layers(model, stage, stages, chunks):
     """[the (name, module) layers of each chunk of rank `stage`]: global stages
     stage, stage + p, ..., of the model cut into p v stages."""
     return [stage_layers(model, c * stages + stage, stages * chunks) for c in range(chunks)]
-
-
-def check(cfg, pp):
-    """The interleaved schedule's own conditions on the grid (ConfigError)."""
-    v, m = cfg.virtual_stages, cfg.micro_batches
-    blocks, what = cfg.blocks
-    if blocks % (pp * v):
-        raise ConfigError(f"--schedule interleaved: {what} {blocks} is not divisible by "
-                          f"pp({pp}) x virtual stages({v}) = {pp * v}", field="schedule")
-    if m % pp:
-        raise ConfigError(f"--schedule interleaved: --micro-batches {m} is not a multiple of "
-                          f"pp({pp}): micro-batches go round the ranks in groups of pp",
-                          field="schedule")
 
 
 class InterleavedPipeline(Pipeline):

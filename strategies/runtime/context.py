@@ -28,7 +28,8 @@ from allreduce.torch_world import init_torch_distributed, torchrun_world
 
 from ..config.choices import PS_SYNCS, ConfigError
 from ..config.mesh import Mesh
-from ..config.settings import check_checkpoint_dir, dp_size_of
+from ..config.settings import check_checkpoint_dir
+from ..config.validate import check_world
 from . import checkpoint
 
 
@@ -94,7 +95,7 @@ class RunContext:
             return cls._from_torchrun(cfg, host)
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
-        dp = dp_size_of(cfg, comm.size)
+        dp = check_world(cfg, comm.size)
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
         local_rank, local_size = local.rank, local.size
         visible = local.allgather(os.environ.get("CUDA_VISIBLE_DEVICES")) \
@@ -126,7 +127,7 @@ class RunContext:
         import torch.distributed as dist
         init_torch_distributed()
         rank, world = dist.get_rank(), dist.get_world_size()
-        dp = dp_size_of(cfg, world)
+        dp = check_world(cfg, world)
         control = TorchControl()
         return cls(rank, world, int(os.environ.get("LOCAL_RANK", 0)),
                    int(os.environ.get("LOCAL_WORLD_SIZE", 1)), rank, dp, False, None, None,

@@ -183,5 +183,5 @@ def any_rank_of(comm):
 
 
 def of_config(cfg, device_type="cpu"):
-    """The MixedPrecision a TrainConfig (or SyncOptions) asks for."""
+    """The MixedPrecision a TrainConfig (or a PrecisionOptions) asks for."""
     return MixedPrecision(cfg.precision, device_type, cfg.loss_scale, cfg.loss_scale_window)

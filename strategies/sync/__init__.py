@@ -1,6 +1,6 @@
 """Data parallelism's gradient synchronisation: one contract, every backend.
 
-    gradient_sync.py  GradientSync (the contract), SyncOptions, local and the all-reduce syncs
+    gradient_sync.py  GradientSync (the contract), local and the all-reduce syncs
     buckets.py        flat gradient buckets, all-reduced during backward
     comm_thread.py    the one communication thread that buckets and ZeRO's layers leave on
     zero.py           ZeRO stages 0-3: the training state sharded over the data-parallel ranks

@@ -37,12 +37,12 @@ Every data-parallel rank computes the mean loss over its B/P samples, and the
 syncs average over P ranks, so the update is the one of the mean over all B
 samples: exactly one process's update, up to the order of float additions.
 
-A sync reads its settings from `cfg`: a SyncOptions (TrainConfig's fields of the
-syncs, nothing about models, data or batches) built by DistributedOptimizer, for a
-user's loop and strategies.train's alike, or the TrainConfig of ZeRO and --ep.
+A sync reads its settings from `cfg`, a TrainConfig: its SyncOptions section (and,
+under ps, its OptimizerOptions, which the servers run), for strategies.train's loop,
+ZeRO and --ep alike; DistributedOptimizer makes one of its keywords' sections
+(TrainConfig.of), so a user's loop hands the syncs the same object.
 """
 from contextlib import contextmanager
-from dataclasses import dataclass
 from itertools import chain
 
 import torch
@@ -53,43 +53,8 @@ from allreduce.buffers import TORCH_DTYPES
 from ..compression.casts import make_compressor
 from ..compression.powersgd import PowerSGDCompressor
 from ..compression.topk import TopKCompressor
-from ..config.choices import EMULATED_SYNCS, ConfigError
-from ..config.combinations import check_sync
+from ..config.choices import EMULATED_SYNCS
 from ..config.compress_spec import parse_compress
-
-
-@dataclass(frozen=True)
-class SyncOptions:
-    """The fields of TrainConfig that the syncs read, validated by the same checks
-    (combinations.check_sync), whose errors name DistributedOptimizer's keywords."""
-    sync: str = "ring"
-    bucket_mb: float = 25.0       # gradient bucket cap
-    overlap: bool = True          # all-reduce buckets while backward runs
-    compress: str = "none"        # gradients on the wire: none, fp16, bf16, topk:R, powersgd:K
-    error_feedback: bool = True   # topk / powersgd: residuals kept per rank
-    momentum_correction: float = 0.0  # topk: DGC's momentum, kept per rank before top-k
-    sparsity_warmup: int = 0      # topk: steps over which the kept fraction falls to RATIO
-    timeout: float = 60.0         # seconds a rank waits for a peer before giving up
-    ranks_per_node: int = 0       # hierarchical / auto / hybrid: 0 = ranks sharing a host
-    link_latency_us: float = 0.0  # emulated links (textbook algorithms only)
-    link_gbps: float = 0.0
-    # ps / hybrid: the servers run the optimizer, so they need its settings
-    consistency: str = "bsp"
-    staleness: int = 0
-    optimizer: str = "sgd"
-    lr: float = 0.05
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-
-    def __post_init__(self):
-        spec = check_sync(self, cli=False)
-        if not isinstance(self.overlap, bool):
-            raise ConfigError(f"overlap={self.overlap!r} must be True or False", field="overlap")
-        if self.momentum_correction and not (spec.kind == "topk" and self.error_feedback and
-                                             0 < self.momentum_correction < 1):
-            raise ConfigError(f"momentum_correction={self.momentum_correction!r} needs "
-                              f"compress='topk:RATIO' with error feedback and 0 < momentum < 1",
-                              field="momentum_correction")
 
 
 def build_compressor(compress, coll=None, error_feedback=True, momentum=0.0, warmup=0):
@@ -110,13 +75,27 @@ def total(counts):
     return None if None in counts else sum(counts)
 
 
-def make_optimizer(cfg, params):
+def torch_optimizer(cfg, params):
+    """The torch optimizer of cfg's OptimizerOptions (what a user would wrap)."""
     if cfg.optimizer == "sgd":
-        # with DGC's momentum correction the compressor holds the momentum (topk.py)
-        return torch.optim.SGD(params, lr=cfg.lr,
-                               momentum=0.0 if cfg.momentum_correction else cfg.momentum,
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
                                weight_decay=cfg.weight_decay)
     return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def make_optimizer(cfg, params):
+    """The optimizer a sync steps with: torch_optimizer, without its momentum under
+    --momentum-correction (the compressor holds it)."""
+    optimizer = torch_optimizer(cfg, params)
+    return without_momentum(optimizer) if cfg.momentum_correction else optimizer
+
+
+def without_momentum(optimizer):
+    """DGC's momentum correction (compression/topk.py): the velocity moves into the
+    compressor, kept per rank before top-k, and the SGD steps without it."""
+    for group in optimizer.param_groups:
+        group["momentum"] = 0.0
+    return optimizer
 
 
 class GradientSync:

@@ -424,7 +424,7 @@ class AllReduceSync(ZeRO):
         # MPI transports (not CUDA-aware) get them through pinned host memory.
         coll = allreduce.host_staged(coll) if device.type == "cuda" else coll
         compressor = build_compressor(cfg.compress, coll, cfg.error_feedback,
-                                      cfg.momentum_correction, cfg.sparsity_warmup)
+                                      cfg.compressor_momentum, cfg.sparsity_warmup)
         # one collective for the thread and the main thread: a plain loop talks on
         # neither meanwhile
         super().__init__(0, None, coll, cfg, thread_coll=coll if cfg.overlap else None,

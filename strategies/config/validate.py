@@ -1,0 +1,324 @@
+"""Every rule about a run's settings, in one module, with two entry points (torchtitan's
+config/validation.py):
+
+    check_flags(cfg)               the config alone: each section's fields, then how the
+                                   sections combine; TrainConfig.__post_init__ calls it
+    check_world(cfg, world_size)   the config against the world: -> the data-parallel size
+
+The command line (strategies.train), the Python API (DistributedOptimizer: its
+sections, and its communicator's size) and the sweep (experiments/sweepfile.py) call
+the same functions, so a rule is written once and a bad setting gets one message
+wherever it is given.  `cli` names a field as a flag (`--link-gbps`) or as a keyword
+(`link_gbps`), for the rules the API reaches; every ConfigError names its `field`.
+
+A section (sections.py) checks its own fields on construction (`*_rules`, keyword
+names); TrainConfig checks the same rules with flag names, then the combinations.
+"""
+from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, DEGREES, DEVICES, EMULATED_SYNCS, MODELS,
+                      OPTIMIZERS, PRECISIONS, PS_SYNCS, SCHEDULES, SYNCS, ZERO_STAGES, ConfigError,
+                      check_types, check_values, flag_of, setting_of)
+from .compress_spec import check_compress, parse_compress
+from .mesh import Mesh
+
+
+# ------------------------------------------------------------------ each section alone
+def check_section(section, rules):
+    """A section built on its own (DistributedOptimizer's keywords): its fields' types,
+    then its rules, each message naming a keyword."""
+    check_types(section, cli=False)
+    rules(section, cli=False)
+
+
+def sync_rules(cfg, cli=True):
+    """SyncOptions' fields; returns the CompressSpec (compress_spec.py checks --compress
+    against the sync)."""
+    check_values(cfg, cli, choices=(("sync", SYNCS), ("consistency", CONSISTENCIES)),
+                 positive=("bucket_mb", "timeout"),
+                 at_least=((0, ("ranks_per_node", "staleness", "link_latency_us",
+                                "link_gbps")),))
+    if (cfg.link_latency_us or cfg.link_gbps) and cfg.sync not in EMULATED_SYNCS:
+        raise ConfigError(f"link emulation slows the textbook all-reduces "
+                          f"({', '.join(EMULATED_SYNCS)}), "
+                          f"not {setting_of('sync', cfg.sync, cli)}", field="sync")
+    if cfg.consistency == "bsp" and cfg.staleness:
+        raise ConfigError(f"{flag_of('staleness', cli)} needs "
+                          f"{setting_of('consistency', 'ssp', cli)} (bsp waits for every worker)",
+                          field="staleness")
+    return check_compress(cfg.compress, cfg.sync, cfg.error_feedback, cli,
+                          cfg.sparsity_warmup)
+
+
+def precision_rules(cfg, cli=True):
+    check_values(cfg, cli, choices=(("precision", PRECISIONS),), positive=("loss_scale",),
+                 at_least=((1, ("loss_scale_window",)),))
+
+
+def parallel_rules(cfg, cli=True):
+    check_values(cfg, cli, choices=(("schedule", SCHEDULES), ("zero", ZERO_STAGES)),
+                 at_least=DEGREES + ((1, ("servers", "micro_batches", "virtual_stages",
+                                          "grad_accum")),))
+    if cfg.sequence_parallel and cfg.tp < 2:
+        raise ConfigError(f"--sequence-parallel splits the sequence over the tp ranks: "
+                          f"it needs --tp > 1, got --tp {cfg.tp}", field="sequence_parallel")
+    # --schedule interleaved and --virtual-stages go together, on a pipeline;
+    # check_world adds the micro-batches and the model's cut
+    interleaved = cfg.schedule == "interleaved"
+    if cfg.virtual_stages > 1 and not interleaved:
+        raise ConfigError(f"--virtual-stages {cfg.virtual_stages} needs --schedule "
+                          f"interleaved, not --schedule {cfg.schedule}", field="virtual_stages")
+    if interleaved and cfg.virtual_stages < 2:
+        raise ConfigError(f"--schedule interleaved needs --virtual-stages >= 2, got "
+                          f"--virtual-stages {cfg.virtual_stages} (with 1 it is 1f1b)",
+                          field="schedule")
+    if interleaved and cfg.pp < 2:
+        raise ConfigError(f"--schedule interleaved --virtual-stages {cfg.virtual_stages} "
+                          f"needs a pipeline: --pp >= 2, got --pp {cfg.pp}", field="schedule")
+
+
+def model_rules(cfg, cli=True):
+    check_values(cfg, cli, choices=(("model", MODELS),),
+                 at_least=((1, ("width", "depth", "layers", "d_model", "heads", "vocab",
+                                "seq_len")),))
+    if cfg.model in ("gpt", "moe") and cfg.d_model % cfg.heads:
+        raise ConfigError(f"--d-model {cfg.d_model} is not divisible by --heads {cfg.heads}",
+                          field="d_model")
+
+
+def moe_rules(cfg, cli=True):
+    if cfg.experts < 1 or cfg.top_k not in (1, 2) or cfg.top_k > cfg.experts:
+        raise ConfigError(f"--top-k {cfg.top_k} must be 1 or 2 and at most --experts "
+                          f"{cfg.experts} (>= 1)", field="top_k")
+    check_values(cfg, cli, positive=("capacity_factor",),
+                 at_least=((0, ("moe_group", "balance_loss")),))
+
+
+def data_rules(cfg, cli=True):
+    check_values(cfg, cli, at_least=((1, ("in_dim", "classes", "dataset_size")),))
+
+
+def optimizer_rules(cfg, cli=True):
+    check_values(cfg, cli, choices=(("optimizer", OPTIMIZERS),), positive=("lr",),
+                 at_least=((0, ("momentum", "weight_decay")),))
+    if not cfg.momentum < 1:
+        raise ConfigError(f"{flag_of('momentum', cli)} must be < 1, got {cfg.momentum!r}: "
+                          f"the velocity v = m v + g grows without bound from m = 1",
+                          field="momentum")
+
+
+def run_rules(cfg, cli=True):
+    check_values(cfg, cli, choices=(("device", DEVICES),),
+                 at_least=((1, ("steps", "global_batch")), (0, ("threads", "seed"))))
+    if cfg.straggler:
+        parse_straggler(cfg.straggler)
+
+
+def output_rules(cfg, cli=True):
+    check_values(cfg, cli, at_least=((0, ("checkpoint_every",)),))
+    if cfg.resume and not cfg.checkpoint_dir:
+        raise ConfigError("--resume needs --checkpoint-dir", field="resume")
+
+
+def parse_straggler(text):
+    """'RANK:SECONDS' -> (rank, seconds); ConfigError with the reason."""
+    rank, sep, seconds = str(text).partition(":")
+    try:
+        rank, seconds = int(rank), float(seconds)
+    except ValueError:
+        raise ConfigError(f"--straggler {text!r} is not RANK:SECONDS (e.g. 1:0.05)",
+                          field="straggler") from None
+    if not sep or rank < 0 or not 0 <= seconds < float("inf"):
+        raise ConfigError(f"--straggler {text!r} needs RANK >= 0 and SECONDS >= 0",
+                          field="straggler")
+    return rank, seconds
+
+
+# ------------------------------------------------------------------ sections together
+def check_sync_combinations(sync, precision, optimizer, cli=True):
+    """The sync section against the precision and the optimizer: for TrainConfig (pass it
+    three times) and DistributedOptimizer (its sections; the optimizer's is the wrapped one)."""
+    # bf16 needs no loss scale: the workers compute under autocast and push the fp32
+    # gradients of their fp32 parameters, which the parameter servers take as they are
+    if sync.sync in PS_SYNCS and precision.precision == "fp16":
+        raise ConfigError(f"{setting_of('precision', precision.precision, cli)} with "
+                          f"{setting_of('sync', sync.sync, cli)} is not supported: an fp16 "
+                          f"overflow skips the step on every rank, and the servers, which apply "
+                          f"what they are pushed, have no message for a skipped step; use bf16",
+                          field="precision")
+    if sync.momentum_correction and not (
+            parse_compress(sync.compress).kind == "topk" and optimizer.optimizer == "sgd"
+            and optimizer.momentum > 0 and sync.error_feedback):
+        raise ConfigError(f"{flag_of('momentum_correction', cli)} needs "
+                          f"{setting_of('compress', 'topk:RATIO', cli)} with "
+                          f"{setting_of('optimizer', 'sgd', cli)}, "
+                          f"{flag_of('momentum', cli)} > 0 and error feedback, not "
+                          f"{setting_of('compress', sync.compress, cli)} "
+                          f"{setting_of('optimizer', optimizer.optimizer, cli)} "
+                          f"{flag_of('momentum', cli)}{' ' if cli else '='}{optimizer.momentum:g}"
+                          + ("" if sync.error_feedback else
+                             " --no-error-feedback" if cli else " error_feedback=False"),
+                          field="momentum_correction")
+
+
+def check_flags(cfg):
+    """Everything that needs the TrainConfig alone, each section then their combinations;
+    the first problem is a ConfigError naming its flag."""
+    check_types(cfg)
+    spec = sync_rules(cfg)
+    for rules in (precision_rules, parallel_rules, model_rules, moe_rules, data_rules,
+                  optimizer_rules, run_rules, output_rules):
+        rules(cfg)
+    if cfg.on_grid and cfg.grad_accum > 1 and cfg.micro_batches not in (1, cfg.grad_accum):
+        # one concept: on the grid, accumulation is the schedule's micro-batches
+        raise ConfigError(f"--grad-accum {cfg.grad_accum} and --micro-batches "
+                          f"{cfg.micro_batches} are the same thing on the grid "
+                          f"(--dp/--pp/--tp/--zero): give one of them", field="grad_accum")
+    check_moe(cfg)
+    check_sync_combinations(cfg, cfg, cfg)
+    if cfg.sequence_parallel and cfg.seq_len % cfg.tp:
+        raise ConfigError(f"--sequence-parallel: --seq-len {cfg.seq_len} is not divisible "
+                          f"by tp({cfg.tp}): {cfg.seq_len} % {cfg.tp} = "
+                          f"{cfg.seq_len % cfg.tp}", field="sequence_parallel")
+    if cfg.on_grid and cfg.sync not in ALLREDUCE_SYNCS:
+        what = f"--zero {cfg.zero}" if cfg.zero else "--dp/--pp/--tp/--micro-batches"
+        raise ConfigError(f"{what} needs an all-reduce --sync ({', '.join(ALLREDUCE_SYNCS)}),"
+                          f" not --sync {cfg.sync}: the grid's axes talk through collectives",
+                          field="sync")
+    if cfg.on_grid and cfg.recompute and cfg.model != "gpt":
+        raise ConfigError(f"--recompute with --dp/--pp/--tp/--zero/--micro-batches "
+                          f"checkpoints GPT blocks; --model {cfg.model} is not cut into "
+                          f"blocks a stage can replay (use --model gpt, or the plain loop)",
+                          field="recompute")
+    if cfg.ep > 1 and spec.lossy:
+        raise ConfigError(f"--compress {cfg.compress} with --ep {cfg.ep} is not "
+                          f"supported; fp16 and bf16 are", field="compress")
+    if cfg.on_grid and cfg.device != "cpu":
+        raise ConfigError(f"--dp/--pp/--tp/--zero/--micro-batches with --device "
+                          f"{cfg.device} is not supported yet: the pipeline's transport "
+                          f"and ZeRO's flat buffers take CPU tensors", field="device")
+
+
+def check_moe(cfg):
+    """The mixture of experts against the other techniques; check_world adds the world's."""
+    if cfg.model == "moe" and cfg.grad_accum > 1:
+        raise ConfigError(f"--model moe with --grad-accum {cfg.grad_accum} is not "
+                          "supported: micro-steps would change the gating groups and "
+                          "each expert's capacity", field="model")
+    if cfg.model == "moe" and cfg.recompute:
+        raise ConfigError("--model moe with --recompute is not supported: it checkpoints "
+                          "the blocks of --model mlp and gpt", field="model")
+    if cfg.model == "moe":
+        for what, refused, why in (
+                (f"--pp {cfg.pp}", cfg.pp > 1, "the last stage's loss adds every block's "
+                                               "balance loss, and a stage holds its own only"),
+                (f"--tp {cfg.tp}", cfg.tp > 1, "its experts are split over --ep ranks, not tp"),
+                (f"--micro-batches {cfg.micro_batches}", cfg.micro_batches > 1,
+                 "micro-batches would change the gating groups"),
+                ("--zero 3", cfg.zero == 3, "ZeRO-3 would gather each expert inside the "
+                                            "all-to-alls; stages 1 and 2 shard it")):
+            if refused:
+                raise ConfigError(f"--model moe with {what} is not supported: {why}",
+                                  field="model")
+    if cfg.ep == 1:
+        return
+    if cfg.model != "moe":
+        raise ConfigError(f"--ep {cfg.ep} splits the experts of --model moe, not of "
+                          f"--model {cfg.model}", field="ep")
+    if cfg.experts % cfg.ep:
+        raise ConfigError(f"--experts {cfg.experts} is not divisible by ep({cfg.ep}): "
+                          f"{cfg.experts} % {cfg.ep} = {cfg.experts % cfg.ep}", field="experts")
+    if cfg.sync not in ALLREDUCE_SYNCS or cfg.sync == "torch":
+        raise ConfigError(f"--ep {cfg.ep} needs an all-reduce --sync over MPI "
+                          f"(ring, tree, ...), not --sync {cfg.sync}", field="ep")
+    if cfg.device != "cpu":
+        raise ConfigError(f"--ep {cfg.ep} with --device {cfg.device} is not supported yet: "
+                          f"the experts' all-to-alls take CPU tensors", field="ep")
+
+
+# ------------------------------------------------------------------ against the world
+def world_of(cfg, world_size):
+    """(dp, how the world splits): `world 3 = dp(2) + servers(1)`, `dp(2) x pp(2) x tp(1) = 4`.
+    The parameter servers' launcher (psrv.launch) decides which ranks serve; here only
+    how many ranks are left to train."""
+    if cfg.on_grid:                        # world = dp x pp x tp (mesh.py names each factor)
+        mesh = Mesh(world_size, cfg.dp, cfg.pp, cfg.tp, cfg.ep)
+        return mesh.dp, mesh.describe()
+    if cfg.sync in PS_SYNCS:
+        dp = world_size - cfg.servers
+        return dp, f"world {world_size} = dp({dp}) + servers({cfg.servers})"
+    return world_size, f"world {world_size} = dp({world_size})"
+
+
+def check_sync_world(sync, world_size, cli=True):
+    """The sync section against the size of its communicator: for TrainConfig (the whole
+    launch) and DistributedOptimizer (its communicator) alike."""
+    if sync.sync == "local" and world_size != 1:
+        raise ConfigError(f"{setting_of('sync', 'local', cli)} runs on one process, not "
+                          f"{world_size}", field="world_size")
+
+
+def check_world(cfg, world_size):
+    """Every problem of the flags against the world (ConfigError, field world_size where
+    no one flag is to blame); returns the data-parallel size.  The global batch is checked
+    here once, for the plain loop and the grid alike; an error names each factor
+    (`global batch 10 % dp(3) != 0`)."""
+    dp, where = world_of(cfg, world_size)
+    if dp < 1:
+        raise ConfigError(f"no worker left: {where}; use fewer --servers or more ranks",
+                          field="world_size")
+    if cfg.straggler and parse_straggler(cfg.straggler)[0] >= world_size:
+        raise ConfigError(f"--straggler rank {parse_straggler(cfg.straggler)[0]} is not a rank "
+                          f"(world size {world_size})", field="straggler")
+    check_sync_world(cfg, world_size)
+    if cfg.global_batch % dp:
+        raise ConfigError(f"--global-batch {cfg.global_batch} is not divisible by the "
+                          f"data-parallel size: {cfg.global_batch} % dp({dp}) = "
+                          f"{cfg.global_batch % dp} ({where})", field="world_size")
+    local = cfg.global_batch // dp
+    if local % cfg.grad_accum:
+        raise ConfigError(f"--grad-accum {cfg.grad_accum} does not divide the local batch: "
+                          f"global batch {cfg.global_batch} / dp({dp}) = {local} samples, "
+                          f"{local} % {cfg.grad_accum} = {local % cfg.grad_accum} ({where})",
+                          field="world_size")
+    if cfg.sync == "hybrid" and cfg.ranks_per_node and dp % cfg.ranks_per_node:
+        raise ConfigError(f"--ranks-per-node {cfg.ranks_per_node} does not divide dp({dp}) "
+                          f"into whole nodes ({where})", field="world_size")
+    if cfg.on_grid:
+        check_grid(cfg, dp)
+    if cfg.model == "moe":
+        Mesh(world_size, cfg.dp, cfg.pp, cfg.tp, cfg.ep)      # ep divides dp
+        if cfg.moe_group and local % cfg.moe_group:
+            raise ConfigError(f"--moe-group {cfg.moe_group} does not divide the local batch: "
+                              f"global batch {cfg.global_batch} / dp({dp}) = {local} sequences",
+                              field="moe_group")
+    return dp
+
+
+def check_grid(cfg, dp):
+    """The grid's flags against its sizes and the model's blocks (the mesh is checked)."""
+    blocks, what = cfg.blocks
+    if blocks % cfg.pp:
+        raise ConfigError(f"{what} {blocks} is not divisible by pp({cfg.pp}): "
+                          f"{blocks} % {cfg.pp} = {blocks % cfg.pp}", field=what[2:])
+    v, m = cfg.virtual_stages, cfg.micro_batches
+    if cfg.schedule == "interleaved" and blocks % (cfg.pp * v):
+        raise ConfigError(f"--schedule interleaved: {what} {blocks} is not divisible by "
+                          f"pp({cfg.pp}) x virtual stages({v}) = {cfg.pp * v}", field="schedule")
+    if cfg.schedule == "interleaved" and m % cfg.pp:
+        raise ConfigError(f"--schedule interleaved: --micro-batches {m} is not a multiple of "
+                          f"pp({cfg.pp}): micro-batches go round the ranks in groups of pp",
+                          field="schedule")
+    if cfg.tp > 1:
+        if cfg.model != "gpt":
+            raise ConfigError(f"--tp {cfg.tp}: tensor parallelism splits the GPT's attention "
+                              "and MLP; use --model gpt", field="tp")
+        if cfg.heads % cfg.tp:
+            raise ConfigError(f"--heads {cfg.heads} is not divisible by tp({cfg.tp}): "
+                              f"{cfg.heads} % {cfg.tp} = {cfg.heads % cfg.tp}", field="heads")
+        if cfg.d_model % cfg.tp:
+            raise ConfigError(f"--d-model {cfg.d_model} is not divisible by tp({cfg.tp})",
+                              field="d_model")
+    per_replica = cfg.global_batch // dp
+    if m > per_replica:
+        raise ConfigError(f"--micro-batches {m} is more than the {per_replica} samples of "
+                          f"each replica (global batch {cfg.global_batch} / dp({dp}))",
+                          field="micro_batches")
