@@ -80,7 +80,7 @@ class Outbox:
         if not payload:
             return
         # Value frames leave zero-copy (pyzmq copies one below zmq.COPY_THRESHOLD, which
-        # is cheaper than sharing it).  libzmq releases the frames of a socket in the
+        # is cheaper than sharing it).  libzmq lets go of a message's frames in the
         # order they were sent, so the last frame's tracker says when ZeroMQ is done
         # with the whole reply: one tracker (a threading.Event) per reply, not per
         # frame.  The last frame is therefore always shared, never copied: a copied
