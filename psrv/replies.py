@@ -73,21 +73,23 @@ class Outbox:
                                step=k.clock.get(worker, 0), version=k.version,
                                staleness=k.staleness.get(worker, -1)))
             payload += parts
-            owners += [k] * len(parts)
+            owners.append(k)
             k.read[worker] = k.version
         head = P.encode(P.Op.VALUES, self.shard_id, request, out, payload=payload)[0]
         self.sock.send_multipart([identity, head], zmq.SNDMORE if payload else 0)
-        last = len(payload) - 1
-        for i, (k, part) in enumerate(zip(owners, payload)):
-            # a value frame leaves zero-copy, and its tracker tells store.Key.writable
-            # whether ZeroMQ still reads it; pyzmq copies a small one anyway (copying
-            # is cheaper than tracking below zmq.COPY_THRESHOLD), so that needs no
-            # tracker, except the last frame, whose tracker counts the whole reply
-            tracked = part.nbytes >= zmq.COPY_THRESHOLD or i == last
-            tracker = self.sock.send(part, 0 if i == last else zmq.SNDMORE, copy=not tracked,
-                                     track=tracked)
-            if tracked:
-                k.trackers.append(tracker)
-            if i == last:
-                self.queued.setdefault(worker, deque()).append((tracker, nbytes))
-                self.queued_bytes[worker] = held + nbytes
+        if not payload:
+            return
+        # Value frames leave zero-copy (pyzmq copies one below zmq.COPY_THRESHOLD, which
+        # is cheaper than sharing it).  libzmq lets go of a message's frames in the
+        # order they were sent, so the last frame's tracker says when ZeroMQ is done
+        # with the whole reply: one tracker (a threading.Event) per reply, not per
+        # frame.  The last frame is therefore always shared, never copied: a copied
+        # one would come back with a tracker that is done at once.
+        for part in payload[:-1]:
+            self.sock.send(part, zmq.SNDMORE, copy=False)
+        tracker = self.sock.send(zmq.Frame(payload[-1], copy=False, track=True), copy=False,
+                                 track=True)
+        for k in owners:
+            k.trackers.append(tracker)         # store.Key.writable: copy before updating
+        self.queued.setdefault(worker, deque()).append((tracker, nbytes))
+        self.queued_bytes[worker] = held + nbytes

@@ -2,7 +2,9 @@
 
     another worker's key        a valid key speaks only for the worker id its file names
     replies left unread         a worker that never reads its VALUES is stopped at a byte
-                                limit, naming it; the shard stays small and serves the rest
+                                limit, naming it; the shard stays small and serves the rest;
+                                a reply counts until ZeroMQ lets go of it, also one whose
+                                last frame is small enough for pyzmq to copy
     unauthenticated flood       64 connections that each start a 4 MiB CURVE handshake frame:
                                 the server holds at most 2 per key + 16 of them, for at most
                                 5 s, grows by less than they would pin, logs a few lines
@@ -24,6 +26,8 @@ import psrv
 from psrv import keys as K
 from psrv import protocol as P
 from psrv.config import Consistency, OptimizerConfig, pack_config
+from psrv.replies import Outbox
+from psrv.store import Key
 
 SHAPES = {"w": (6, 4), "b": (4,)}
 SGD = OptimizerConfig("sgd", lr=0.5)
@@ -143,6 +147,36 @@ def test_a_worker_that_never_reads_its_replies_is_stopped_at_the_limit():
             assert grown < 48, f"the unread replies grew the server by {grown:.0f} MiB"
         hog.close()
         ctx.term()
+
+
+def test_a_reply_counts_as_unread_until_zeromq_lets_go_of_it_even_with_a_small_last_frame(tmp_path):
+    """Tier (b): an Outbox on a real ROUTER, a peer that reads nothing.  Each reply holds
+    a 4 MiB key and then a 16-byte one, a last frame that pyzmq would copy (below
+    zmq.COPY_THRESHOLD) and report done at once; the outbox tracks the last frame
+    anyway, so what the peer leaves unread is counted, and an update of the big key
+    copies the value that a queued reply still holds."""
+    ctx, peer_ctx = zmq.Context(), zmq.Context()     # as if in two processes
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"ipc://{tmp_path}/shard")
+    peer = raw_socket(peer_ctx, f"ipc://{tmp_path}/shard", routing_id=b"w1", rcvhwm=1)
+    peer.send(b"hello")
+    assert router.poll(5000) and router.recv_multipart()[0] == b"w1"   # the route exists
+    n = 1 << 20
+    big, small = Key("big", 0, n, (n,)), Key("small", 0, 4, (4,))
+    big.value, small.value = np.arange(n, dtype=np.float32), np.ones(4, np.float32)
+    entries = [P.Entry(0, 0, n, (n,)), P.Entry(1, 0, 4, (4,))]
+    outbox = Outbox(router, shard_id=0)
+    for request in range(4):       # the peer's queue (1 message) and the kernel take < 2
+        outbox.values(b"w1", request, 1, {0: big, 1: small}, entries, limit=1 << 30)
+    time.sleep(0.2)                # let ZeroMQ move what it can
+    assert outbox.unread(1) >= 2 * 4 * (n + 4), outbox.unread(1)
+    held = big.value
+    assert big.writable() is not held and np.array_equal(held, np.arange(n, dtype=np.float32))
+    router.close()                 # the shard first, as a shard that stops
+    ctx.term()
+    peer.close()
+    peer_ctx.term()
 
 
 def start_handshake(address):
