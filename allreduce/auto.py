@@ -272,13 +272,13 @@ class Auto(Collective):
         """The name of the algorithm `collective` of `size` bytes runs (e.g. 'ring')."""
         return self.pick(collective, size).name
 
-    def _allreduce_runner(self, size):
-        # the choice's own method, kept per call by Collective.allreduce: a call
-        # of a size seen before costs what a call of the chosen algorithm does
-        return self.allreduce_by_class[size.bit_length()]._allreduce
+    def _allreduce_runner(self, x, op):
+        # the choice's own, kept by Collective.allreduce per (op, dtype, size):
+        # a call of a size seen before costs what a call of the choice does
+        return self.allreduce_by_class[nbytes(x).bit_length()]._allreduce_runner(x, op)
 
     def _allreduce(self, x, op):
-        self._allreduce_runner(nbytes(x))(x, op)
+        self.allreduce_by_class[nbytes(x).bit_length()]._allreduce(x, op)
 
     def _reduce_scatter(self, x, bounds, op):
         return self.pick("reduce_scatter", nbytes(x))._reduce_scatter(x, bounds, op)

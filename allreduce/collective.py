@@ -103,15 +103,17 @@ class Collective:
         """Validate an all-reduce of x in full (and, with TOPOLAB_CHECK, compare
         ranks); returns the method that runs it, kept for numpy buffers, and x flat."""
         buf = self._begin("allreduce", x, op=op)
-        run = self._allreduce_runner(nbytes(x))
+        run = self._allreduce_runner(x, op)
         if type(x) is np.ndarray and not self.check:
             if len(self._plans) >= PLANS_KEPT:
                 self._plans.clear()
             self._plans[op, x.dtype, x.nbytes] = run
         return run, buf
 
-    def _allreduce_runner(self, size):
-        """The method that all-reduces `size` bytes: ours (auto: its choice's)."""
+    def _allreduce_runner(self, x, op):
+        """What all-reduces buffers like x (its dtype and size) with op, as
+        run(flat_x, op): our _allreduce; auto's choice's; a baseline's call with
+        its library's op looked up once."""
         return self._allreduce
 
     def reduce_scatter(self, x, op="sum"):
