@@ -13,11 +13,13 @@ copy), `_allgather(x, bounds)` (own shard already in place) and
 (`self.shard_bounds(n)` keeps them per n).  All-to-all is alltoall.py's, over the
 transport, for every algorithm; a baseline overrides `_alltoall(x, out, bounds)`.
 
-The call path is kept lean, since a small all-reduce costs about 8 us in MPI
-itself here and every microsecond of Python shows: a buffer is validated once
-per kind (buffers.Validator), a message of one segment goes without the
-pipeline's bookkeeping (`sendrecv_reduce`), and the TOPOLAB_CHECK exchange
-runs only when asked for.
+The call path is kept lean, since a small all-reduce costs a few us in MPI
+itself and every microsecond of Python shows: an all-reduce validated once
+is kept per (op, dtype, size) and goes straight to the method that runs it
+(`_plans`; the array's flags are still read every call), a buffer is
+validated once per kind (buffers.Validator), a message of one segment goes
+without the pipeline's bookkeeping (`sendrecv_reduce`), and the TOPOLAB_CHECK
+exchange runs only when asked for.  allreduce.callpath times the parts.
 """
 import numpy as np
 
@@ -240,8 +242,8 @@ class Collective:
         is pipelined, so that adding segment k overlaps receiving segment k+1.
         On the host, segments arrive in a window of WINDOW slots, reused in
         turn, and each is added while it is still in cache: a whole-message
-        scratch would be written to memory and read back, a quarter of the
-        ring's memory traffic at P = 2 (docs/performance.md, the byte budget).
+        scratch would be written to memory and read back, 4 of the 14 bytes
+        an element costs a rank of the ring at P = 2 (docs/performance.md).
         On a GPU every receive is posted at once (NCCL posts what a transport
         held until a wait as one group, which a later receive could not join).
         Both ends cut a message into the same segments, since what one sends
