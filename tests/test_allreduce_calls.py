@@ -19,6 +19,7 @@ from allreduce.buffers import as_bytes
 from allreduce.collective import PLANS_KEPT
 from allreduce.errors import CollectiveError, TransportTimeout
 from allreduce.transport import Handle, Transport
+from conftest import check_ok, mpirun
 
 
 class ThreadPair(Transport):
@@ -199,3 +200,21 @@ def test_the_receive_window_adds_every_segment(n, kind):
         return x
     for got in on_two_ranks(body):
         np.testing.assert_array_equal(got, expected(n, np.float32, "sum"))
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(200)
+def test_callpath_times_every_part_on_one_rank_only():
+    result = check_ok(mpirun(1, ["-m", "allreduce.callpath", "--calls", "100", "--repeat", "1"],
+                             timeout=120))
+    lines = result.stdout.splitlines()
+    for part in ("raw Allreduce", "raw Iallreduce + Test", "full validation", "mpi", "mpi avg",
+                 "auto", "ring"):
+        assert any(line.split()[:-1] and " ".join(line.split()[:-1]).startswith(part)
+                   for line in lines[1:]), part
+    for args in (["--calls", "5"], ["--repeat", "0"]):
+        bad = mpirun(1, ["-m", "allreduce.callpath", *args], timeout=60)
+        assert bad.returncode == 2 and "--calls must be >= 10 and --repeat >= 1" in bad.stderr
+        assert "Traceback" not in bad.stderr
+    two = mpirun(2, ["-m", "allreduce.callpath"], timeout=60)
+    assert two.returncode == 2 and "run on one rank" in two.stderr
