@@ -272,6 +272,11 @@ class Auto(Collective):
         """The name of the algorithm `collective` of `size` bytes runs (e.g. 'ring')."""
         return self.pick(collective, size).name
 
+    def _allreduce_runner(self, x, op):
+        # the choice's own, kept by Collective.allreduce per (op, dtype, size):
+        # a call of a size seen before costs what a call of the choice does
+        return self.allreduce_by_class[nbytes(x).bit_length()]._allreduce_runner(x, op)
+
     def _allreduce(self, x, op):
         self.allreduce_by_class[nbytes(x).bit_length()]._allreduce(x, op)
 

@@ -20,7 +20,8 @@ topolab layer: the floor), algbw, busbw
 (nccl-tests' factors), the bytes one rank sent beside the textbook figure, and
 #wrong: elements that differ from a reference each rank computes itself.  auto
 rows name their choice (auto→ring); the shm row's buffers live in its window
-(shm.py).  From 1 MiB a line gives memcpy on the same bytes, same rounds.
+(shm.py).  From 1 MiB a line gives memcpy on the same bytes, same rounds, and
+each row's busbw as a fraction of it (the median of the rounds' ratios).
 --jsonl records carry the quartiles too (time_us_p25, time_us_p75: error bars).
 
 Timing.  By default each call starts after a barrier: one collective from ranks
@@ -218,6 +219,7 @@ def main(argv=None):
                                   settle=lambda: settle(device))
             memcpy = (pristine.nbytes / timings.median("# memcpy") / 1e9
                       if "# memcpy" in timings.samples else None)
+            of_memcpy = {}                     # busbw / memcpy's GB/s, round by round
             for algo in colls:
                 n_wrong = comm.reduce(wrong[algo], op=MPI.SUM, root=0)
                 most_sent = comm.reduce(sent[algo], op=MPI.MAX, root=0)
@@ -232,6 +234,8 @@ def main(argv=None):
                 algbw = n * itemsize / median / 1e9 if median > 0 else 0.0
                 busbw = algbw * bus_factor(collective, P)
                 native = ran in UNCOUNTED
+                if memcpy:
+                    of_memcpy[label] = bus_factor(collective, P) * timings.ratio("# memcpy", algo)
                 predicted = predict(ran, collective, n * itemsize) if predict else None
                 print(f"{label:>{width}} {collective:>14} {format_size(nbytes):>8} "
                       f"{median * 1e6:10.1f} {'-' if vs_raw is None else f'{vs_raw:.2f}':>6} "
@@ -257,11 +261,13 @@ def main(argv=None):
                                             "torch" if algo == "torch" else args.transport),
                               "link_latency_us": args.link_latency_us,
                               "link_gbps": args.link_gbps, "memcpy_gbps": memcpy,
+                              "busbw_of_memcpy": of_memcpy.get(label),
                               **({"predicted_us": predicted} if predict else {}), **meta}
                     append_jsonl(out, [record])
             if rank == 0 and memcpy and collective == args.ops[-1]:
                 print(f"{'# memcpy':>{width}} {format_size(nbytes):>23} {memcpy:.2f} GB/s "
-                      f"(np.copyto, in the same rounds)", flush=True)
+                      f"(np.copyto, in the same rounds); busbw / memcpy, median of the rounds: "
+                      + ", ".join(f"{a} {f:.2f}" for a, f in of_memcpy.items()), flush=True)
     comm.Barrier()
 
 

@@ -158,10 +158,23 @@ def reduce_into(dst, src, op):
             np.add(dst, src, out=dst)
 
 
+_DIVISORS = {}      # (dtype, divisor) -> the divisor as a 0-d array of that dtype
+
+
 def scale(x, divisor):
-    """x /= divisor in place (the `avg` op of floating buffers)."""
+    """x /= divisor in place (the `avg` op of floating buffers).  A numpy buffer
+    is divided by a kept 0-d array of its own dtype: numpy's conversion of a
+    Python number on every call costs more than dividing 4 KiB.  The quotient
+    is the same, since numpy converts the number to x's dtype either way."""
     if is_numpy(x):
-        np.divide(x, divisor, out=x)
+        d = _DIVISORS.get((x.dtype, divisor))
+        if d is None:
+            d = np.array(divisor, dtype=x.dtype)
+            if d != divisor:                         # not exact in x's dtype: as given
+                d = divisor
+            elif len(_DIVISORS) < 64:
+                _DIVISORS[x.dtype, divisor] = d
+        np.divide(x, d, out=x)
     else:
         x.div_(divisor)
 

@@ -13,24 +13,32 @@ copy), `_allgather(x, bounds)` (own shard already in place) and
 (`self.shard_bounds(n)` keeps them per n).  All-to-all is alltoall.py's, over the
 transport, for every algorithm; a baseline overrides `_alltoall(x, out, bounds)`.
 
-The call path is kept lean, since a small all-reduce costs about 8 us in MPI
-itself here and every microsecond of Python shows: a buffer is validated once
-per kind (buffers.Validator), a message of one segment goes without the
-pipeline's bookkeeping (`sendrecv_reduce`), and the TOPOLAB_CHECK exchange
-runs only when asked for.
+The call path is kept lean, since a small all-reduce costs a few us in MPI
+itself and every microsecond of Python shows: an all-reduce validated once
+is kept per (op, dtype, size) and goes straight to the method that runs it
+(`_plans`; the array's flags are still read every call), a buffer is
+validated once per kind (buffers.Validator), a message of one segment goes
+without the pipeline's bookkeeping (`sendrecv_reduce`), and the TOPOLAB_CHECK
+exchange runs only when asked for.  allreduce.callpath times the parts.
 """
 import numpy as np
 
 from . import check
 from .alltoall import alltoall as textbook_alltoall, check_out, received_bounds
 from .buffers import (INTEGER_CODES, OPS, Scratch, Validator, copy_into, empty_like, flat,
-                      numel, reduce_into, scale)
+                      is_numpy, nbytes, numel, reduce_into, scale)
 from .errors import CollectiveError, CollectiveTimeout, TransportError, TransportTimeout
 from .shards import bounds_from_sizes, shard_bounds
 
 # Below this a message is sent whole; above it, in segments of this size so
 # that reducing (or forwarding) one segment overlaps receiving the next.
 SEGMENT_BYTES = 1 << 20
+# Segments of a pipelined receive in flight at once on the host (sendrecv_reduce):
+# two, so one arrives while the other is added; more measured no faster.
+WINDOW = 2
+# Validated all-reduce calls kept (Collective._plans): a training loop has a
+# handful of bucket sizes; a size sweep starts over now and then.
+PLANS_KEPT = 256
 
 
 class Collective:
@@ -44,6 +52,7 @@ class Collective:
         self.check = check.enabled()
         self.validator = Validator()
         self._bounds = {}
+        self._plans = {}        # (op, dtype, nbytes) -> the validated call's method
 
     @property
     def rank(self):
@@ -68,14 +77,46 @@ class Collective:
 
     # ----------------------------------------------------------- public API
     def allreduce(self, x, op="sum"):
-        buf = self._begin("allreduce", x, op=op)
-        try:                          # _guarded, inline: the call path of every step
-            self._allreduce(buf, op)
+        # The path of every training step.  A numpy buffer whose (op, dtype,
+        # size) an earlier call validated goes straight to the method that runs
+        # it (`_plans`); its flags, which can change on the same array, are read
+        # on every call.  Anything else, or every call under TOPOLAB_CHECK, is
+        # validated in full first (`_plan`).
+        run = None
+        if type(x) is np.ndarray and not self.check:
+            flags = x.flags
+            if flags.c_contiguous and flags.writeable:
+                try:
+                    run = self._plans.get((op, x.dtype, x.nbytes))
+                except TypeError:     # an op that is no string: _begin names it
+                    pass
+                buf = x if x.ndim == 1 else x.reshape(-1)
+        if run is None:
+            run, buf = self._plan(x, op)
+        try:                          # _guarded, inline
+            run(buf, op)
         except TransportError as e:
             raise self._named(e, "allreduce") from None
         if op == "avg":
             scale(x, self.size)
         return x
+
+    def _plan(self, x, op):
+        """Validate an all-reduce of x in full (and, with TOPOLAB_CHECK, compare
+        ranks); returns the method that runs it, kept for numpy buffers, and x flat."""
+        buf = self._begin("allreduce", x, op=op)
+        run = self._allreduce_runner(x, op)
+        if type(x) is np.ndarray and not self.check:
+            if len(self._plans) >= PLANS_KEPT:
+                self._plans.clear()
+            self._plans[op, x.dtype, x.nbytes] = run
+        return run, buf
+
+    def _allreduce_runner(self, x, op):
+        """What all-reduces buffers like x (its dtype and size) with op, as
+        run(flat_x, op): our _allreduce; auto's choice's; a baseline's call with
+        its library's op looked up once."""
+        return self._allreduce
 
     def reduce_scatter(self, x, op="sum"):
         x_flat = self._begin("reduce_scatter", x, op=op, writable=False)
@@ -198,20 +239,34 @@ class Collective:
         source, and reduce them into dst: one step of a reduce-scatter.
 
         A message of one segment is exchanged whole, then added.  A longer one
-        is pipelined: every segment's receive is posted at once, so adding
-        segment k overlaps receiving segment k+1.  Both ends cut a message into
-        the same segments, since what one sends is what its peer receives."""
+        is pipelined, so that adding segment k overlaps receiving segment k+1.
+        On the host, segments arrive in a window of WINDOW slots, reused in
+        turn, and each is added while it is still in cache: a whole-message
+        scratch would be written to memory and read back, 4 of the 14 bytes
+        an element costs a rank of the ring at P = 2 (docs/performance.md).
+        On a GPU every receive is posted at once (NCCL posts what a transport
+        held until a wait as one group, which a later receive could not join).
+        Both ends cut a message into the same segments, since what one sends
+        is what its peer receives."""
         t = self.transport
-        incoming = self.scratch.get("incoming", dst, len(dst))
         per = self.segment_bytes // dst.itemsize
         if len(dst) <= per and len(send) <= per:     # the same test on both ends
+            incoming = self.scratch.get("incoming", dst, len(dst))
             t.sendrecv(send, dest, incoming, source)
             reduce_into(dst, incoming, op)
             return
         segments = self.segments(dst, len(dst))
-        recvs = [t.irecv(incoming[a:b], source) for a, b in segments]
+        window = WINDOW if is_numpy(dst) or dst.device.type == "cpu" else len(segments)
+        slots = self.scratch.get("incoming", dst, min(window, len(segments)) * per)
+
+        def slot(k):                  # where segment k arrives
+            start = (k % window) * per
+            return slots[start:start + segments[k][1] - segments[k][0]]
+        recvs = [t.irecv(slot(k), source) for k in range(min(window, len(segments)))]
         sends = [t.isend(send[a:b], dest) for a, b in self.segments(send, len(send))]
-        for (a, b), handle in zip(segments, recvs):
-            handle.wait()
-            reduce_into(dst[a:b], incoming[a:b], op)
+        for k, (a, b) in enumerate(segments):
+            recvs[k].wait()
+            reduce_into(dst[a:b], slot(k), op)
+            if k + window < len(segments):           # its slot is free again
+                recvs.append(t.irecv(slot(k + window), source))
         t.wait_all(sends)

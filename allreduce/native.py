@@ -100,6 +100,19 @@ class MPINative(Collective):
         ops = self._ops.get(x.dtype) or self._mpi_ops(x)
         self.transport.wait_request(self.comm.Iallreduce(self.in_place, buf, op=ops[op]))
 
+    def _allreduce_runner(self, x, op):
+        """For a numpy buffer, MPI_Iallreduce with the MPI_Op of (dtype, op) bound
+        once: what Collective.allreduce keeps and calls for buffers like x."""
+        if type(x) is not np.ndarray:
+            return self._allreduce
+        comm, in_place, mpi_op, wait = self.comm, self.in_place, self._mpi_op(x, op), self._wait
+
+        def allreduce(buf, op):
+            request = comm.Iallreduce(in_place, buf, mpi_op)
+            if not request.Test():
+                wait(request)
+        return allreduce
+
     def _reduce_scatter(self, x, bounds, op):
         buf = _numpy_view(x)
         counts = [b - a for a, b in bounds]

@@ -127,6 +127,11 @@ def test_bench_records_name_the_chosen_algorithm(tmp_path):
     assert by[("auto→mpi", "allreduce", 4096)]["chosen"] == "mpi"
     ring = by[("auto→ring", "allreduce", 4 << 20)]
     assert ring["chosen"] == "ring" and ring["sent_bytes"] == ring["theory_bytes"]
+    # from 1 MiB every row carries its busbw as a fraction of memcpy's, printed too
+    assert ring["busbw_of_memcpy"] > 0 and by[("auto→mpi", "allreduce", 4096)][
+        "busbw_of_memcpy"] is None
+    assert "busbw / memcpy" in result.stdout and "auto→ring" in result.stdout.split(
+        "busbw / memcpy")[-1]
     for r in records:
         assert r["wrong"] == 0 and r["loop"] == 2, r
         assert r["vs_raw"] == pytest.approx(r["time_us"] / by[("mpi-raw", r["op"], r["bytes"])][
