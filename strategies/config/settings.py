@@ -93,7 +93,9 @@ class TrainConfig:
     sequence_parallel: bool = False  # with --tp: LayerNorms and residuals on 1/tp of
                                      # the sequence each (Korthikanti et al. 2023)
     zero: int = 0                 # ZeRO stage over the dp axis: 0 (plain DP), 1, 2, 3
-    micro_batches: int = 1        # per step and dp replica
+    micro_batches: int = 1        # per step and dp replica: each forward and backward in turn,
+                                  # the gradients added up, communicated once (a pipeline's
+                                  # schedule, or accumulation.py's of one stage)
     schedule: str = "1f1b"        # pipeline schedule: gpipe, 1f1b or interleaved (needs
                                   # --virtual-stages >= 2)
     virtual_stages: int = 1       # interleaved: model chunks per pipeline rank (Narayanan
@@ -111,8 +113,7 @@ class TrainConfig:
     # optimisation
     steps: int = 100              # training steps (a resumed run ends at the same one)
     global_batch: int = 64        # samples per step, split evenly across the data-parallel ranks
-    grad_accum: int = 1           # micro-steps per step: each rank's batch in K parts, their
-                                  # gradients added up, communicated once (accumulation.py)
+    grad_accum: int = 1           # the other name of --micro-batches (gradient accumulation)
     recompute: bool = False       # keep only each block's input; re-run its forward in
                                   # backward (activation checkpointing, recompute.py)
     lr: float = 0.05              # learning rate
@@ -140,14 +141,17 @@ class TrainConfig:
         spec = check_sync(self)
         if self.straggler:
             parse_straggler(self.straggler)
-        if self.on_grid and self.grad_accum > 1:
-            # one concept: on the grid, accumulation is the schedule's micro-batches
+        if self.grad_accum > 1:
+            # one concept: accumulating K micro-batches is what a schedule does, the
+            # pipeline's or the trivial one of one stage, so --grad-accum K is
+            # --micro-batches K on every run (on the grid it is left at 1 in the record)
             if self.micro_batches not in (1, self.grad_accum):
                 raise ConfigError(f"--grad-accum {self.grad_accum} and --micro-batches "
-                                  f"{self.micro_batches} are the same thing on the grid "
-                                  f"(--dp/--pp/--tp/--zero): give one of them", field="grad_accum")
+                                  f"{self.micro_batches} are the same thing on the grid and "
+                                  f"off it: give one of them", field="grad_accum")
             object.__setattr__(self, "micro_batches", self.grad_accum)
-            object.__setattr__(self, "grad_accum", 1)
+            if self.on_grid:
+                object.__setattr__(self, "grad_accum", 1)
         if self.model in ("gpt", "moe") and self.d_model % self.heads:
             raise ConfigError(f"--d-model {self.d_model} is not divisible by --heads {self.heads}",
                               field="d_model")
@@ -273,12 +277,15 @@ def dp_size_of(cfg, world_size):
         raise ConfigError(f"--global-batch {cfg.global_batch} is not divisible by the "
                           f"data-parallel size: {cfg.global_batch} % dp({dp}) = "
                           f"{cfg.global_batch % dp} ({where})", field="world_size")
-    local = cfg.global_batch // dp
-    if local % cfg.grad_accum:
-        raise ConfigError(f"--grad-accum {cfg.grad_accum} does not divide the local batch: "
+    local, k = cfg.global_batch // dp, cfg.micro_batches
+    flag = "--grad-accum" if cfg.grad_accum > 1 else "--micro-batches"
+    if k > local:
+        raise ConfigError(f"{flag} {k} is more than the {local} samples of each replica "
+                          f"(global batch {cfg.global_batch} / dp({dp}))", field="micro_batches")
+    if not cfg.on_grid and local % k:          # the grid's pipeline cuts unequal ones
+        raise ConfigError(f"{flag} {k} does not divide the local batch: "
                           f"global batch {cfg.global_batch} / dp({dp}) = {local} samples, "
-                          f"{local} % {cfg.grad_accum} = {local % cfg.grad_accum} ({where})",
-                          field="world_size")
+                          f"{local} % {k} = {local % k} ({where})", field="world_size")
     if cfg.sync == "hybrid" and cfg.ranks_per_node and dp % cfg.ranks_per_node:
         raise ConfigError(f"--ranks-per-node {cfg.ranks_per_node} does not divide dp({dp}) "
                           f"into whole nodes ({where})", field="world_size")

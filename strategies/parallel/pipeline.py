@@ -149,8 +149,9 @@ class Pipeline:
         """(op, chunk, micro-batch) in this rank's order; one chunk here, v in interleaved.py."""
         return [(op, 0, i) for op, i in self.order()]
 
-    def run(self, x, y):
-        """One step's forwards and backwards; returns the loss (last stage) or None."""
+    def run(self, x, y, step=None):
+        """One step's forwards and backwards; returns the loss (last stage) or None.
+        (`step` is the trivial schedule's, accumulation.py; spans here name micro-batches.)"""
         n = len(x)
         self.bounds = shard_bounds(n, self.m)
         self.x, self.y, self.n = x, y, n
