@@ -37,7 +37,7 @@ from ..runtime.metrics import Metrics, now
 from ..runtime.trace import Tracer, busy_seconds, span, write_chrome_trace
 from . import checkpoint
 from .grid import assemble
-from .parallelize import dropped_fraction, parallelize
+from .parallelize import cut_into_layers, dropped_fraction, parallelize
 
 
 class StepEngine:
@@ -51,7 +51,7 @@ class StepEngine:
         self.signature = signature(model)          # the whole model's, for checkpoints
         self.parameters = count_parameters(model)  # the whole model's, for the banner
         # a pipeline's times and bubble are read off the spans: the grid always traces
-        self.tracer = Tracer(ctx.rank) if cfg.trace or cfg.on_grid else None
+        self.tracer = Tracer(ctx.rank) if cfg.trace or cut_into_layers(cfg) else None
         self.plan = plan or parallelize(model, ctx, cfg, device, self.tracer)
         p = self.plan
         self.model, self.sync, self.optimizer = p.model, p.sync, p.optimizer
@@ -176,7 +176,7 @@ class StepEngine:
         if lay:
             return f", ep {lay.ep}: experts {lay.per_rank} of {lay.experts} per rank, " \
                    f"{lay.replicas} replica(s) each"
-        if not cfg.on_grid:
+        if not self.plan.pipelined:
             return "" if cfg.micro_batches == 1 else f", {cfg.micro_batches} micro-batches"
         v = f", {cfg.virtual_stages} chunks a rank" if cfg.virtual_stages > 1 else ""
         return f", zero {cfg.zero}, {cfg.micro_batches} micro-batches ({cfg.schedule}{v})"
@@ -184,7 +184,7 @@ class StepEngine:
     def trace_label(self, rank):
         if self.plan.placement:
             return f"rank {rank} (expert group {rank // self.cfg.ep}, ep {rank % self.cfg.ep})"
-        if self.cfg.on_grid:
+        if self.plan.pipelined:
             d, p, t = self.ctx.mesh.mesh.coords_of(rank)
             return f"rank {rank} (dp {d}, pp {p}, tp {t})"
         return f"worker {rank} ({self.cfg.sync})"
@@ -195,7 +195,7 @@ class StepEngine:
         replica's pieces (every stage and tp rank; the experts of the first expert group)
         and reassembles them (grid.assemble)."""
         p, cfg = self.plan, self.cfg
-        if not (cfg.on_grid or p.placement):
+        if not (p.pipelined or p.placement):
             return {n: t.detach().cpu().numpy() for n, t in self.model.named_parameters()}
         experts = {id(t) for t in p.expert_params}
         first = self.ctx.mesh.dp_rank == 0

@@ -88,11 +88,17 @@ def experts_apart(cfg):
     return cfg.model == "moe" and (cfg.ep > 1 or cfg.zero > 0)
 
 
+def cut_into_layers(cfg):
+    """Whether the model is cut into layers and stages over the grid (steps 0-3 and a
+    Pipeline); the experts' run shards by --zero too, but keeps its model whole."""
+    return cfg.on_grid and not experts_apart(cfg)
+
+
 def parallelize(model, ctx, cfg, device, tracer):
     """This rank's Parallelized of `model` (whole, as model/models.py built it), by the
     steps of the module docstring.  Collective: every rank of the run calls it."""
     comms = ctx.mesh
-    grid, experts = cfg.on_grid, experts_apart(cfg)
+    grid, experts = cut_into_layers(cfg), experts_apart(cfg)
     plan = Parallelized(model, None, None, None, of_config(cfg, device.type),
                         originals=list(model.parameters()),
                         names={id(p): n for n, p in model.named_parameters()})
