@@ -81,7 +81,8 @@ def make_method(method, base, ctx, data, device):
         sync = DDPSync(cfg, ctx, device)
         sync.setup(model)
         plan = Parallelized(model, Accumulation(model, sync.ddp, 1, sync, device), sync,
-                            make_optimizer(cfg, model.parameters()), MixedPrecision())
+                            make_optimizer(cfg, model.parameters()), MixedPrecision(),
+                            counters=[sync])
         return StepEngine(cfg, ctx, device, data, model, plan)
     # The trainer's own engine: parallelize.py has DistributedOptimizer build the sync.
     # "local" at P > 1 trains each rank's shard with no communication at all: the

@@ -104,7 +104,6 @@ class StepEngine:
         if self.tracer:                            # --trace: the step's intervals, as lived
             self.tracer.add(f"wait for gradients {step}", "comm", t1, t2)
             self.tracer.add(f"optimizer {step}", "optimizer", t2, t3)
-            self.tracer.add("step", "step", start, t3)
         return {"compute_time_s": (t1 - start) + (t3 - t2), "comm_time_s": t2 - t1}
 
     def pipeline_times(self, start, t1, t3):
@@ -159,13 +158,11 @@ class StepEngine:
                 **({} if kept is None else {"kept_ratio": kept})}
 
     def traffic(self):
-        """This rank's bytes so far: the sync's, the experts' all-to-alls', the tp
-        all-reduces' and the pipeline's messages; None where one is not observable."""
-        p = self.plan
-        sent, received = [self.sync.bytes_sent], [self.sync.bytes_received]
-        for t in p.extra_colls + ([p.exchange.coll] if p.exchange else []):
-            sent.append(t.bytes_sent)
-            received.append(t.bytes_received)
+        """This rank's bytes so far, of every counter the plan names (the sync's, the
+        experts' all-to-alls', the tp all-reduces', the pipeline's messages); None where
+        one of them is not observable."""
+        counters = self.plan.counters
+        sent, received = [c.bytes_sent for c in counters], [c.bytes_received for c in counters]
         if None in sent or None in received:
             return None, None
         return sum(sent), sum(received)

@@ -76,7 +76,7 @@ class Parallelized:
     exchange: object = None     # the experts' AllToAllExperts
     placement: object = None    # the experts' ExpertPlacement
     expert_params: list = field(default_factory=list)  # the experts this rank keeps
-    extra_colls: list = field(default_factory=list)   # traffic beside the sync's (tp, pp)
+    counters: list = field(default_factory=list)  # whose bytes_sent/received are the rank's
     names: dict = field(default_factory=dict)         # id(parameter) -> its name in the model
     tp_pieces: dict = field(default_factory=dict)     # id(parameter) -> tp.pieces' entry
     originals: list = field(default_factory=list)     # alive: no new parameter reuses an id
@@ -113,7 +113,7 @@ def parallelize(model, ctx, cfg, device, tracer):
         parallelize_blocks([b for name, b in layers if name.startswith("blocks.")], tp)
         if cfg.sequence_parallel:                  # LayerNorms on T/tp positions each
             layers = split_sequence(layers, tp)
-        plan.tp_pieces, plan.extra_colls = tp.pieces, [tp_coll.transport]
+        plan.tp_pieces, plan.counters = tp.pieces, [tp_coll.transport]
         for name, block in layers:                 # the split layers' new parameters
             for local, p in block.named_parameters():
                 plan.names.setdefault(id(p), f"{name}.{local}")
@@ -134,6 +134,7 @@ def parallelize(model, ctx, cfg, device, tracer):
         plan.exchange = AllToAllExperts(collective_for(cfg.sync, cfg, comms.ep),
                                         plan.placement, tracer)
         plan.expert_params = shard_experts(model, plan.placement, plan.exchange)
+        plan.counters = [plan.exchange.coll]
     # 5. data parallelism over what is left
     if grid or experts:
         zero_data_parallel(plan, ctx, cfg, tracer, layers if grid else None)
@@ -181,6 +182,8 @@ def zero_data_parallel(plan, ctx, cfg, tracer, layers):
                      thread_coll=thread_coll, compressor=compressor, overlap=cfg.overlap)
     plan.sync.setup(plan.model)
     plan.optimizer = plan.sync.make_optimizer()
+    # the transports' counts: a library's collective (--sync mpi) does not count its own
+    plan.counters = plan.counters + [c.transport for c in plan.sync.colls()]
     plan.scales_in_sync = layers is not None
     if layers is None and plan.precision.scaler:
         plan.agree = any_rank_of(ctx.comm)
@@ -199,6 +202,7 @@ def whole_data_parallel(plan, ctx, cfg):
         timeout=cfg.timeout, consistency=cfg.consistency, staleness=cfg.staleness,
         link_latency_us=cfg.link_latency_us, link_gbps=cfg.link_gbps)
     plan.sync, plan.optimizer = opt.sync, opt.optimizer
+    plan.counters = [opt.sync]
 
 
 def pipeline(plan, comms, cfg, stages, tracer, criterion):
@@ -214,7 +218,7 @@ def pipeline(plan, comms, cfg, stages, tracer, criterion):
                          cfg.micro_batches, cfg.schedule, lambda n: (n, *feature), tracer,
                          plan.meter, plan.precision)
     plan.schedule.recompute = plan.recompute
-    plan.extra_colls = plan.extra_colls + [p2p]
+    plan.counters = plan.counters + [p2p]
     plan.pipelined = True
     # the loss of a replica is on its last stage, the same on each of its tp ranks
     plan.reports = comms.is_last_stage and comms.tp_rank == 0
