@@ -27,8 +27,9 @@ under sync.no_sync, accumulation.py) -> sync.synchronize (wait for the rest) ->
 sync.step (the update).  engine/parallelize.py cuts the model for the flags (tensor,
 recompute, pipeline, experts, then data parallelism: ZeRO, or the syncs that
 strategies.DistributedOptimizer builds, the API a user's own loop has); the one step
-and the loop around it (records, checkpoints, summary) are engine/loop.py's.  Every problem with the flags, the data or the checkpoint is
-found before training, on every rank, and reported by every rank (exit 2).
+and the loop around it (records, checkpoints, summary) are engine/loop.py's.  Every
+problem with the flags, the data or the checkpoint is found before training, on every
+rank, and reported by every rank (exit 2).
 """
 import sys
 import time

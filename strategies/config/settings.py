@@ -86,7 +86,7 @@ class TrainConfig:
                                   # 0 = a data-parallel rank's local batch
     balance_loss: float = 0.01    # moe: weight of Switch's load-balancing loss; 0 = none
     ep: int = 1                   # expert-parallel ranks: each holds experts / EP experts
-    # parallelism on a dp x pp x tp grid (mesh.py, engine/grid.py, zero.py, ...)
+    # parallelism on a dp x pp x tp grid (mesh.py, engine/parallelize.py, zero.py, ...)
     dp: int = 0                   # data-parallel size; 0 = what is left, world / (pp * tp)
     pp: int = 1                   # pipeline stages
     tp: int = 1                   # tensor-parallel ranks (GPT)
@@ -203,7 +203,7 @@ class TrainConfig:
 
     @property
     def on_grid(self):
-        """Whether the run needs the dp x pp x tp worker (engine/grid.py), not the plain loop."""
+        """Whether the model is cut over a dp x pp x tp grid (mesh.needs_grid), not kept whole."""
         return needs_grid(vars(self))
 
     @property

@@ -191,7 +191,7 @@ class StepEngine:
         model itself where every rank holds it whole; else world rank 0 gathers the first
         replica's pieces (every stage and tp rank; the experts of the first expert group)
         and reassembles them (grid.assemble)."""
-        p, cfg = self.plan, self.cfg
+        p = self.plan
         if not (p.pipelined or p.placement):
             return {n: t.detach().cpu().numpy() for n, t in self.model.named_parameters()}
         experts = {id(t) for t in p.expert_params}

@@ -118,7 +118,7 @@ def parallelize(model, ctx, cfg, device, tracer):
             for local, p in block.named_parameters():
                 plan.names.setdefault(id(p), f"{name}.{local}")
     # 2. recompute: the kept GPT blocks after their tp split; the whole model's blocks
-    if cfg.recompute:                              # else None
+    if cfg.recompute:
         plan.recompute = Recompute.of_blocks(
             [(n, b) for n, b in layers if n.startswith("blocks.")], tracer) if grid \
             else Recompute(model, tracer)

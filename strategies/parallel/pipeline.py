@@ -122,7 +122,7 @@ class Pipeline:
         self.schedule, self.activation_shape = schedule, activation_shape
         self.tracer, self.meter = tracer, meter
         self.precision = precision or MixedPrecision()
-        self.recompute = None           # a recompute.Recompute of --recompute (engine/grid.py)
+        self.recompute = None           # a recompute.Recompute of --recompute (parallelize.py)
         self.global_stages = stages * len(self.chunks)
         self.last = stage == stages - 1        # the rank that holds the loss
         # an MPI request can be tested without blocking; other transports' handles wait
