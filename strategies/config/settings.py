@@ -168,7 +168,7 @@ class TrainConfig:
                               f"{self.seq_len % self.tp}", field="sequence_parallel")
         check_schedule(self)
         if self.on_grid and self.sync not in ALLREDUCE_SYNCS:
-            what = f"--zero {self.zero}" if self.zero else "--dp/--pp/--tp/--micro-batches"
+            what = f"--zero {self.zero}" if self.zero else "--dp/--pp/--tp"
             raise ConfigError(f"{what} needs an all-reduce --sync ({', '.join(ALLREDUCE_SYNCS)}),"
                               f" not --sync {self.sync}: the grid's axes talk through collectives",
                               field="sync")
@@ -189,7 +189,7 @@ class TrainConfig:
             raise ConfigError(f"--compress {self.compress} with --ep {self.ep} is not "
                               f"supported; fp16 and bf16 are", field="compress")
         if self.on_grid and self.device != "cpu":
-            raise ConfigError(f"--dp/--pp/--tp/--zero/--micro-batches with --device "
+            raise ConfigError(f"--dp/--pp/--tp/--zero with --device "
                               f"{self.device} is not supported yet: the pipeline's transport "
                               f"and ZeRO's flat buffers take CPU tensors", field="device")
 
