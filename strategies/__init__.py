@@ -14,9 +14,10 @@ Its layers, lowest first; each subpackage imports only from those before it
     compression/  what goes on the wire: casts, top-k, PowerSGD, error feedback
     sync/         data parallelism, one contract: buckets, the comm thread, ZeRO, servers
     parallel/     the splits of a model: tensor, sequence, pipeline, experts, recompute
-    engine/       the step engines and the loop; DistributedOptimizer for your own loop
+    engine/       parallelize (the splits in one order), the one step engine and the loop;
+                  DistributedOptimizer for your own loop
 and the commands on top:
-    train.py              the command line: preflight, then the engine the flags ask for
+    train.py              the command line: preflight, then the one step engine
     bench.py              interleaved throughput benchmark, beside torch DDP
     bench_parallel.py     ZeRO memory and traffic, pipeline bubbles, overlap, ZeRO-3 speed
     compatibility.py      which techniques combine: the table in docs/training.md

@@ -37,11 +37,14 @@ from allreduce.harness import interleaved
 from allreduce.records import append_jsonl, provenance
 
 from .config.settings import ALLREDUCE_SYNCS, ConfigError, TrainConfig
-from .engine.loop import DataParallel, one_step
+from .engine.accumulation import Accumulation
+from .engine.loop import StepEngine
+from .engine.parallelize import Parallelized
 from .model.data import load_data
-from .model.models import build_model, count_parameters
+from .model.models import build_model
 from .runtime.context import RunContext
 from .runtime.metrics import now
+from .runtime.precision import MixedPrecision
 from .sync.gradient_sync import GradientSync, make_optimizer
 
 
@@ -59,7 +62,7 @@ class DDPSync(GradientSync):
 
 
 def make_method(method, base, ctx, data, device):
-    """(cfg, model, sync, optimizer, forward) of one method name: the syncs of
+    """The step engine (engine/loop.py) of one method name: the syncs of
     strategies.train, built the way it builds them, or torch's DDP."""
     name, _, option = method.partition(":")
     if name != "ddp" and name not in ALLREDUCE_SYNCS + ("local",):
@@ -74,18 +77,20 @@ def make_method(method, base, ctx, data, device):
         raise ConfigError(f"bench: unknown option {option!r} in {method!r}")
     cfg = dataclasses.replace(base, **changes)
     model = build_model(cfg, data.spec, device)
-    if name == "ddp":
+    if name == "ddp":           # the trainer's step over DDP's forward, backward and sync
         sync = DDPSync(cfg, ctx, device)
         sync.setup(model)
-        return cfg, model, sync, make_optimizer(cfg, model.parameters()), sync.ddp
-    # The trainer's own data-parallel engine: DistributedOptimizer builds the sync.
+        plan = Parallelized(model, Accumulation(model, sync.ddp, 1, sync, device), sync,
+                            make_optimizer(cfg, model.parameters()), MixedPrecision(),
+                            counters=[sync])
+        return StepEngine(cfg, ctx, device, data, model, plan)
+    # The trainer's own engine: parallelize.py has DistributedOptimizer build the sync.
     # "local" at P > 1 trains each rank's shard with no communication at all: the
     # optimizer's world is the rank itself.
     if name == "local":
         from mpi4py import MPI
         ctx = dataclasses.replace(ctx, dp_comm=MPI.COMM_SELF)
-    engine = DataParallel(cfg, ctx, device, data, model)
-    return cfg, model, engine.sync, engine.optimizer, model
+    return StepEngine(cfg, ctx, device, data, model)
 
 
 def parser():
@@ -123,7 +128,7 @@ def bench(argv=None):
     device = ctx.device(base)
     data = load_data(base)
     built = {m: make_method(m, base, ctx, data, device) for m in methods}
-    params = count_parameters(next(iter(built.values()))[1])
+    params = next(iter(built.values())).parameters
     if ctx.rank == 0:
         print(f"bench: {base.model} with {params:,} parameters ({4 * params / 2**20:.0f} MiB of "
               f"gradients), P={ctx.dp_size}, global batch {base.global_batch}, "
@@ -133,11 +138,9 @@ def bench(argv=None):
     exposed = {m: [] for m in methods}         # exposed communication, step by step
 
     def step(method):
-        cfg, model, sync, optimizer, forward = built[method]
-        _, _, comm_s, _ = one_step(steps[method], cfg, ctx, data, model, sync, optimizer,
-                                   device, forward)
+        _, fields = built[method].step(steps[method])
         steps[method] += 1
-        exposed[method].append(comm_s)
+        exposed[method].append(fields["comm_time_s"])
 
     for m in methods:
         for _ in range(args.warmup):
@@ -148,7 +151,7 @@ def bench(argv=None):
                           warmup=0, calls=args.steps_per_round, comm=comm,
                           settle=lambda: now(device))
     for m in methods:
-        built[m][2].close()
+        built[m].sync.close()
     rows = []
     for m in methods:
         step_s = timings.median(m)

@@ -22,13 +22,14 @@ RANK/WORLD_SIZE/MASTER_ADDR from torchrun):
     torchrun --nproc-per-node 2 -m strategies.train --sync torch --device cuda
 
 Each step: this rank's B/P samples of the global batch -> forward -> backward
-(buckets all-reduced meanwhile; --grad-accum k: in k micro-steps, the first k-1
+(buckets all-reduced meanwhile; --micro-batches k: in k micro-steps, the first k-1
 under sync.no_sync, accumulation.py) -> sync.synchronize (wait for the rest) ->
-sync.step (the update).  The syncs are built by strategies.DistributedOptimizer,
-the API a user's own loop has (optimizer.py); the step and the loop around it
-(records, checkpoints, summary) are loop.py's, the loop shared with the dp x pp x tp
-grid (engine/grid.py).  Every problem with the flags, the data or the checkpoint is
-found before training, on every rank, and reported by every rank (exit 2).
+sync.step (the update).  engine/parallelize.py cuts the model for the flags (tensor,
+recompute, pipeline, experts, then data parallelism: ZeRO, or the syncs that
+strategies.DistributedOptimizer builds, the API a user's own loop has); the one step
+and the loop around it (records, checkpoints, summary) are engine/loop.py's.  Every
+problem with the flags, the data or the checkpoint is found before training, on every
+rank, and reported by every rank (exit 2).
 """
 import sys
 import time
@@ -38,9 +39,7 @@ from allreduce.torch_world import under_torchrun
 from .config.choices import ConfigError
 from .config.settings import check_outputs, parse_args
 from .engine import loop
-from .engine.experts import ExpertParallel
-from .engine.grid import GridEngine
-from .engine.loop import DataParallel
+from .engine.loop import StepEngine
 from .model.data import load_data
 from .model.models import build_model
 from .runtime import checkpoint
@@ -91,10 +90,9 @@ def train(argv=None):
     if ctx.is_server:
         ctx.role.serve()                           # until every worker has closed
         return None
-    # mixture of experts: experts split over --ep ranks, or sharded by --zero
-    experts = cfg.model == "moe" and (cfg.ep > 1 or cfg.zero)
-    engine = (ExpertParallel if experts else GridEngine if cfg.on_grid else DataParallel)(
-        cfg, ctx, device, data, model)
+    # one engine: engine/parallelize.py cuts the model as the flags say, the engine
+    # runs its micro-batches through the schedule, step after step
+    engine = StepEngine(cfg, ctx, device, data, model)
     return loop.run(cfg, ctx, device, data, engine, state, started)
 
 

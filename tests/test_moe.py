@@ -166,10 +166,10 @@ TOP1 = ["--top-k", "1", "--capacity-factor", "0.5"]       # 4 of 32 tokens per e
 # "--replicas" runs the expert-parallel engine at ep 1: all experts on each rank,
 # two replicas of each, their gradients through the replica all-reduce.
 SCRIPT = ["-c", "import json, sys\nimport strategies.train as train\n"
-                "from strategies.engine.experts import ExpertParallel\n"
-                "plain = train.DataParallel\n"
+                "import strategies.engine.parallelize as par\n"
+                "plain = par.experts_apart\n"
                 "for argv in json.loads(sys.argv[1]):\n"
-                "    train.DataParallel = ExpertParallel if '--replicas' in argv else plain\n"
+                "    par.experts_apart = (lambda cfg: True) if '--replicas' in argv else plain\n"
                 "    train.main([a for a in argv if a != '--replicas'])\n"]
 
 

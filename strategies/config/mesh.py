@@ -42,9 +42,11 @@ EXPERT_AXES = ("ep", "ep_replicas")
 
 def needs_grid(config):
     """Whether a run of these settings (a mapping of TrainConfig's fields: its own, or a
-    record's "config") needs the dp x pp x tp worker (engine/grid.py), not the plain loop."""
+    record's "config") cut the model into layers over a dp x pp x tp grid (engine/
+    parallelize.py), not keep it whole on every rank.  Micro-batches alone do not: the
+    whole model runs them through the trivial schedule (engine/accumulation.py)."""
     return bool(config.get("dp") or config.get("pp", 1) > 1 or config.get("tp", 1) > 1 or
-                config.get("zero") or config.get("micro_batches", 1) > 1)
+                config.get("zero"))
 
 
 @dataclass(frozen=True)

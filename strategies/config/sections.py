@@ -68,13 +68,14 @@ class ParallelOptions:
     sequence_parallel: bool = False  # with --tp: LayerNorms and residuals on 1/tp of
                                      # the sequence each (Korthikanti et al. 2023)
     zero: int = 0                 # ZeRO stage over the dp axis: 0 (plain DP), 1, 2, 3
-    micro_batches: int = 1        # per step and dp replica
+    micro_batches: int = 1        # per step and dp replica: each forward and backward in turn,
+                                  # the gradients added up, communicated once (a pipeline's
+                                  # schedule, or accumulation.py's of one stage)
     schedule: str = "1f1b"        # pipeline schedule: gpipe, 1f1b or interleaved (needs
                                   # --virtual-stages >= 2)
     virtual_stages: int = 1       # interleaved: model chunks per pipeline rank (Narayanan
                                   # et al. 2021); the model is cut into pp x v stages
-    grad_accum: int = 1           # micro-steps per step: each rank's batch in K parts, their
-                                  # gradients added up, communicated once (accumulation.py)
+    grad_accum: int = 1           # the other name of --micro-batches (gradient accumulation)
     recompute: bool = False       # keep only each block's input; re-run its forward in
                                   # backward (activation checkpointing, recompute.py)
 

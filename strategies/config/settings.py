@@ -36,10 +36,13 @@ class Settings:
 
     def __post_init__(self):
         check_flags(self)
-        if self.on_grid and self.grad_accum > 1:
-            # one concept: on the grid, accumulation is the schedule's micro-batches
+        if self.grad_accum > 1:
+            # one concept: accumulating K micro-batches is what a schedule does, the
+            # pipeline's or the trivial one of one stage, so --grad-accum K is
+            # --micro-batches K on every run (on the grid it is left at 1 in the record)
             object.__setattr__(self, "micro_batches", self.grad_accum)
-            object.__setattr__(self, "grad_accum", 1)
+            if self.on_grid:
+                object.__setattr__(self, "grad_accum", 1)
 
     @classmethod
     def of(cls, *sections, **fields):
@@ -61,7 +64,7 @@ class Settings:
 
     @property
     def on_grid(self):
-        """Whether the run needs the dp x pp x tp worker (engine/grid.py), not the plain loop."""
+        """Whether the model is cut over a dp x pp x tp grid (mesh.needs_grid), not kept whole."""
         return needs_grid(vars(self))
 
     @property

@@ -167,11 +167,11 @@ def check_flags(cfg):
     for rules in (precision_rules, parallel_rules, model_rules, moe_rules, data_rules,
                   optimizer_rules, run_rules, output_rules):
         rules(cfg)
-    if cfg.on_grid and cfg.grad_accum > 1 and cfg.micro_batches not in (1, cfg.grad_accum):
-        # one concept: on the grid, accumulation is the schedule's micro-batches
+    if cfg.grad_accum > 1 and cfg.micro_batches not in (1, cfg.grad_accum):
+        # one concept: accumulation is a schedule's micro-batches (settings.py folds them)
         raise ConfigError(f"--grad-accum {cfg.grad_accum} and --micro-batches "
-                          f"{cfg.micro_batches} are the same thing on the grid "
-                          f"(--dp/--pp/--tp/--zero): give one of them", field="grad_accum")
+                          f"{cfg.micro_batches} are the same thing on the grid and "
+                          f"off it: give one of them", field="grad_accum")
     check_moe(cfg)
     check_sync_combinations(cfg, cfg, cfg)
     if cfg.sequence_parallel and cfg.seq_len % cfg.tp:
@@ -179,7 +179,7 @@ def check_flags(cfg):
                           f"by tp({cfg.tp}): {cfg.seq_len} % {cfg.tp} = "
                           f"{cfg.seq_len % cfg.tp}", field="sequence_parallel")
     if cfg.on_grid and cfg.sync not in ALLREDUCE_SYNCS:
-        what = f"--zero {cfg.zero}" if cfg.zero else "--dp/--pp/--tp/--micro-batches"
+        what = f"--zero {cfg.zero}" if cfg.zero else "--dp/--pp/--tp"
         raise ConfigError(f"{what} needs an all-reduce --sync ({', '.join(ALLREDUCE_SYNCS)}),"
                           f" not --sync {cfg.sync}: the grid's axes talk through collectives",
                           field="sync")
@@ -192,7 +192,7 @@ def check_flags(cfg):
         raise ConfigError(f"--compress {cfg.compress} with --ep {cfg.ep} is not "
                           f"supported; fp16 and bf16 are", field="compress")
     if cfg.on_grid and cfg.device != "cpu":
-        raise ConfigError(f"--dp/--pp/--tp/--zero/--micro-batches with --device "
+        raise ConfigError(f"--dp/--pp/--tp/--zero with --device "
                           f"{cfg.device} is not supported yet: the pipeline's transport "
                           f"and ZeRO's flat buffers take CPU tensors", field="device")
 
@@ -273,12 +273,15 @@ def check_world(cfg, world_size):
         raise ConfigError(f"--global-batch {cfg.global_batch} is not divisible by the "
                           f"data-parallel size: {cfg.global_batch} % dp({dp}) = "
                           f"{cfg.global_batch % dp} ({where})", field="world_size")
-    local = cfg.global_batch // dp
-    if local % cfg.grad_accum:
-        raise ConfigError(f"--grad-accum {cfg.grad_accum} does not divide the local batch: "
+    local, k = cfg.global_batch // dp, cfg.micro_batches
+    flag = "--grad-accum" if cfg.grad_accum > 1 else "--micro-batches"
+    if k > local:
+        raise ConfigError(f"{flag} {k} is more than the {local} samples of each replica "
+                          f"(global batch {cfg.global_batch} / dp({dp}))", field="micro_batches")
+    if not cfg.on_grid and local % k:          # the grid's pipeline cuts unequal ones
+        raise ConfigError(f"{flag} {k} does not divide the local batch: "
                           f"global batch {cfg.global_batch} / dp({dp}) = {local} samples, "
-                          f"{local} % {cfg.grad_accum} = {local % cfg.grad_accum} ({where})",
-                          field="world_size")
+                          f"{local} % {k} = {local % k} ({where})", field="world_size")
     if cfg.sync == "hybrid" and cfg.ranks_per_node and dp % cfg.ranks_per_node:
         raise ConfigError(f"--ranks-per-node {cfg.ranks_per_node} does not divide dp({dp}) "
                           f"into whole nodes ({where})", field="world_size")
@@ -317,8 +320,4 @@ def check_grid(cfg, dp):
         if cfg.d_model % cfg.tp:
             raise ConfigError(f"--d-model {cfg.d_model} is not divisible by tp({cfg.tp})",
                               field="d_model")
-    per_replica = cfg.global_batch // dp
-    if m > per_replica:
-        raise ConfigError(f"--micro-batches {m} is more than the {per_replica} samples of "
-                          f"each replica (global batch {cfg.global_batch} / dp({dp}))",
-                          field="micro_batches")
+

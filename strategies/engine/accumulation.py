@@ -31,12 +31,33 @@ overlapped with that last backward, and a parameter server sees one push:
 In a loop of one's own, DistributedOptimizer's `no_sync()` does the same (the loop is
 in optimizer.py's docstring).
 
-On the dp x pp x tp grid the pipeline accumulates over --micro-batches already
-(engine/grid.py), so --grad-accum is refused there (config/settings.py).
+This is the trivial schedule: the pipeline's (parallel/pipeline.py) with one stage,
+what the step engine (engine/loop.py) drives where the model is not cut into stages.
+`--micro-batches k` sets k on every run (`--grad-accum k` is its other name,
+config/settings.py); on the grid the pipeline's schedules run the same k.
 """
 from contextlib import nullcontext
 
+from ..runtime.metrics import now
 from ..runtime.precision import MixedPrecision
+
+
+class Accumulation:
+    """The schedule of one stage: `run(x, y)` is accumulate's k micro-steps over the
+    whole model, the shape of Pipeline.run (parallel/pipeline.py).  forward: what the
+    micro-batches go through (the model, or a wrapper of it such as torch's DDP)."""
+
+    def __init__(self, model, forward, k, sync, device, tracer=None, recompute=None,
+                 precision=None):
+        self.model, self.forward, self.k, self.sync = model, forward, k, sync
+        self.clock = lambda: now(device)
+        self.tracer, self.recompute, self.precision = tracer, recompute, precision
+
+    def run(self, x, y, step):
+        """Step `step`'s forwards and backwards; returns the loss of the local batch."""
+        loss = accumulate(step, self.model, self.forward, x, y, self.k, self.sync,
+                          self.clock, self.tracer, self.recompute, self.precision)
+        return loss.item()
 
 
 def accumulate(step, model, forward, x, y, k, sync, clock, tracer=None, recompute=None,

@@ -1,28 +1,25 @@
-"""The training loop, written once: records, banner, checkpoints, trace and summary,
-for every kind of run.  What differs between kinds is the step engine.
+"""The training loop, written once, over one step engine, for every kind of run.
 
-    engine = DataParallel(cfg, ctx, device, data, model)    below: one sync, the
-                                                             model whole on each rank
-    engine = GridEngine(cfg, ctx, device, data, model)      engine/grid.py: ZeRO, pipeline
-                                                             and tensor parallel
+    engine = StepEngine(cfg, ctx, device, data, model)   parallelize.py cuts the model
     summary = run(cfg, ctx, device, data, engine, checkpoint_state, started)
 
-An engine has three parts of the sync contract (sync/gradient_sync.py) and a step:
+One step, on every rank of every run (Megatron-LM's forward_backward_func and
+torchtitan's train_step have the same shape):
 
-    engine.model, engine.optimizer   what this rank trains and its optimizer
-    engine.sync                      a GradientSync: the loop calls its state_dict and
-                                     load_state_dict (checkpoints), abort and close
-    engine.step(step) -> (local loss or None, record fields)
-                                     one training step; inside it the engine calls
-                                     the sync's before_backward, synchronize and step
-    engine.traffic() -> (bytes sent, bytes received) of this rank so far (None: not
-                                     observable)
-    engine.layout, engine.describe() the run's sizes for the records, the banner's tail
-    engine.parameters_npz() -> {name: array} on the writer (collective), for --params-out
-    engine.tracer, engine.trace_label(rank)   --trace: a Tracer, each rank's track name
+    x, y = this dp replica's share of the global batch           (model/data.py)
+    sync.before_backward()                                       (the sync's contract)
+    schedule.run(x, y): the micro-batches forward and backward   (a Pipeline of stages, or
+        gradients accumulate; the sync's collectives leave        the trivial schedule of
+        as backward finishes them, once per step                  one stage: accumulation.py)
+    sync.synchronize(step)                                       (every gradient came)
+    the update: sync.step(optimizer), fp16's overflow skip       (runtime/precision.py)
+    the record's fields                                          (below)
 
-The data-parallel step itself, timed, is one_step: DataParallel's, ExpertParallel's
-(expert_parallel.py) and strategies.bench's.
+What an engine gives the loop: model, optimizer and sync (checkpoints: their
+state_dicts; the sync's abort and close), precision, step(step) -> (local loss or
+None, record fields), traffic() -> (bytes sent, bytes received) so far (None: not
+observable), layout and describe() (the records, the banner), parameters_npz() on
+the writer (collective: --params-out), tracer and trace_label(rank) (--trace).
 
 Steps run from the checkpoint's step (or 0) to cfg.steps; the records and the
 summary go through metrics.Metrics; checkpoints every --checkpoint-every steps
@@ -38,44 +35,119 @@ import uuid
 
 import numpy as np
 
-from ..config.sections import PrecisionOptions, SyncOptions
 from ..config.settings import world_of
 from ..model.models import count_parameters, signature
-from ..parallel import recompute
 from ..runtime import checkpoint
 from ..runtime.metrics import Metrics, now
-from ..runtime.precision import MixedPrecision, of_config
-from ..runtime.trace import Tracer, write_chrome_trace
-from ..sync.gradient_sync import torch_optimizer
-from .accumulation import accumulate
-from .optimizer import DistributedOptimizer
+from ..runtime.trace import Tracer, busy_seconds, span, write_chrome_trace
+from .grid import assemble
+from .parallelize import cut_into_layers, dropped_fraction, parallelize
 from .stopping import NoStop, SignalStop
 
 
 class StepEngine:
-    """The defaults of the engine interface above; each kind of run fills in the rest."""
-    model = optimizer = sync = tracer = precision = None
-    parameters = 0               # of the whole model, for the banner
-    signature = ()               # of the whole model, for checkpoints (models.signature)
-    _wire = (0, 0)               # the sync's wire and dense bytes after the last step
+    """One rank's training: parallelize's plan (parallelize.py), one step at a time.
 
-    def __init__(self, cfg, ctx, device, data, model):
-        """What an engine without pipeline or tensor axes (pp = tp = 1) keeps: every rank
-        a data-parallel worker.  GridEngine (engine/grid.py) sets its own from the grid."""
-        self.cfg, self.ctx, self.device, self.data, self.model = cfg, ctx, device, data, model
-        self.signature = signature(model)          # before an engine keeps a share of it
-        self.layout = {"world_size": ctx.world_size, "dp_size": ctx.dp_size, "pp_size": 1,
-                       "tp_size": 1}
-        self.tracer = Tracer(ctx.rank) if cfg.trace else None
+    plan: a parallelize.Parallelized built elsewhere (strategies.bench: torch's DDP);
+    None: parallelize(model) as cfg says."""
+
+    def __init__(self, cfg, ctx, device, data, model, plan=None):
+        self.cfg, self.ctx, self.device, self.data = cfg, ctx, device, data
+        self.signature = signature(model)          # the whole model's, for checkpoints
+        self.parameters = count_parameters(model)  # the whole model's, for the banner
+        # a pipeline's times and bubble are read off the spans: the grid always traces
+        self.tracer = Tracer(ctx.rank) if cfg.trace or cut_into_layers(cfg) else None
+        self.plan = plan or parallelize(model, ctx, cfg, device, self.tracer)
+        p = self.plan
+        self.model, self.sync, self.optimizer = p.model, p.sync, p.optimizer
+        self.precision = p.precision
+        mesh = ctx.mesh.mesh if ctx.mesh else None
+        self.layout = {"world_size": ctx.world_size, "dp_size": ctx.dp_size,
+                       "pp_size": mesh.pp if mesh else 1, "tp_size": mesh.tp if mesh else 1,
+                       **({"ep_size": cfg.ep} if p.placement else {})}
+        self._wire = (0, 0)                        # the sync's wire and dense bytes so far
 
     def step(self, step):
-        raise NotImplementedError
+        """One training step (the module docstring); returns (this rank's loss where it
+        holds one of the step's, else None; the record's fields)."""
+        cfg, p, sync = self.cfg, self.plan, self.sync
+        x, y = self.data.batch(step, self.ctx.dp_rank, self.ctx.dp_size, cfg.global_batch,
+                               self.device)
+        rounds = sync.comm_rounds
+        exchanged = (p.exchange.coll.bytes_sent, p.exchange.seconds) if p.exchange else None
+        start = now(self.device)
+        if self.ctx.rank == cfg.straggler_rank:    # --straggler: a slow GPU, seen as compute
+            with span(self.tracer, f"straggler {step}", "forward"):
+                time.sleep(cfg.straggler_seconds)
+        if p.meter:
+            p.meter.reset_peak()
+        sync.before_backward()
+        loss = p.schedule.run(x, y, step)
+        t1 = now(self.device)
+        sync.synchronize(step)
+        t2 = now(self.device)
+        if p.scales_in_sync:                       # ZeRO's 16-bit buffers: it skips itself
+            with span(self.tracer, f"optimizer {step}", "optimizer"):
+                sync.step(self.optimizer)
+        else:       # every rank holds the same averaged gradients, or `agree` votes
+            self.precision.step(sync.gradients(), lambda: sync.step(self.optimizer), p.agree)
+        t3 = now(self.device)
+        fields = {"step_time_s": t3 - start,
+                  **(self.pipeline_times(start, t1, t3) if p.pipelined else
+                     self.clocked_times(step, start, t1, t2, t3)),
+                  "staleness": sync.staleness, "comm_rounds": sync.comm_rounds - rounds,
+                  **self.wire_fields(), **self.precision.record()}
+        if exchanged:                              # the experts' all-to-alls
+            self.alltoall_fields(fields, *exchanged)
+        return (loss if p.reports else None), fields
 
-    def traffic(self):
-        return self.sync.bytes_sent, self.sync.bytes_received
+    def clocked_times(self, step, start, t1, t2, t3):
+        """The whole model: [start, t1) is this rank's compute (forward and backward),
+        [t1, t2) the exposed communication, [t2, t3) the update, compute again.  The
+        comm_rounds (one per gradient bucket, or server round trip) are the same with k
+        micro-batches as without: the point of no_sync."""
+        if self.tracer:                            # --trace: the step's intervals, as lived
+            self.tracer.add(f"wait for gradients {step}", "comm", t1, t2)
+            self.tracer.add(f"optimizer {step}", "optimizer", t2, t3)
+        return {"compute_time_s": (t1 - start) + (t3 - t2), "comm_time_s": t2 - t1}
 
-    def describe(self):
-        return ""
+    def pipeline_times(self, start, t1, t3):
+        """A pipeline: a rank's waits for its peers are interleaved with its compute, so
+        the times are the spans': busy (forward, backward), comm, idle, and the bubble,
+        the share of the flush-to-flush time of the pipeline this rank did not compute."""
+        self.tracer.add("step", "step", start, t3)
+        events = self.tracer.since(start)
+        busy = busy_seconds(events)
+        comms, sync = self.ctx.mesh, self.sync
+        memory = sync.state_bytes(self.optimizer)
+        memory.update(activations_peak=self.plan.meter.peak_bytes,
+                      gathered_peak=sync.peak_gathered_bytes)
+        return {"coords": [comms.dp_rank, comms.pp_rank, comms.tp_rank],
+                "compute_time_s": busy, "comm_time_s": busy_seconds(events, ("comm",)),
+                "idle_time_s": busy_seconds(events, ("idle",)),
+                "bubble_fraction": 1.0 - busy / self.pipeline_span(start, t1),
+                "peak_in_flight": self.plan.schedule.peak_in_flight,
+                "micro_batch_activation_bytes": self.plan.schedule.micro_batch_bytes,
+                "memory": memory}
+
+    def pipeline_span(self, start, end):
+        """The flush-to-flush time of this step's pipeline: from the first stage's start to
+        the last stage's end (ranks share one clock on a host).  The GPipe paper's bubble
+        (p-1)/(m+p-1) is a share of this common span; a stage's own [start, end) would
+        leave out the work of the others before it starts and after it ends."""
+        spans = self.ctx.mesh.pp.allgather((start, end))
+        return max(e for _, e in spans) - min(s for s, _ in spans)
+
+    def alltoall_fields(self, fields, bytes_before, seconds_before):
+        """The experts' all-to-alls (two per MoE block in the forward, two in the
+        backward) block the forward and backward: exposed communication, so their time
+        moves from the compute to the communication."""
+        exchange = self.plan.exchange
+        seconds, sent = exchange.seconds - seconds_before, exchange.coll.bytes_sent
+        fields.update(compute_time_s=fields["compute_time_s"] - seconds,
+                      comm_time_s=fields["comm_time_s"] + seconds, alltoall_time_s=seconds,
+                      alltoall_bytes=None if bytes_before is None else sent - bytes_before,
+                      dropped_fraction=dropped_fraction(self.model))
 
     def wire_fields(self):
         """This step's gradient bytes handed to the collectives (`wire_bytes`) and what
@@ -90,76 +162,64 @@ class StepEngine:
         return {"wire_bytes": wire - before[0], "dense_bytes": dense - before[1],
                 **({} if kept is None else {"kept_ratio": kept})}
 
-    def parameters_npz(self):
-        return {n: p.detach().cpu().numpy() for n, p in self.model.named_parameters()}
+    def traffic(self):
+        """This rank's bytes so far, of every counter the plan names (the sync's, the
+        experts' all-to-alls', the tp all-reduces', the pipeline's messages); None where
+        one of them is not observable."""
+        counters = self.plan.counters
+        sent, received = [c.bytes_sent for c in counters], [c.bytes_received for c in counters]
+        if None in sent or None in received:
+            return None, None
+        return sum(sent), sum(received)
+
+    def describe(self):
+        """The banner's tail: the split, where there is one."""
+        cfg, lay = self.cfg, self.plan.placement
+        if lay:
+            return f", ep {lay.ep}: experts {lay.per_rank} of {lay.experts} per rank, " \
+                   f"{lay.replicas} replica(s) each"
+        if not self.plan.pipelined:
+            return "" if cfg.micro_batches == 1 else f", {cfg.micro_batches} micro-batches"
+        v = f", {cfg.virtual_stages} chunks a rank" if cfg.virtual_stages > 1 else ""
+        return f", zero {cfg.zero}, {cfg.micro_batches} micro-batches ({cfg.schedule}{v})"
 
     def trace_label(self, rank):
-        return f"rank {rank}"
-
-
-def one_step(step, cfg, ctx, data, model, sync, optimizer, device, forward=None, tracer=None,
-             recompute=None, precision=None, agree=None):
-    """One training step; returns (local loss, compute s, exposed comm s, step s).
-    Forward and backward run in --grad-accum micro-steps (accumulation.py), the
-    communication once; recompute: recompute.Recompute of --recompute, or None;
-    precision: a precision.MixedPrecision (None: fp32) around the forward, the backward
-    and the update (fp16: skipped where the synchronised gradients overflowed);
-    agree: the ranks' overflow vote (precision.any_rank_of) where ranks hold different
-    gradients (expert parallelism), None where every rank holds the same."""
-    precision = precision or MixedPrecision()
-    t0 = now(device)
-    x, y = data.batch(step, ctx.dp_rank, ctx.dp_size, cfg.global_batch, device)
-    sync.before_backward()
-    if ctx.rank == cfg.straggler_rank:             # --straggler: a slow GPU, seen as compute
-        time.sleep(cfg.straggler_seconds)
-    loss = accumulate(step, model, forward or model, x, y, cfg.grad_accum, sync,
-                      lambda: now(device), tracer, recompute, precision)
-    t1 = now(device)
-    sync.synchronize(step)
-    t2 = now(device)
-    # data parallel: every rank holds the same averaged gradients, so every rank skips
-    # the same steps; expert parallel: `agree` makes them
-    precision.step(sync.gradients(), lambda: sync.step(optimizer), agree)
-    t3 = now(device)
-    if tracer:                                     # --trace: the step's intervals, as lived
-        tracer.add(f"wait for gradients {step}", "comm", t1, t2)
-        tracer.add(f"optimizer {step}", "optimizer", t2, t3)
-    return loss.item(), (t1 - t0) + (t3 - t2), t2 - t1, t3 - t0
-
-
-class DataParallel(StepEngine):
-    """The whole model on every worker, a sync of the contract between them: local,
-    an all-reduce, or parameter servers.  DistributedOptimizer builds the sync (the one
-    place that knows every kind); the step drives the contract on it directly, as
-    one_step times each call."""
-
-    def __init__(self, cfg, ctx, device, data, model):
-        super().__init__(cfg, ctx, device, data, model)
-        settings = {**vars(cfg.section(SyncOptions)), **vars(cfg.section(PrecisionOptions))}
-        opt = DistributedOptimizer(torch_optimizer(cfg, model.parameters()), model,
-                                   comm=ctx.dp_comm, role=ctx.role, **settings)
-        self.sync, self.optimizer = opt.sync, opt.optimizer
-        self.parameters = count_parameters(model)
-        # the model's fp32 parameters are the master weights; autocast casts them per matmul
-        self.precision = of_config(cfg, device.type)
-        self.recompute = recompute.enable(cfg, model, self.tracer)   # --recompute, or None
-
-    def step(self, step):
-        rounds_before = self.sync.comm_rounds
-        loss, compute_s, comm_s, step_s = one_step(step, self.cfg, self.ctx, self.data,
-                                                   self.model, self.sync, self.optimizer,
-                                                   self.device, tracer=self.tracer,
-                                                   recompute=self.recompute,
-                                                   precision=self.precision)
-        # comm_rounds: this step's collectives (one per gradient bucket) or server round
-        # trips; the same with --grad-accum k as without, which is the point of no_sync
-        return loss, {"step_time_s": step_s, "compute_time_s": compute_s,
-                      "comm_time_s": comm_s, "staleness": self.sync.staleness,
-                      "comm_rounds": self.sync.comm_rounds - rounds_before,
-                      **self.wire_fields(), **self.precision.record()}
-
-    def trace_label(self, rank):
+        if self.plan.placement:
+            return f"rank {rank} (expert group {rank // self.cfg.ep}, ep {rank % self.cfg.ep})"
+        if self.plan.pipelined:
+            d, p, t = self.ctx.mesh.mesh.coords_of(rank)
+            return f"rank {rank} (dp {d}, pp {p}, tp {t})"
         return f"worker {rank} ({self.cfg.sync})"
+
+    def parameters_npz(self):
+        """The whole model's parameters on the writer (collective), for --params-out: the
+        model itself where every rank holds it whole; else world rank 0 gathers the first
+        replica's pieces (every stage and tp rank; the experts of the first expert group)
+        and reassembles them (grid.assemble)."""
+        p = self.plan
+        if not (p.pipelined or p.placement):
+            return {n: t.detach().cpu().numpy() for n, t in self.model.named_parameters()}
+        experts = {id(t) for t in p.expert_params}
+        first = self.ctx.mesh.dp_rank == 0
+        mine = [piece for piece in self.pieces()
+                if (first if piece[0] not in experts else p.placement.group == 0)]
+        gathered = self.ctx.comm.gather([piece[1:] for piece in mine], root=0)
+        return assemble(gathered) if self.ctx.rank == 0 else {}
+
+    def pieces(self):
+        """(id, full name, local array, tp pieces, full shape) of this rank's parameters;
+        ZeRO-3 layers are gathered for it (a collective on the dp axis)."""
+        out = []
+        for unit in self.sync.units:
+            if self.cfg.zero == 3:
+                unit.gather("save")
+            for t in unit.params:
+                pieces, shape = self.plan.tp_pieces.get(id(t), (None, None))  # None: whole
+                out.append((id(t), self.plan.names[id(t)], t.detach().cpu().numpy().copy(),
+                            pieces, shape))
+            if self.cfg.zero == 3:
+                unit.release()
+        return out
 
 
 def run(cfg, ctx, device, data, engine, state, started):

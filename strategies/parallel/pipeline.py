@@ -122,7 +122,7 @@ class Pipeline:
         self.schedule, self.activation_shape = schedule, activation_shape
         self.tracer, self.meter = tracer, meter
         self.precision = precision or MixedPrecision()
-        self.recompute = None           # a recompute.Recompute of --recompute (engine/grid.py)
+        self.recompute = None           # a recompute.Recompute of --recompute (parallelize.py)
         self.global_stages = stages * len(self.chunks)
         self.last = stage == stages - 1        # the rank that holds the loss
         # an MPI request can be tested without blocking; other transports' handles wait
@@ -149,8 +149,9 @@ class Pipeline:
         """(op, chunk, micro-batch) in this rank's order; one chunk here, v in interleaved.py."""
         return [(op, 0, i) for op, i in self.order()]
 
-    def run(self, x, y):
-        """One step's forwards and backwards; returns the loss (last stage) or None."""
+    def run(self, x, y, step=None):
+        """One step's forwards and backwards; returns the loss (last stage) or None.
+        (`step` is the trivial schedule's, accumulation.py; spans here name micro-batches.)"""
         n = len(x)
         self.bounds = shard_bounds(n, self.m)
         self.x, self.y, self.n = x, y, n

@@ -87,7 +87,7 @@ class Recompute:
     @classmethod
     def of_blocks(cls, blocks, tracer=None):
         """The GPT blocks a pipeline stage holds, [(name, block)], each checkpointed:
-        the grid's share of the model (engine/grid.py), already split over tp, whose
+        the grid's share of the model (engine/parallelize.py), already split over tp, whose
         collectives the replay runs again, in the same order on every tp rank."""
         recompute = cls(None, tracer)
         for name, block in blocks:

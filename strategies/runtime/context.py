@@ -119,8 +119,8 @@ class RunContext:
     @classmethod
     def _from_torchrun(cls, cfg, host):
         if cfg.on_grid:
-            raise ConfigError("--dp/--pp/--tp/--zero/--micro-batches/--trace run under "
-                              "mpiexec, not torchrun", field="dp")
+            raise ConfigError("--dp/--pp/--tp/--zero run under mpiexec, not torchrun",
+                              field="dp")
         if cfg.sync != "torch":
             raise ConfigError(f"under torchrun only --sync torch works (got --sync {cfg.sync}); "
                               "launch the others with mpiexec", field="sync")

@@ -7,7 +7,8 @@ run's `run_id`, so that several runs can share a file:
      "tp_size", "host", "start_step"}
     {"kind": "step", "step", "rank", "loss", "local_loss", "step_time_s", "compute_time_s",
      "comm_time_s", "ended_s", "bytes_sent", "bytes_received", "peak_mem_mb", ...}   per rank
-        plain loop: "staleness";  grid: "coords" [dp, pp, tp], "idle_time_s",
+        every run: "staleness", "comm_rounds" (this step's collectives or server round
+        trips);  the grid (a pipeline): "coords" [dp, pp, tp], "idle_time_s",
         "bubble_fraction", "peak_in_flight", "micro_batch_activation_bytes", "memory"
         --precision fp16: "loss_scale", "overflow_skips" (so far; the summary has the total)
         --ep: "alltoall_time_s", "alltoall_bytes" (sent by this rank), "dropped_fraction"

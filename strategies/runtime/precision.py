@@ -42,7 +42,7 @@ Where the master weights are:
   pipeline and tensor parallel       as ZeRO on each rank; what crosses ranks goes as
   (pipeline.py, tensor_parallel.py,  fp32: a stage's activations and their gradients,
   sequence_parallel.py)              the tp axis's partial sums; fp16's overflow vote
-                                     spans every rank (engine/grid.py, any_rank_of)
+                                     spans every rank (engine/parallelize.py, any_rank_of)
   expert parallel                    as the data-parallel loop; the tokens cross the
   (expert_parallel.py)               all-to-alls as fp32; a rank holds its own experts'
                                      gradients, so fp16's vote spans every rank too

@@ -23,16 +23,16 @@ rank = MPI.COMM_WORLD.rank
 ended = open(f"{sys.argv[4]}/rank-{rank}.txt", "w", buffering=1)
 logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                     format=f"rank {rank} %(name)s %(levelname)s %(message)s")
-real_step = loop.one_step
+real_step = loop.StepEngine.step
 
 
-def faulty_step(step, cfg, ctx, *args, **kwargs):
-    if ctx.dp_rank == fault_rank and step == fault_step:
+def faulty_step(engine, step):
+    if engine.ctx.dp_rank == fault_rank and step == fault_step:
         raise RuntimeError(f"injected fault at step {step}")
-    return real_step(step, cfg, ctx, *args, **kwargs)
+    return real_step(engine, step)
 
 
-loop.one_step = faulty_step
+loop.StepEngine.step = faulty_step
 for i, argv in enumerate(runs):
     try:
         train.main(argv)
