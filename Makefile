@@ -1,5 +1,5 @@
 # The README's commands: `make demo`, `make test-all` (what CI runs) and `make test`.
-# Each creates .venv/ on first use (torch CPU build, MPICH from PyPI) and reuse it.
+# Each creates .venv/ on first use (torch CPU build, MPICH from PyPI) and reuses it.
 
 PYTHON ?= python3
 VENV   := .venv
