@@ -1,5 +1,5 @@
-# The two commands of the README: `make demo` and `make test`.
-# Both create .venv/ on first use (torch CPU build, MPICH from PyPI) and reuse it.
+# The README's commands: `make demo`, `make test-all` (what CI runs) and `make test`.
+# Each creates .venv/ on first use (torch CPU build, MPICH from PyPI) and reuses it.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 NP     ?= 3
 
-.PHONY: venv demo gallery cluster-demo test test-fast bench clean cluster-test
+.PHONY: venv demo gallery cluster-demo test test-all bench clean cluster-test
 
 venv: $(VENV)/.installed
 
@@ -39,7 +39,13 @@ cluster-demo: venv
 	$(PY) -m experiments.sweep experiments/cluster_demo.toml
 	$(PY) -m experiments.report results/cluster-demo
 
+# The quick tier, for every change: all but the tests marked `slow` (setup.cfg says
+# which ones are; docs/testing.md gives both tiers' times).
 test: venv
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q -m "not slow" tests
+
+# Every test, the slow ones too: what CI (.ci/run) runs.
+test-all: venv
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pytest -q tests
 
 # Collectives and training across emulated hosts (network namespaces, shaped links);

@@ -14,6 +14,7 @@ import pytest
 from conftest import check_ok, mpi_env, run
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_calibrate_writes_both_parts(tmp_path):
     result = check_ok(run([sys.executable, "-m", "experiments.calibrate", "--reps", "1",

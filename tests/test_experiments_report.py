@@ -180,6 +180,7 @@ trace = true
 """
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
 def test_grid_runs_feed_the_zero_memory_and_pipeline_figures(tmp_path):

@@ -82,6 +82,7 @@ def steps_in(path):
     return [r["step"] for r in read_jsonl(path, warn=False) if r.get("kind") == "step"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_resume_after_a_crash_writes_each_step_once(tmp_path):
     """Train with a checkpoint every 3 steps, kill the run after step 4 is recorded (the

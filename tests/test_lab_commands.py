@@ -60,6 +60,7 @@ def test_every_command_names_the_venvs_tools(sheet):
                 command
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sheet", SHEETS, ids=os.path.basename)

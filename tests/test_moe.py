@@ -187,6 +187,7 @@ def launch(tmp_path, nprocs, runs):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_expert_parallel_reproduces_one_process(tmp_path):
     local = ["--sync", "local", "--moe-group", "4"]

@@ -129,6 +129,7 @@ FOUR = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_four_ranks_combinations_reproduce_one_process(tmp_path, reference):
     runs = launch(tmp_path, 4, FOUR, timeout=300)
@@ -136,6 +137,7 @@ def test_four_ranks_combinations_reproduce_one_process(tmp_path, reference):
         assert_same_run(runs[name], reference["gpt"], 4)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_zero_on_three_ranks_uneven_shards(tmp_path, reference):
     """dp = 3 (odd on purpose): every layer's flat buffer splits unevenly.  SGD with
@@ -174,6 +176,7 @@ def test_zero_memory_matches_the_paper(two):
             assert abs(params + grads + optimizer - want) / want < 0.01, (name, want)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_zero_traffic_matches_the_paper(tmp_path):
     """Bytes each rank sends per step, ring collectives, N = 3: stages 0-2 move 2(N-1)/N
@@ -203,6 +206,7 @@ def test_pipeline_keeps_the_schedules_activations(two):
             assert ratio == pytest.approx(most, rel=0.15), name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_trace_shows_the_bubbles(tmp_path):
     path = tmp_path / "trace.json"
@@ -220,6 +224,7 @@ def test_trace_shows_the_bubbles(tmp_path):
     assert len(waits) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_any_run_can_be_traced_even_through_parameter_servers(tmp_path):
     path = tmp_path / "ps_trace.json"

@@ -233,6 +233,7 @@ def test_a_model_with_no_layout_is_an_error(capsys):
     assert stop.value.code == 2 and "no layout" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(200)
 def test_verify_runs_the_best_and_the_worst_on_two_ranks(tmp_path):

@@ -111,6 +111,7 @@ def final_loss(records):
     return [r for r in records if r["kind"] == "summary"][0]["final_loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bf16_trains_like_fp32_and_fp16_counts_its_skips(tmp_path):
     """One process: the MLP and the GPT, fp32 against bf16 after N steps; fp16 with an
@@ -133,6 +134,7 @@ def test_bf16_trains_like_fp32_and_fp16_counts_its_skips(tmp_path):
     assert [r for r in runs["fp16"] if r["kind"] == "summary"][0]["overflow_skips"] == skips[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_ranks_bf16_ring_and_zero_memory_per_rank_match_the_formula(tmp_path):
     """P = 2: the ring's bf16 run within the tolerance of one fp32 process's; ZeRO stages
@@ -184,6 +186,7 @@ EP_MOE = ["--model", "moe", "--layers", "2", "--d-model", "16", "--heads", "2", 
           "--sync", "ring", "--ep", "2"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_expert_parallel_bf16_trains_like_fp32_and_fp16_ranks_skip_together(tmp_path):
     """--ep 2: the tokens cross the all-to-alls in fp32 and are computed on in 16 bit;
@@ -222,6 +225,7 @@ POISON = [SEVERAL[0], SEVERAL[1].replace(
     "zero.ZeRO.synchronize = poisoned\n")]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_expert_parallel_fp16_vote_spans_ranks_holding_other_experts(tmp_path):
     """An overflow only one rank can see (its own experts' gradients, which no
@@ -285,6 +289,7 @@ def test_distributed_optimizer_bf16_and_fp16_in_a_loop_of_ones_own():
                                         sync="ps", precision="fp16")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_fp16_zero_ranks_agree_to_skip(tmp_path):
     """ZeRO-2, P = 2, fp16 at a scale that overflows: each rank checks only its shard,

@@ -31,6 +31,7 @@ def test_example_under_mpiexec_one_server_two_workers(mode, bind_host):
         assert set(result["staleness"]) == {"0"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_bench_writes_every_kind_with_throughput_and_cpu(tmp_path):
     """psrv.bench, smallest run: one row per kind (torch_rpc at W = S = 1 only), JSON

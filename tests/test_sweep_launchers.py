@@ -201,6 +201,7 @@ def test_hostfile_of_localhost_runs_a_point(tmp_path):
     assert r["config"]["launcher"] == f"hostfile:{tmp_path / 'hosts'}"
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(90)
 def test_emulated_point_records_the_bytes_on_each_hosts_link(tmp_path, namespaces):
@@ -309,6 +310,7 @@ def slurm(tmp_path_factory):
                 os.killpg(p.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(90)
 def test_slurm_runs_a_point_through_pmi(tmp_path, slurm):

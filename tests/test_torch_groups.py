@@ -47,6 +47,7 @@ HELD_SPECS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_every_algorithm_over_torch_on_a_split_communicator():
     specs = SPLIT_SPECS + HELD_SPECS
@@ -64,6 +65,7 @@ GRIDS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_torch_sync_on_a_grid_reproduces_one_process(tmp_path):
     reference = launch(tmp_path, 1, [("local", GPT + ["--sync", "local"])])["local"]
@@ -82,6 +84,7 @@ def test_a_group_made_by_some_ranks_only_ends_in_an_error_not_a_hang():
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_groups_given_as_rank_lists_under_torchrun():
     """No MPI: each rank passes its own group's global ranks ([2, 0] and [1]); a

@@ -14,6 +14,7 @@ TINY_MLP = ["--model", "mlp", "--width", "32", "--depth", "2", "--in-dim", "16",
             "--classes", "4", "--dataset-size", "64", "--global-batch", "16", "--threads", "1"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_times_every_method_in_the_same_rounds(tmp_path):
     out = tmp_path / "bench.jsonl"
@@ -27,6 +28,7 @@ def test_bench_times_every_method_in_the_same_rounds(tmp_path):
         assert r["median_step_s"] > 0 and r["speedup_vs_ddp"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_bench_parallel_zero_matches_the_formulas(tmp_path):
     out = tmp_path / "zero.jsonl"

@@ -43,6 +43,7 @@ def test_the_outputs_are_checked_before_the_run(tmp_path):
         check_outputs(TrainConfig(params_out=str(tmp_path)), writer=True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_missing_folder_stops_the_run_before_training_and_checkpoints_are_private(tmp_path):
     base = [sys.executable, "-m", "strategies.train", "--steps", "2", "--no-progress",
