@@ -18,8 +18,7 @@ from test_parallel_runs import GPT, MLP_SGD, assert_same_run, launch
 from conftest import check_ok, mpirun
 
 RTOL, ATOL = 1e-4, 1e-6
-# Every run here composes techniques that the quicker files test one by one.
-pytestmark = pytest.mark.slow
+# In the quick tier too: these compositions are the one worker's proof, for every change.
 
 
 def assert_close_run(run, ref, world):
