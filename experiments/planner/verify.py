@@ -83,10 +83,10 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
 
 def runnable(gpt, layout):
     """'' when strategies.train runs this layout, else why not."""
-    if layout.recompute != "none":
-        return "the trainer recomputes only without --dp/--pp/--tp/--zero/--micro-batches"
+    if layout.recompute == "selective":
+        return "the trainer recomputes whole blocks (--recompute), not attention alone"
     if gpt.experts and (layout.pp > 1 or layout.tp > 1 or layout.zero or
-                        layout.micro_batches > 1):
+                        layout.micro_batches > 1 or layout.recompute != "none"):
         return "the trainer's mixture of experts runs on dp and ep only"
     return ""
 
