@@ -246,12 +246,13 @@ def run(cfg, ctx, device, data, engine, state, started):
                 if stop.at(step):
                     break
                 local_loss, fields = engine.step(step)
+                ended = time.perf_counter()        # before any wait for the others below
                 done = stopped = step + 1
                 meet = done == cfg.steps or cfg.checkpoint_every and \
                     done % cfg.checkpoint_every == 0
                 if meet:   # every worker at `done` before the servers save it; and none in
                     control.barrier()   # the records' allgather while one waits (stopping.py)
-                metrics.record(step, local_loss, fields)
+                metrics.record(step, local_loss, fields, ended)
                 if meet and cfg.checkpoint_dir:
                     checkpoint.save(cfg, ctx, done, engine, run_id)
                     saved = done

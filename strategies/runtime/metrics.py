@@ -81,10 +81,11 @@ class Metrics:
             self.bar = tqdm(total=cfg.steps, initial=start_step, desc=cfg.sync, unit="step",
                             dynamic_ncols=True)
 
-    def record(self, step, local_loss, fields):
+    def record(self, step, local_loss, fields, ended=None):
         """This rank's step: its local loss (None where it computes none) and the
-        engine's fields (times, staleness, memory, ...)."""
-        ended_s = time.perf_counter() - self._start
+        engine's fields (times, staleness, memory, ...); ended: its time.perf_counter()
+        at the step's end, where the loop waited for the others since (default: now)."""
+        ended_s = (time.perf_counter() if ended is None else ended) - self._start
         sent, received = self.traffic()
         self.pending.append({
             "kind": "step", "run_id": self.run_id, "step": step, "rank": self.rank,
