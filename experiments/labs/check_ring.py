@@ -24,8 +24,8 @@ and 12345 it checks
 
 After each length the ranks exchange their findings (an allgather), so all of
 them stop at the same length with one verdict, which rank 0 prints.  A rank whose
-ring raises prints its traceback at once and tells the others, which stop
-waiting for it; a rank that exits or dies is named with its exit status.  Then,
+ring raises tells the others at once, which stop waiting for it, and rank 0
+prints its traceback above the verdict; a rank that exits or dies is named with its exit status.  Then,
 at the first P, it times your ring on 16 MiB and prints its busbw beside the cost
 model's prediction (costmodel.ring_allreduce; alpha, beta, gamma and cores from
 --calibration, else alpha, beta, gamma probed now, without a cores term).
@@ -98,7 +98,9 @@ def student_traceback(error):
 
 
 def one_length(ring, t, alarm, world, n):
-    """(kind, text) of what went wrong on this rank at length n, or None."""
+    """(kind, text) of what went wrong on this rank at length n, or None; a ring
+    that raised adds its traceback, which rank 0 prints above the verdict (printed
+    here, another rank's pipe under mpiexec could deliver it after the verdict)."""
     t.reset(n)                          # world.calls: kept from the module's loading on
     x, want = inputs(n, t.rank, t.size)
     try:
@@ -112,9 +114,9 @@ def one_length(ring, t, alarm, world, n):
         alarm.ring()
         return "raised", f"exited with status {e.code!r} (sys.exit) inside the ring"
     except Exception as e:              # noqa: BLE001 - the student's code may raise anything
-        print(f"rank {t.rank}, n={n}: your ring raised\n{student_traceback(e)}", flush=True)
         alarm.ring()
-        return "raised", f"raised {type(e).__name__}: {e} (its traceback is above)"
+        return ("raised", f"raised {type(e).__name__}: {e} (its traceback is above)",
+                f"rank {t.rank}, n={n}: your ring raised\n{student_traceback(e)}")
     if world.calls:
         return "around", (
             f"called MPI.COMM_WORLD.{', '.join(dict.fromkeys(world.calls))}: those bytes "
@@ -230,9 +232,13 @@ def worker(path, do_timing, calibration, status):
         status.at(rank, n)
         problem = one_length(ring, t, alarm, watched, n)
         watched.calls.clear()
-        lines = verdict(world.allgather((problem, t.bytes_sent)), n, P)
+        shown = problem[2] if problem and len(problem) > 2 else ""
+        findings = world.allgather((problem and problem[:2], t.bytes_sent, shown))
+        lines = verdict([(p, sent) for p, sent, _ in findings], n, P)
         if lines:
             if rank == 0:
+                for text in (shown for _, _, shown in findings if shown):
+                    print(text, end="", flush=True)
                 print(f"P={P}: WRONG\n  " + "\n  ".join(lines), flush=True)
             status.finish(rank, world, "wrong")
             return 1
