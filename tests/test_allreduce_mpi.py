@@ -11,14 +11,14 @@ pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("P", [1, 2, 3, 4])
+@pytest.mark.parametrize("P", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_algorithm_matches_the_reference(P):
     result = check_ok(mpirun(P, ["tests/mpi/collectives_matrix.py"], timeout=400))
     assert f"OK P={P}" in result.stdout
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("P", [1, 2, 3, 4])
+@pytest.mark.parametrize("P", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_shm_reduces_window_buffers_in_place(P):
     result = check_ok(mpirun(P, ["tests/mpi/shm_window.py"], timeout=170))
     assert f"OK P={P}" in result.stdout

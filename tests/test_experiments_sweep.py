@@ -114,6 +114,7 @@ sizes = ["8K"]
 """
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(150)
 def test_sweep_records_failures_goes_on_and_resumes(tmp_path):

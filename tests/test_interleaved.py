@@ -187,6 +187,7 @@ def test_two_ranks_reproduce_one_process(tmp_path, reference):
     assert all(0 < r["bubble_fraction"] < 1 for r in records)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_four_ranks_with_dp_tp_and_zero_reproduce_one_process(tmp_path, reference):
     runs = launch(tmp_path, 4, [

@@ -103,6 +103,7 @@ def own_cluster(command):
     return command.replace("experiments.cluster down", f"experiments.cluster down --prefix {PREFIX}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_sheets_commands_run_as_written_as_root(namespaces, tmp_path):
     """What runs in seconds: the pen-and-paper check, SUDO=... (empty for root, where

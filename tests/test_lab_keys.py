@@ -95,6 +95,7 @@ def test_lab6_pen_and_paper_follows_check_cluster():
             algo
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_lab6_question_7_is_what_the_sheets_simulate_command_prints(tmp_path):
     """The sheet's last command, on the calibration the key names."""

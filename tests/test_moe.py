@@ -187,20 +187,13 @@ def launch(tmp_path, nprocs, runs):
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_expert_parallel_reproduces_one_process(tmp_path):
-    local = ["--sync", "local", "--moe-group", "4"]
-    reference = launch(tmp_path, 1, [("top2", TOP2 + local), ("top1", TOP1 + local)])
-    ep2 = ["--sync", "ring", "--ep", "2"]
-    runs = launch(tmp_path, 2, [
-        ("ep2_top2", TOP2 + ep2), ("ep2_top1", TOP1 + ep2),
-        ("dp2_top2", TOP2 + ["--sync", "ring"]),
-        ("replicas_top2", TOP2 + ["--sync", "tree", "--replicas"]),
-        # ep carved out of dp: ZeRO shards the dense layers over the world, each
-        # expert over its replicas (one rank each at ep 2, two at ep 1)
-        ("ep2zero1_top2", TOP2 + ep2 + ["--zero", "1"]),
-        ("zero2_top1", TOP1 + ["--sync", "ring", "--zero", "2", "--no-overlap"])])
+LOCAL = ["--sync", "local", "--moe-group", "4"]
+EP2 = ["--sync", "ring", "--ep", "2"]
+
+
+def assert_reproduce(runs, reference):
+    """Each 2-rank run's losses and parameters equal the one-process run named by
+    its suffix (top1, top2)."""
     for name, (records, params, _) in runs.items():
         ref_records, ref_params, _ = reference[name.split("_")[-1]]
         ref_loss = [r["loss"] for r in ref_records]
@@ -212,6 +205,28 @@ def test_expert_parallel_reproduces_one_process(tmp_path):
         for key in ref_params:
             np.testing.assert_allclose(params[key], ref_params[key], rtol=RTOL, atol=ATOL,
                                        err_msg=f"{name}: {key}")
+
+
+@pytest.mark.timeout(300)
+def test_expert_parallel_under_zero1_reproduces_one_process(tmp_path):
+    """ep carved out of dp: ZeRO-1 shards the dense layers over the world and each
+    expert over its replicas (one rank each at ep 2).  In the quick tier: the one
+    worker's expert split composed with its data parallelism."""
+    reference = launch(tmp_path, 1, [("top2", TOP2 + LOCAL)])
+    assert_reproduce(launch(tmp_path, 2, [("ep2zero1_top2", TOP2 + EP2 + ["--zero", "1"])]),
+                     reference)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_expert_parallel_reproduces_one_process(tmp_path):
+    reference = launch(tmp_path, 1, [("top2", TOP2 + LOCAL), ("top1", TOP1 + LOCAL)])
+    runs = launch(tmp_path, 2, [
+        ("ep2_top2", TOP2 + EP2), ("ep2_top1", TOP1 + EP2),
+        ("dp2_top2", TOP2 + ["--sync", "ring"]),
+        ("replicas_top2", TOP2 + ["--sync", "tree", "--replicas"]),
+        ("zero2_top1", TOP1 + ["--sync", "ring", "--zero", "2", "--no-overlap"])])
+    assert_reproduce(runs, reference)
     # the records count the all-to-alls as the formula does (expert_parallel.py), plus
     # the few bytes per call of the TOPOLAB_CHECK exchange that conftest switches on
     for name, capacity in (("ep2_top2", 16), ("ep2_top1", 4)):    # C of 32 tokens

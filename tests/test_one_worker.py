@@ -74,6 +74,7 @@ def test_four_ranks_every_technique_composes(tmp_path, reference):
     assert {"recompute", "dp-comm"} <= cats
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_zero3_and_fp16_resume_exactly(tmp_path, reference):
     """ZeRO-3 (parameters as shards only) and fp16 (the loss scale in the file) resume
@@ -98,6 +99,7 @@ def test_zero3_and_fp16_resume_exactly(tmp_path, reference):
         assert [r.get("loss_scale") for r in again] == [r.get("loss_scale") for r in last]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_resume_in_another_layout_is_refused_on_every_rank(tmp_path):
     ckpt = tmp_path / "ckpt"
@@ -117,6 +119,7 @@ def final_loss(steps):
     return np.mean([r["loss"] for r in steps if r["step"] == max(s["step"] for s in steps)])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_bf16_through_parameter_servers_and_topk_on_the_grid_train(tmp_path):
     """--sync ps --precision bf16 ends within 2 % of fp32 through the same servers after
@@ -135,6 +138,7 @@ def test_bf16_through_parameter_servers_and_topk_on_the_grid_train(tmp_path):
     assert all(r["wire_bytes"] < 0.5 * r["dense_bytes"] for r in records)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_lossy_compression_shrinks_the_wire_at_every_zero_stage(tmp_path):
     """Top-k and PowerSGD compress an all-reduce whose result each rank cuts its shard

@@ -256,6 +256,7 @@ def test_zero_memory_figure_draws_fp32_beside_mixed_precision(tmp_path):
     assert params["height"][2] * 2**20 == pytest.approx(2000)      # 2 bytes a parameter
 
 
+@pytest.mark.slow
 def test_distributed_optimizer_bf16_and_fp16_in_a_loop_of_ones_own():
     """The user's seam: autocast, backward and step of DistributedOptimizer(precision=...);
     bf16 and fp16 end within LOSS_RTOL of fp32, and fp16 at a scale that overflows

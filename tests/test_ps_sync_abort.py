@@ -17,6 +17,7 @@ RUNS = {"ps": ["--sync", "ps", "--servers", "1"],
         "hybrid": ["--sync", "hybrid", "--servers", "1", "--ranks-per-node", "1"]}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(100)
 def test_an_exception_in_the_loop_is_a_crash_the_servers_and_workers_hear_of(tmp_path):
     # worker 1 raises in step 2; under hybrid it is the leader of its node of 1

@@ -207,6 +207,7 @@ def still_open(conn):
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_unauthenticated_connections_are_capped_in_number_time_and_log_lines(keydir):
     """A CURVE server for 2 worker keys holds at most 2 x 2 + 16 = 20 connections; the

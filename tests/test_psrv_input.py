@@ -51,6 +51,7 @@ def test_server_options_are_checked_before_it_serves(flags, says):
     assert says in refused("psrv.server", *flags)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_example_and_bench_flags_are_checked_before_any_work(tmp_path):
     assert "staleness must be >= 0, got -1" in refused("psrv.example", "--staleness", "-1")

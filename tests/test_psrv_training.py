@@ -70,8 +70,10 @@ def bsp_worker(endpoints, w, cfg, results):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("cfg", [psrv.OptimizerConfig("sgd", lr=0.1, momentum=0.9),
-                                 psrv.OptimizerConfig("adam", lr=0.01)], ids=["sgd-momentum", "adam"])
+@pytest.mark.parametrize("cfg", [
+    pytest.param(psrv.OptimizerConfig("sgd", lr=0.1, momentum=0.9), id="sgd-momentum",
+                 marks=pytest.mark.slow),
+    pytest.param(psrv.OptimizerConfig("adam", lr=0.01), id="adam")])
 def test_bsp_two_workers_two_servers_equals_single_process(cfg):
     expected = single_process(cfg)
     ctx = mp.get_context("spawn")

@@ -100,6 +100,7 @@ def test_tp_traffic_matches_the_count(two):
             assert r["bytes_sent"] == want, (name, r["rank"], r["bytes_sent"], want)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_three_tp_ranks_reproduce_one_process(tmp_path, reference):
     runs = launch(tmp_path, 3, [("sp3", GPT3 + ["--tp", "3", "--sequence-parallel"])])

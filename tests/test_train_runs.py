@@ -80,7 +80,7 @@ SYNCS = [("ring", []), ("tree", []), ("halving_doubling", []),
 
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("nprocs", [2, 3])
+@pytest.mark.parametrize("nprocs", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_allreduce_syncs_reproduce_one_process(tmp_path, reference, nprocs):
     runs = [(sync, ["--sync", sync] + extra) for sync, extra in SYNCS]
     if nprocs == 2:   # the GPT without overlap, and fp16 on the wire
@@ -151,6 +151,7 @@ def test_bad_flags_fail_on_every_rank(args, message):
     assert_every_rank_says(failing(2, args), 2, message)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(90)
 def test_wrong_data_file_fails_on_every_rank(tmp_path):
@@ -160,6 +161,7 @@ def test_wrong_data_file_fails_on_every_rank(tmp_path):
                            "y must be (N,) integer labels")
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
 def test_resume_from_another_model_or_world_fails_on_every_rank(tmp_path):
@@ -177,7 +179,7 @@ ASYNC = {"asp": ["--consistency", "asp"], "ssp": ["--consistency", "ssp", "--sta
 
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("nprocs", [3, 4])
+@pytest.mark.parametrize("nprocs", [3, pytest.param(4, marks=pytest.mark.slow)])
 def test_parameter_server_syncs(tmp_path, reference, nprocs):
     """P = nprocs - 1 workers (2 and 3) and one server.  BSP ps and hybrid must
     reproduce one process; hybrid has one node of 2 workers at P=2 and three
