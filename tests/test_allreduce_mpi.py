@@ -50,7 +50,8 @@ def test_matching_calls_pass_the_check():
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("algo", ["ring", "tree", "mpi"])
+@pytest.mark.parametrize("algo", ["ring", pytest.param("tree", marks=pytest.mark.slow),
+                                  pytest.param("mpi", marks=pytest.mark.slow)])
 def test_a_missing_rank_ends_in_a_timeout_not_a_hang(algo):
     start = time.monotonic()
     result = mpirun(2, ["tests/mpi/hang.py", algo], timeout=80, TOPOLAB_TIMEOUT=3)

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("P", [1, 2, 3])
+@pytest.mark.parametrize("P", [1, pytest.param(2, marks=pytest.mark.slow), 3])
 def test_max_and_min_propagate_nan_on_every_algorithm_and_rank(P):
     result = check_ok(mpirun(P, ["tests/mpi/nan_minmax.py"], timeout=280))
     assert f"OK P={P}" in result.stdout

@@ -46,6 +46,7 @@ def test_every_sync_reproduces_one_process():
             assert f"rank {rank} {name}: {want}" in result.stdout, result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
 def test_sub_communicators_train_apart():
@@ -88,6 +89,7 @@ def test_bad_arguments_fail_on_every_rank():
             assert got[case].startswith(f"{kind}: ") and message in got[case], (case, got[case])
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
 def test_torch_sync_under_torchrun():

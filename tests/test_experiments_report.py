@@ -58,6 +58,7 @@ def results(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
 def test_each_plot_from_real_records(results, tmp_path):
@@ -73,6 +74,7 @@ def test_each_plot_from_real_records(results, tmp_path):
     assert plots.busbw_vs_size([], str(tmp_path)) is None
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
 def test_report_links_figures_and_shows_prediction_errors(results):
@@ -92,6 +94,7 @@ def test_report_links_figures_and_shows_prediction_errors(results):
     assert all(r["predicted_s"] > 0 for r in ring)
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
 def test_calibration_record_holds_both_kinds_of_ring_step(results):
@@ -108,6 +111,7 @@ def test_calibration_record_holds_both_kinds_of_ring_step(results):
     assert all(s > 0 for s in cal["one_way_scratch_s"] + cal["one_way_just_read_s"])
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
 def test_lab2_check_reads_the_straggler_runs(results, capsys):
@@ -116,6 +120,7 @@ def test_lab2_check_reads_the_straggler_runs(results, capsys):
     assert "bsp" in out and "asp" in out and "max staleness 0 (must be 0)" in out
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(240)
 def test_lab2_figures_clock_is_each_workers_wall_clock(results):

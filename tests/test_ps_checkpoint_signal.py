@@ -66,9 +66,10 @@ def signalled_run(flags, ckpt, signum, timeout=150):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("mode,signum", [("bsp", signal.SIGINT), ("ssp", signal.SIGTERM),
-                                         ("asp", signal.SIGINT)],
-                         ids=["bsp-SIGINT", "ssp-SIGTERM", "asp-SIGINT"])
+@pytest.mark.parametrize("mode,signum", [
+    pytest.param("bsp", signal.SIGINT, id="bsp-SIGINT"),
+    pytest.param("ssp", signal.SIGTERM, id="ssp-SIGTERM", marks=pytest.mark.slow),
+    pytest.param("asp", signal.SIGINT, id="asp-SIGINT", marks=pytest.mark.slow)])
 def test_a_signal_ends_the_run_with_one_set_and_resume_finishes(tmp_path, mode, signum):
     ckpt, jsonl = tmp_path / "ckpt", str(tmp_path / "run.jsonl")
     flags = ["--consistency", mode, "--checkpoint-dir", ckpt, "--checkpoint-every", "4",
@@ -92,6 +93,7 @@ def test_a_signal_ends_the_run_with_one_set_and_resume_finishes(tmp_path, mode, 
     assert set_steps(ckpt)[0] == step + 3
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_resume_falls_back_to_the_newest_complete_set_and_refuses_without_one(tmp_path):
     ckpt = tmp_path / "ckpt"

@@ -64,6 +64,7 @@ def trained(hosts, tmp_path_factory):
              for name in ["local", *SYNCS]}, job.stderr)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("sync", list(SYNCS))
 def test_training_across_hosts_reproduces_one_process(trained, sync):
@@ -71,6 +72,7 @@ def test_training_across_hosts_reproduces_one_process(trained, sync):
     assert_same_run(runs[sync], runs["local"], PER_NODE * NODES if sync == "torch" else WORKERS)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_the_servers_host_serves_off_loopback_with_curve(trained):
     # each server rank's psrv log, in its order: ps (4 workers), then hybrid (2 leaders)
