@@ -79,6 +79,8 @@ def host_staged(coll):
     the fallback.  Host buffers go straight through either way.  A point-to-point
     Transport (a pipeline's) is staged the same way where it is not CUDA-aware
     (staging.HostStagedTransport)."""
+    if isinstance(coll, (HostStaged, HostStagedTransport)):
+        return coll                                # staged already: once is enough
     if isinstance(coll, Transport):
         return coll if coll.takes_cuda else HostStagedTransport(coll)
     return coll if takes_device_buffers(coll) else HostStaged(coll)

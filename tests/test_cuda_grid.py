@@ -135,6 +135,8 @@ def test_for_device_is_the_one_decision(monkeypatch, loopback):
     assert for_device(coll, None) is coll
     assert isinstance(for_device(coll, cuda), HostStaged)
     assert isinstance(for_device(loopback, cuda), HostStagedTransport)
+    staged = for_device(coll, cuda)
+    assert for_device(staged, cuda) is staged                # once is enough
     monkeypatch.setattr(transport, "mpi_takes_cuda", lambda MPI: True)   # CUDA-aware MPI
     assert for_device(coll, cuda) is coll and for_device(loopback, cuda) is loopback
 
