@@ -12,7 +12,7 @@ with for_device answering as on a GPU whose MPI moves host memory only
 (tests/mpi/staged_grid.py): every collective and every pipeline message through
 host buffers.  Staging only copies, so the runs must agree bit for bit, and each
 kind of operation the layout uses must have been staged.  The real GPU runs,
-against --device cpu: tests/gpu/test_cuda_grid.py.
+against --device cpu: tests/gpu/test_cuda_layouts.py.
 """
 import json
 
