@@ -13,7 +13,8 @@
     allreduce.create("auto")                 # an algorithm per call from size, P, nodes;
     allreduce.create("auto", calibration="cal.json")   # by the cost model (allreduce/auto.py)
     coll = allreduce.host_staged(coll)       # CUDA tensors through pinned host memory where
-                                             # the transport is MPI (not CUDA-aware)
+                                             # the transport is MPI (not CUDA-aware); a
+                                             # transport (point-to-point) the same way
 
 Algorithms: ring, tree, halving_doubling, hierarchical, shm (one node, buffers
 from coll.empty); baselines: mpi, torch; auto picks one of them per call.
@@ -34,7 +35,7 @@ _HOME = {
     "create": "factory", "make": "factory", "make_transport": "factory",
     "host_staged": "factory", "takes_device_buffers": "factory", "ALGORITHMS": "factory",
     "COMPOSED": "factory",
-    "Auto": "auto", "HostStaged": "staging", "Collective": "collective",
+    "Auto": "auto", "HostStaged": "staging", "HostStagedTransport": "staging", "Collective": "collective",
     "AllreduceError": "errors", "CollectiveError": "errors", "CollectiveTimeout": "errors",
     "TransportError": "errors", "TransportTimeout": "errors", "Hierarchical": "hierarchical",
     "ONE_LEVEL": "registry", "TEXTBOOK": "registry", "build": "registry",

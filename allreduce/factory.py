@@ -5,8 +5,8 @@ from .auto import Auto
 from .errors import CollectiveError, TransportError
 from .hierarchical import Hierarchical
 from .registry import ONE_LEVEL, TEXTBOOK, build, one_level_class
-from .staging import HostStaged
-from .transport import MPITransport
+from .staging import HostStaged, HostStagedTransport
+from .transport import MPITransport, Transport
 
 # The order is the one users see in messages and sweeps.
 ALGORITHMS = TEXTBOOK + ("hierarchical", "shm", "mpi", "torch", "auto")
@@ -76,5 +76,11 @@ def takes_device_buffers(coll):
 def host_staged(coll):
     """`coll` itself where it moves CUDA tensors (takes_device_buffers); otherwise
     `coll` with CUDA tensors staged through pinned host memory (staging.HostStaged),
-    the fallback.  Host buffers go straight through either way."""
+    the fallback.  Host buffers go straight through either way.  A point-to-point
+    Transport (a pipeline's) is staged the same way where it is not CUDA-aware
+    (staging.HostStagedTransport)."""
+    if isinstance(coll, (HostStaged, HostStagedTransport)):
+        return coll                                # staged already: once is enough
+    if isinstance(coll, Transport):
+        return coll if coll.takes_cuda else HostStagedTransport(coll)
     return coll if takes_device_buffers(coll) else HostStaged(coll)

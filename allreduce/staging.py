@@ -30,10 +30,23 @@ marks exactly that bucket, and its copy overlaps the backward of the next.
 On the default stream it marks everything queued so far: correct, with less
 overlap.  The ordering is written once, against `CudaCopies`; the tests run it
 against a simulated GPU whose streams run only when waited for.
+
+Point-to-point messages (a pipeline's activations and their gradients) take the
+same path through `HostStagedTransport`, with one difference: several messages
+are in flight at once, so each has a pinned buffer of its own (from torch's
+caching host allocator: pinned once, reused after), kept until its send is done.
+
+    isend(x):  `produced`, x -> host (copied), the CPU waits for `copied`, MPI_Isend(host)
+    irecv(x):  MPI_Irecv(host); at wait(): host -> x on the side stream (returned),
+               the current stream waits for `returned`
+
+A send costs the CPU one wait, for its copy down (MPI may read the buffer only
+once the bytes are there); a receive none beyond waiting for the message itself.
 """
 from contextlib import nullcontext
 
 from .buffers import is_tensor, validate
+from .transport import Transport
 
 try:  # torch is optional for the numpy-only user
     import torch
@@ -135,11 +148,17 @@ class HostStaging:
             self._buffers[dtype] = buf
         return buf[:n]
 
-    def to_host(self, x):
-        """x's values in a flat host tensor, there when this returns; valid until
-        the next call for x's dtype."""
+    def own_buffer(self, x):
+        """A flat host tensor of x's dtype and size for one message in flight: pinned
+        (torch's caching host allocator pins each size once and hands it out again
+        once the copies that used it are done), plain host memory without CUDA."""
+        return torch.empty(x.numel(), dtype=x.dtype, pin_memory=torch.cuda.is_available())
+
+    def to_host(self, x, host=None):
+        """x's values in a flat host tensor, there when this returns: `host` (of x's
+        dtype and size), or the reused buffer, valid until the next call for x's dtype."""
         c = self.copier(x.device)
-        host = self.buffer(x.dtype, x.numel())
+        host = self.buffer(x.dtype, x.numel()) if host is None else host
         produced = c.record(c.current())          # 1. x is complete here
         c.wait(c.side, produced)
         c.copy(host, x.reshape(-1), c.side)
@@ -184,7 +203,7 @@ class HostStaged:
         return f"<host-staged {self.inner!r}>"
 
     def needs_host(self, x):
-        return is_tensor(x) and x.device.type != "cpu"
+        return off_host(x)
 
     def _host(self, x, what):
         validate(x, f"{self.name} {what}", writable=what in ("allreduce", "broadcast"))
@@ -226,3 +245,81 @@ class HostStaged:
 
     def barrier(self):
         self.inner.barrier()
+
+
+def off_host(x):
+    return is_tensor(x) and x.device.type != "cpu"
+
+
+class StagedHandle:
+    """A staged send or receive: the transport's own handle, the host buffer it moves
+    (alive until the message is done) and, for a receive, the copy up that ends it."""
+    __slots__ = ("inner", "host", "arrive")
+
+    def __init__(self, inner, host, arrive=None):
+        self.inner, self.host, self.arrive = inner, host, arrive
+
+    @property
+    def request(self):          # an MPI request, for a caller that polls it itself
+        return self.inner.request
+
+    def wait(self):
+        self.inner.wait()
+        self.done()
+
+    def done(self):
+        if self.arrive is not None:
+            self.arrive()           # the receive's copy up, ordered before its readers
+        self.host = self.arrive = None
+
+
+class HostStagedTransport(Transport):
+    """A point-to-point transport whose device tensors travel through host memory: a
+    send copies down into a buffer of its own, a receive lands in one and is copied up
+    when waited for.  Host buffers go straight through.  Made by
+    `allreduce.host_staged(transport)` where the transport moves host memory only."""
+    takes_cuda = True
+
+    def __init__(self, inner, copies=copies_for):
+        self.inner = inner
+        self.staging = HostStaging(copies)
+        self.rank, self.size = inner.rank, inner.size
+
+    timeout = property(lambda self: self.inner.timeout)
+    traffic = property(lambda self: self.inner.traffic)
+
+    def __repr__(self):
+        return f"<host-staged {self.inner!r}>"
+
+    def needs_host(self, x):
+        return off_host(x)
+
+    def isend(self, buf, peer, tag=0):
+        if not self.needs_host(buf):
+            return self.inner.isend(buf, peer, tag)
+        validate(buf, "isend")
+        host = self.staging.to_host(buf, self.staging.own_buffer(buf))
+        return StagedHandle(self.inner.isend(host, peer, tag), host)
+
+    def irecv(self, buf, peer, tag=0):
+        if not self.needs_host(buf):
+            return self.inner.irecv(buf, peer, tag)
+        validate(buf, "irecv", writable=True)
+        host = self.staging.own_buffer(buf)
+        return StagedHandle(self.inner.irecv(host, peer, tag), host,
+                            lambda: self.staging.to_device(buf, host))
+
+    def _wait_all(self, handles):
+        self.inner.wait_all([h.inner if isinstance(h, StagedHandle) else h for h in handles])
+        for h in handles:
+            if isinstance(h, StagedHandle):
+                h.done()
+
+    def barrier(self):
+        self.inner.barrier()
+
+    def split(self, color):
+        return HostStagedTransport(self.inner.split(color), self.staging.make_copies)
+
+    def world_rank(self, rank):
+        return self.inner.world_rank(rank)

@@ -31,6 +31,10 @@ def test_what_used_to_live_in_one_engine_now_composes():
         dict(sync="ring", model="moe", ep=2, zero=1, checkpoint_dir="ckpt"),
         dict(sync="ps", precision="bf16"),
         dict(sync="ring", zero=1, precision="fp16", checkpoint_dir="ckpt"),
+        # a GPU: every layout of the grid and the experts (host staging, gradient_sync.py)
+        dict(sync="ring", dp=2, pp=2, micro_batches=2, zero=1, device="cuda"),
+        dict(sync="ring", model="gpt", tp=2, sequence_parallel=True, zero=2, device="cuda"),
+        dict(sync="ring", model="moe", ep=2, zero=1, device="cuda"),
     ]
     for fields in accepted:
         TrainConfig(**fields)

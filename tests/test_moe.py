@@ -125,7 +125,6 @@ MOE = dict(model="moe", sync="ring", experts=4)
     (dict(MOE, ep=2, sync="ps"), 3, "not --sync ps"),
     (dict(MOE, ep=2, sync="torch"), 2, "not --sync torch"),
     (dict(MOE, ep=2, model="gpt"), 2, "not of --model gpt"),
-    (dict(MOE, ep=2, device="cuda"), 2, "--ep 2 with --device cuda"),
     (dict(MOE, tp=2), 2, "--model moe with --tp 2 is not supported"),
     (dict(MOE, zero=3), 2, "--model moe with --zero 3 is not supported"),
     (dict(MOE, top_k=3), 2, "--top-k 3 must be 1 or 2"),

@@ -191,10 +191,6 @@ def check_flags(cfg):
     if cfg.ep > 1 and spec.lossy:
         raise ConfigError(f"--compress {cfg.compress} with --ep {cfg.ep} is not "
                           f"supported; fp16 and bf16 are", field="compress")
-    if cfg.on_grid and cfg.device != "cpu":
-        raise ConfigError(f"--dp/--pp/--tp/--zero with --device "
-                          f"{cfg.device} is not supported yet: the pipeline's transport "
-                          f"and ZeRO's flat buffers take CPU tensors", field="device")
 
 
 def check_moe(cfg):
@@ -229,9 +225,6 @@ def check_moe(cfg):
     if cfg.sync not in ALLREDUCE_SYNCS or cfg.sync == "torch":
         raise ConfigError(f"--ep {cfg.ep} needs an all-reduce --sync over MPI "
                           f"(ring, tree, ...), not --sync {cfg.sync}", field="ep")
-    if cfg.device != "cpu":
-        raise ConfigError(f"--ep {cfg.ep} with --device {cfg.device} is not supported yet: "
-                          f"the experts' all-to-alls take CPU tensors", field="ep")
 
 
 # ------------------------------------------------------------------ against the world

@@ -54,7 +54,7 @@ from ..parallel.sequence_parallel import positions_per_rank, split_sequence
 from ..parallel.tensor_parallel import TensorParallel, parallelize_blocks
 from ..runtime.memory import ActivationMeter
 from ..runtime.precision import any_rank_of, of_config
-from ..sync.gradient_sync import build_compressor, collective_for, torch_optimizer
+from ..sync.gradient_sync import build_compressor, collective_for, for_device, torch_optimizer
 from ..sync.zero import ZeRO, Replicas
 from .accumulation import Accumulation
 from .optimizer import DistributedOptimizer
@@ -109,7 +109,7 @@ def parallelize(model, ctx, cfg, device, tracer):
         layers = [layer for chunk in chunks for layer in chunk]
     # 1. tensor parallelism: Megatron's split of this stage's blocks
     if grid and comms.tp_size > 1:
-        tp_coll = collective_for(cfg.sync, cfg, comms.tp)
+        tp_coll = collective_for(cfg.sync, cfg, comms.tp, device=device)
         tp = TensorParallel(tp_coll, comms.tp_rank, comms.tp_size, tracer)
         parallelize_blocks([b for name, b in layers if name.startswith("blocks.")], tp)
         if cfg.sequence_parallel:                  # LayerNorms on T/tp positions each
@@ -132,41 +132,44 @@ def parallelize(model, ctx, cfg, device, tracer):
     if experts:
         plan.placement = ExpertPlacement(comms.mesh, cfg.experts, ctx.rank)
         # the mesh's expert groups: the all-to-alls never meet the comm thread's collectives
-        plan.exchange = AllToAllExperts(collective_for(cfg.sync, cfg, comms.ep),
+        plan.exchange = AllToAllExperts(collective_for(cfg.sync, cfg, comms.ep, device=device),
                                         plan.placement, tracer)
         plan.expert_params = shard_experts(model, plan.placement, plan.exchange)
         plan.counters = [plan.exchange.coll]
     # 5. data parallelism over what is left
     if grid or experts:
-        zero_data_parallel(plan, ctx, cfg, tracer, layers if grid else None)
+        zero_data_parallel(plan, ctx, cfg, device, tracer, layers if grid else None)
     else:
         whole_data_parallel(plan, ctx, cfg)
     # 6. the schedule of one step's micro-batches
     if grid:
-        pipeline(plan, comms, cfg, stages, tracer, model.criterion)
+        pipeline(plan, comms, cfg, device, stages, tracer, model.criterion)
     else:
         plan.schedule = Accumulation(model, model, cfg.micro_batches, plan.sync, device, tracer,
                                      plan.recompute, plan.precision)
     return plan
 
 
-def zero_data_parallel(plan, ctx, cfg, tracer, layers):
+def zero_data_parallel(plan, ctx, cfg, device, tracer, layers):
     """Step 5 where the model is split into layers: ZeRO over the dp axis (stage 0: plain
     data parallelism), each layer's collective leaving on the comm thread as backward
     finishes it.  layers: the grid's kept (name, module) layers; None: the experts' run,
     whose experts are averaged over their replicas {0, 2}, {1, 3} (ep 2 of world 4; one
     rank each where ep = world) and the dense layers over the world."""
     comms = ctx.mesh
+
+    def over(comm):             # every collective of the step: staged on a GPU (for_device)
+        return collective_for(cfg.sync, cfg, comm, device=device)
+
     if layers is None:
         replica_comm = comms.ep_replicas
-        replicas = Replicas(collective_for(cfg.sync, cfg, replica_comm),
-                            collective_for(cfg.sync, cfg, replica_comm.Dup())
-                            if cfg.overlap else None, scale=1.0 / cfg.ep)
+        replicas = Replicas(over(replica_comm), over(replica_comm.Dup()) if cfg.overlap
+                            else None, scale=1.0 / cfg.ep)
         units = units_of(plan.model, replicas)
     else:
         units = [(name, module, list(module.parameters())) for name, module in layers]
     # the comm thread's collective: its own communicator, beside the main thread's
-    thread_coll = collective_for(cfg.sync, cfg, comms.dp.Dup()) if cfg.overlap else None
+    thread_coll = over(comms.dp.Dup()) if cfg.overlap else None
     compressor = build_compressor(cfg.compress, thread_coll, cfg.error_feedback,
                                   cfg.compressor_momentum, cfg.sparsity_warmup)
     # --precision: on the grid ZeRO keeps 16-bit buffers and fp32 master shards (the
@@ -176,10 +179,11 @@ def zero_data_parallel(plan, ctx, cfg, tracer, layers):
     # experts' gradients differ from rank to rank of a group, so the whole launch votes
     # (an inf in any gradient skips the update: Micikevicius et al. 2018, section 3.2)
     split = layers is not None and (comms.mesh.pp_enabled or comms.mesh.tp_enabled)
-    plan.sync = ZeRO(cfg.zero, units, collective_for(cfg.sync, cfg, comms.dp), cfg,
+    plan.sync = ZeRO(cfg.zero, units, over(comms.dp), cfg,
                      cfg.micro_batches, tracer, plan.precision if layers is not None else None,
                      agree=any_rank_of(comms.world) if split else None,
-                     thread_coll=thread_coll, compressor=compressor, overlap=cfg.overlap)
+                     thread_coll=thread_coll, compressor=compressor, overlap=cfg.overlap,
+                     device=device)
     plan.sync.setup(plan.model)
     plan.optimizer = plan.sync.make_optimizer()
     # the transports' counts: a library's collective (--sync mpi) does not count its own
@@ -200,12 +204,13 @@ def whole_data_parallel(plan, ctx, cfg):
     plan.counters = [opt.sync]
 
 
-def pipeline(plan, comms, cfg, stages, tracer, criterion):
+def pipeline(plan, comms, cfg, device, stages, tracer, criterion):
     """Step 6 on the grid: this rank's stages under --schedule, their activations and
-    gradients over the pp axis's point-to-point transport."""
+    gradients over the pp axis's point-to-point transport (on a GPU staged through
+    pinned host memory where MPI is not CUDA-aware: for_device)."""
     plan.meter = ActivationMeter(plan.sync.param_storages,
                                  [plan.sync] if cfg.zero == 3 else [])
-    p2p = make_transport("mpi", comms.pp, cfg.timeout)
+    p2p = for_device(make_transport("mpi", comms.pp, cfg.timeout), device)
     feature = (positions_per_rank(cfg, comms.tp_size), cfg.d_model) \
         if cfg.model == "gpt" else (cfg.width,)
     kind = InterleavedPipeline if cfg.schedule == "interleaved" else Pipeline

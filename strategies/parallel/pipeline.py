@@ -6,7 +6,9 @@ blocks [s L/p, (s+1) L/p); stage 0 also the embedding, stage p-1 the head and
 the loss.  Activations go forward and their gradients backward through the
 point-to-point transport of allreduce/ (the pp communicator: rank i is stage
 i); both sides know every message's shape from the config and the micro-batch
-bounds, so only raw float32 bytes travel.
+bounds, so only raw float32 bytes travel.  A message is received on the device
+the stage computes on (the batch's); on a GPU whose MPI reads host memory only,
+the transport stages it through pinned host memory (allreduce.host_staged).
 
 Two schedules of m micro-batches on p stages (F = forward, B = backward):
 
@@ -37,6 +39,7 @@ import torch
 import torch.nn as nn
 
 from allreduce import shard_bounds
+from allreduce.staging import HostStagedTransport
 from allreduce.transport import MPITransport
 
 from ..model.models import GPT, MLP
@@ -126,7 +129,8 @@ class Pipeline:
         self.global_stages = stages * len(self.chunks)
         self.last = stage == stages - 1        # the rank that holds the loss
         # an MPI request can be tested without blocking; other transports' handles wait
-        self.spins = isinstance(transport, MPITransport)
+        moves = transport.inner if isinstance(transport, HostStagedTransport) else transport
+        self.spins = isinstance(moves, MPITransport)
         self.peak_in_flight = 0         # micro-batches forwarded but not yet backwarded
         self.micro_batch_bytes = 0      # saved activations of micro-batch 0, measured
 
@@ -155,6 +159,7 @@ class Pipeline:
         n = len(x)
         self.bounds = shard_bounds(n, self.m)
         self.x, self.y, self.n = x, y, n
+        self.device = x.device          # where the stages compute: messages land there
         self.saved, self.sends, self.loss = {}, [], 0.0
         self.in_flight = 0
         self.micro_batch_bytes = 0
@@ -177,13 +182,14 @@ class Pipeline:
     def receive(self, buf, peer, tag):
         """A blocking receive that spins instead of yielding the core: on a loaded host a
         process that yields may sleep for a whole time slice (ms, as long as a micro-batch),
-        which would add to every bubble.  The transport's own wait keeps the timeout."""
+        which would add to every bubble.  The transport's own wait keeps the timeout and
+        ends a staged receive (its copy up), at once where the spin saw the message."""
         handle = self.transport.irecv(buf, peer, tag)
         if self.spins:
             request = handle.request
             for _ in range(SPINS):
                 if request.Test():
-                    return
+                    break
         handle.wait()
 
     def _name(self, i, chunk):
@@ -196,7 +202,7 @@ class Pipeline:
         if first:
             inp = self.x[start:stop].clone()    # its own storage, as a loader would give
         else:
-            inp = torch.empty(self.activation_shape(stop - start))
+            inp = torch.empty(self.activation_shape(stop - start), device=self.device)
             with self.tracer.span(f"wait activation {self._name(i, chunk)}", "idle"):
                 self.receive(inp, (self.stage - 1) % self.stages, self.tag(g - 1, i, 0))
             if self.precision.mixed:    # fp32 on the wire; the stage computes as the last did
@@ -227,7 +233,7 @@ class Pipeline:
             with self.tracer.span(f"backward {name}", "backward"), self.replaying():
                 self.precision.backward(out)          # fp16: of the scaled loss
         else:
-            grad = torch.empty(out.shape)
+            grad = torch.empty(out.shape, device=self.device)
             with self.tracer.span(f"wait gradient {name}", "idle"):
                 self.receive(grad, (self.stage + 1) % self.stages, self.tag(g + 1, i, 1))
             with self.tracer.span(f"backward {name}", "backward"), self.replaying():

@@ -85,8 +85,8 @@ def _write(cfg, ctx, step, engine, run_id, sync_state):
                "model_kind": cfg.model, "signature": engine.signature, "dp_size": ctx.dp_size,
                "world_size": ctx.world_size, "config": cfg.as_dict(),
                "layout": {k: getattr(cfg, k) for k in LAYOUT}, "precision": precision,
-               "model": {k: v.detach().cpu() for k, v in engine.model.state_dict().items()},
-               "optimizer": engine.optimizer.state_dict()}
+               "model": engine.model.state_dict(), "optimizer": engine.optimizer.state_dict()}
+    payload = on_host(payload)
     final = path_of(cfg, ctx.rank)
     tmp = f"{final}.tmp.{os.getpid()}"
     with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
@@ -94,6 +94,19 @@ def _write(cfg, ctx, step, engine, run_id, sync_state):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
+
+
+def on_host(value):
+    """value with each tensor in it as a host tensor (a copy of a device one): the model,
+    the optimizer's state, ZeRO's shards and masters of a GPU run are saved from host
+    memory and load on any machine; load_state_dict puts them back on the device."""
+    if torch.is_tensor(value):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: on_host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_host(v) for v in value)
+    return value
 
 
 def load(path):

@@ -189,16 +189,28 @@ class LocalSync(GradientSync):
     name = "local"
 
 
-def collective_for(name, cfg, comm, transport=None):
+def collective_for(name, cfg, comm, transport=None, device=None):
     """An allreduce/ collective over `comm` (None: COMM_WORLD, or torchrun's world);
-    transport None is allreduce's default for `name` (MPI, torch.distributed for torch)."""
+    transport None is allreduce's default for `name` (MPI, torch.distributed for torch).
+    `device`: where the tensors it will be handed live (for_device); None: the host."""
     options = {}
     if name in ("hierarchical", "auto") and cfg.ranks_per_node:
         options["ranks_per_node"] = cfg.ranks_per_node
     if name in EMULATED_SYNCS:                     # a slower network, if asked for
         options.update(link_latency_us=cfg.link_latency_us, link_gbps=cfg.link_gbps or None)
-    return allreduce.create(name, comm=comm, transport=transport, timeout=cfg.timeout,
-                            **options)
+    return for_device(allreduce.create(name, comm=comm, transport=transport,
+                                       timeout=cfg.timeout, **options), device)
+
+
+def for_device(coll, device):
+    """`coll` (a collective, or a point-to-point transport) as `device`'s tensors need
+    it.  On a GPU: through pinned host memory where its transport moves host memory
+    only, MPI without CUDA-awareness (allreduce.host_staged: HostStaged, or
+    HostStagedTransport for a pipeline's messages); NCCL and a CUDA-aware MPI take CUDA
+    tensors as they are.  The one place a worker decides it: every collective of the
+    grid, of the experts and of plain data parallelism, and the pipeline's transport."""
+    return allreduce.host_staged(coll) if device is not None and device.type == "cuda" \
+        else coll
 
 
 def broadcast_tensor(coll, t):

@@ -68,15 +68,13 @@ wire carries what the compressor sends).
 import torch
 import torch.nn as nn
 
-import allreduce
-
 from ..compression.casts import Compressor
 from ..runtime.memory import optimizer_tensors, state_bytes
 from ..runtime.precision import MixedPrecision, any_rank
 from ..runtime.trace import span
 from .buckets import GradBuckets, Layer, Replicas
 from .gradient_sync import (GradientSync, broadcast_module, build_compressor, collective_for,
-                            make_optimizer, total)
+                            for_device, make_optimizer, total)
 
 __all__ = ["AllReduceSync", "Replicas", "ZeRO"]
 
@@ -94,6 +92,8 @@ class ZeroUnit:
         self.shapes, self.sizes, self.numel = bucket.shapes, bucket.sizes, bucket.numel
         self.start, self.stop = bucket.start, bucket.stop
         self.full = self.shard = self.master = None
+        # stage 3's parameters between uses: empty, on their device (a GPU's stay there)
+        self.empty = EMPTY.to(self.params[0].device)
         if not bind:                     # plain data parallelism on the user's own tensors
             return
         full = torch.cat([p.detach().reshape(-1) for p in self.params])
@@ -117,7 +117,7 @@ class ZeroUnit:
         self.full = full
         offset = 0
         for p, shape, n in zip(self.params, self.shapes, self.sizes):
-            p.data = EMPTY if full is None else full[offset:offset + n].view(shape)
+            p.data = self.empty if full is None else full[offset:offset + n].view(shape)
             offset += n
 
     # ------------------------------------------------------------- stage 3
@@ -418,11 +418,10 @@ class AllReduceSync(ZeRO):
     ctx is read only to make the collective (its dp_comm); with `coll` given it may be None."""
 
     def __init__(self, cfg, ctx, device, coll=None):
-        coll = coll or collective_for(cfg.sync, cfg, ctx.dp_comm)
         # On a GPU every collective of this sync (the broadcast of setup, the
         # buckets) goes through one staging: NCCL moves CUDA tensors itself, the
         # MPI transports (not CUDA-aware) get them through pinned host memory.
-        coll = allreduce.host_staged(coll) if device.type == "cuda" else coll
+        coll = for_device(coll or collective_for(cfg.sync, cfg, ctx.dp_comm), device)
         compressor = build_compressor(cfg.compress, coll, cfg.error_feedback,
                                       cfg.compressor_momentum, cfg.sparsity_warmup)
         # one collective for the thread and the main thread: a plain loop talks on
