@@ -28,6 +28,12 @@ table when `auto` is created, one entry per collective and power of two of
 the size, and sends it to the others.  Ranks that read different calibration
 files, or none, still agree, and a call costs one list lookup.
 
+Where the ring is the choice for an all-reduce of SHM_FROM bytes or more, the
+ranks sit on one host and the transport is MPI, `auto` takes `shm` instead: the
+ring, plus a shared-memory path for a buffer that lives in its window
+(`auto.empty(n)` makes one; any other buffer goes by the ring).  No model
+prices it; the threshold is measured (docs/performance.md).
+
 Node layout: ranks that share memory (MPI_COMM_TYPE_SHARED: `node_id`), which
 are hosts, or `ranks_per_node=k` to declare nodes of k consecutive ranks, as
 hierarchical.py does; declared nodes share one host, so no link is priced.
@@ -63,6 +69,10 @@ LATENCY_BELOW = 1 << 20
 # From this size across several nodes, crossing the slow links once per node
 # (hierarchical) beats crossing them once per rank.
 HIERARCHICAL_FROM = 1 << 20
+# From this size an all-reduce of a buffer in a shared-memory window beats the
+# ring on one host: the shards are read from the peers' segments in place, so the
+# three barriers' few microseconds are all it adds (shm.py).
+SHM_FROM = 1 << 20
 # The cost model's tie-break: the library first, then the ring (the fewest bytes).
 TIE = 0.02
 PREFERENCE = ("ring", "halving_doubling", "hierarchical", "tree")
@@ -218,8 +228,9 @@ class Auto(Collective):
         super().__init__(transport, **options)
         native = "mpi" if isinstance(transport, MPITransport) else None
         self.layout = self._find_layout(transport, ranks_per_node)
+        shared = native is not None and len(self.layout.node_sizes) == 1 and self.size > 1
         names = TEXTBOOK + (("hierarchical",) if self.layout.multi_node else ()) + (
-            (native,) if native else ())
+            (native,) if native else ()) + (("shm",) if shared else ())
         # 1. rank 0 decides every size class (and says by which rule, last entry)
         decided = np.zeros(len(COLLECTIVES) * SIZE_CLASSES + 1, dtype=np.int64)
         if self.rank == 0:
@@ -234,6 +245,9 @@ class Auto(Collective):
                     else:
                         name = model_choice(collective, int(2 ** (k - 0.5)), self.layout,
                                             native, cal)
+                    if shared and name == "ring" and collective == "allreduce" and \
+                            (1 << k) >> 1 >= SHM_FROM:
+                        name = "shm"
                     decided[i * SIZE_CLASSES + k] = names.index(name)
             decided[-1] = RULES.index(rule)
         # 2. the others take its decisions
@@ -249,7 +263,16 @@ class Auto(Collective):
         self.table = [[built[names[i]] for i in decided[c * SIZE_CLASSES:(c + 1) * SIZE_CLASSES]]
                       for c in range(len(COLLECTIVES))]
         self.allreduce_by_class = self.table[0]
-        self.counts_traffic = native not in built
+        self.counts_traffic = native not in built and "shm" not in built
+        self.shared_memory = built.get("shm")
+
+    def empty(self, n, dtype=np.float32):
+        """A buffer for the sizes that go by `shm`: in its window, so that they take
+        the shared-memory path (collective, as shm's: every rank alike); np.empty
+        where `shm` is never the choice."""
+        if self.shared_memory is None:
+            return super().empty(n, dtype)
+        return self.shared_memory.empty(n, dtype)
 
     def _find_layout(self, transport, ranks_per_node):
         self._setup = Tree(transport)

@@ -182,9 +182,12 @@ def main(argv=None):
             if line:
                 print(line, flush=True)
     out = args.jsonl if rank == 0 else None
-    window = None
-    if "shm" in colls and args.dtype != "bfloat16" and device.type == "cpu":
-        window = colls["shm"].empty(max(args.sizes) // itemsize, args.dtype)
+    # each algorithm's buffer from its own empty(): shared memory's (shm, auto on one
+    # host) lie in a window, which is where its saving comes from (collective: all alike)
+    windows = {}
+    if args.dtype != "bfloat16" and device.type == "cpu":
+        windows = {a: colls[a].empty(max(args.sizes) // itemsize, args.dtype)
+                   for a in colls if hasattr(colls[a], "empty")}
     for nbytes in args.sizes:
         n = nbytes // itemsize
         for collective in args.ops:
@@ -193,8 +196,8 @@ def main(argv=None):
                 pristine = pristine[slice(*shard_bounds(n, P)[rank])]
             work = {a: pristine.clone() if hasattr(pristine, "clone") else pristine.copy()
                     for a in colls}
-            if window is not None:             # shm's saving needs its own buffers
-                work["shm"] = window[:len(pristine)]
+            for algo, window in windows.items():
+                work[algo] = window[:len(pristine)]
             runs = {a: runner(colls[a], collective, n) for a in colls}
             wrong, sent = {}, {}
             for algo in colls:                 # checked call, also a warm-up

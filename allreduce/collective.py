@@ -76,6 +76,12 @@ class Collective:
         return f"<{type(self).__name__} {self.name!r} rank {self.rank}/{self.size}>"
 
     # ----------------------------------------------------------- public API
+    def empty(self, n, dtype=np.float32):
+        """A new buffer of n elements that this collective reduces fastest: np.empty
+        here; shared memory (shm, auto on one host) puts it in a window.  Call it on
+        every rank alike, in the same order: for those it is collective."""
+        return np.empty(n, dtype)
+
     def allreduce(self, x, op="sum"):
         # The path of every training step.  A numpy buffer whose (op, dtype,
         # size) an earlier call validated goes straight to the method that runs
