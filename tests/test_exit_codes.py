@@ -44,6 +44,7 @@ def test_train_exits_0_after_a_run_and_2_on_a_bad_flag(tmp_path):
     assert bad.returncode == 2 and "--lr must be > 0" in bad.stderr, bad.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_train_bench_exits_0_after_a_run_and_non_zero_on_a_bad_method():
     args = TINY_MLP + ["--rounds", "1", "--steps-per-round", "1", "--warmup", "0"]

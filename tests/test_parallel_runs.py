@@ -240,6 +240,7 @@ def test_any_run_can_be_traced_even_through_parameter_servers(tmp_path):
         assert len(spans) == 4 * 3 and all(e["dur"] >= 0 for e in spans)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bad_input_stops_every_rank_before_training(tmp_path):
     bad = {

@@ -150,7 +150,7 @@ def test_checkpoint_every_counts_steps_of_every_worker(tmp_path):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("mode", ["ssp", "asp"])
+@pytest.mark.parametrize("mode", ["ssp", pytest.param("asp", marks=pytest.mark.slow)])
 def test_resume_when_keys_were_saved_at_different_steps(tmp_path, mode):
     """Worker 0 pushed step 3 of w but not of b when the shard saved: it resumes at
     step 3, its second push of w for step 3 is skipped, and every gradient lands once."""
@@ -182,7 +182,8 @@ def test_resume_when_keys_were_saved_at_different_steps(tmp_path, mode):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM,
+                                    pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_a_signal_writes_the_final_checkpoint_and_a_half_pushed_step_is_pushed_again(
         tmp_path, signum):
     opts = dict(worker_timeout=30, checkpoint_dir=str(tmp_path))

@@ -50,7 +50,7 @@ def start_doomed(endpoints):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("policy", ["fail", "continue"])
+@pytest.mark.parametrize("policy", ["fail", pytest.param("continue", marks=pytest.mark.slow)])
 def test_killed_worker_under_bsp(policy):
     with psrv.launch.start_local_servers(2, worker_timeout=2.5, on_worker_death=policy) as servers:
         proc, done = start_doomed(servers.endpoints)
