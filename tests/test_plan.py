@@ -143,6 +143,25 @@ def test_zero_shards_memory_and_tp_adds_communication():
                                             micro_batch_size=4)).split["tp"] > 0
 
 
+def test_cpu_ranks_expose_their_own_share_of_the_data_parallel_collectives():
+    """Cluster.overlaps=False (ranks on CPU cores, verify.py): what the dp group would
+    cost inside one node is exposed in full; only the wire between nodes overlaps."""
+    from dataclasses import replace
+
+    from experiments.planner.step import group_time
+    cpu = replace(TWO_NODES, overlaps=False)
+    for zero in (0, 2, 3):
+        layout = Layout(dp=8, zero=zero, micro_batches=2, micro_batch_size=2)
+        assert predict(SMALL, cpu, layout).split["dp"] >= predict(SMALL, TWO_NODES,
+                                                                  layout).split["dp"]
+    one_node = replace(cpu, nodes=1, gpus_per_node=8)
+    layout = Layout(dp=8, micro_batches=1, micro_batch_size=4)
+    grads = rank_parameters(SMALL, layout)[0][0] * 2            # bf16 gradients
+    assert predict(SMALL, one_node, layout).split["dp"] == pytest.approx(
+        group_time("allreduce", grads, 8, 1, one_node))
+    assert predict(SMALL, replace(one_node, overlaps=True), layout).split["dp"] == 0
+
+
 def test_layouts_that_do_not_fit_say_why_and_rank_last():
     small_gpus = Cluster("tiny", 1, 4, gpu_mem_gib=0.05, gpu_tflops=100, intra_gbps=800,
                          inter_gbps=200)

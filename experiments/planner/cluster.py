@@ -51,6 +51,10 @@ class Cluster:
     calibrated_intra: Machine = None   # from a calibration.json: replaces intra_gbps
     calibrated_link: Machine = None    # ... and inter_gbps (a calibration across hosts)
     measured_rates: tuple = None       # ((sequences a micro-batch, FLOP/s), ...) timed here
+    # The data-parallel collectives run beside the compute: on a GPU the copies and
+    # the reductions take the NICs, the copy engines and a few SMs.  MPI ranks on CPU
+    # cores run both on the same cores (verify.py), so there they add up.
+    overlaps: bool = True
 
     def __post_init__(self):
         for name in ("nodes", "gpus_per_node"):

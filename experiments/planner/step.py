@@ -30,7 +30,10 @@ ZeRO 0-2 reduce the gradients in buckets during the last micro-batch's backward,
 so only what outlasts that backward is exposed; ZeRO 1 and 2 then all-gather the
 updated parameters (exposed); ZeRO 3 gathers each layer's parameters before its
 forward and its backward and reduce-scatters its gradients, every micro-batch,
-prefetched beside the compute of the same micro-batch.  The optimizer's own
+prefetched beside the compute of the same micro-batch.  Where the cluster's
+ranks cannot run the two at once (CPU cores: Cluster.overlaps), what the group
+would cost inside one node (the copies and additions, on the cores) is exposed,
+and only its time on the wire between nodes overlaps.  The optimizer's own
 update and the embedding's gradient all-reduce between the first and last
 stage are left out.
 
@@ -111,7 +114,11 @@ def placement(size, stride, per_node):
     return -(-size // together), together, per_node // together
 
 
-def group_time(collective, n, size, stride, cluster):
+def group_time(collective, n, size, stride, cluster, on_one_node=False):
+    """Seconds of one collective of n bytes on a group of `size` ranks `stride` apart;
+    on_one_node: as if the group sat in one node (what its ranks' own work costs)."""
+    if on_one_node:
+        return cluster_collective_time(collective, n, 1, size, cluster.intra())
     nodes, R, sharing = placement(size, stride, cluster.gpus_per_node)
     return cluster_collective_time(collective, n, nodes, R, cluster.intra(),
                                    cluster.link(sharing) if nodes > 1 else None)
@@ -167,19 +174,26 @@ def predict(gpt, cluster, lo):
     # 2. the data-parallel axis: gradients (and parameters) of the fullest rank
     dense, experts = rank_parameters(gpt, lo)[0]
 
-    def dp_time(collective):
-        t = group_time(collective, dense * e, lo.dp, lo.pp * lo.tp, cluster)
+    def dp_time(collective, on_one_node=False):
+        t = group_time(collective, dense * e, lo.dp, lo.pp * lo.tp, cluster, on_one_node)
         if experts and lo.dp // lo.ep > 1:
             t += group_time(collective, experts * e, lo.dp // lo.ep, lo.pp * lo.tp * lo.ep,
-                            cluster)
+                            cluster, on_one_node)
         return t
+
+    def exposed(collectives, beside):           # what outlasts the compute it overlaps
+        total = sum(dp_time(c) for c in collectives)
+        if cluster.overlaps:
+            return max(0.0, total - beside)
+        cores = min(total, sum(dp_time(c, on_one_node=True) for c in collectives))
+        return cores + max(0.0, total - cores - beside)
     dp_f = dp_b = dp_after = 0.0
     if lo.zero == 3:                            # every micro-batch, prefetched beside compute
-        dp_f = max(0.0, dp_time("allgather") - compute_f)
-        dp_b = max(0.0, dp_time("allgather") + dp_time("reduce_scatter") - compute_b)
+        dp_f = exposed(["allgather"], compute_f)
+        dp_b = exposed(["allgather", "reduce_scatter"], compute_b)
     elif lo.dp > 1:
-        reduce = dp_time("allreduce" if lo.zero == 0 else "reduce_scatter")
-        dp_after = max(0.0, reduce - compute_b) + (dp_time("allgather") if lo.zero else 0.0)
+        reduce = exposed(["allreduce" if lo.zero == 0 else "reduce_scatter"], compute_b)
+        dp_after = reduce + (dp_time("allgather") if lo.zero else 0.0)
     # 3. the pipeline: (v m + p - 1) slots, each sending an activation and its gradient
     t_f, t_b = compute_f + tp_f + ep_f + dp_f, compute_b + tp_b + ep_b + dp_b
     nodes, _, _ = placement(lo.pp, lo.tp, G)

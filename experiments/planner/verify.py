@@ -78,7 +78,7 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
     return Cluster("this host" if nodes == 1 else f"emulated {nodes} hosts", nodes, ranks,
                    gpu_mem_gib=memory / GIB, gpu_tflops=rate / 1e12,
                    intra_gbps=8e-9 / intra.beta, inter_gbps=inter_gbps, efficiency=1.0,
-                   calibrated_intra=intra, measured_rates=rates)
+                   calibrated_intra=intra, measured_rates=rates, overlaps=False)
 
 
 def runnable(gpt, layout):
