@@ -45,9 +45,9 @@ def steps_of_rank(jsonl, rank):
                   if r.get("kind") == "step" and r["rank"] == rank)
 
 
-def signalled_run(flags, ckpt, signum, timeout=150):
+def signalled_run(flags, ckpt, signum, timeout=150, train=TRAIN, workers=WORKERS):
     """Train until the first checkpoint set is there, then send `signum` to mpiexec."""
-    cmd = [MPIEXEC, "-n", str(WORKERS + 1), sys.executable, "-m", "mpi4py", *TRAIN, *flags]
+    cmd = [MPIEXEC, "-n", str(workers + 1), sys.executable, "-m", "mpi4py", *train, *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=ROOT, env=mpi_env(), start_new_session=True)
     try:
@@ -91,6 +91,31 @@ def test_a_signal_ends_the_run_with_one_set_and_resume_finishes(tmp_path, mode, 
     for rank in range(WORKERS):                  # every step once, none lost or repeated
         assert steps_of_rank(jsonl, rank) == list(range(step + 3)), rank
     assert set_steps(ckpt)[0] == step + 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_hybrid_stops_at_one_step_too(tmp_path):
+    """--sync hybrid: two nodes of two workers, their leaders on the server; SIGINT
+    ends the run with the set of one step and no traceback, and --resume goes on."""
+    ckpt, jsonl = tmp_path / "ckpt", str(tmp_path / "run.jsonl")
+    train = [a for a in TRAIN] + ["--ranks-per-node", "2"]
+    train[train.index("ps")] = "hybrid"
+    flags = ["--checkpoint-dir", ckpt, "--checkpoint-every", "4", "--jsonl", jsonl]
+    rc, out, err = signalled_run(flags + ["--steps", "100000"], ckpt, signal.SIGINT,
+                                 train=train, workers=4)
+    assert rc == 130 and "Traceback" not in err, err[-3000:]
+    stop = re.search(r"stopped by SIGINT after step (\d+) of 100000; checkpoint of step (\d+)",
+                     err)
+    assert stop and stop.group(1) == stop.group(2), err[-3000:]
+    step = int(stop.group(1))
+    worker, parts = set_steps(ckpt)
+    assert worker == step == parts[-1], (worker, parts)
+    resumed = mpirun(5, train + flags + ["--steps", step + 2, "--resume"], 150)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed at step {step}" in resumed.stdout
+    for rank in range(4):                        # every step once, none lost or repeated
+        assert steps_of_rank(jsonl, rank) == list(range(step + 2)), rank
 
 
 @pytest.mark.slow

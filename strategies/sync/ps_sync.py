@@ -153,6 +153,10 @@ class HybridSync(GradientSync):
     synchronize, so that all the communication is there and the update in step).
     """
     name = "hybrid"
+    # Its waits run signal handlers too: the leaders' ZeroMQ polls, and the node's
+    # ring over MPI, which polls its requests from Python (on the comm thread, while
+    # the main thread waits on a lock, which handlers interrupt)
+    signal_stop = True
 
     def __init__(self, cfg, ctx, device):
         super().__init__(cfg, ctx, device)
