@@ -46,8 +46,9 @@ from .transformer import layer_forward_flops
 WARM_UP_STEPS = 2
 
 
-def measured_rate(gpt, b, threads, repeats=5):
-    """FLOP/s of one block forward and backward on b sequences, the best of `repeats`."""
+def measured_rate(gpt, b, threads, repeats=7):
+    """FLOP/s of one block forward and backward on b sequences, from the median of
+    `repeats` (the measured step it is checked against is a median too)."""
     import torch
 
     from strategies.model.models import Block
@@ -55,12 +56,12 @@ def measured_rate(gpt, b, threads, repeats=5):
     torch.manual_seed(0)
     block = Block(gpt.d_model, gpt.heads)
     x = torch.randn(b, gpt.seq_len, gpt.d_model, requires_grad=True)
-    best = float("inf")
+    times = []
     for _ in range(repeats + 1):                 # the first warms the allocator up
         start = time.perf_counter()
         block(x).sum().backward()
-        best = min(best, time.perf_counter() - start)
-    return 3 * layer_forward_flops(gpt, b) / best
+        times.append(time.perf_counter() - start)
+    return 3 * layer_forward_flops(gpt, b) / statistics.median(times[1:])
 
 
 def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1, 2, 4, 8)):
