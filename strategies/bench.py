@@ -16,7 +16,13 @@ Two processes, the communication-heavy MLP (~21M parameters, 84 MB of gradients)
 Several hosts: as for strategies.train (`mpiexec -f hosts.txt -n 8 -ppn 4 ...`).
 
 A method is a --sync name (ring, tree, halving_doubling, hierarchical, mpi, torch),
-optionally with `:no-overlap` or `:fp16`/`:bf16`, or `ddp`.  ps and hybrid are
+optionally with `:no-overlap` or `:fp16`/`:bf16`, or `ddp`, or `bare`: a plain
+PyTorch loop over the same model, data and optimizer with nothing of topolab in its
+step (zero_grad, forward under autocast, backward, step, the loss read back, as a
+loop that logs it does; torch's GradScaler under fp16), the floor of `local`:
+
+    python -m strategies.bench --syncs local,bare --model gpt --rounds 5 [--device cuda]
+  ps and hybrid are
 left out: their servers take ranks away from the data-parallel workers, so P
 would not be the same.  `local` under P > 1 ranks trains without any
 communication: the compute-only bound.  DDP's exposed communication shows as
@@ -45,7 +51,7 @@ from .model.models import build_model
 from .runtime.context import RunContext
 from .runtime.metrics import now
 from .runtime.precision import MixedPrecision
-from .sync.gradient_sync import GradientSync, make_optimizer
+from .sync.gradient_sync import GradientSync, make_optimizer, torch_optimizer
 
 
 class DDPSync(GradientSync):
@@ -61,12 +67,46 @@ class DDPSync(GradientSync):
         self.ddp = DistributedDataParallel(model, bucket_cap_mb=self.cfg.bucket_mb)
 
 
+class BareLoop:
+    """The textbook loop, for the floor: no sync, no engine, no records of its own.
+    At P > 1 each rank trains its shard of the batch alone, as `local` does."""
+
+    def __init__(self, cfg, ctx, data, device):
+        self.cfg, self.ctx, self.data, self.device = cfg, ctx, data, device
+        self.model = build_model(cfg, data.spec, device)
+        self.optimizer = torch_optimizer(cfg, self.model.parameters())
+        self.parameters = sum(p.numel() for p in self.model.parameters())
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+        self.scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
+        self.sync = self                           # the harness closes a method's sync
+
+    def step(self, step):
+        x, y = self.data.batch(step, self.ctx.dp_rank, self.ctx.dp_size,
+                               self.cfg.global_batch, self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(self.device.type, self.dtype, enabled=self.dtype is not None):
+            loss = self.model.criterion(self.model(x), y)
+        if self.scaler is None:
+            loss.backward()
+            self.optimizer.step()
+        else:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        return loss.item(), {"comm_time_s": 0.0}
+
+    def close(self):
+        pass
+
+
 def make_method(method, base, ctx, data, device):
     """The step engine (engine/loop.py) of one method name: the syncs of
-    strategies.train, built the way it builds them, or torch's DDP."""
+    strategies.train, built the way it builds them, or torch's DDP, or the bare loop."""
     name, _, option = method.partition(":")
+    if name == "bare" and not option:
+        return BareLoop(base, ctx, data, device)
     if name != "ddp" and name not in ALLREDUCE_SYNCS + ("local",):
-        raise ConfigError(f"bench: unknown method {method!r}; use ddp or one of "
+        raise ConfigError(f"bench: unknown method {method!r}; use ddp, bare or one of "
                           f"{', '.join(ALLREDUCE_SYNCS + ('local',))}")
     changes = {"sync": "local" if name == "ddp" else name}
     if option == "no-overlap":
@@ -99,7 +139,7 @@ def parser():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--syncs", default="ring,mpi,torch,ddp",
                    help="comma list of methods: a --sync name, optionally with :no-overlap, "
-                        ":fp16 or :bf16, or ddp")
+                        ":fp16 or :bf16, or ddp, or bare (a plain PyTorch loop)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (every method once each)")
     p.add_argument("--steps-per-round", type=int, default=5,
                    help="training steps a method takes in each round")

@@ -220,3 +220,21 @@ def test_sync_torch_with_more_ranks_than_gpus_is_refused_before_training(monkeyp
     with pytest.raises(ConfigError, match="--sync torch --device cuda: 4 ranks on host h0 "
                                           "but 2 GPUs for them"):
         ctx.device(cfg)
+
+
+def test_the_bare_loop_and_local_train_the_same_parameters():
+    """strategies.bench's floor, a plain PyTorch loop, against the trainer's `--sync
+    local` on one process: the same model, data and optimizer, so the same parameters
+    after 3 steps (rtol 1e-6: the same float operations, in the same order but for
+    where the gradients live)."""
+    from strategies.bench import make_method
+    cfg = TrainConfig(sync="local", model="mlp", width=16, depth=2, global_batch=8,
+                      optimizer="adam", lr=0.01, progress=False)
+    ctx = RunContext.create(cfg)
+    device, data = ctx.device(cfg), load_data(cfg)
+    local, bare = (make_method(m, cfg, ctx, data, device) for m in ("local", "bare"))
+    for step in range(3):
+        ours, theirs = local.step(step)[0], bare.step(step)[0]
+        assert ours == pytest.approx(theirs, rel=1e-6)
+    for (name, p), q in zip(local.model.named_parameters(), bare.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
