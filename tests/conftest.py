@@ -85,3 +85,12 @@ def drawn(out_dir, name):
     """The numbers a figure drew: the JSON written beside its PNG."""
     with open(Path(out_dir) / f"{name}.json") as f:
         return json.load(f)
+
+
+def each_bucket(reduce):
+    """GradBuckets' reduce_bucket for a test's stand-in collective reduce(flat): run on
+    each bucket's flat gradients, the bucket's bytes reported as handed over."""
+    def reduce_bucket(bucket, flat):
+        reduce(flat)
+        return flat.numel() * flat.element_size()
+    return reduce_bucket

@@ -16,6 +16,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import each_bucket
 
 import strategies
 from strategies.engine.accumulation import accumulate
@@ -47,7 +48,7 @@ class CountingSync(LocalSync):
 
     def setup(self, model):
         super().setup(model)
-        self.buckets = GradBuckets(list(model.parameters()), lambda flat: None, 600,
+        self.buckets = GradBuckets(list(model.parameters()), each_bucket(lambda flat: None), 600,
                                    make_compressor("none"), overlap=True)
 
     def before_backward(self):

@@ -21,7 +21,7 @@ import re
 import pytest
 import torch
 
-from conftest import BIN, check_ok, mpi_env, mpirun, run
+from conftest import BIN, check_ok, each_bucket, mpi_env, mpirun, run
 from strategies.sync.buckets import GradBuckets
 from strategies.compression.casts import make_compressor
 from strategies.config.settings import ALLREDUCE_SYNCS, ConfigError
@@ -158,8 +158,8 @@ def test_buckets_rearm_whoever_clears_the_gradients():
     as in one process); a second backward before the step is refused."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     calls = []
-    buckets = GradBuckets(list(model.parameters()), lambda flat: calls.append(flat.numel()),
-                          cap_bytes=48, compressor=make_compressor("none"), overlap=True)
+    buckets = GradBuckets(list(model.parameters()),
+                          each_bucket(lambda flat: calls.append(flat.numel())), cap_bytes=48, compressor=make_compressor("none"), overlap=True)
     try:
         x = torch.ones(3, 4)
         buckets.zero_()

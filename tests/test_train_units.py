@@ -7,6 +7,7 @@ compression, and GradBuckets in one process with a stand-in collective
 import numpy as np
 import pytest
 import torch
+from conftest import each_bucket
 
 from strategies.sync.buckets import GradBuckets, plan_buckets
 from strategies.compression.casts import make_compressor
@@ -134,7 +135,7 @@ def test_grad_buckets_reduce_every_gradient_once_in_order(overlap):
         calls.append(flat.numel())
         flat.mul_(2)
 
-    buckets = GradBuckets(list(model.parameters()), reduce, cap_bytes=4 * 300,
+    buckets = GradBuckets(list(model.parameters()), each_bucket(reduce), cap_bytes=4 * 300,
                           compressor=make_compressor("none"), overlap=overlap)
     try:
         for _ in range(2):                  # the second step reuses zeroed buckets
@@ -154,7 +155,7 @@ def test_grad_buckets_reduce_every_gradient_once_in_order(overlap):
 @pytest.mark.timeout(60)
 def test_grad_buckets_flush_parameters_without_gradient():
     model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4), "unused": torch.nn.Linear(4, 4)})
-    buckets = GradBuckets(list(model.parameters()), lambda flat: None, cap_bytes=64,
+    buckets = GradBuckets(list(model.parameters()), each_bucket(lambda flat: None), cap_bytes=64,
                           compressor=make_compressor("none"), overlap=True)
     try:
         buckets.zero_()
@@ -172,7 +173,7 @@ def test_comm_thread_error_reaches_the_main_thread():
     def reduce(flat):
         raise RuntimeError("peer vanished")
 
-    buckets = GradBuckets(list(model.parameters()), reduce, cap_bytes=1 << 20,
+    buckets = GradBuckets(list(model.parameters()), each_bucket(reduce), cap_bytes=1 << 20,
                           compressor=make_compressor("none"), overlap=True)
     try:
         buckets.zero_()

@@ -193,24 +193,23 @@ def as_layers(params_or_layers, replicas):
 class GradBuckets:
     """Owns the gradients of `layers` (parameters, or Layer tuples in forward order).
 
-    reduce(flat): the collective of plain data parallelism (in place, averaging over
-    the replicas), through the compressor; or reduce_bucket(bucket, flat) -> the bytes
-    this rank handed to the collectives, where the owner reduces otherwise (ZeRO's
-    reduce-scatter).  CUDA buckets reach `reduce` on their device: AllReduceSync gives
-    it a collective made with allreduce.host_staged, which carries them through pinned
-    host memory where MPI moves them, the one staging of every user of a collective.
+    reduce_bucket(bucket, flat) -> the bytes this rank handed to the collectives: the
+    bucket's collective, which its owner chooses (zero.py: an all-reduce at stage 0, a
+    reduce-scatter into this rank's shard at 1-3, through the compressor).  CUDA
+    buckets reach it on their device: their collectives are made with
+    allreduce.host_staged, which carries them through pinned host memory where MPI
+    moves them, the one staging of every user of a collective.
     after_backward(bucket): called each time one backward completed the bucket's
     gradients (ZeRO 3 frees the layer's parameters there)."""
 
-    def __init__(self, layers, reduce, cap_bytes, compressor, overlap=True, *, replicas=None,
-                 reduce_bucket=None, keep_flat=True, backwards_per_step=1, after_backward=None,
+    def __init__(self, layers, reduce_bucket, cap_bytes, compressor, overlap=True, *,
+                 replicas=None, keep_flat=True, backwards_per_step=1, after_backward=None,
                  name="grad-comm"):
         layers = [layer for layer in as_layers(layers, replicas or OneRank())
                   if any(p.requires_grad for p in layer.params)]
         layers = [layer._replace(params=[p for p in layer.params if p.requires_grad])
                   for layer in layers]
-        self.reduce, self.compressor, self.overlap = reduce, compressor, overlap
-        self.reduce_bucket = reduce_bucket or self._allreduce_bucket
+        self.reduce_bucket, self.compressor, self.overlap = reduce_bucket, compressor, overlap
         self.backwards_per_step, self.after_backward = backwards_per_step, after_backward
         ordered = list(reversed(layers))             # roughly the order backward makes them
         self.buckets = [Bucket(i, group, group[0].replicas, compressor.wire_dtype, keep_flat)
@@ -301,10 +300,6 @@ class GradBuckets:
         self.reductions += 1
         self.wire_bytes += self.reduce_bucket(b, flat)
         self.dense_bytes += b.numel * 4
-
-    def _allreduce_bucket(self, b, flat):
-        """Plain data parallelism: flat := its mean over the replicas, compressed on the wire."""
-        return self.compressor.reduce_bucket(b.index, flat, b.wire, b.shapes, self.reduce)
 
     def close(self):
         for h in self._hooks:

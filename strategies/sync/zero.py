@@ -195,9 +195,8 @@ class ZeRO(GradientSync):
     def _build(self, layers, replicas, bind=True):
         """The buckets of `layers` (stage 3: a layer each), and each one's parameter side."""
         cap = 0 if self.stage == 3 else int(self.cfg.bucket_mb * 2**20)
-        self.engine = GradBuckets(layers, None, cap, self.compressor, self.overlap,
-                                  replicas=replicas, reduce_bucket=self._reduce_bucket,
-                                  keep_flat=self.stage < 2,
+        self.engine = GradBuckets(layers, self._reduce_bucket, cap, self.compressor,
+                                  self.overlap, replicas=replicas, keep_flat=self.stage < 2,
                                   backwards_per_step=self.backwards_per_step,
                                   after_backward=self._after_backward if self.stage == 3
                                   else None, name="zero-comm")
