@@ -13,6 +13,7 @@
                                 socket keeps it alive: a killed worker is still found dead
 """
 import os
+import re
 import socket
 import struct
 import threading
@@ -115,8 +116,12 @@ def raw_socket(ctx, endpoint, routing_id=None, rcvhwm=None):
 def test_a_worker_that_never_reads_its_replies_is_stopped_at_the_limit():
     """ASP, W=2, a 1 MiB key, --max-unread-mib 8: worker 0 (a raw socket that reads
     nothing) sends 150 PUSH + PULL pairs, so every reply pins a fresh copy of the key.
-    The shard stops serving it once 8 MiB are unread, naming it; it grows by far less
-    than the 150 MiB the replies would pin; worker 1 is still served."""
+    The shard stops serving it once 8 MiB are unread, naming it (its own count, from
+    its log, at most the limit); it grows by far less than the 150 MiB the replies
+    would pin; worker 1 is still served.  Its resident memory also holds the pushes
+    ZeroMQ queued before the shard read them (freed frames stay in heap.py's tuned
+    heap), more of them the slower the shard runs: 53 MiB was seen on a loaded
+    2-core machine, so the bound is half of the 150 MiB, not a tight one."""
     n = 1 << 18                                              # float32: 1 MiB
     opts = dict(worker_timeout=30, max_unread_mib=8)
     with psrv.launch.start_local_servers(1, **opts) as servers:
@@ -138,13 +143,15 @@ def test_a_worker_that_never_reads_its_replies_is_stopped_at_the_limit():
         wait_for_log(servers, "worker 0 has")
         log = servers.log(0)
         assert "of replies it has not read (limit 8.0 MiB): it is not reading its replies" in log
+        held = re.search(r"worker 0 has ([\d.]+) MiB of replies it has not read", log)
+        assert held and float(held.group(1)) <= 8.0, log
         with psrv.Client(servers.endpoints, 1, 2, timeout=10, consistency=Consistency("asp")) as c:
             out = {"w": np.zeros(n, np.float32)}
             c.init(out, SGD)
             c.push_pull({"w": grad}, out, 0).wait()
             assert np.all(out["w"] < value + 1e-6) and np.any(out["w"] != value)
             grown = rss_mib(pid) - before
-            assert grown < 48, f"the unread replies grew the server by {grown:.0f} MiB"
+            assert grown < 75, f"the unread replies grew the server by {grown:.0f} MiB"
         hog.close()
         ctx.term()
 
