@@ -22,8 +22,8 @@ step (zero_grad, forward under autocast, backward, step, the loss read back, as 
 loop that logs it does; torch's GradScaler under fp16), the floor of `local`:
 
     python -m strategies.bench --syncs local,bare --model gpt --rounds 5 [--device cuda]
-  ps and hybrid are
-left out: their servers take ranks away from the data-parallel workers, so P
+
+ps and hybrid are left out: their servers take ranks away from the data-parallel workers, so P
 would not be the same.  `local` under P > 1 ranks trains without any
 communication: the compute-only bound.  DDP's exposed communication shows as
 0, since it waits inside backward where this harness cannot see it.  The

@@ -25,10 +25,11 @@ and 12345 it checks
 After each length the ranks exchange their findings (an allgather), so all of
 them stop at the same length with one verdict, which rank 0 prints.  A rank whose
 ring raises tells the others at once, which stop waiting for it, and rank 0
-prints its traceback above the verdict; a rank that exits or dies is named with its exit status.  Then,
-at the first P, it times your ring on 16 MiB and prints its busbw beside the cost
-model's prediction (costmodel.ring_allreduce; alpha, beta, gamma and cores from
---calibration, else alpha, beta, gamma probed now, without a cores term).
+prints its traceback above the verdict; a rank that exits or dies is named with
+its exit status.  Then, at the first P, it times your ring on 16 MiB and prints
+its busbw beside the cost model's prediction (costmodel.ring_allreduce; alpha,
+beta, gamma and cores from --calibration, else alpha, beta, gamma probed now,
+without a cores term).
 Exit 0: correct.
 """
 import argparse
