@@ -151,7 +151,7 @@ class Listener:
     that logs failed handshakes and caps the connections (Connections).  Its own
     context: there is one ZAP endpoint per context."""
 
-    def __init__(self, bind, keys, name, linger_ms, hwm):
+    def __init__(self, bind, keys, name, linger_ms, rcvhwm, sndhwm):
         self.name, self.ctx = name, zmq.Context()
         self.zap = self.monitor = self.connections = None
         self.refusals = RefusalLog(name)
@@ -160,8 +160,8 @@ class Listener:
             self.connections = Connections(2 * len(keys.clients) + SPARE_CONNECTIONS)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)   # libzmq drops larger frames
-        self.sock.setsockopt(zmq.RCVHWM, hwm)
-        self.sock.setsockopt(zmq.SNDHWM, hwm)
+        self.sock.setsockopt(zmq.RCVHWM, rcvhwm)    # set before bind: a connection keeps
+        self.sock.setsockopt(zmq.SNDHWM, sndhwm)    # the values it was made with
         self.sock.setsockopt(zmq.LINGER, linger_ms)               # let the last replies leave
         if keys is not None:
             make_server(self.sock, keys)

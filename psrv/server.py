@@ -58,10 +58,18 @@ from .store import Shard
 log = logging.getLogger("psrv.server")
 WORKER_OPS = {P.Op.INIT, P.Op.PUSH, P.Op.PULL, P.Op.PUSH_PULL, P.Op.HEARTBEAT, P.Op.BYE,
               P.Op.STATS, P.Op.CHECKPOINT, P.Op.ABORT}
-# Queued messages per connection, each way (libzmq's default, stated): a worker sends
-# about (its bytes on this shard) / message_bytes messages a step and gets as many replies
-# (a ROUTER drops replies beyond it).  Frames are at most protocol.MAX_FRAME_BYTES.
-HWM = 1000
+# Messages ZeroMQ queues per connection before the shard reads them.  libzmq's default,
+# 1000, would let a worker that pushes faster than the shard applies its pushes park
+# gigabytes in the shard (1000 messages of message_bytes, 4 MiB by default); at 8 the
+# shard holds about 32 MiB of a worker's unread pushes, and the rest wait in the worker's
+# own queue and the kernel's socket buffers (ZeroMQ stops reading a connection whose
+# queue is full; nothing is dropped).  Eight are ample for throughput: the shard takes a
+# message in a few milliseconds, while its I/O thread receives the next ones.
+RECEIVE_HWM = 8
+# Replies queued per connection (libzmq's default, stated): a worker gets about
+# (its bytes on this shard) / message_bytes replies a step (a ROUTER drops replies beyond
+# it).  Their bytes are bounded by max_unread (replies.py), not by this count.
+SEND_HWM = 1000
 # A worker may leave this much more than two copies of the shard's values unread
 # (replies.py: a pull and a push_pull in flight) before the shard stops serving it.
 UNREAD_MARGIN = 64 << 20
@@ -95,7 +103,8 @@ class Server:
         self.roster = Roster(worker_timeout, join_timeout, keys and keys.clients)
         self.failure = None        # the error every request gets once a BSP run failed
         self.stop_signal, self.signals = None, 0      # the last signal, how many so far
-        self.listener = auth.Listener(bind, keys, f"shard {shard}", linger_ms, HWM)
+        self.listener = auth.Listener(bind, keys, f"shard {shard}", linger_ms,
+                                      RECEIVE_HWM, SEND_HWM)
         self.sock, self.endpoint = self.listener.sock, self.listener.endpoint
         self.outbox = Outbox(self.sock, shard)
         log.info("shard %d on %s: %s", shard, self.endpoint, f"CURVE, {len(keys.clients)} "

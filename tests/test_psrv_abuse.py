@@ -5,6 +5,8 @@
                                 limit, naming it; the shard stays small and serves the rest;
                                 a reply counts until ZeroMQ lets go of it, also one whose
                                 last frame is small enough for pyzmq to copy
+    pushes faster than read     a shard's ZeroMQ queue holds a few of a worker's messages,
+                                not libzmq's default of 1000 (gigabytes of 4 MiB pushes)
     unauthenticated flood       64 connections that each start a 4 MiB CURVE handshake frame:
                                 the server holds at most 2 per key + 16 of them, for at most
                                 5 s, grows by less than they would pin, logs a few lines
@@ -119,9 +121,9 @@ def test_a_worker_that_never_reads_its_replies_is_stopped_at_the_limit():
     The shard stops serving it once 8 MiB are unread, naming it (its own count, from
     its log, at most the limit); it grows by far less than the 150 MiB the replies
     would pin; worker 1 is still served.  Its resident memory also holds the pushes
-    ZeroMQ queued before the shard read them (freed frames stay in heap.py's tuned
-    heap), more of them the slower the shard runs: 53 MiB was seen on a loaded
-    2-core machine, so the bound is half of the 150 MiB, not a tight one."""
+    ZeroMQ queued before the shard read them, at most server.RECEIVE_HWM (8) of 1 MiB
+    here, and freed frames stay in heap.py's tuned heap: 14 MiB on a quiet machine
+    (with 1000 queued pushes allowed: 23 MiB quiet, 53 MiB on a loaded one)."""
     n = 1 << 18                                              # float32: 1 MiB
     opts = dict(worker_timeout=30, max_unread_mib=8)
     with psrv.launch.start_local_servers(1, **opts) as servers:
@@ -151,8 +153,42 @@ def test_a_worker_that_never_reads_its_replies_is_stopped_at_the_limit():
             c.push_pull({"w": grad}, out, 0).wait()
             assert np.all(out["w"] < value + 1e-6) and np.any(out["w"] != value)
             grown = rss_mib(pid) - before
-            assert grown < 75, f"the unread replies grew the server by {grown:.0f} MiB"
+            assert grown < 40, f"the unread replies grew the server by {grown:.0f} MiB"
         hog.close()
+        ctx.term()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_pushes_faster_than_the_shard_reads_parks_a_few_messages_in_it():
+    """A shard (in this process, not serving yet: a busy one, as ZeroMQ sees it) and a
+    raw worker that sends 4 MiB PUSHes without waiting: ZeroMQ takes at most
+    server.RECEIVE_HWM of them into the shard's queue (+ one in the worker's own queue
+    of 1, and what the kernel's socket buffers hold), then the sends block.  libzmq's
+    default of 1000 took all 64 here (256 MiB parked in the shard)."""
+    from psrv.server import RECEIVE_HWM, Server
+    shard = Server(worker_timeout=30)
+    ctx = zmq.Context()
+    try:
+        hog = ctx.socket(zmq.DEALER)
+        hog.setsockopt(zmq.LINGER, 0)
+        hog.setsockopt(zmq.SNDHWM, 1)
+        hog.connect(shard.endpoint)
+        n = 1 << 20                                          # float32: 4 MiB
+        grad = np.full(n, 0.25, np.float32)
+        push = P.encode(P.Op.PUSH, 0, 2, [P.Entry(0, 0, n, (n,), nframes=4)],
+                        payload=[grad[i * n // 4:(i + 1) * n // 4] for i in range(4)])
+        sent, last = 0, time.monotonic()
+        while sent < 64 and time.monotonic() - last < 1.5:  # until no send goes for 1.5 s
+            try:
+                hog.send_multipart(push, flags=zmq.NOBLOCK, copy=False)
+                sent, last = sent + 1, time.monotonic()
+            except zmq.Again:
+                time.sleep(0.01)
+        assert sent <= RECEIVE_HWM + 4, f"the shard took {sent} unread 4 MiB messages"
+        assert sent >= RECEIVE_HWM, f"only {sent} sent: the shard's queue was not filled"
+        hog.close()
+    finally:
+        shard.listener.close()
         ctx.term()
 
 
