@@ -33,7 +33,9 @@ workers and the servers (or echoes) spent per iteration, all together.  On a
 machine of C cores nothing can run faster than cpu_ms / C, so the column says
 how far each kind is from being CPU-bound.  psrv does work the echo does not:
 it runs the optimizer over every byte on the server and copies every byte into
-`out` on the worker.  faults: the minor page faults they took per iteration,
+`out` on the worker.  io_ms: the part of cpu_ms spent in ZeroMQ's I/O threads,
+which move the bytes between the sockets and the kernel; the rest is the
+kinds' own work.  faults: the minor page faults they took per iteration,
 pages the kernel mapped in afresh (psrv/heap.py says why there should be few).
 """
 import multiprocessing as mp
@@ -56,7 +58,7 @@ from .bench_config import parser
 from .client import Client
 from .config import OptimizerConfig
 from .launch import start_local_servers
-from .measure import collect, cpu_seconds, minor_faults
+from .measure import ZMQ_IO_THREADS, collect, cpu_seconds, minor_faults
 
 
 def echo_server(queue, endpoint):
@@ -154,9 +156,10 @@ def worker(w, num_workers, endpoints, echoes, rpc_port, sizes, reps, barrier, re
     kinds = [k for k in runs if k in pids]
     start = {}
 
-    def usage(kind):     # CPU seconds and page faults; worker 0 reads the servers' too, once
-        procs = [os.getpid()] + (pids[kind] if w == 0 else [])
-        return np.array([sum(map(cpu_seconds, procs)), sum(map(minor_faults, procs))])
+    def usage(kind):     # CPU seconds, page faults, CPU seconds of ZeroMQ's I/O threads;
+        procs = [os.getpid()] + (pids[kind] if w == 0 else [])   # worker 0: the servers' too
+        return np.array([sum(map(cpu_seconds, procs)), sum(map(minor_faults, procs)),
+                         sum(cpu_seconds(p, ZMQ_IO_THREADS) for p in procs)])
 
     def read_usage_after(kind):
         barrier.wait(120)         # the servers' work for the slower workers counts too
@@ -167,7 +170,7 @@ def worker(w, num_workers, endpoints, echoes, rpc_port, sizes, reps, barrier, re
         iters = max(2, min(200, int(2e8 / size / num_workers)))
         for kind in kinds:
             runs[kind](name, 2)              # warm-up: connections, page faults
-        used = {kind: [] for kind in kinds}  # (CPU s, faults) per iteration, sample by sample
+        used = {kind: [] for kind in kinds}  # usage() per iteration, sample by sample
         # one sample: `iters` iterations of one kind, after a barrier, per iteration
         timings = interleaved({kind: (lambda kind=kind: runs[kind](name, 1)) for kind in kinds},
                               rounds=reps, warmup=0, calls=iters,
@@ -235,14 +238,14 @@ def run_config(num_servers, num_workers, sizes, reps, transport="ipc", with_rpc=
     for size in sizes:
         timings = slowest(t for t, _ in per_size[size])       # the slowest worker sets the pace
         for kind in pids:
-            # every process's (CPU s, faults) per sample, summed over the workers
+            # every process's usage() per sample, summed over the workers
             used = np.sum([u[kind] for _, u in per_size[size]], axis=0)
-            cpu, faults = np.median(used, axis=0)
+            cpu, faults, io_cpu = np.median(used, axis=0)
             t, rounds = timings.median(kind), timings.samples[kind]
             rows.append({"kind": kind, "bytes": size, "workers": num_workers,
                          "servers": num_servers, "transport": "tcp" if kind == "torch_rpc" else transport,
                          "time_us": round(t * 1e6, 1), "cpu_ms": round(float(cpu) * 1e3, 2),
-                         "faults": round(float(faults)),
+                         "io_cpu_ms": round(float(io_cpu) * 1e3, 2), "faults": round(float(faults)),
                          "cores": os.cpu_count(), "gbps": round(num_workers * 2 * size / t / 1e9, 3),
                          "round_us": [round(r * 1e6, 1) for r in rounds],
                          "reps": reps, "host": platform.node(), "loadavg": os.getloadavg()[0]})
@@ -282,7 +285,7 @@ def main(argv=None):
         ap.exit(2, f"psrv.bench: {e}\n")
     stop_on_sigterm()
     print(f"{'kind':<9} {'servers':>7} {'workers':>7} {'bytes':>10} {'time_us':>11} "
-          f"{'GB/s':>7} {'cpu_ms':>8} {'faults':>7} {'psrv/this':>9}", flush=True)
+          f"{'GB/s':>7} {'cpu_ms':>8} {'io_ms':>7} {'faults':>7} {'psrv/this':>9}", flush=True)
     for s in servers:
         for w in workers:
             rows = run_config(s, w, sizes, a.reps, a.transport, not a.no_rpc)
@@ -290,7 +293,7 @@ def main(argv=None):
                 ps = next(x for x in rows if x["kind"] == "psrv" and x["bytes"] == r["bytes"])
                 ratio = f"{ps['gbps'] / r['gbps']:.2f}" if r["kind"] != "psrv" else ""
                 print(f"{r['kind']:<9} {s:7d} {w:7d} {r['bytes']:10d} {r['time_us']:11.1f} "
-                      f"{r['gbps']:7.3f} {r['cpu_ms']:8.2f} {r['faults']:7d} {ratio:>9}", flush=True)
+                      f"{r['gbps']:7.3f} {r['cpu_ms']:8.2f} {r['io_cpu_ms']:7.2f} {r['faults']:7d} {ratio:>9}", flush=True)
                 if a.jsonl:
                     append_jsonl(a.jsonl, [r])
 

@@ -164,3 +164,13 @@ def test_local_servers_listen_on_ipc_in_a_private_directory():
             np.testing.assert_allclose(params["w"], np.arange(10) - 0.5, rtol=0, atol=1e-6)
         assert servers.wait(30) == [0]
     assert not os.path.exists(directory)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shape", ["serial", "one", "two"])
+def test_the_echo_benchmark_times_each_shape_of_round_trip(tmp_path, shape):
+    """psrv.bench_echo: each shape's echo comes back and is timed (wall and CPU > 0),
+    over ipc:// in a directory of the test's own."""
+    from psrv.bench_echo import MIB, rounds_of
+    wall, cpu = rounds_of(shape, str(tmp_path), 8 * MIB, 2)
+    assert wall > 0 and cpu > 0
