@@ -60,9 +60,9 @@ SHM = Path("/dev/shm")
 
 def mpich_segments():
     """The names of MPICH's shared-memory segments on this host.  A job creates one per
-    node as it starts and unlinks it once every rank has mapped it; a job whose ranks
-    are killed or abort before that (the failure paths these tests drive) leaves its
-    segment behind, in memory, until someone removes it."""
+    node as it starts and removes it in MPI_Finalize; a job that aborts (MPI_Abort, as
+    `python -m mpi4py` does on an uncaught exception) or whose ranks are killed, the
+    failure paths these tests drive, leaves it behind, in memory."""
     return {p.name for p in SHM.glob("mpich_shm_*")} if SHM.is_dir() else set()
 
 
