@@ -3,7 +3,8 @@
 A point's command (mpiexec and its ranks, the cluster tool, srun) runs in a
 session of its own, so the terminal's Ctrl-C never reaches it directly; the
 sweep's `Stopper` catches SIGINT, SIGTERM and SIGHUP and ends the point's whole
-group, so that no rank outlives the sweep.
+group, so that no rank outlives the sweep, and no shared-memory segment the
+point's MPI job left either (shm_segments.py).
 """
 import os
 import shlex
@@ -14,6 +15,7 @@ import time
 
 from allreduce.records import checkout_pythonpath
 
+from . import shm_segments
 from .records import ROOT
 
 
@@ -74,7 +76,7 @@ def run_point(argv, log_path, timeout, stopper=None, env=None, grace_s=0.0):
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
            "PYTHONUNBUFFERED": "1", "TOPOLAB_TIMEOUT": str(max(10, int(timeout))),
            **(env or {})}
-    start = time.monotonic()
+    start, before = time.monotonic(), shm_segments.snapshot()
     with open(log_path, "w") as log:
         log.write("$ " + shlex.join(argv) + "\n")
         log.flush()
@@ -104,6 +106,7 @@ def run_point(argv, log_path, timeout, stopper=None, env=None, grace_s=0.0):
             raise
         finally:
             stopper.pgid = None
+            shm_segments.remove_left(before)   # what a killed or aborted job's MPICH left
         if stopper.signum is not None:
             status = "stopped"
             log.write(f"\n[sweep] killed by {signal.Signals(stopper.signum).name} "

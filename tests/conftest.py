@@ -55,42 +55,15 @@ def check_ok(result):
     return result
 
 
-SHM = Path("/dev/shm")
-
-
-def mpich_segments():
-    """The names of MPICH's shared-memory segments on this host.  A job creates one per
-    node as it starts and removes it in MPI_Finalize; a job that aborts (MPI_Abort, as
-    `python -m mpi4py` does on an uncaught exception) or whose ranks are killed, the
-    failure paths these tests drive, leaves it behind, in memory."""
-    return {p.name for p in SHM.glob("mpich_shm_*")} if SHM.is_dir() else set()
-
-
-def mapped_shm():
-    """The /dev/shm names some live process has mapped."""
-    names = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            names.update(line.rsplit("/", 1)[1].split(" ")[0] for line in
-                         maps.read_text().splitlines() if " /dev/shm/" in line)
-        except OSError:                 # a process that ended meanwhile, or not ours
-            pass
-    return names
-
-
 @pytest.fixture(scope="session", autouse=True)
 def no_shared_memory_left_behind():
-    """The suite's aborted MPI jobs leave MPICH segments in /dev/shm (some 40 a quick
-    tier, 170 an hour of testing: gigabytes of memory in a day); at the end, remove the
-    ones that appeared during the session and that no live process maps."""
-    before = mpich_segments()
+    """The suite's failing MPI jobs (a rank that raises, exits or is killed; some 40 a
+    quick tier) leave MPICH's segments in /dev/shm: at the end, remove those that
+    appeared during the session and that no live process maps (shm_segments.py)."""
+    from experiments import shm_segments
+    before = shm_segments.snapshot()
     yield
-    left = mpich_segments() - before
-    for name in left - mapped_shm():
-        try:
-            (SHM / name).unlink()
-        except FileNotFoundError:
-            pass
+    shm_segments.remove_left(before)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import pytest
 from conftest import ROOT, mpi_env, run
 from labs_fixtures import answers
 
+from experiments import shm_segments
 from experiments.labs import check_answers
 
 SKELETON = os.path.join(ROOT, "experiments", "labs", "ring_skeleton.py")
@@ -53,9 +54,12 @@ def test_check_ring_accepts_a_right_ring_and_times_it(tmp_path):
 def test_check_ring_rejects_a_ring_that_forgets_to_add(tmp_path):
     broken = {"# TODO: add what arrived into our copy of recv_chunk":
               "x[r0:r1] = incoming[:r1 - r0]     # overwrites instead of adding"}
+    segments = shm_segments.snapshot()
     result = check_ring(student_file(tmp_path, broken), "--np", "3", "--no-timing")
     fails(result, 3, "never added theirs")
     assert "the first at index" in result.stdout
+    # the wrong ring ended in MPI_Abort; the check removed the segment MPICH left
+    assert shm_segments.snapshot() <= segments, shm_segments.snapshot() - segments
 
 
 @pytest.mark.mpi

@@ -10,6 +10,7 @@ import time
 import pytest
 from conftest import ROOT, mpi_env, run
 
+from experiments import shm_segments
 from experiments.records import read_jsonl
 from experiments.sweep import SweepError, command_line, load_sweep
 
@@ -120,8 +121,11 @@ sizes = ["8K"]
 def test_sweep_records_failures_goes_on_and_resumes(tmp_path):
     path, out = write(tmp_path, TINY), tmp_path / "out"
     cmd = [sys.executable, "-m", "experiments.sweep", path, "--out", str(out)]
+    segments = shm_segments.snapshot()
     first = run(cmd, 120, mpi_env())
     assert first.returncode == 1, first.stderr         # points failed: the sweep says so
+    # no MPICH segment outlives the points (run_point removes what a killed job left)
+    assert shm_segments.snapshot() <= segments, shm_segments.snapshot() - segments
     assert "2 of 4 points failed or timed out" in first.stderr
     status = {(s["label"], s["config"].get("world_size")): s
               for s in read_jsonl(out / "points.jsonl")}

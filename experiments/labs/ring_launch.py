@@ -101,8 +101,10 @@ def forward(stream, out):
 
 def run_one(path, P, timing, calibration):
     """Check the ring at P ranks; True if correct."""
+    from experiments import shm_segments
     from experiments.records import mpiexec_path
-    with tempfile.TemporaryDirectory(prefix="check-ring-") as tmp:
+    before = shm_segments.snapshot()    # a wrong ring ends in MPI_Abort: MPICH leaves its
+    with tempfile.TemporaryDirectory(prefix="check-ring-") as tmp:   # segment behind
         status = Status(tmp)
         cmd = [mpiexec_path(), "-n", str(P), sys.executable, "-m", "experiments.labs.check_ring",
                path, "--guard", tmp]
@@ -129,7 +131,8 @@ def run_one(path, P, timing, calibration):
             pass
         proc.wait()
         for copier in copiers:
-            copier.join()
+            copier.join()               # every rank has closed its output: they are gone
+        shm_segments.remove_left(before)
         dead = sorted(name for name in os.listdir(tmp) if name.startswith("dead."))
         if dead:
             print(f"P={P}: WRONG")
