@@ -138,3 +138,20 @@ def test_bench_records_name_the_chosen_algorithm(tmp_path):
         assert r["wrong"] == 0 and r["loop"] == 2, r
         assert r["vs_raw"] == pytest.approx(r["time_us"] / by[("mpi-raw", r["op"], r["bytes"])][
             "time_us"])
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_window_cost_times_both_paths_beside_the_private_ring():
+    """allreduce.window_cost: its three rows, the last the unit of the ratios; bad
+    flags and a world too small for shm are one line and exit 2, no traceback."""
+    result = check_ok(mpirun(2, ["-m", "allreduce.window_cost", "--sizes", "64K", "--iters", "1",
+                                 "--warmup", "0"], timeout=100))
+    for row in ("shm in window", "ring in window", "ring private"):
+        assert row in result.stdout, result.stdout
+    assert "ring private" in result.stdout.splitlines()[-1] and "x1.00" in result.stdout
+    bad = mpirun(2, ["-m", "allreduce.window_cost", "--iters", "0"], timeout=60)
+    assert bad.returncode == 2 and "--iters must be >= 1" in bad.stderr, bad.stderr
+    alone = mpirun(1, ["-m", "allreduce.window_cost", "--sizes", "64K"], timeout=60)
+    assert alone.returncode == 2 and "shm needs 2 or more ranks" in alone.stderr, alone.stderr
+    assert "Traceback" not in bad.stderr + alone.stderr
