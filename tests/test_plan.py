@@ -4,6 +4,7 @@ Pure arithmetic: no process is started except in the one --verify run at the end
 (2 ranks under mpiexec, marked mpi).  The published-table test is test_plan_published.py.
 """
 import json
+import math
 import os
 import sys
 
@@ -16,7 +17,8 @@ from experiments.costmodel import (Machine, cluster_collective_time, cluster_all
 from experiments.planner.cluster import Cluster, preset
 from experiments.planner.figure import plan_frontier
 from experiments.planner.search import Space, layouts, pareto, plan
-from experiments.planner.step import PARTS, Layout, memory_of, placement, predict, rank_parameters
+from experiments.planner.step import (BUCKET_BYTES, PARTS, Layout, bucketed, group_time,
+                                     memory_of, placement, predict, rank_parameters)
 from experiments.planner.transformer import (GPT, layer_activation_bytes, parameters,
                                              step_flops)
 from strategies.parallel.bubble import bubble_fraction
@@ -148,7 +150,6 @@ def test_cpu_ranks_expose_their_own_share_of_the_data_parallel_collectives():
     cost inside one node is exposed in full; only the wire between nodes overlaps."""
     from dataclasses import replace
 
-    from experiments.planner.step import group_time
     cpu = replace(TWO_NODES, overlaps=False)
     for zero in (0, 2, 3):
         layout = Layout(dp=8, zero=zero, micro_batches=2, micro_batch_size=2)
@@ -159,7 +160,27 @@ def test_cpu_ranks_expose_their_own_share_of_the_data_parallel_collectives():
     grads = rank_parameters(SMALL, layout)[0][0] * 2            # bf16 gradients
     assert predict(SMALL, one_node, layout).split["dp"] == pytest.approx(
         group_time("allreduce", grads, 8, 1, one_node))
-    assert predict(SMALL, replace(one_node, overlaps=True), layout).split["dp"] == 0
+    gpu = replace(one_node, overlaps=True)             # hides all but the last bucket
+    buckets = math.ceil(grads / BUCKET_BYTES)
+    assert predict(SMALL, gpu, layout).split["dp"] == pytest.approx(
+        group_time("allreduce", grads, 8, 1, gpu) / buckets)
+
+
+def test_the_last_gradient_bucket_never_hides():
+    """bucketed(): buckets filled evenly through the backward, each reduced once full
+    and after the one before it."""
+    assert bucketed(3.0, 10.0, 1) == 3.0               # one bucket: ready at the very end
+    assert bucketed(3.0, 10.0, 4) == pytest.approx(0.75)        # keeps up: the last one
+    assert bucketed(8.0, 2.0, 4) == pytest.approx(8.0 - 1.5)    # lags: all it lags by
+    assert bucketed(4.0, 4.0, 4) == pytest.approx(1.0)          # the two meet
+    # a model whose gradients fit one bucket exposes its whole all-reduce, overlap or not
+    from dataclasses import replace
+    tiny = GPT(layers=2, d_model=64, heads=2, seq_len=32, vocab=128, global_batch=32)
+    node = replace(TWO_NODES, nodes=1, gpus_per_node=8)
+    p = predict(tiny, node, Layout(dp=8, micro_batches=1, micro_batch_size=4))
+    grads = rank_parameters(tiny, Layout(dp=8))[0][0] * 2
+    assert grads < BUCKET_BYTES
+    assert p.split["dp"] == pytest.approx(group_time("allreduce", grads, 8, 1, node))
 
 
 def test_layouts_that_do_not_fit_say_why_and_rank_last():

@@ -26,11 +26,14 @@ runs (v m + p - 1) slots of a micro-batch's forward and backward on one chunk,
 each slot sending an activation and its gradient (costmodel.pipeline_step_time);
 the p - 1 idle slots are the bubble, strategies/parallel/bubble.py's fraction of them.
 Then the data-parallel axis, as the worker runs it (strategies/sync/buckets.py):
-ZeRO 0-2 reduce the gradients in buckets during the last micro-batch's backward,
-so only what outlasts that backward is exposed; ZeRO 1 and 2 then all-gather the
-updated parameters (exposed); ZeRO 3 gathers each layer's parameters before its
-forward and its backward and reduce-scatters its gradients, every micro-batch,
-prefetched beside the compute of the same micro-batch.  Where the cluster's
+ZeRO 0-2 reduce the gradients in buckets of the trainer's --bucket-mb during the
+last micro-batch's backward, each bucket once the backward has filled it, so only
+what outlasts that backward is exposed, and never less than the last bucket's
+share (`bucketed`); ZeRO 1 and 2 then all-gather the
+updated parameters (exposed); ZeRO 3 gathers each layer's parameters when its
+forward and its backward begin, in line (the worker gathers on demand, with no
+prefetch: exposed), and reduce-scatters each layer's gradients once its backward
+is done (a bucket a layer), every micro-batch.  Where the cluster's
 ranks cannot run the two at once (CPU cores: Cluster.overlaps), what the group
 would cost inside one node (the copies and additions, on the cores) is exposed,
 and only its time on the wire between nodes overlaps.  The optimizer's own
@@ -45,7 +48,10 @@ activations on top, while its backward replays it; the last stage's logits.
 """
 from dataclasses import asdict, dataclass
 
+import math
+
 from experiments.costmodel import cluster_collective_time, pipeline_step_time
+from strategies.config.sections import SyncOptions
 from strategies.parallel.bubble import activations_in_flight, bubble_fraction
 from strategies.runtime.memory import zero_memory
 
@@ -54,6 +60,8 @@ from .transformer import (expert_parameters, layer_activation_bytes, layer_forwa
                           step_flops)
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# The trainer's gradient buckets (ZeRO 0-2: strategies/sync/zero.py), at its default.
+BUCKET_BYTES = SyncOptions.bucket_mb * 2**20
 PARTS = ("compute", "tp", "pp", "dp", "ep", "bubble")
 
 
@@ -124,6 +132,15 @@ def group_time(collective, n, size, stride, cluster, on_one_node=False):
                                    cluster.link(sharing) if nodes > 1 else None)
 
 
+def bucketed(total, beside, buckets):
+    """What outlasts `beside` seconds of backward of a collective of `total` seconds cut
+    into `buckets` equal buckets, bucket i ready at i / buckets of the backward (as
+    gradients fill them, last layer first).  Bucket i starts once it is ready and its
+    predecessor is done, so the last one, ready only when the backward ends, never
+    hides: total / buckets when the collectives keep up, else all they lag by."""
+    return max(total / buckets, total - beside * (buckets - 1) / buckets)
+
+
 def rank_parameters(gpt, lo):
     """(dense, expert) parameters on the first and the last stage's ranks (the fullest):
     its layers' share over tp, the embeddings (word and position) on the first, the
@@ -181,18 +198,24 @@ def predict(gpt, cluster, lo):
                             cluster, on_one_node)
         return t
 
-    def exposed(collectives, beside):           # what outlasts the compute it overlaps
+    def exposed(collectives, beside, buckets=None):   # what outlasts the compute beside it
+        """buckets: the gradients' bucket count (bucketed); None: all of it may hide."""
+        hide = (lambda t: max(0.0, t - beside)) if buckets is None else \
+            (lambda t: bucketed(t, beside, buckets) if t > 0 else 0.0)
         total = sum(dp_time(c) for c in collectives)
         if cluster.overlaps:
-            return max(0.0, total - beside)
+            return hide(total)
         cores = min(total, sum(dp_time(c, on_one_node=True) for c in collectives))
-        return cores + max(0.0, total - cores - beside)
+        return cores + hide(total - cores)
     dp_f = dp_b = dp_after = 0.0
-    if lo.zero == 3:                            # every micro-batch, prefetched beside compute
-        dp_f = exposed(["allgather"], compute_f)
-        dp_b = exposed(["allgather", "reduce_scatter"], compute_b)
+    if lo.zero == 3:                            # every micro-batch; the gathers in line
+        dp_f = exposed(["allgather"], 0.0)
+        dp_b = exposed(["allgather"], 0.0) + exposed(["reduce_scatter"], compute_b,
+                                                     max(1, math.ceil(L)))
     elif lo.dp > 1:
-        reduce = exposed(["allreduce" if lo.zero == 0 else "reduce_scatter"], compute_b)
+        buckets = max(1, math.ceil((dense + experts) * e / BUCKET_BYTES))
+        reduce = exposed(["allreduce" if lo.zero == 0 else "reduce_scatter"], compute_b,
+                         buckets)
         dp_after = reduce + (dp_time("allgather") if lo.zero else 0.0)
     # 3. the pipeline: (v m + p - 1) slots, each sending an activation and its gradient
     t_f, t_b = compute_f + tp_f + ep_f + dp_f, compute_b + tp_b + ep_b + dp_b
