@@ -245,7 +245,8 @@ def run_config(num_servers, num_workers, sizes, reps, transport="ipc", with_rpc=
             rows.append({"kind": kind, "bytes": size, "workers": num_workers,
                          "servers": num_servers, "transport": "tcp" if kind == "torch_rpc" else transport,
                          "time_us": round(t * 1e6, 1), "cpu_ms": round(float(cpu) * 1e3, 2),
-                         "io_cpu_ms": round(float(io_cpu) * 1e3, 2), "faults": round(float(faults)),
+                         "io_cpu_ms": round(float(io_cpu) * 1e3, 2),
+                         "faults": round(float(faults)),
                          "cores": os.cpu_count(), "gbps": round(num_workers * 2 * size / t / 1e9, 3),
                          "round_us": [round(r * 1e6, 1) for r in rounds],
                          "reps": reps, "host": platform.node(), "loadavg": os.getloadavg()[0]})
@@ -293,7 +294,8 @@ def main(argv=None):
                 ps = next(x for x in rows if x["kind"] == "psrv" and x["bytes"] == r["bytes"])
                 ratio = f"{ps['gbps'] / r['gbps']:.2f}" if r["kind"] != "psrv" else ""
                 print(f"{r['kind']:<9} {s:7d} {w:7d} {r['bytes']:10d} {r['time_us']:11.1f} "
-                      f"{r['gbps']:7.3f} {r['cpu_ms']:8.2f} {r['io_cpu_ms']:7.2f} {r['faults']:7d} {ratio:>9}", flush=True)
+                      f"{r['gbps']:7.3f} {r['cpu_ms']:8.2f} {r['io_cpu_ms']:7.2f} "
+                      f"{r['faults']:7d} {ratio:>9}", flush=True)
                 if a.jsonl:
                     append_jsonl(a.jsonl, [r])
 

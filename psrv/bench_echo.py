@@ -78,7 +78,8 @@ def rounds_of(shape, where, nbytes, rounds):
         tx.connect(there)
     data = np.ones(nbytes // 4, np.float32)
     frames = [memoryview(data[i:i + MIB // 4]) for i in range(0, data.size, MIB // 4)]
-    messages = [frames] if shape == "serial" else [frames[i:i + 4] for i in range(0, len(frames), 4)]
+    messages = [frames] if shape == "serial" else \
+        [frames[i:i + 4] for i in range(0, len(frames), 4)]      # 4 MiB a message
     times = []
     for r in range(rounds + 2):                 # two rounds to connect and warm up
         if r == 2:

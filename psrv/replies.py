@@ -9,11 +9,11 @@ value that a queued reply still holds (store.Key.writable).  So every reply a
 worker leaves unread pins one copy of what it asked for: a worker that sends
 PULLs and never reads the answers would grow the shard by a copy of the key per
 update, up to the ROUTER's SNDHWM (server.SEND_HWM, 1000 messages) per
-connection, gigabytes for a 4 MiB key.  The outbox therefore counts, per worker, the payload bytes of the
-VALUES replies that ZeroMQ still holds (a tracker on each reply's last frame:
-the frames of one message leave in order), and refuses a reply that would take
-the worker above `limit` (UnreadReplies); the server then stops serving that
-worker (server.Server.expel).
+connection, gigabytes for a 4 MiB key.  The outbox therefore counts, per worker,
+the payload bytes of the VALUES replies that ZeroMQ still holds (a tracker on
+each reply's last frame: the frames of one message leave in order), and refuses
+a reply that would take the worker above `limit` (UnreadReplies); the server
+then stops serving that worker (server.Server.expel).
 
 Why the count is right for an honest worker: its client reads every reply while
 it waits, and ZeroMQ's I/O threads move the bytes on as they are read, so what

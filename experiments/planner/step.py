@@ -46,9 +46,8 @@ the layers of a stage times the micro-batches it holds at once
 (bubble.activations_in_flight); under full recomputation one layer's whole
 activations on top, while its backward replays it; the last stage's logits.
 """
-from dataclasses import asdict, dataclass
-
 import math
+from dataclasses import asdict, dataclass
 
 from experiments.costmodel import cluster_collective_time, pipeline_step_time
 from strategies.config.sections import SyncOptions
