@@ -295,3 +295,34 @@ def test_verify_runs_the_best_and_the_worst_on_two_ranks(tmp_path):
     assert len(checked) == 2 and all(r["measured_s"] > 0 and r["predicted_s"] > 0
                                      for r in checked)
     assert checked[0]["rank"] < checked[1]["rank"]
+
+
+def test_ranks_on_shared_cores_add_their_wait_to_every_tp_all_reduce():
+    """Cluster.core_waits (core_wait.py, the machine at hand): each tp all-reduce waits
+    (tp - 1) pair-waits, at the micro-batch size nearest b; nothing else changes."""
+    from dataclasses import replace
+    shared = replace(TWO_NODES, core_waits=((1, 1e-3), (8, 4e-3)))
+    assert shared.core_wait(2) == 1e-3 and shared.core_wait(6) == 4e-3
+    assert TWO_NODES.core_wait(4) == 0.0
+    layout = Layout(dp=2, tp=4, micro_batches=4, micro_batch_size=2)
+    plain, waiting = predict(SMALL, TWO_NODES, layout), predict(SMALL, shared, layout)
+    per_micro_batch = 4 * SMALL.layers * 3 * 1e-3          # 2 forward + 2 backward a layer
+    assert waiting.split["tp"] - plain.split["tp"] == pytest.approx(4 * per_micro_batch)
+    assert {k: v for k, v in waiting.split.items() if k not in ("tp", "bubble")} == \
+        pytest.approx({k: v for k, v in plain.split.items() if k not in ("tp", "bubble")})
+    no_tp = Layout(dp=8, micro_batches=2, micro_batch_size=2)
+    assert predict(SMALL, shared, no_tp).step_s == predict(SMALL, TWO_NODES, no_tp).step_s
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_the_core_wait_probe_runs_in_pairs_and_needs_no_run_where_cores_suffice():
+    from experiments.planner import core_wait
+    probe = [sys.executable, "-m", "mpi4py", "-m", "experiments.planner.core_wait",
+             "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch", "2"]
+    from conftest import MPIEXEC
+    result = check_ok(run([MPIEXEC, "-n", "2", *probe], 100, mpi_env()))
+    assert json.loads(result.stdout.strip().splitlines()[-1])["wait_s"] >= 0
+    odd = run([MPIEXEC, "-n", "3", *probe], 100, mpi_env())
+    assert odd.returncode != 0 and "must be even" in odd.stdout + odd.stderr
+    assert core_wait.measure(GPT(2, 32, 2, 16, 64, 8), ranks=1, batch=2) == 0.0

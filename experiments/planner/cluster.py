@@ -51,6 +51,9 @@ class Cluster:
     calibrated_intra: Machine = None   # from a calibration.json: replaces intra_gbps
     calibrated_link: Machine = None    # ... and inter_gbps (a calibration across hosts)
     measured_rates: tuple = None       # ((sequences a micro-batch, FLOP/s), ...) timed here
+    # ((sequences a micro-batch, s), ...): what a pair's all-reduce right after compute
+    # waits for a shared core, measured here (core_wait.py); none on a GPU
+    core_waits: tuple = None
     # The data-parallel collectives run beside the compute: on a GPU the copies and
     # the reductions take the NICs, the copy engines and a few SMs.  MPI ranks on CPU
     # cores run both on the same cores (verify.py), so there they add up.
@@ -79,6 +82,13 @@ class Cluster:
         if not self.measured_rates or b is None:
             return self.gpu_tflops * 1e12 * self.efficiency
         return min(self.measured_rates, key=lambda br: (abs(br[0] - b), br[0]))[1]
+
+    def core_wait(self, b):
+        """Seconds an exchange right after compute waits for its peer's turn on a shared
+        core (core_wait.py), at the micro-batch size nearest b; 0 where none was measured."""
+        if not self.core_waits:
+            return 0.0
+        return min(self.core_waits, key=lambda bw: (abs(bw[0] - b), bw[0]))[1]
 
     @property
     def memory_bytes(self):

@@ -21,7 +21,8 @@ with the logit layer too, the slower of the two pacing the pipeline) takes
     backward   twice the forward's FLOPs, recomputation's on top, the same communication
                (full recomputation replays the forward's too)
 
-none of which overlaps the compute (Megatron runs them in line).  The pipeline
+none of which overlaps the compute (Megatron runs them in line); on ranks that share
+CPU cores each tp all-reduce also waits for its peers' turns (core_wait.py).  The pipeline
 runs (v m + p - 1) slots of a micro-batch's forward and backward on one chunk,
 each slot sending an activation and its gradient (costmodel.pipeline_step_time);
 the p - 1 idle slots are the bubble, strategies/parallel/bubble.py's fraction of them.
@@ -180,6 +181,7 @@ def predict(gpt, cluster, lo):
                  + 2 * logit_flops(gpt, b) / 3) / lo.tp / rate
     replays = 1 if lo.recompute == "full" else 0      # the forward's collectives again
     tp_one = group_time("allreduce", b * gpt.seq_len * gpt.d_model * e, lo.tp, 1, cluster)
+    tp_one += (lo.tp - 1) * cluster.core_wait(b) if lo.tp > 1 else 0.0   # shared cores
     tp_f, tp_b = 2 * L * tp_one, 2 * L * tp_one * (1 + replays)
     ep_f = ep_b = 0.0
     if gpt.experts and lo.ep > 1:

@@ -18,6 +18,9 @@ figures are measured, never assumed:
             one, the cost model's example machine (5 us, 10 GB/s: costmodel.py).
             On the emulated cluster, each host's link at --inter-gbps.
   memory    this host's memory over the ranks.
+  waits     where ranks outnumber cores, what a tp pair's all-reduce right after a
+            block's forward waits for the peer's turn on a core (core_wait.py), for
+            each micro-batch size.
 
 Each layout runs as the sweep would run it (experiments/launchers.py: mpiexec on
 this host, or the emulated cluster), with the trainer's flags (layout_args);
@@ -40,6 +43,7 @@ from allreduce.records import checkout_pythonpath, read_calibration
 from experiments import launchers
 from experiments.records import ROOT, read_jsonl, slowest_rank, train_runs
 
+from . import core_wait
 from .cluster import GIB, Cluster
 from .transformer import layer_forward_flops
 
@@ -75,11 +79,15 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
     share = min(1.0, cores / world)
     rates = tuple((b, share * measured_rate(gpt, b, max(1, cores // world))) for b in sizes)
     rate = max(r for _, r in rates)
+    # more ranks than cores: an exchange right after compute waits for the peer's turn
+    waits = tuple((b, core_wait.measure(gpt, world, b)) for b in sizes) \
+        if world > cores else None
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
     return Cluster("this host" if nodes == 1 else f"emulated {nodes} hosts", nodes, ranks,
                    gpu_mem_gib=memory / GIB, gpu_tflops=rate / 1e12,
                    intra_gbps=8e-9 / intra.beta, inter_gbps=inter_gbps, efficiency=1.0,
-                   calibrated_intra=intra, measured_rates=rates, overlaps=False)
+                   calibrated_intra=intra, measured_rates=rates, core_waits=waits,
+                   overlaps=False)
 
 
 def runnable(gpt, layout):
