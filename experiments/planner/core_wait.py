@@ -29,6 +29,10 @@ import subprocess
 import sys
 import time
 
+from allreduce.records import checkout_pythonpath
+
+from experiments.records import mpiexec_path
+
 CALLS = 40          # all-reduces a kind, the first WARM_UP left out
 WARM_UP = 8
 
@@ -73,14 +77,12 @@ def probe(d_model, heads, seq_len, batch):
 def measure(gpt, ranks, batch, timeout=300):
     """The wait (s) on this host with `ranks` ranks (rounded up to even), launched
     through mpiexec; 0.0 where the host has a core for every rank."""
-    from experiments.records import mpiexec_path
     if ranks <= (os.cpu_count() or 1):
         return 0.0
     ranks += ranks % 2
     argv = [mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m",
             "experiments.planner.core_wait", "--d-model", str(gpt.d_model), "--heads",
             str(gpt.heads), "--seq-len", str(gpt.seq_len), "--batch", str(batch)]
-    from allreduce.records import checkout_pythonpath
     env = {**os.environ, "PYTHONPATH": checkout_pythonpath(), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode:
