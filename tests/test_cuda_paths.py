@@ -215,3 +215,36 @@ def test_the_mpi_transport_hands_device_buffers_over_once_their_kernels_are_done
     monkeypatch.setattr(transport, "mpi_takes_cuda", lambda MPI: False)
     with pytest.raises(allreduce.TransportError, match="not CUDA-aware.*host_staged"):
         cuda_aware._message(x)
+
+
+def test_a_steps_clock_on_a_gpu_records_events_and_waits_for_the_last_only(monkeypatch):
+    """runtime/metrics.StepClock with a stand-in for CUDA events: one wait a step (the
+    last mark's), the times the events' differences; host times where asked for."""
+    from strategies.runtime import metrics
+
+    waited, ticks = [], iter(range(100))
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at = None
+
+        def record(self):
+            self.at = next(ticks)           # one "millisecond" a mark
+
+        def synchronize(self):
+            waited.append(self.at)
+
+        def elapsed_time(self, other):
+            return float(other.at - self.at)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    hosts = []
+    monkeypatch.setattr(metrics, "now", lambda device: hosts.append(device) or 7.0)
+    clock = metrics.StepClock(torch.device("cuda"))
+    marks = [clock.mark() for _ in range(4)]
+    assert clock.seconds(*marks) == (0.0, 0.001, 0.002, 0.003)
+    assert waited == [3] and hosts == []
+    traced = metrics.StepClock(torch.device("cuda"), host_times=True)
+    assert traced.seconds(traced.mark(), traced.mark()) == (7.0, 7.0) and len(hosts) == 2
+    assert metrics.StepClock(torch.device("cpu")).events is False

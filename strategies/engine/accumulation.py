@@ -54,10 +54,11 @@ class Accumulation:
         self.tracer, self.recompute, self.precision = tracer, recompute, precision
 
     def run(self, x, y, step):
-        """Step `step`'s forwards and backwards; returns the loss of the local batch."""
+        """Step `step`'s forwards and backwards; returns the loss of the local batch, a
+        tensor (reading it would wait for the GPU before the update is queued)."""
         loss = accumulate(step, self.model, self.forward, x, y, self.k, self.sync,
                           self.clock, self.tracer, self.recompute, self.precision)
-        return loss.item()
+        return loss        # a tensor: read after the step's update (engine/loop.py)
 
 
 def accumulate(step, model, forward, x, y, k, sync, clock, tracer=None, recompute=None,
@@ -68,6 +69,8 @@ def accumulate(step, model, forward, x, y, k, sync, clock, tracer=None, recomput
     (recompute.Recompute) and precision (precision.MixedPrecision: autocast, fp16's
     scaled backward) are optional."""
     precision = precision or MixedPrecision()
+    if tracer is None:          # the spans need the times; a GPU's wait for them does not
+        clock = float
     micro_x, micro_y = x.chunk(k), y.chunk(k)      # config/settings.py checked that k divides b
     total = 0.0
     for i, (xi, yi) in enumerate(zip(micro_x, micro_y)):

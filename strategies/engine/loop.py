@@ -34,11 +34,12 @@ import time
 import uuid
 
 import numpy as np
+import torch
 
 from ..config.settings import world_of
 from ..model.models import count_parameters, signature
 from ..runtime import checkpoint
-from ..runtime.metrics import Metrics, now
+from ..runtime.metrics import Metrics, StepClock
 from ..runtime.trace import Tracer, busy_seconds, span, write_chrome_trace
 from .grid import assemble
 from .parallelize import cut_into_layers, dropped_fraction, parallelize
@@ -75,7 +76,9 @@ class StepEngine:
                                self.device)
         rounds = sync.comm_rounds
         exchanged = (p.exchange.coll.bytes_sent, p.exchange.seconds) if p.exchange else None
-        start = now(self.device)
+        # host times where spans are drawn (--trace, a pipeline's), else one wait a step
+        clock = StepClock(self.device, host_times=self.tracer is not None)
+        start = clock.mark()
         if self.ctx.rank == cfg.straggler_rank:    # --straggler: a slow GPU, seen as compute
             with span(self.tracer, f"straggler {step}", "forward"):
                 time.sleep(cfg.straggler_seconds)
@@ -83,15 +86,18 @@ class StepEngine:
             p.meter.reset_peak()
         sync.before_backward()
         loss = p.schedule.run(x, y, step)
-        t1 = now(self.device)
+        t1 = clock.mark()
         sync.synchronize(step)
-        t2 = now(self.device)
+        t2 = clock.mark()
         if p.scales_in_sync:                       # ZeRO's 16-bit buffers: it skips itself
             with span(self.tracer, f"optimizer {step}", "optimizer"):
                 sync.step(self.optimizer)
         else:       # every rank holds the same averaged gradients, or `agree` votes
             self.precision.step(sync.gradients(), lambda: sync.step(self.optimizer), p.agree)
-        t3 = now(self.device)
+        t3 = clock.mark()
+        start, t1, t2, t3 = clock.seconds(start, t1, t2, t3)
+        if torch.is_tensor(loss):                  # read once the step's work is done
+            loss = loss.item()
         fields = {"step_time_s": t3 - start,
                   **(self.pipeline_times(start, t1, t3) if p.pipelined else
                      self.clocked_times(step, start, t1, t2, t3)),

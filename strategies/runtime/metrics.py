@@ -190,6 +190,39 @@ def now(device):
     return time.perf_counter()
 
 
+class StepClock:
+    """A step's time marks, with one wait for the GPU per step instead of one per mark.
+
+    On a CPU, or where the marks must be host times (--trace, a pipeline's spans), a
+    mark is now(device).  On a GPU otherwise a mark is a CUDA event on the current
+    stream, and `seconds` waits once, for the last: a host wait at every mark would
+    drain the GPU's queue there, so the kernels queued next (the optimizer's, after
+    backward) would start only as the CPU launches them, where a plain PyTorch loop
+    launches them while the GPU still runs backward.  Times between events are the
+    GPU's: the exposed communication is then the time the GPU waited for the
+    gradients, from the end of backward's kernels to the stream's wait on the last
+    bucket's."""
+
+    def __init__(self, device, host_times=False):
+        self.device = device
+        self.events = device.type == "cuda" and not host_times
+
+    def mark(self):
+        if not self.events:
+            return now(self.device)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, *marks):
+        """The marks as seconds on one clock (their differences are what counts)."""
+        if not self.events:
+            return marks
+        marks[-1].synchronize()
+        first = marks[0]
+        return tuple(first.elapsed_time(m) / 1000.0 for m in marks)
+
+
 def _delta(now_bytes, before):
     """Bytes since the last step; None where the backend's traffic is not observable."""
     return None if now_bytes is None else now_bytes - before

@@ -264,19 +264,29 @@ class GradBuckets:
 
     def _mark_complete(self, b):
         b.complete = True                            # handed over; not again this step
-        if b.device.type == "cuda":                  # the hook runs when backward's kernels are
-            b.event = torch.cuda.Event()             # queued, not finished (comm_thread.py)
-            b.event.record()
         # strictly in index order on every rank: bucket i leaves after 0 .. i-1
         while self._next < len(self.buckets) and self.buckets[self._next].complete:
             bucket = self.buckets[self._next]
             flat = bucket.gradient()
+            # recorded after the flat gradient is made: without keep_flat that is a
+            # concatenation queued here, which the thread's stream must wait for too
+            bucket.event = self._ready(bucket)
             if self.overlap:               # on a GPU the thread's stream waits for the event
                 self._thread.submit(lambda b=bucket, flat=flat: self._reduce(b, flat),
                                     after=bucket.event)
             else:
                 self._reduce(bucket, flat)
             self._next += 1
+
+    @staticmethod
+    def _ready(bucket):
+        """A CUDA event after the kernels queued so far on the current stream, None on a
+        CPU.  A hook runs when backward's kernels are queued, not finished (comm_thread.py)."""
+        if bucket.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def wait(self):
         """After backward: finish every bucket's collective; grads are then reduced."""
