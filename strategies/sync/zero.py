@@ -438,7 +438,7 @@ class AllReduceSync(ZeRO):
         return GradientSync.make_optimizer(self, model)
 
     def gradients(self):
-        return [p.grad for p in self.model.parameters()]
+        return [p.grad for p in self.params]
 
     def state_dict(self):
         # --sparsity-warmup: a resumed run goes on at its step's top-k ratio
