@@ -28,8 +28,9 @@ would not be the same.  `local` under P > 1 ranks trains without any
 communication: the compute-only bound.  DDP's exposed communication shows as
 0, since it waits inside backward where this harness cannot see it.  The
 rounds are allreduce/harness.py's; `x DDP` is the median over rounds of DDP's
-step time / the method's in the same round.  Every other flag is TrainConfig's,
-listed under "training flags" below.
+step time / the method's in the same round; `/ bare` the median over rounds of the
+method's step time / the bare loop's (the trainer's own cost, where `bare` runs).
+Every other flag is TrainConfig's, listed under "training flags" below.
 """
 import argparse
 import dataclasses
@@ -201,16 +202,19 @@ def bench(argv=None):
                      "samples_per_s": base.global_batch / step_s,
                      "median_exposed_comm_s": statistics.median(exposed[m]),
                      "speedup_vs_ddp": timings.ratio("ddp", m) if "ddp" in methods else None,
+                     "vs_bare": timings.ratio(m, "bare") if "bare" in methods else None,
                      "step_s_per_round": timings.samples[m], "config": base.as_dict(),
                      "argv": sys.argv[1:] if argv is None else argv, **provenance()})
     if ctx.rank == 0:
         print(f"{'method':<22}{'samples/s':>12}{'step ms':>10}{'exposed comm ms':>17}"
-              f"{'x DDP':>8}")
+              f"{'x DDP':>8}{'/ bare':>8}")
         for row in rows:
             ratio = f"{row['speedup_vs_ddp']:.2f}" if row["speedup_vs_ddp"] else "-"
+            over = f"{row['vs_bare']:.3f}" if row["vs_bare"] else "-"
             print(f"{row['method']:<22}{row['samples_per_s']:>12.1f}"
                   f"{1000 * row['median_step_s']:>10.1f}"
-                  f"{1000 * row['median_exposed_comm_s']:>17.1f}{ratio:>8}", flush=True)
+                  f"{1000 * row['median_exposed_comm_s']:>17.1f}{ratio:>8}{over:>8}",
+                  flush=True)
         if args.jsonl:
             append_jsonl(args.jsonl, rows)
     comm.Barrier()

@@ -42,3 +42,15 @@ def test_bench_parallel_zero_matches_the_formulas(tmp_path):
     for r in rows[:4]:
         assert r["sent_over_theory"] == pytest.approx(1.0, rel=1e-3)
         assert r["median_step_s"] > 0 and r["over_plain"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_bench_sets_the_trainer_against_the_bare_loop_round_by_round(tmp_path):
+    out = tmp_path / "bare.jsonl"
+    check_ok(mpirun(1, ["-m", "strategies.bench", "--syncs", "local,bare", "--rounds", "3",
+                        "--steps-per-round", "1", "--warmup", "1", "--jsonl", str(out)]
+                    + TINY_MLP, timeout=100))
+    rows = {r["method"]: r for r in read_jsonl(str(out))}
+    local, bare = rows["local"], rows["bare"]
+    rounds = sorted(a / b for a, b in zip(local["step_s_per_round"], bare["step_s_per_round"]))
+    assert local["vs_bare"] == pytest.approx(rounds[1]) and bare["vs_bare"] == 1.0

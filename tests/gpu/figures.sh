@@ -7,7 +7,8 @@
 #  1. --sync local against a bare PyTorch loop on one GPU (strategies.bench's `bare`),
 #     the 25M-parameter GPT (8 layers, d_model 512, seq 256, batch 32), fp32 and bf16;
 #  2. the same GPT at 2 ranks sharing the GPU over the ring: exposed communication
-#     with the comm thread's overlap and without, fp32 and bf16;
+#     with the comm thread's overlap and without, fp32 and bf16, beside `local`
+#     (each rank alone: the step without communication);
 #  3. fp16 against bf16 on a small GPT (2 layers, d_model 64) at 2 ranks, the two
 #     launches alternated three times;
 #  4. allreduce.bench --device cuda at 2 ranks (the NCCL row skipped with its note).
@@ -47,7 +48,7 @@ for precision in fp32 bf16; do
         --device "$DEVICE" "${ROUNDS[@]}" --jsonl "$OUT/local_vs_bare.jsonl"
 done
 for precision in fp32 bf16; do
-    run mpiexec -n 2 "$PY" -m mpi4py -m strategies.bench --syncs ring,ring:no-overlap \
+    run mpiexec -n 2 "$PY" -m mpi4py -m strategies.bench --syncs local,ring,ring:no-overlap \
         "${BIG[@]}" --precision $precision --device "$DEVICE" "${ROUNDS[@]}" \
         --jsonl "$OUT/exposed.jsonl"
 done
