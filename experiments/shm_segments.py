@@ -17,6 +17,7 @@ belong to this user and are mapped by no live process.  A job still running
 maps its own, so it keeps it; a segment another user's job left is not ours.
 """
 import os
+import time
 from pathlib import Path
 
 SHM = Path("/dev/shm")
@@ -50,17 +51,22 @@ def mapped():
     return names
 
 
-def remove_left(before):
+def remove_left(before, settle_s=0.0):
     """Remove this user's segments that are not in `before` (a snapshot taken before the
-    job) and that no live process maps; returns how many went."""
-    left = snapshot() - set(before)
-    if not left:
-        return 0
+    job) and that no live process maps; returns how many went.  settle_s: how long to
+    keep looking while some new segment is still mapped, for a job whose ranks are
+    still being torn down (an aborted job's, killed by its launcher) when it returns."""
+    deadline = time.monotonic() + settle_s
     removed = 0
-    for name in left - mapped():
-        try:
-            (SHM / name).unlink()
-            removed += 1
-        except FileNotFoundError:
-            pass
-    return removed
+    while True:
+        left = snapshot() - set(before)
+        in_use = mapped() if left else set()
+        for name in left - in_use:
+            try:
+                (SHM / name).unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+        if not left & in_use or time.monotonic() >= deadline:
+            return removed
+        time.sleep(0.05)

@@ -34,3 +34,24 @@ def test_what_a_job_left_unmapped_goes_and_the_rest_stays():
     finally:
         for p in shm_segments.SHM.glob(f"mpich_shm_topolab_test_{os.getpid()}_*"):
             p.unlink()
+
+
+def test_a_segment_let_go_while_the_job_is_torn_down_goes_too():
+    """An aborted job's ranks may still be exiting when its launcher returns:
+    remove_left(settle_s) looks again until they let their segment go."""
+    import threading
+    before = shm_segments.snapshot()
+    late = segment("late")
+    try:
+        f = open(late, "r+b")
+        view = mmap.mmap(f.fileno(), 4096)
+
+        def let_go():
+            view.close()
+            f.close()
+        threading.Timer(0.3, let_go).start()
+        assert shm_segments.remove_left(before, settle_s=5.0) == 1
+        assert not late.exists()
+    finally:
+        for p in shm_segments.SHM.glob(f"mpich_shm_topolab_test_{os.getpid()}_*"):
+            p.unlink()

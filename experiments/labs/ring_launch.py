@@ -132,7 +132,7 @@ def run_one(path, P, timing, calibration):
         proc.wait()
         for copier in copiers:
             copier.join()               # every rank has closed its output: they are gone
-        shm_segments.remove_left(before)
+        shm_segments.remove_left(before, settle_s=2.0)
         dead = sorted(name for name in os.listdir(tmp) if name.startswith("dead."))
         if dead:
             print(f"P={P}: WRONG")

@@ -26,7 +26,8 @@ tensor-parallel rank of each last pipeline stage), each a mean over B/P
 samples, so it equals the one-process loss on B samples and runs of any P
 compare directly.  `comm_time_s` is the *exposed* communication: the time the
 main thread was blocked waiting for the sync after backward (communication
-hidden behind backward is not in it).  `bytes_*` are this step's traffic of
+hidden behind backward is not in it); on a GPU, the time its stream waited for
+the gradients after backward's kernels (CUDA events: StepClock, below).  `bytes_*` are this step's traffic of
 this rank.
 
 `ended_s` is when this rank ended the step, in seconds from the run's start on its
