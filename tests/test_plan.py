@@ -298,7 +298,7 @@ def test_verify_runs_the_best_and_the_worst_on_two_ranks(tmp_path):
 
 
 def test_ranks_on_shared_cores_add_their_wait_to_every_tp_all_reduce():
-    """Cluster.core_waits (core_wait.py, the machine at hand): each tp all-reduce waits
+    """Cluster.core_waits (shared_cores.py, the machine at hand): each tp all-reduce waits
     (tp - 1) pair-waits, at the micro-batch size nearest b; nothing else changes."""
     from dataclasses import replace
     shared = replace(TWO_NODES, core_waits=((1, 1e-3), (8, 4e-3)))
@@ -316,13 +316,16 @@ def test_ranks_on_shared_cores_add_their_wait_to_every_tp_all_reduce():
 
 @pytest.mark.mpi
 @pytest.mark.timeout(120)
-def test_the_core_wait_probe_runs_in_pairs_and_needs_no_run_where_cores_suffice():
-    from experiments.planner import core_wait
-    probe = [sys.executable, "-m", "mpi4py", "-m", "experiments.planner.core_wait",
+def test_the_shared_cores_probe_times_every_rank_at_once_and_pairs_them():
+    from experiments.planner import shared_cores
+    probe = [sys.executable, "-m", "mpi4py", "-m", "experiments.planner.shared_cores",
              "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch", "2"]
     from conftest import MPIEXEC
-    result = check_ok(run([MPIEXEC, "-n", "2", *probe], 100, mpi_env()))
-    assert json.loads(result.stdout.strip().splitlines()[-1])["wait_s"] >= 0
-    odd = run([MPIEXEC, "-n", "3", *probe], 100, mpi_env())
-    assert odd.returncode != 0 and "must be even" in odd.stdout + odd.stderr
-    assert core_wait.measure(GPT(2, 32, 2, 16, 64, 8), ranks=1, batch=2) == 0.0
+    for ranks in (2, 3):                # an odd last rank computes alone
+        result = check_ok(run([MPIEXEC, "-n", str(ranks), *probe], 100, mpi_env()))
+        found = json.loads(result.stdout.strip().splitlines()[-1])
+        assert found["ranks"] == ranks and found["block_s"] > 0 and found["wait_s"] >= 0
+    found = shared_cores.measure(GPT(2, 32, 2, 16, 64, 8), ranks=2, batch=2, threads=1)
+    assert found.block_s > 0
+    if os.cpu_count() >= 2:             # a core for each rank: nothing to wait for
+        assert found.wait_s == 0.0

@@ -7,7 +7,7 @@ on a cluster you do not have (python -m experiments.plan; docs/planner.md).
     search.py        every layout of a model on a cluster, why each is out or where it ranks
     figure.py        step time against memory per rank, the Pareto front marked
     verify.py        the best and the worst layouts run with strategies.train on this machine
-    core_wait.py     what an all-reduce after compute waits where ranks share cores (verify's)
+    shared_cores.py  a rank's rate among ranks sharing cores, and an exchange's wait (verify's)
 
 It imports the cost model (experiments/costmodel.py), strategies/runtime/memory.py's
 zero_memory and strategies/parallel/bubble.py's formulas; nothing below experiments imports it.

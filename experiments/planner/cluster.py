@@ -52,7 +52,7 @@ class Cluster:
     calibrated_link: Machine = None    # ... and inter_gbps (a calibration across hosts)
     measured_rates: tuple = None       # ((sequences a micro-batch, FLOP/s), ...) timed here
     # ((sequences a micro-batch, s), ...): what a pair's all-reduce right after compute
-    # waits for a shared core, measured here (core_wait.py); none on a GPU
+    # waits for a shared core, measured here (shared_cores.py); none on a GPU
     core_waits: tuple = None
     # The data-parallel collectives run beside the compute: on a GPU the copies and
     # the reductions take the NICs, the copy engines and a few SMs.  MPI ranks on CPU
@@ -85,7 +85,7 @@ class Cluster:
 
     def core_wait(self, b):
         """Seconds an exchange right after compute waits for its peer's turn on a shared
-        core (core_wait.py), at the micro-batch size nearest b; 0 where none was measured."""
+        core (shared_cores.py), at the micro-batch size nearest b; 0 where none was measured."""
         if not self.core_waits:
             return 0.0
         return min(self.core_waits, key=lambda bw: (abs(bw[0] - b), bw[0]))[1]

@@ -22,7 +22,7 @@ with the logit layer too, the slower of the two pacing the pipeline) takes
                (full recomputation replays the forward's too)
 
 none of which overlaps the compute (Megatron runs them in line); on ranks that share
-CPU cores each tp all-reduce also waits for its peers' turns (core_wait.py).  The pipeline
+CPU cores each tp all-reduce also waits for its peers' turns (shared_cores.py).  The pipeline
 runs (v m + p - 1) slots of a micro-batch's forward and backward on one chunk,
 each slot sending an activation and its gradient (costmodel.pipeline_step_time);
 the p - 1 idle slots are the bubble, strategies/parallel/bubble.py's fraction of them.

@@ -10,17 +10,18 @@ figures are measured, never assumed:
 
   compute   a transformer block (strategies/model/models.py's Block) at the model's shape
             timed forward and backward, with the threads a rank gets (the cores
-            over the ranks, as strategies.train gives them; a share of a core
-            where ranks outnumber cores): FLOPs (transformer.py) over seconds,
-            efficiency 1, for each micro-batch size the planner may choose,
-            since a CPU runs small matrices far below its best rate.
+            over the ranks, as strategies.train gives them), in every rank of the
+            run at once, the slowest rank's (shared_cores.py): FLOPs
+            (transformer.py) over seconds, efficiency 1, for each micro-batch size
+            the planner may choose, since a CPU runs small matrices far below its
+            best rate.
   links     experiments.calibrate's calibration.json (--calibration); without
             one, the cost model's example machine (5 us, 10 GB/s: costmodel.py).
             On the emulated cluster, each host's link at --inter-gbps.
   memory    this host's memory over the ranks.
   waits     where ranks outnumber cores, what a tp pair's all-reduce right after a
-            block's forward waits for the peer's turn on a core (core_wait.py), for
-            each micro-batch size.
+            block's forward waits for the peer's turn on a core (shared_cores.py),
+            for each micro-batch size.
 
 Each layout runs as the sweep would run it (experiments/launchers.py: mpiexec on
 this host, or the emulated cluster), with the trainer's flags (layout_args);
@@ -35,7 +36,6 @@ import os
 import statistics
 import subprocess
 import tempfile
-import time
 
 from allreduce.costs import Machine
 from allreduce.records import checkout_pythonpath, read_calibration
@@ -43,29 +43,11 @@ from allreduce.records import checkout_pythonpath, read_calibration
 from experiments import launchers
 from experiments.records import ROOT, read_jsonl, slowest_rank, train_runs
 
-from . import core_wait
+from . import shared_cores
 from .cluster import GIB, Cluster
 from .transformer import layer_forward_flops
 
 WARM_UP_STEPS = 2
-
-
-def measured_rate(gpt, b, threads, repeats=7):
-    """FLOP/s of one block forward and backward on b sequences, from the median of
-    `repeats` (the measured step it is checked against is a median too)."""
-    import torch
-
-    from strategies.model.models import Block
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    block = Block(gpt.d_model, gpt.heads)
-    x = torch.randn(b, gpt.seq_len, gpt.d_model, requires_grad=True)
-    times = []
-    for _ in range(repeats + 1):                 # the first warms the allocator up
-        start = time.perf_counter()
-        block(x).sum().backward()
-        times.append(time.perf_counter() - start)
-    return 3 * layer_forward_flops(gpt, b) / statistics.median(times[1:])
 
 
 def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1, 2, 4, 8)):
@@ -75,13 +57,22 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
     intra = Machine(5e-6, 1 / 10e9)
     if calibration:                   # read first: a wrong path fails before the timing
         intra = Machine.from_calibration(read_calibration(calibration))
-    # ranks beyond the cores share them: each gets cores / world of one (Machine.stretch)
-    share = min(1.0, cores / world)
-    rates = tuple((b, share * measured_rate(gpt, b, max(1, cores // world))) for b in sizes)
+    # each rank gets the threads strategies.train gives it; several ranks are timed
+    # together, sharing the cores as in the run (shared_cores.py)
+    threads, waits = max(1, cores // world), None
+    if world == 1:
+        import torch
+        torch.set_num_threads(threads)
+        seconds = {b: shared_cores.block_seconds(gpt.d_model, gpt.heads, gpt.seq_len, b)
+                   for b in sizes}
+    else:
+        found = {b: shared_cores.measure(gpt, world, b, threads) for b in sizes}
+        seconds = {b: shared.block_s for b, shared in found.items()}
+        if world > cores:     # an exchange right after compute waits for the peer's turn
+            waits = tuple((b, found[b].wait_s) for b in sizes)
+    # forward and backward: 3 forwards' FLOPs
+    rates = tuple((b, 3 * layer_forward_flops(gpt, b) / seconds[b]) for b in sizes)
     rate = max(r for _, r in rates)
-    # more ranks than cores: an exchange right after compute waits for the peer's turn
-    waits = tuple((b, core_wait.measure(gpt, world, b)) for b in sizes) \
-        if world > cores else None
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
     return Cluster("this host" if nodes == 1 else f"emulated {nodes} hosts", nodes, ranks,
                    gpu_mem_gib=memory / GIB, gpu_tflops=rate / 1e12,

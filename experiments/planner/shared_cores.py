@@ -1,0 +1,149 @@
+"""What sharing this host's cores costs a rank: its compute rate among the other
+ranks, and an exchange's wait for its peer's turn on a core.
+
+    mpiexec -n 4 python -m mpi4py -m experiments.planner.shared_cores --d-model 128 \
+        --heads 4 --seq-len 64 --batch 8 --threads 1   # {"block_s": ..., "wait_s": ...}
+    found = shared_cores.measure(gpt, ranks=4, batch=8, threads=1)   # the same, from Python
+
+On the machine at hand the planner's "GPUs" are MPI ranks on CPU cores (verify.py).
+A GPU gives every rank its own device; here the ranks share the cores, the caches
+and the memory bandwidth, and the probe measures both costs of that with every
+rank of the run there at once:
+
+1. The rate.  Every rank times a transformer block's forward and backward at the
+   model's shape (strategies/model/models.py's Block), all ranks together, with
+   the threads the trainer gives each.  A synchronous step goes at the pace of its
+   slowest rank, so the probe reports the slowest rank's median.  Timed alone in
+   one process and scaled by the ranks' share of the cores instead, a block of
+   the 4-layer GPT in docs/planner.md took 4.9 ms x 2 = 9.8 ms, where 4 ranks on
+   2 cores took 9.7-12.2 ms each: the slowest 1.24 times the scaled figure.
+2. The wait, where ranks outnumber cores.  A rank that reaches a blocking
+   exchange right after computing finds its peer descheduled, running someone
+   else's compute, and waits for the scheduler to give the peer its next turn:
+   about a time slice, milliseconds, where the link itself takes microseconds.
+   Megatron's tensor parallelism puts two all-reduces in every layer's forward
+   and two in its backward, each right after the compute that feeds it, so on
+   such a machine each one pays that wait.  The ranks go in pairs (a tp group of
+   2; an odd last rank computes alone); every one runs a block's forward and then
+   all-reduces b s h values with its partner, through the ring the trainer uses,
+   and again with no compute in between, when every rank is polling and nobody
+   waits.  The wait is the median all-reduce after compute less the median
+   without, on the slowest rank.  A tp group of t ranks makes 2 (t - 1)
+   exchanges an all-reduce, t - 1 times the pair's (step.py).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import NamedTuple
+
+from allreduce.records import checkout_pythonpath
+
+from experiments.records import mpiexec_path
+
+CALLS = 40          # all-reduces a kind, the first WARM_UP left out
+WARM_UP = 8
+BLOCK_REPEATS = 15  # a block's forward and backward, after one that warms up
+
+
+class Shared(NamedTuple):
+    block_s: float      # the slowest rank's forward and backward of one block
+    wait_s: float       # a pair all-reduce's wait after compute (0: a core for every rank)
+
+
+def block_seconds(d_model, heads, seq_len, batch, repeats=BLOCK_REPEATS):
+    """The median forward and backward of one block on `batch` sequences, in this
+    process with its torch threads as they are."""
+    import torch
+
+    from strategies.model.models import Block
+    torch.manual_seed(0)
+    block = Block(d_model, heads)
+    x = torch.randn(batch, seq_len, d_model, requires_grad=True)
+    times = []
+    for _ in range(repeats + 1):                 # the first warms the allocator up
+        start = time.perf_counter()
+        block(x).sum().backward()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def pair_wait(world, d_model, heads, seq_len, batch):
+    """On every rank: the wait per pair all-reduce after compute, in s (0 alone)."""
+    import numpy as np
+    import torch
+
+    import allreduce
+    from strategies.model.models import Block
+    pair = world.Split(world.rank // 2, world.rank)
+    ring = allreduce.create("ring", comm=pair) if pair.size > 1 else None
+    block = Block(d_model, heads)
+    x = torch.randn(batch, seq_len, d_model)
+    values = np.zeros(batch * seq_len * d_model, np.float32)
+
+    def timed(compute):
+        times = []
+        for _ in range(CALLS):
+            if compute:
+                with torch.no_grad():
+                    block(x)
+            start = time.perf_counter()
+            if ring is not None:
+                ring.allreduce(values)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[WARM_UP:])
+
+    world.Barrier()
+    polling = timed(False)
+    return max(0.0, timed(True) - polling)
+
+
+def probe(d_model, heads, seq_len, batch, threads):
+    """On every rank of an MPI job on one host: Shared, the same on every rank."""
+    import torch
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    torch.set_num_threads(threads)
+    world.Barrier()                              # all compute at once, as in the run
+    block_s = max(world.allgather(block_seconds(d_model, heads, seq_len, batch)))
+    wait_s = 0.0
+    if world.size > (os.cpu_count() or 1):
+        wait_s = max(world.allgather(pair_wait(world, d_model, heads, seq_len, batch)))
+    return Shared(block_s, wait_s)
+
+
+def measure(gpt, ranks, batch, threads, timeout=300):
+    """Shared on this host with `ranks` ranks of `threads` threads, launched through
+    mpiexec."""
+    argv = [mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m",
+            "experiments.planner.shared_cores", "--d-model", str(gpt.d_model), "--heads",
+            str(gpt.heads), "--seq-len", str(gpt.seq_len), "--batch", str(batch),
+            "--threads", str(threads)]
+    env = {**os.environ, "PYTHONPATH": checkout_pythonpath(), "OMP_NUM_THREADS": str(threads)}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    if done.returncode:
+        lines = (done.stderr or done.stdout).strip().splitlines() or ["no output"]
+        raise RuntimeError(f"the shared-cores probe failed (exit {done.returncode}): "
+                           f"{lines[-1]}")
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    return Shared(found["block_s"], found["wait_s"])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m experiments.planner.shared_cores",
+                                 description=__doc__.split("\n")[0])
+    for name in ("d-model", "heads", "seq-len", "batch"):
+        ap.add_argument(f"--{name}", type=int, required=True, help=f"the model's {name}")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads a rank")
+    a = ap.parse_args(argv)
+    found = probe(a.d_model, a.heads, a.seq_len, a.batch, a.threads)
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.rank == 0:
+        print(json.dumps({**found._asdict(), "ranks": MPI.COMM_WORLD.size}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
