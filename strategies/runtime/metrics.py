@@ -27,8 +27,8 @@ samples, so it equals the one-process loss on B samples and runs of any P
 compare directly.  `comm_time_s` is the *exposed* communication: the time the
 main thread was blocked waiting for the sync after backward (communication
 hidden behind backward is not in it); on a GPU, the time its stream waited for
-the gradients after backward's kernels (CUDA events: StepClock, below).  `bytes_*` are this step's traffic of
-this rank.
+the gradients after backward's kernels (CUDA events: StepClock, below).
+`bytes_*` are this step's traffic of this rank.
 
 `ended_s` is when this rank ended the step, in seconds from the run's start on its
 own clock: every wait (for a server, a peer, a metrics flush) included, which the
