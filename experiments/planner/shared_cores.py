@@ -94,7 +94,10 @@ def pair_wait(world, d_model, heads, seq_len, batch):
             if ring is not None:
                 ring.allreduce(values)
             times.append(time.perf_counter() - start)
-        return statistics.median(times[WARM_UP:])
+        # the mean, not the median: a step pays every wait, and where the pair falls in
+        # and out of step with the scheduler the waits take two values (0.1 and 1 ms at
+        # b1 here), whose median is one or the other
+        return statistics.fmean(times[WARM_UP:])
 
     world.Barrier()
     polling = timed(False)
