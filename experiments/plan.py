@@ -79,6 +79,9 @@ def parser():
                                                     "(default 0.48: docs/planner.md)")
     c.add_argument("--calibration", metavar="FILE|DIR",
                    help="the machine at hand: experiments.calibrate's calibration.json")
+    c.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="with --calibration: the machine at hand's ranks compute on its CPU "
+                        "cores, or on its GPUs, which they share (default cpu)")
     s = ap.add_argument_group("what the planner may choose")
     s.add_argument("--zero", type=listing(int), default=(0, 1, 2, 3), help="ZeRO stages")
     s.add_argument("--recompute", type=listing(str), default=RECOMPUTE,
@@ -87,6 +90,8 @@ def parser():
                    help="pipeline schedules")
     s.add_argument("--micro-batch-sizes", type=listing(int), default=(1, 2, 4, 8),
                    help="sequences a micro-batch")
+    s.add_argument("--tp-sizes", type=listing(int), help="tensor-parallel sizes (default all)")
+    s.add_argument("--pp-sizes", type=listing(int), help="pipeline sizes (default all)")
     s.add_argument("--precision", help="bf16, fp16 or fp32 (default bf16; fp32 with "
                                        "--calibration)")
     s.add_argument("--no-sequence-parallel", action="store_true",
@@ -112,7 +117,7 @@ def cluster_of(a, gpt):
     if a.calibration:
         ranks = a.gpus_per_node or os.cpu_count() or 1        # default: a rank a core
         machine = this_machine(gpt, ranks, a.calibration, a.nodes or 1,
-                               a.inter_gbps or 1.0, a.micro_batch_sizes)
+                               a.inter_gbps or 1.0, a.micro_batch_sizes, a.device)
         return replace(machine, **given)
     missing = [k for k in EXPLICIT if k not in given]
     if missing:
@@ -153,13 +158,17 @@ def main(argv=None):
                   a.experts, a.top_k)
         precision = a.precision or ("fp32" if a.calibration else "bf16")
         space = Space(a.zero, a.recompute, a.schedules, a.micro_batch_sizes,
-                      precision=precision, sequence_parallel=not a.no_sequence_parallel)
+                      precision=precision, sequence_parallel=not a.no_sequence_parallel,
+                      tp_sizes=a.tp_sizes, pp_sizes=a.pp_sizes)
         if a.top < 1 or a.verify < 0 or a.steps <= WARM_UP_STEPS:
             raise ValueError(f"--top must be >= 1, --verify >= 0 and --steps > "
                              f"{WARM_UP_STEPS} (the warm-up steps, not timed)")
         if a.verify and not a.calibration:
             raise ValueError("--verify runs layouts on this machine: describe it with "
                              "--calibration FILE|DIR (and --gpus-per-node RANKS)")
+        if a.device != "cpu" and not a.calibration:
+            raise ValueError(f"--device {a.device} is where the machine at hand's ranks "
+                             f"compute: give --calibration FILE|DIR too")
         if a.cluster and not a.verify:
             raise ValueError("--cluster is where --verify runs: give --verify N too")
         cluster = cluster_of(a, gpt)
@@ -202,7 +211,7 @@ def check(a, gpt, cluster, entries, stamp):
         print("--verify: no layout that fits is one strategies.train can run", file=sys.stderr)
         return 1
     print(f"\nverify: {len(chosen)} layouts with strategies.train, {a.steps} steps each")
-    rows = verify(gpt, chosen, cluster, a.steps, a.cluster)
+    rows = verify(gpt, chosen, cluster, a.steps, a.cluster, a.device)
     out = []
     for e, measured, why in rows:
         p = e.prediction

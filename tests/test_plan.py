@@ -255,6 +255,8 @@ def test_jsonl_records_and_the_figure(tmp_path, capsys):
     (MODEL + CLUSTER[:-1] + ["0"], "--inter-gbps"),
     (MODEL + ["--preset", "dgx-h100", "--calibration", "x"], "not both"),
     (MODEL + ["--calibration", "nowhere"], "nowhere"),
+    (MODEL + CLUSTER + ["--device", "cuda"], "--calibration"),
+    (MODEL + CLUSTER + ["--tp-sizes", "0"], "--tp-sizes"),
     (["--layers", "1", "--d-model", "64", "--heads", "3", "--seq-len", "8", "--vocab", "8",
       "--global-batch", "3"] + CLUSTER, "--heads"),
 ])
@@ -263,6 +265,40 @@ def test_errors_are_one_line_and_exit_2(argv, says, capsys):
         plan_cli.main(argv)
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1 and says in err, err
+
+
+def test_the_machine_at_hand_on_a_gpu_needs_one(tmp_path, capsys):
+    """--device cuda where torch sees no GPU: one line, exit 2, before any timing."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: tests/gpu/test_plan_gpu.py runs the plan on it")
+    (tmp_path / "calibration.json").write_text(json.dumps(
+        {"alpha_s": 2e-5, "beta_s_per_byte": 2e-10, "gamma_s_per_byte": 1e-10}))
+    with pytest.raises(SystemExit) as stop:
+        plan_cli.main(MODEL + ["--calibration", str(tmp_path), "--device", "cuda"])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and "torch sees no GPU" in err and len(err.splitlines()) == 1
+
+
+def test_the_split_sizes_can_be_fixed_one_axis_at_a_time():
+    """--tp-sizes / --pp-sizes: a layout for each axis alone (dp only: both 1)."""
+    cluster = preset("dgx-a100-80gb", nodes=1)
+    gpt = GPT(4, 256, 8, 128, 512, 64)
+    every = list(layouts(gpt, cluster, Space()))
+    alone = {(lo.tp, lo.pp) for lo in layouts(gpt, cluster, Space(tp_sizes=(1,),
+                                                                  pp_sizes=(1,)))}
+    assert alone == {(1, 1)} and len({(lo.tp, lo.pp) for lo in every}) > 1
+    assert {lo.tp for lo in layouts(gpt, cluster, Space(tp_sizes=(2,)))} == {2}
+    assert {lo.pp for lo in layouts(gpt, cluster, Space(pp_sizes=(4,)))} == {4}
+
+
+def test_a_layouts_run_computes_where_the_machine_at_hand_does():
+    from experiments.planner.verify import layout_args
+    gpt = GPT(2, 32, 2, 16, 64, 8)
+    layout = Layout(dp=2, micro_batches=1, micro_batch_size=4)
+    for device in ("cpu", "cuda"):
+        args = layout_args(gpt, layout, 3, device)
+        assert args[args.index("--device") + 1] == device
 
 
 def test_a_model_with_no_layout_is_an_error(capsys):

@@ -35,6 +35,8 @@ class Space:
     max_virtual_stages: int = 8          # interleaved: every v from 2 to this dividing a stage
     precision: str = "bf16"
     sequence_parallel: bool = True
+    tp_sizes: tuple = None               # the tensor- and pipeline-parallel sizes allowed
+    pp_sizes: tuple = None               # (None: every one the rules allow)
 
     def __post_init__(self):
         checks = (("zero", self.zero, (0, 1, 2, 3)), ("recompute", self.recompute, RECOMPUTE),
@@ -44,6 +46,10 @@ class Space:
             if wrong:
                 raise ValueError(f"--{name.replace('_', '-')}: {wrong[0]!r} is not one of "
                                  f"{', '.join(map(str, allowed))}")
+        for name in ("tp_sizes", "pp_sizes"):
+            sizes = getattr(self, name)
+            if sizes is not None and (not sizes or min(sizes) < 1):
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {sizes}")
         if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:
             raise ValueError(f"--micro-batch-sizes must be >= 1, got {self.micro_batch_sizes}")
         if self.precision not in BYTES:
@@ -69,10 +75,10 @@ def layouts(gpt, cluster, space):
     """Every Layout of `gpt` on `cluster` within `space` (the module's rules)."""
     G, world = cluster.gpus_per_node, cluster.world
     for tp in divisors(G):
-        if gpt.heads % tp or world % tp:
+        if gpt.heads % tp or world % tp or (space.tp_sizes and tp not in space.tp_sizes):
             continue
         for pp in divisors(world // tp):
-            if gpt.layers % pp:
+            if gpt.layers % pp or (space.pp_sizes and pp not in space.pp_sizes):
                 continue
             dp = world // (tp * pp)
             if gpt.global_batch % dp:

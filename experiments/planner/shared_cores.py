@@ -5,10 +5,10 @@ ranks, and an exchange's wait for its peer's turn on a core.
         --heads 4 --seq-len 64 --batch 8 --threads 1   # {"block_s": ..., "wait_s": ...}
     found = shared_cores.measure(gpt, ranks=4, batch=8, threads=1)   # the same, from Python
 
-On the machine at hand the planner's "GPUs" are MPI ranks on CPU cores (verify.py).
-A GPU gives every rank its own device; here the ranks share the cores, the caches
-and the memory bandwidth, and the probe measures both costs of that with every
-rank of the run there at once:
+On the machine at hand the planner's "GPUs" are MPI ranks on CPU cores, or ranks
+sharing its GPUs (verify.py).  A cluster gives every rank a device of its own; here
+the ranks share the cores, the caches and the memory bandwidth (or the GPU), and
+the probe measures what that costs with every rank of the run there at once:
 
 1. The rate.  Every rank times a transformer block's forward and backward at the
    model's shape (strategies/model/models.py's Block), all ranks together, with
@@ -54,20 +54,22 @@ class Shared(NamedTuple):
     wait_s: float       # a pair all-reduce's wait after compute (0: a core for every rank)
 
 
-def block_seconds(d_model, heads, seq_len, batch, repeats=BLOCK_REPEATS):
+def block_seconds(d_model, heads, seq_len, batch, repeats=BLOCK_REPEATS, device="cpu"):
     """The median forward and backward of one block on `batch` sequences, in this
-    process with its torch threads as they are."""
+    process with its torch threads as they are, on `device` (a GPU: waited for)."""
     import torch
 
     from strategies.model.models import Block
+    from strategies.runtime.metrics import now
+    device = torch.device(device)
     torch.manual_seed(0)
-    block = Block(d_model, heads)
-    x = torch.randn(batch, seq_len, d_model, requires_grad=True)
+    block = Block(d_model, heads).to(device)
+    x = torch.randn(batch, seq_len, d_model, requires_grad=True, device=device)
     times = []
     for _ in range(repeats + 1):                 # the first warms the allocator up
-        start = time.perf_counter()
+        start = now(device)
         block(x).sum().backward()
-        times.append(time.perf_counter() - start)
+        times.append(now(device) - start)
     return statistics.median(times[1:])
 
 
@@ -104,27 +106,33 @@ def pair_wait(world, d_model, heads, seq_len, batch):
     return max(0.0, timed(True) - polling)
 
 
-def probe(d_model, heads, seq_len, batch, threads):
-    """On every rank of an MPI job on one host: Shared, the same on every rank."""
+def probe(d_model, heads, seq_len, batch, threads, device="cpu"):
+    """On every rank of an MPI job on one host: Shared, the same on every rank.  On a
+    GPU the ranks share it (strategies.train's --device cuda: local rank i on GPU
+    i mod the GPUs) and wait for no core."""
     import torch
     from mpi4py import MPI
     world = MPI.COMM_WORLD
     torch.set_num_threads(threads)
+    if device == "cuda":
+        local = world.Split_type(MPI.COMM_TYPE_SHARED).rank
+        device = f"cuda:{local % torch.cuda.device_count()}"
     world.Barrier()                              # all compute at once, as in the run
-    block_s = max(world.allgather(block_seconds(d_model, heads, seq_len, batch)))
+    block_s = max(world.allgather(block_seconds(d_model, heads, seq_len, batch,
+                                                device=device)))
     wait_s = 0.0
-    if world.size > (os.cpu_count() or 1):
+    if device == "cpu" and world.size > (os.cpu_count() or 1):
         wait_s = max(world.allgather(pair_wait(world, d_model, heads, seq_len, batch)))
     return Shared(block_s, wait_s)
 
 
-def measure(gpt, ranks, batch, threads, timeout=300):
-    """Shared on this host with `ranks` ranks of `threads` threads, launched through
-    mpiexec."""
+def measure(gpt, ranks, batch, threads, device="cpu", timeout=300):
+    """Shared on this host with `ranks` ranks of `threads` threads computing on
+    `device` (cpu, or cuda: the host's GPUs), launched through mpiexec."""
     argv = [mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m",
             "experiments.planner.shared_cores", "--d-model", str(gpt.d_model), "--heads",
             str(gpt.heads), "--seq-len", str(gpt.seq_len), "--batch", str(batch),
-            "--threads", str(threads)]
+            "--threads", str(threads), "--device", device]
     env = {**os.environ, "PYTHONPATH": checkout_pythonpath(), "OMP_NUM_THREADS": str(threads)}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode:
@@ -141,8 +149,10 @@ def main(argv=None):
     for name in ("d-model", "heads", "seq-len", "batch"):
         ap.add_argument(f"--{name}", type=int, required=True, help=f"the model's {name}")
     ap.add_argument("--threads", type=int, default=1, help="torch threads a rank")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the ranks compute (cuda: sharing the host's GPUs)")
     a = ap.parse_args(argv)
-    found = probe(a.d_model, a.heads, a.seq_len, a.batch, a.threads)
+    found = probe(a.d_model, a.heads, a.seq_len, a.batch, a.threads, a.device)
     from mpi4py import MPI
     if MPI.COMM_WORLD.rank == 0:
         print(json.dumps({**found._asdict(), "ranks": MPI.COMM_WORLD.size}), flush=True)

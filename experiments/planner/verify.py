@@ -50,35 +50,49 @@ from .transformer import layer_forward_flops
 WARM_UP_STEPS = 2
 
 
-def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1, 2, 4, 8)):
-    """The Cluster of the machine at hand: `nodes` x `ranks` (per node) MPI ranks, its
-    rate timed for micro-batches of each of `sizes` sequences."""
+def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1, 2, 4, 8),
+                 device="cpu"):
+    """The Cluster of the machine at hand: `nodes` x `ranks` (per node) MPI ranks
+    computing on `device` (cpu: its cores; cuda: its GPUs, shared by the ranks as
+    strategies.train shares them), its rate timed for micro-batches of each of
+    `sizes` sequences."""
     world, cores = nodes * ranks, os.cpu_count() or 1
+    if device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: torch sees no GPU on this machine")
     intra = Machine(5e-6, 1 / 10e9)
     if calibration:                   # read first: a wrong path fails before the timing
         intra = Machine.from_calibration(read_calibration(calibration))
     # each rank gets the threads strategies.train gives it; several ranks are timed
-    # together, sharing the cores as in the run (shared_cores.py)
+    # together, sharing the cores (or the GPU) as in the run (shared_cores.py)
     threads, waits = max(1, cores // world), None
     if world == 1:
         import torch
         torch.set_num_threads(threads)
-        seconds = {b: shared_cores.block_seconds(gpt.d_model, gpt.heads, gpt.seq_len, b)
-                   for b in sizes}
+        seconds = {b: shared_cores.block_seconds(gpt.d_model, gpt.heads, gpt.seq_len, b,
+                                                 device=device) for b in sizes}
     else:
-        found = {b: shared_cores.measure(gpt, world, b, threads) for b in sizes}
+        found = {b: shared_cores.measure(gpt, world, b, threads, device) for b in sizes}
         seconds = {b: shared.block_s for b, shared in found.items()}
-        if world > cores:     # an exchange right after compute waits for the peer's turn
+        if device == "cpu" and world > cores:   # an exchange right after compute waits
             waits = tuple((b, found[b].wait_s) for b in sizes)
     # forward and backward: 3 forwards' FLOPs
     rates = tuple((b, 3 * layer_forward_flops(gpt, b) / seconds[b]) for b in sizes)
     rate = max(r for _, r in rates)
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
-    return Cluster("this host" if nodes == 1 else f"emulated {nodes} hosts", nodes, ranks,
-                   gpu_mem_gib=memory / GIB, gpu_tflops=rate / 1e12,
+    name = "this host" if nodes == 1 else f"emulated {nodes} hosts"
+    if device == "cuda":
+        gpus = torch.cuda.device_count()
+        memory = gpus * torch.cuda.get_device_properties(0).total_memory / world
+        name += f" ({world} ranks on {gpus} {torch.cuda.get_device_name(0)})"
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
+    # on a GPU the data-parallel collectives (MPI, on the host's cores) run beside the
+    # compute; on CPU cores they take the same cores, so there they add up
+    return Cluster(name, nodes, ranks, gpu_mem_gib=memory / GIB, gpu_tflops=rate / 1e12,
                    intra_gbps=8e-9 / intra.beta, inter_gbps=inter_gbps, efficiency=1.0,
                    calibrated_intra=intra, measured_rates=rates, core_waits=waits,
-                   overlaps=False)
+                   overlaps=device == "cuda")
 
 
 def runnable(gpt, layout):
@@ -91,12 +105,13 @@ def runnable(gpt, layout):
     return ""
 
 
-def layout_args(gpt, layout, steps):
+def layout_args(gpt, layout, steps, device="cpu"):
     """strategies.train's flags for `layout` (python -m strategies.train --help)."""
     args = ["--model", "moe" if gpt.experts else "gpt", "--layers", gpt.layers,
             "--d-model", gpt.d_model, "--heads", gpt.heads, "--seq-len", gpt.seq_len,
             "--vocab", gpt.vocab, "--global-batch", gpt.global_batch, "--steps", steps,
-            "--sync", "ring", "--precision", layout.precision, "--no-progress"]
+            "--sync", "ring", "--precision", layout.precision, "--device", device,
+            "--no-progress"]
     if gpt.experts:
         args += ["--experts", gpt.experts, "--top-k", gpt.top_k, "--ep", layout.ep]
     else:
@@ -127,13 +142,13 @@ def problems(cluster, emulated):
     return launchers.needs([("strategies.train", launch_params(cluster, emulated))], PLACE)
 
 
-def measure(gpt, layout, cluster, steps, emulated=False, timeout=600):
-    """(median step seconds, "") of one run, or (None, why it gave none)."""
+def measure(gpt, layout, cluster, steps, emulated=False, timeout=600, device="cpu"):
+    """(median step seconds, "") of one run on `device`, or (None, why it gave none)."""
     with tempfile.TemporaryDirectory() as tmp:
         raw, log = os.path.join(tmp, "train.jsonl"), os.path.join(tmp, "cluster.log")
         p = launch_params(cluster, emulated)
-        argv = launchers.head("strategies.train", p, PLACE) + layout_args(gpt, layout, steps) \
-            + ["--jsonl", raw]
+        argv = launchers.head("strategies.train", p, PLACE) \
+            + layout_args(gpt, layout, steps, device) + ["--jsonl", raw]
         env = {**os.environ, **PLACE.env(), "PYTHONPATH": checkout_pythonpath()}
         try:
             with launchers.ClusterLock(PLACE) if emulated else contextlib.nullcontext():
@@ -157,6 +172,7 @@ def measure(gpt, layout, cluster, steps, emulated=False, timeout=600):
         return statistics.median(times), ""
 
 
-def verify(gpt, entries, cluster, steps=6, emulated=False):
+def verify(gpt, entries, cluster, steps=6, emulated=False, device="cpu"):
     """[(entry, measured seconds or None, why)] for each entry, one run after another."""
-    return [(e, *measure(gpt, e.prediction.layout, cluster, steps, emulated)) for e in entries]
+    return [(e, *measure(gpt, e.prediction.layout, cluster, steps, emulated, device=device))
+            for e in entries]

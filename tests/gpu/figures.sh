@@ -11,8 +11,12 @@
 #     (each rank alone: the step without communication);
 #  3. fp16 against bf16 on a small GPT (2 layers, d_model 64) at 2 ranks, the two
 #     launches alternated three times;
-#  4. allreduce.bench --device cuda at 2 ranks (the NCCL row skipped with its note).
-# Each command is printed before it runs; `nvidia-smi -L` names the card.
+#  4. allreduce.bench --device cuda at 2 ranks (the NCCL row skipped with its note);
+#  5. the layout planner on the GPU: the host's links calibrated, then for each axis
+#     alone (dp, pp, tp at 2 ranks sharing the GPU) the best and the worst layout
+#     predicted and measured (experiments.plan --device cuda --verify 1).
+# Each command is printed before it runs; `nvidia-smi -L` names the card, at the top
+# of commands.log.  Seven files in OUT: commands.log, output.log and five JSONL.
 # DEVICE=cpu TINY=1 runs the same commands on a CPU with tiny models, to check them.
 set -uo pipefail
 
@@ -28,10 +32,12 @@ mkdir -p "$OUT"
 if [ -n "${TINY:-}" ]; then
     BIG=(--model gpt --layers 2 --d-model 32 --heads 2 --seq-len 16 --vocab 64 --global-batch 8)
     SMALL=("${BIG[@]}")
+    PLAN=(--layers 2 --d-model 32 --heads 2 --seq-len 16 --vocab 64 --global-batch 8)
     ROUNDS=(--rounds 2 --steps-per-round 2 --warmup 1)
 else
     BIG=(--model gpt --layers 8 --d-model 512 --heads 8 --seq-len 256 --global-batch 32)
     SMALL=(--model gpt --layers 2 --d-model 64 --heads 4 --seq-len 64 --global-batch 32)
+    PLAN=(--layers 8 --d-model 512 --heads 8 --seq-len 256 --vocab 32 --global-batch 32)
     ROUNDS=(--rounds 5 --steps-per-round 5 --warmup 2)
 fi
 
@@ -41,7 +47,7 @@ run() {
     "$@" 2>&1 | tee -a "$OUT/output.log" || status=1
 }
 
-command -v nvidia-smi >/dev/null && nvidia-smi -L | tee "$OUT/card.txt"
+command -v nvidia-smi >/dev/null && nvidia-smi -L | tee -a "$OUT/commands.log"
 started=$SECONDS
 for precision in fp32 bf16; do
     run "$PY" -m strategies.bench --syncs local,bare "${BIG[@]}" --precision $precision \
@@ -61,5 +67,14 @@ for round in 1 2 3; do
 done
 run mpiexec -n 2 "$PY" -m mpi4py -m allreduce.bench --device "$DEVICE" --algos ring,mpi \
     --sizes 4K,16M --iters 10 --jsonl "$OUT/allreduce.jsonl"
+cal=$(mktemp -d)
+run "$PY" -m experiments.calibrate --no-ps --out "$cal"
+for axis in "--tp-sizes 1 --pp-sizes 1" "--pp-sizes 2" "--tp-sizes 2"; do
+    # shellcheck disable=SC2086  # the axis's two flags, split on purpose
+    run "$PY" -m experiments.plan "${PLAN[@]}" --calibration "$cal" \
+        --device "$DEVICE" --gpus-per-node 2 $axis --zero 0,1 --recompute none \
+        --micro-batch-sizes 4,8 --verify 1 --steps 6 --jsonl "$OUT/plan.jsonl"
+done
+rm -rf "$cal"
 echo "tests/gpu/figures.sh: done in $((SECONDS - started)) s, exit $status; $OUT" >&2
 exit $status
