@@ -335,7 +335,8 @@ def test_verify_runs_the_best_and_the_worst_on_two_ranks(tmp_path):
 
 def test_ranks_on_shared_cores_add_their_wait_to_every_tp_all_reduce():
     """Cluster.core_waits (shared_cores.py, the machine at hand): each tp all-reduce waits
-    (tp - 1) pair-waits, at the micro-batch size nearest b; nothing else changes."""
+    (tp - 1) pair-waits, at the micro-batch size nearest b, and the data-parallel
+    exchange after the backward (dp - 1) once a step; nothing else changes."""
     from dataclasses import replace
     shared = replace(TWO_NODES, core_waits=((1, 1e-3), (8, 4e-3)))
     assert shared.core_wait(2) == 1e-3 and shared.core_wait(6) == 4e-3
@@ -344,10 +345,15 @@ def test_ranks_on_shared_cores_add_their_wait_to_every_tp_all_reduce():
     plain, waiting = predict(SMALL, TWO_NODES, layout), predict(SMALL, shared, layout)
     per_micro_batch = 4 * SMALL.layers * 3 * 1e-3          # 2 forward + 2 backward a layer
     assert waiting.split["tp"] - plain.split["tp"] == pytest.approx(4 * per_micro_batch)
-    assert {k: v for k, v in waiting.split.items() if k not in ("tp", "bubble")} == \
-        pytest.approx({k: v for k, v in plain.split.items() if k not in ("tp", "bubble")})
+    assert waiting.split["dp"] - plain.split["dp"] == pytest.approx(1 * 1e-3)
+    assert {k: v for k, v in waiting.split.items() if k not in ("tp", "dp", "bubble")} == \
+        pytest.approx({k: v for k, v in plain.split.items() if k not in ("tp", "dp", "bubble")})
     no_tp = Layout(dp=8, micro_batches=2, micro_batch_size=2)
-    assert predict(SMALL, shared, no_tp).step_s == predict(SMALL, TWO_NODES, no_tp).step_s
+    assert predict(SMALL, shared, no_tp).step_s - predict(SMALL, TWO_NODES, no_tp).step_s == \
+        pytest.approx(7 * 1e-3)
+    one_replica = Layout(dp=1, tp=8, micro_batches=8, micro_batch_size=2)
+    assert predict(SMALL, shared, one_replica).split["dp"] == \
+        predict(SMALL, TWO_NODES, one_replica).split["dp"]
 
 
 @pytest.mark.mpi

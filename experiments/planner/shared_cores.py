@@ -44,7 +44,7 @@ from allreduce.records import checkout_pythonpath
 
 from experiments.records import mpiexec_path
 
-CALLS = 40          # all-reduces a kind, the first WARM_UP left out
+CALLS = 120         # all-reduces a kind, the first WARM_UP left out
 WARM_UP = 8
 BLOCK_REPEATS = 15  # a block's forward and backward, after one that warms up
 

@@ -22,7 +22,8 @@ with the logit layer too, the slower of the two pacing the pipeline) takes
                (full recomputation replays the forward's too)
 
 none of which overlaps the compute (Megatron runs them in line); on ranks that share
-CPU cores each tp all-reduce also waits for its peers' turns (shared_cores.py).  The pipeline
+CPU cores each tp all-reduce also waits for its peers' turns, and so does the
+data-parallel exchange right after the backward, once a step (shared_cores.py).  The pipeline
 runs (v m + p - 1) slots of a micro-batch's forward and backward on one chunk,
 each slot sending an activation and its gradient (costmodel.pipeline_step_time);
 the p - 1 idle slots are the bubble, strategies/parallel/bubble.py's fraction of them.
@@ -218,6 +219,8 @@ def predict(gpt, cluster, lo):
         reduce = exposed(["allreduce" if lo.zero == 0 else "reduce_scatter"], compute_b,
                          buckets)
         dp_after = reduce + (dp_time("allgather") if lo.zero else 0.0)
+    if lo.dp > 1:       # shared cores: the step's last exchange, right after the backward,
+        dp_after += (lo.dp - 1) * cluster.core_wait(b)    # waits for its peers' turns
     # 3. the pipeline: (v m + p - 1) slots, each sending an activation and its gradient
     t_f, t_b = compute_f + tp_f + ep_f + dp_f, compute_b + tp_b + ep_b + dp_b
     nodes, _, _ = placement(lo.pp, lo.tp, G)
