@@ -309,28 +309,34 @@ def test_a_model_with_no_layout_is_an_error(capsys):
     assert stop.value.code == 2 and "no layout" in capsys.readouterr().err
 
 
+def verify_on_two_ranks(tmp_path, flags, timeout=180):
+    """`experiments.plan --verify 1` of a tiny GPT on 2 ranks with a made-up calibration:
+    (its stdout, its records).  Each verified layout has a measured step beside its
+    prediction (the figures are the machine's: only their presence is checked)."""
+    (tmp_path / "calibration.json").write_text(json.dumps(
+        {"alpha_s": 2e-5, "beta_s_per_byte": 2e-10, "gamma_s_per_byte": 1e-10}))
+    out = tmp_path / "plan.jsonl"
+    result = check_ok(run([sys.executable, "-m", "experiments.plan", "--heads", "2",
+                           "--layers", "2", "--global-batch", "8", "--calibration", tmp_path,
+                           "--gpus-per-node", "2", "--zero", "0,1", "--micro-batch-sizes",
+                           "4", "--verify", "1", "--jsonl", out, *flags], timeout,
+                          mpi_env()))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    checked = [r for r in rows if r["kind"] == "plan_verify"]
+    assert len(checked) == 2 and all(r["measured_s"] > 0 and r["predicted_s"] > 0
+                                     for r in checked), checked
+    assert checked[0]["rank"] < checked[1]["rank"]
+    return result.stdout, rows
+
+
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(200)
 def test_verify_runs_the_best_and_the_worst_on_two_ranks(tmp_path):
-    """--verify 1 on 2 ranks: the best layout and the worst run with strategies.train,
-    each record with a measured step beside its prediction (the figures are this
-    machine's: only their presence is checked)."""
-    (tmp_path / "calibration.json").write_text(json.dumps(
-        {"alpha_s": 2e-5, "beta_s_per_byte": 2e-10, "gamma_s_per_byte": 1e-10}))
-    out = tmp_path / "plan.jsonl"
-    result = check_ok(run([sys.executable, "-m", "experiments.plan", "--layers", "2",
-                           "--d-model", "32", "--heads", "2", "--seq-len", "16", "--vocab",
-                           "32", "--global-batch", "8", "--calibration", tmp_path,
-                           "--gpus-per-node", "2", "--zero", "0,1", "--micro-batch-sizes",
-                           "4", "--verify", "1", "--steps", "3", "--jsonl", out], 180,
-                          mpi_env()))
-    assert "measured" in result.stdout, result.stdout
-    checked = [json.loads(line) for line in out.read_text().splitlines()
-               if json.loads(line)["kind"] == "plan_verify"]
-    assert len(checked) == 2 and all(r["measured_s"] > 0 and r["predicted_s"] > 0
-                                     for r in checked)
-    assert checked[0]["rank"] < checked[1]["rank"]
+    """--verify 1 on 2 ranks: the best layout and the worst run with strategies.train."""
+    stdout, _ = verify_on_two_ranks(tmp_path, ["--d-model", "32", "--seq-len", "16",
+                                               "--vocab", "32", "--steps", "3"])
+    assert "measured" in stdout, stdout
 
 
 def test_ranks_on_shared_cores_add_their_wait_to_every_tp_all_reduce():
