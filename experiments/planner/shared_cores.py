@@ -27,7 +27,7 @@ the probe measures what that costs with every rank of the run there at once:
    2; an odd last rank computes alone); every one runs a block's forward and then
    all-reduces b s h values with its partner, through the ring the trainer uses,
    and again with no compute in between, when every rank is polling and nobody
-   waits.  The wait is the median all-reduce after compute less the median
+   waits.  The wait is the mean all-reduce after compute less the mean
    without, on the slowest rank.  A tp group of t ranks makes 2 (t - 1)
    exchanges an all-reduce, t - 1 times the pair's (step.py).
 """
