@@ -34,6 +34,7 @@ overhead of one layer over another (x_raw) is compared fairly with --loop; from
 import numpy as np
 
 from . import create, host_staged, shard_bounds
+from .cuda_ipc import SharedGpuTransport
 from .bench_config import RAW, element_size, parse_args
 from .bench_setup import refuse_unallocatable, use_device, without_shared_gpus
 from .harness import interleaved
@@ -126,7 +127,7 @@ def make_rows(args, comm, device):
             options.update(inner=args.inner, outer=args.outer)
         transport = "torch" if algo == "torch" else args.transport
         colls[algo] = create(algo, transport=transport, link_latency_us=args.link_latency_us,
-                             link_gbps=args.link_gbps, **options)
+                             link_gbps=args.link_gbps, device=device, **options)
         # The benchmark checks results itself; time and count the collective alone.
         colls[algo].check = False
         if device.type == "cuda":
@@ -135,16 +136,22 @@ def make_rows(args, comm, device):
 
 
 def cuda_path(coll):
-    """How a row's CUDA buffers travel: 'direct' (NCCL, a CUDA-aware MPI) or 'staged'
+    """How a row's CUDA buffers travel: 'direct' (NCCL, a CUDA-aware MPI), 'ipc'
+    (device to device between ranks that share a GPU: cuda_ipc.py) or 'staged'
     (through pinned host memory: allreduce.host_staged's fallback)."""
-    return "staged" if isinstance(coll, HostStaged) else "direct"
+    if isinstance(coll, HostStaged):
+        return "staged"
+    return "ipc" if isinstance(getattr(coll, "transport", None), SharedGpuTransport) \
+        else "direct"
 
 
 def cuda_paths_line(colls):
     """The header's line on which path each row's CUDA buffers took."""
     rows = {path: [a for a, c in colls.items() if a != RAW and cuda_path(c) == path]
-            for path in ("direct", "staged")}
+            for path in ("direct", "ipc", "staged")}
     said = {"direct": "handed to the transport as they are",
+            "ipc": "device to device through CUDA IPC between ranks that share a GPU "
+                   "(staged to the others)",
             "staged": "staged through pinned host memory"}
     return "# CUDA buffers: " + "; ".join(f"{said[path]}: {', '.join(algos)}"
                                           for path, algos in rows.items() if algos)

@@ -1,7 +1,10 @@
 """The factory behind `allreduce.create`: a collective by name, over a transport
 made here or given.  The package's __init__ hands these names out on first use.
 """
+import os
+
 from .auto import Auto
+from .cuda_ipc import SharedGpuTransport
 from .errors import CollectiveError, TransportError
 from .hierarchical import Hierarchical
 from .registry import ONE_LEVEL, TEXTBOOK, build, one_level_class
@@ -40,11 +43,14 @@ def make(name, transport, **options):
 
 
 def create(name, comm=None, transport=None, timeout=None, link_latency_us=None, link_gbps=None,
-           **options):
+           device=None, **options):
     """A collective by name.  `transport` is 'mpi' (default; 'torch' for the torch
     baseline), 'torch', or a Transport object; `comm` an mpi4py communicator (for
     'torch' also a list of global ranks or a ProcessGroup: make_transport).
-    `link_latency_us` / `link_gbps` (Gbit/s) emulate a slower interconnect (allreduce.emulate)."""
+    `link_latency_us` / `link_gbps` (Gbit/s) emulate a slower interconnect (allreduce.emulate).
+    `device`: where the buffers will live, if a GPU: then a textbook algorithm over an
+    MPI that moves host memory only runs over CUDA IPC between the ranks that share a
+    GPU (cuda_ipc.py; a collective call), and host_staged passes it through."""
     if name not in ALGORITHMS:
         raise CollectiveError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
     if transport is None or isinstance(transport, str):
@@ -56,7 +62,27 @@ def create(name, comm=None, transport=None, timeout=None, link_latency_us=None, 
                                   f"not the {name!r} baseline")
         from .emulate import EmulatedLink
         transport = EmulatedLink(transport, link_latency_us or 0.0, link_gbps)
+    elif name in TEXTBOOK:
+        shared = device_transport(transport, device)
+        if shared is not None:
+            coll = make(name, shared, **options)
+            coll.segment_bytes = max(coll.segment_bytes, shared.segment_bytes)
+            return coll
     return make(name, transport, **options)
+
+
+def device_transport(transport, device):
+    """`transport` with CUDA IPC between the ranks that share a GPU, where it is an
+    MPI transport that moves host memory only and `device` a GPU that two of its
+    ranks share; None otherwise (and where TOPOLAB_CUDA_IPC=0 asks for the staging, to
+    compare).  Collective: every rank of `transport` calls it."""
+    if device is None or getattr(device, "type", None) != "cuda":
+        return None
+    if os.environ.get("TOPOLAB_CUDA_IPC", "1") == "0":
+        return None
+    if not isinstance(transport, MPITransport) or transport.takes_cuda:
+        return None
+    return SharedGpuTransport.over(transport, device)
 
 
 def takes_device_buffers(coll):
@@ -73,14 +99,17 @@ def takes_device_buffers(coll):
     return all(level in TEXTBOOK for level in getattr(coll, "levels", (coll.name,)))
 
 
-def host_staged(coll):
+def host_staged(coll, device=None):
     """`coll` itself where it moves CUDA tensors (takes_device_buffers); otherwise
     `coll` with CUDA tensors staged through pinned host memory (staging.HostStaged),
     the fallback.  Host buffers go straight through either way.  A point-to-point
-    Transport (a pipeline's) is staged the same way where it is not CUDA-aware
-    (staging.HostStagedTransport)."""
+    Transport (a pipeline's) that is not CUDA-aware goes device to device between
+    ranks that share `device` (device_transport; a collective call), staged the same
+    way between the others (staging.HostStagedTransport)."""
     if isinstance(coll, (HostStaged, HostStagedTransport)):
         return coll                                # staged already: once is enough
     if isinstance(coll, Transport):
-        return coll if coll.takes_cuda else HostStagedTransport(coll)
+        if coll.takes_cuda:
+            return coll
+        return device_transport(coll, device) or HostStagedTransport(coll)
     return coll if takes_device_buffers(coll) else HostStaged(coll)

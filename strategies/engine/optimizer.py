@@ -142,7 +142,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if coll is None:
                 transport = transport_for(name, transport)
                 check_comm(comm, transport)
-                coll = collective_for(name, self.config, comm, transport)
+                coll = collective_for(name, self.config, comm, transport, device)
             self.rank, self.size = coll.rank, coll.size
             check_same_everywhere(lambda mine: gathered(coll, mine), params, self.sections)
             self.sync = AllReduceSync(self.config, None, device, coll)

@@ -202,17 +202,18 @@ def collective_for(name, cfg, comm, transport=None, device=None):
     if name in EMULATED_SYNCS:                     # a slower network, if asked for
         options.update(link_latency_us=cfg.link_latency_us, link_gbps=cfg.link_gbps or None)
     return for_device(allreduce.create(name, comm=comm, transport=transport,
-                                       timeout=cfg.timeout, **options), device)
+                                       timeout=cfg.timeout, device=device, **options), device)
 
 
 def for_device(coll, device):
     """`coll` (a collective, or a point-to-point transport) as `device`'s tensors need
     it.  On a GPU: through pinned host memory where its transport moves host memory
     only, MPI without CUDA-awareness (allreduce.host_staged: HostStaged, or
-    HostStagedTransport for a pipeline's messages); NCCL and a CUDA-aware MPI take CUDA
-    tensors as they are.  The one place a worker decides it: every collective of the
+    HostStagedTransport for a pipeline's messages), device to device between ranks
+    that share the GPU (allreduce/cuda_ipc.py: made by collective_for, or here for a
+    pipeline's transport); NCCL and a CUDA-aware MPI take CUDA tensors as they are.  The one place a worker decides it: every collective of the
     grid, of the experts and of plain data parallelism, and the pipeline's transport."""
-    return allreduce.host_staged(coll) if device is not None and device.type == "cuda" \
+    return allreduce.host_staged(coll, device) if device is not None and device.type == "cuda" \
         else coll
 
 

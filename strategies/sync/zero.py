@@ -420,7 +420,7 @@ class AllReduceSync(ZeRO):
         # On a GPU every collective of this sync (the broadcast of setup, the
         # buckets) goes through one staging: NCCL moves CUDA tensors itself, the
         # MPI transports (not CUDA-aware) get them through pinned host memory.
-        coll = for_device(coll or collective_for(cfg.sync, cfg, ctx.dp_comm), device)
+        coll = for_device(coll or collective_for(cfg.sync, cfg, ctx.dp_comm, device=device), device)
         compressor = build_compressor(cfg.compress, coll, cfg.error_feedback,
                                       cfg.compressor_momentum, cfg.sparsity_warmup)
         # one collective for the thread and the main thread: a plain loop talks on

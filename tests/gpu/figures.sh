@@ -8,7 +8,8 @@
 #     the 25M-parameter GPT (8 layers, d_model 512, seq 256, batch 32), fp32 and bf16;
 #  2. the same GPT at 2 ranks sharing the GPU over the ring: exposed communication
 #     with the comm thread's overlap and without, fp32 and bf16, beside `local`
-#     (each rank alone: the step without communication);
+#     (each rank alone: the step without communication); then fp32 again with
+#     TOPOLAB_CUDA_IPC=0 (staged through host memory), its records last in exposed.jsonl;
 #  3. fp16 against bf16 on a small GPT (2 layers, d_model 64) at 2 ranks, the two
 #     launches alternated three times;
 #  4. allreduce.bench --device cuda at 2 ranks (the NCCL row skipped with its note);
@@ -58,6 +59,10 @@ for precision in fp32 bf16; do
         "${BIG[@]}" --precision $precision --device "$DEVICE" "${ROUNDS[@]}" \
         --jsonl "$OUT/exposed.jsonl"
 done
+# the same, fp32, with the ranks' tensors staged through host memory as before CUDA IPC
+TOPOLAB_CUDA_IPC=0 run mpiexec -n 2 "$PY" -m mpi4py -m strategies.bench \
+    --syncs local,ring,ring:no-overlap "${BIG[@]}" --precision fp32 --device "$DEVICE" \
+    "${ROUNDS[@]}" --jsonl "$OUT/exposed.jsonl"
 for round in 1 2 3; do
     for precision in fp16 bf16; do
         run mpiexec -n 2 "$PY" -m mpi4py -m strategies.bench --syncs ring "${SMALL[@]}" \

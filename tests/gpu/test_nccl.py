@@ -29,6 +29,9 @@ CUDA = {"device": "cuda"}
 STAGED = [{"algo": a, **CUDA} for a in ("ring", "tree", "halving_doubling", "mpi")] + [
     {"algo": "hierarchical", **CUDA, "options": {"ranks_per_node": 2}},
     {"algo": "ring", **CUDA, "split": "reversed"}]
+# made for the GPU: device to device through CUDA IPC, since the ranks share it
+IPC = [{"algo": a, **CUDA, "ipc": True} for a in ("ring", "tree", "halving_doubling")] + [
+    {"algo": "ring", **CUDA, "ipc": True, "split": "reversed"}]
 NCCL = [{"algo": a, "transport": "torch", **CUDA}
         for a in ("ring", "tree", "halving_doubling")] + [
     {"algo": "hierarchical", "transport": "torch", **CUDA, "options": {"ranks_per_node": 2}},
@@ -48,6 +51,12 @@ def matrix(nprocs, specs):
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_mpi_transports_stage_cuda_tensors_through_the_host(nprocs):
     matrix(nprocs, STAGED)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_ranks_sharing_the_gpu_move_cuda_tensors_device_to_device(nprocs):
+    matrix(nprocs, IPC)
 
 
 @pytest.mark.timeout(420)
@@ -74,7 +83,7 @@ def test_bench_on_cuda_has_nccl_as_the_baseline_row(tmp_path, transport):
     assert all(r["world_size"] == nprocs for r in records)
     # NCCL moves its own; MPI takes them direct where CUDA-aware, else staged
     assert {r["cuda_path"] for r in records if r["transport"] == "torch"} == {"direct"}
-    assert {r["cuda_path"] for r in records} <= {"direct", "staged"}
+    assert {r["cuda_path"] for r in records} <= {"direct", "ipc", "staged"}
 
 
 @pytest.mark.timeout(300)

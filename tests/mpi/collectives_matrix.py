@@ -10,6 +10,8 @@ and tree over torch.distributed, auto in two node layouts, and shm.  Two optiona
            "reversed"  all ranks in reverse order (rank r is world rank P-1-r)
   "device": "cuda"     torch inputs live on the GPU; an MPI transport moves them
                        through host memory (allreduce.host_staged), NCCL directly
+  "ipc": true          (with "device": "cuda") a textbook algorithm made for the GPU:
+                       device to device between ranks that share it (cuda_ipc.py)
   "hold": true         (torch transport) every message is held until the next wait
                        and posted in one batch, as CUDA ones are for NCCL: the
                        holding checked on gloo, without a GPU
@@ -31,6 +33,7 @@ import torch
 from mpi4py import MPI
 
 import allreduce
+from allreduce.cuda_ipc import SharedGpuTransport
 from allreduce.torch_transport import TorchTransport
 from matrix_checks import NUMPY, TORCH, compare, expect_error, f64, failures, make, report
 
@@ -152,11 +155,15 @@ for spec in specs:
         made = allreduce.make_transport("torch", comm)
         transport = HoldEveryMessage(made.group, made.timeout)
     coll = allreduce.create(spec["algo"], comm=comm, transport=transport,
+                            device=torch.device(device) if spec.get("ipc") else None,
                             **spec.get("options", {}))
+    if spec.get("ipc"):        # ranks that share the GPU: device to device (cuda_ipc.py)
+        assert isinstance(coll.transport, SharedGpuTransport), coll.transport
     if device != "cpu":
         coll = allreduce.host_staged(coll)
     coll.label = spec["algo"] + (f"@{spec['transport']}" if spec.get("transport") else "") + (
         " holding every message" if spec.get("hold") else "") + (
+        " over CUDA IPC" if spec.get("ipc") else "") + (
         f"{spec['options']}" if spec.get("options") else "") + (
         f" split={spec['split']} (world ranks {comm.allgather(world.rank)})"
         if spec.get("split") else "") + (f" on {device}" if device != "cpu" else "")
