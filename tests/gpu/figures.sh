@@ -18,6 +18,7 @@
 #     predicted and measured (experiments.plan --device cuda --verify 1).
 # Each command is printed before it runs; `nvidia-smi -L` names the card, at the top
 # of commands.log.  Seven files in OUT: commands.log, output.log and five JSONL.
+# STEPS="1 2" runs those steps only (default: all five).
 # DEVICE=cpu TINY=1 runs the same commands on a CPU with tiny models, to check them.
 set -uo pipefail
 
@@ -42,6 +43,9 @@ else
     ROUNDS=(--rounds 5 --steps-per-round 5 --warmup 2)
 fi
 
+STEPS=" ${STEPS:-1 2 3 4 5} "
+want() { [[ "$STEPS" == *" $1 "* ]]; }
+
 status=0
 run() {
     echo "+ $*" | tee -a "$OUT/commands.log"
@@ -50,36 +54,47 @@ run() {
 
 command -v nvidia-smi >/dev/null && nvidia-smi -L | tee -a "$OUT/commands.log"
 started=$SECONDS
-for precision in fp32 bf16; do
-    run "$PY" -m strategies.bench --syncs local,bare "${BIG[@]}" --precision $precision \
-        --device "$DEVICE" "${ROUNDS[@]}" --jsonl "$OUT/local_vs_bare.jsonl"
-done
-for precision in fp32 bf16; do
-    run mpiexec -n 2 "$PY" -m mpi4py -m strategies.bench --syncs local,ring,ring:no-overlap \
-        "${BIG[@]}" --precision $precision --device "$DEVICE" "${ROUNDS[@]}" \
-        --jsonl "$OUT/exposed.jsonl"
-done
-# the same, fp32, with the ranks' tensors staged through host memory as before CUDA IPC
-TOPOLAB_CUDA_IPC=0 run mpiexec -n 2 "$PY" -m mpi4py -m strategies.bench \
-    --syncs local,ring,ring:no-overlap "${BIG[@]}" --precision fp32 --device "$DEVICE" \
-    "${ROUNDS[@]}" --jsonl "$OUT/exposed.jsonl"
-for round in 1 2 3; do
-    for precision in fp16 bf16; do
-        run mpiexec -n 2 "$PY" -m mpi4py -m strategies.bench --syncs ring "${SMALL[@]}" \
-            --precision $precision --device "$DEVICE" "${ROUNDS[@]}" \
-            --jsonl "$OUT/fp16_vs_bf16.jsonl"
+if want 1; then
+    for precision in fp32 bf16; do
+        run "$PY" -m strategies.bench --syncs local,bare "${BIG[@]}" --precision $precision \
+            --device "$DEVICE" "${ROUNDS[@]}" --jsonl "$OUT/local_vs_bare.jsonl"
     done
-done
-run mpiexec -n 2 "$PY" -m mpi4py -m allreduce.bench --device "$DEVICE" --algos ring,mpi \
-    --sizes 4K,16M --iters 10 --jsonl "$OUT/allreduce.jsonl"
-cal=$(mktemp -d)
-run "$PY" -m experiments.calibrate --no-ps --out "$cal"
-for axis in "--tp-sizes 1 --pp-sizes 1" "--pp-sizes 2" "--tp-sizes 2"; do
-    # shellcheck disable=SC2086  # the axis's two flags, split on purpose
-    run "$PY" -m experiments.plan "${PLAN[@]}" --calibration "$cal" \
-        --device "$DEVICE" --gpus-per-node 2 $axis --zero 0,1 --recompute none \
-        --micro-batch-sizes 4,8 --verify 1 --steps 6 --jsonl "$OUT/plan.jsonl"
-done
-rm -rf "$cal"
+fi
+if want 2; then
+    for precision in fp32 bf16; do
+        run mpiexec -n 2 "$PY" -m mpi4py -m strategies.bench \
+            --syncs local,ring,ring:no-overlap "${BIG[@]}" --precision $precision \
+            --device "$DEVICE" "${ROUNDS[@]}" --jsonl "$OUT/exposed.jsonl"
+    done
+    # fp32 again, the ranks' tensors staged through host memory as before CUDA IPC
+    echo "# with TOPOLAB_CUDA_IPC=0:" | tee -a "$OUT/commands.log"
+    TOPOLAB_CUDA_IPC=0 run mpiexec -n 2 "$PY" -m mpi4py -m strategies.bench \
+        --syncs local,ring,ring:no-overlap "${BIG[@]}" --precision fp32 --device "$DEVICE" \
+        "${ROUNDS[@]}" --jsonl "$OUT/exposed.jsonl"
+fi
+if want 3; then
+    for round in 1 2 3; do
+        for precision in fp16 bf16; do
+            run mpiexec -n 2 "$PY" -m mpi4py -m strategies.bench --syncs ring "${SMALL[@]}" \
+                --precision $precision --device "$DEVICE" "${ROUNDS[@]}" \
+                --jsonl "$OUT/fp16_vs_bf16.jsonl"
+        done
+    done
+fi
+if want 4; then
+    run mpiexec -n 2 "$PY" -m mpi4py -m allreduce.bench --device "$DEVICE" --algos ring,mpi \
+        --sizes 4K,16M --iters 10 --jsonl "$OUT/allreduce.jsonl"
+fi
+if want 5; then
+    cal=$(mktemp -d)
+    run "$PY" -m experiments.calibrate --no-ps --out "$cal"
+    for axis in "--tp-sizes 1 --pp-sizes 1" "--pp-sizes 2" "--tp-sizes 2"; do
+        # shellcheck disable=SC2086  # the axis's two flags, split on purpose
+        run "$PY" -m experiments.plan "${PLAN[@]}" --calibration "$cal" \
+            --device "$DEVICE" --gpus-per-node 2 $axis --zero 0,1 --recompute none \
+            --micro-batch-sizes 4,8 --verify 1 --steps 6 --jsonl "$OUT/plan.jsonl"
+    done
+    rm -rf "$cal"
+fi
 echo "tests/gpu/figures.sh: done in $((SECONDS - started)) s, exit $status; $OUT" >&2
 exit $status
