@@ -220,6 +220,12 @@ def unable(rank):
     return hashlib.sha256(f"no IPC|{rank}".encode()).digest()
 
 
+def detached(buf):
+    """A tensor's memory without its autograd history (an expert layer's all-to-all
+    is called inside its autograd.Function), anything else as it is."""
+    return buf.detach() if torch is not None and isinstance(buf, torch.Tensor) else buf
+
+
 def byte_view(x):
     """x's memory as a flat uint8 tensor, no copy (x contiguous)."""
     x = x.reshape(-1)
@@ -285,6 +291,7 @@ class SharedGpuTransport(HostStagedTransport):
 
     # ------------------------------------------------------------------ send
     def isend(self, buf, peer, tag=0):
+        buf = detached(buf)
         if not self.direct(buf, peer):
             return super().isend(buf, peer, tag)
         validate(buf, "isend")
@@ -314,6 +321,7 @@ class SharedGpuTransport(HostStagedTransport):
 
     # --------------------------------------------------------------- receive
     def irecv(self, buf, peer, tag=0):
+        buf = detached(buf)
         if not self.direct(buf, peer):
             return super().irecv(buf, peer, tag)
         validate(buf, "irecv", writable=True)

@@ -122,7 +122,15 @@ elif rank == 1:
         assert torch.equal(buf, values(n, torch.float32, k))
 world.Barrier()
 
-# 3. the traffic is the payload's bytes, not the headers'
+# 3. a tensor that requires grad (an expert layer's, inside its autograd.Function)
+if rank in (0, 1):
+    leaf = values(6, torch.float32, rank).requires_grad_()
+    into = torch.zeros(6).requires_grad_()
+    t.sendrecv(leaf, 1 - rank, into, 1 - rank)
+    assert torch.equal(into.detach(), values(6, torch.float32, 1 - rank))
+world.Barrier()
+
+# 4. the traffic is the payload's bytes, not the headers'
 before = t.traffic.sent
 if rank in (0, 1):
     t.sendrecv(values(1000, torch.float32, rank), 1 - rank,
@@ -130,7 +138,7 @@ if rank in (0, 1):
     assert t.traffic.sent - before == 4000, t.traffic.sent - before
 world.Barrier()
 
-# 4. a receive of the wrong size names both sizes
+# 5. a receive of the wrong size names both sizes
 if rank == 0:
     t.send(torch.zeros(2, dtype=torch.float32), 1)
 elif rank == 1:
