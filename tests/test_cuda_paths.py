@@ -248,3 +248,14 @@ def test_a_steps_clock_on_a_gpu_records_events_and_waits_for_the_last_only(monke
     traced = metrics.StepClock(torch.device("cuda"), host_times=True)
     assert traced.seconds(traced.mark(), traced.mark()) == (7.0, 7.0) and len(hosts) == 2
     assert metrics.StepClock(torch.device("cpu")).events is False
+
+
+def test_a_gpus_optimizer_is_fused_and_a_cpus_stays_the_reference():
+    from types import SimpleNamespace
+
+    from strategies.sync.gradient_sync import fused_fits
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0), is_floating_point=lambda: True)
+    assert fused_fits([on_gpu, on_gpu]) is True
+    assert fused_fits([torch.zeros(2)]) is None            # torch's default: not fused
+    assert fused_fits([on_gpu, torch.zeros(2)]) is None
+    assert fused_fits([]) is None

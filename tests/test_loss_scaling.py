@@ -53,6 +53,7 @@ OPTIMIZERS = {
     "momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1),
     "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
     "fused-adam": lambda ps: torch.optim.Adam(ps, lr=0.01, fused=True),
+    "fused-sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, fused=True),     # the GPU's, by default
     "host-state": lambda ps: CountingOptimizer(ps, lr=0.1),
 }
 
@@ -117,6 +118,7 @@ def host_reads(monkeypatch):
     ("momentum", 1, 0),          # the first step creates the buffers: one read
     ("adam", 1, 0),              # its CPU step count is on found_inf's device here
     ("fused-adam", 1, 0),        # found_inf handed to the kernel
+    ("fused-sgd", 0, 0),
     ("host-state", 1, 1),        # a Python number in the state: read every step
 ])
 def test_the_common_path_reads_nothing_on_the_host(host_reads, name, first, later):

@@ -76,11 +76,25 @@ def total(counts):
 
 
 def torch_optimizer(cfg, params):
-    """The torch optimizer of cfg's OptimizerOptions (what a user would wrap)."""
+    """The torch optimizer of cfg's OptimizerOptions (what a user would wrap); fused
+    where every parameter is on a GPU (fused_fits)."""
+    params = list(params)
+    fused = fused_fits(params)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
-                               weight_decay=cfg.weight_decay)
-    return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+                               weight_decay=cfg.weight_decay, fused=fused)
+    return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
+
+
+def fused_fits(params):
+    """Whether the optimizer steps all `params` in one fused kernel: on a GPU, where
+    each tensor of the step would otherwise be a kernel launch of its own, and where
+    fp16's overflow flag goes to the kernel, which skips the step itself
+    (runtime/loss_scaling.SkipWhereFound) instead of a copy and a mask per tensor.
+    None (torch's default) elsewhere: the CPU's step stays the reference's."""
+    on_gpu = bool(params) and all(p.device.type == "cuda" and p.is_floating_point()
+                                  for p in params)
+    return True if on_gpu else None
 
 
 def make_optimizer(cfg, params):
