@@ -32,7 +32,7 @@ every message agree on its path.
 
 The device memory is one small interface (`CudaIpcMemory`: allocate, open,
 finished, free), so the protocol runs on any machine against a stand-in whose
-"device memory" is a shared file (tests/mpi/cuda_ipc_protocol.py).
+"device memory" is a shared file (tests/test_cuda_ipc.py).
 """
 import ctypes
 import hashlib

@@ -52,7 +52,7 @@ class Cluster:
     calibrated_link: Machine = None    # ... and inter_gbps (a calibration across hosts)
     measured_rates: tuple = None       # ((sequences a micro-batch, FLOP/s), ...) timed here
     # ((sequences a micro-batch, s), ...): what a pair's all-reduce right after compute
-    # (b, t, s): waits for shared cores, measured here (shared_cores.py); none on a GPU
+    # waits for a shared core, measured here (shared_cores.py); none on a GPU
     core_waits: tuple = None
     # The data-parallel collectives run beside the compute: on a GPU the copies and
     # the reductions take the NICs, the copy engines and a few SMs.  MPI ranks on CPU
@@ -83,19 +83,12 @@ class Cluster:
             return self.gpu_tflops * 1e12 * self.efficiency
         return min(self.measured_rates, key=lambda br: (abs(br[0] - b), br[0]))[1]
 
-    def core_wait(self, b, t):
-        """Seconds an all-reduce of a group of t right after compute waits for its
-        peers' turns on shared cores (shared_cores.py), at the micro-batch size nearest
-        b; for a size not timed, the nearest one's, by the t - 1 exchanges of each
-        peer.  0 for t < 2 or where none was measured."""
-        if not self.core_waits or t < 2:
+    def core_wait(self, b):
+        """Seconds an exchange right after compute waits for its peer's turn on a shared
+        core (shared_cores.py), at the micro-batch size nearest b; 0 where none was measured."""
+        if not self.core_waits:
             return 0.0
-        nearest = min({bb for bb, _, _ in self.core_waits}, key=lambda bb: (abs(bb - b), bb))
-        waits = {tt: w for bb, tt, w in self.core_waits if bb == nearest}
-        if t in waits:
-            return waits[t]
-        timed = min(waits, key=lambda tt: (abs(tt - t), tt))
-        return waits[timed] * (t - 1) / (timed - 1)
+        return min(self.core_waits, key=lambda bw: (abs(bw[0] - b), bw[0]))[1]
 
     @property
     def memory_bytes(self):

@@ -2,7 +2,7 @@
 ranks, and an exchange's wait for its peer's turn on a core.
 
     mpiexec -n 4 python -m mpi4py -m experiments.planner.shared_cores --d-model 128 \
-        --heads 4 --seq-len 64 --batch 8 --threads 1   # {"block_s": ..., "waits": ...}
+        --heads 4 --seq-len 64 --batch 8 --threads 1   # {"block_s": ..., "wait_s": ...}
     found = shared_cores.measure(gpt, ranks=4, batch=8, threads=1)   # the same, from Python
 
 On the machine at hand the planner's "GPUs" are MPI ranks on CPU cores, or ranks
@@ -23,14 +23,13 @@ the probe measures what that costs with every rank of the run there at once:
    about a time slice, milliseconds, where the link itself takes microseconds.
    Megatron's tensor parallelism puts two all-reduces in every layer's forward
    and two in its backward, each right after the compute that feeds it, so on
-   such a machine each one pays that wait.  The ranks go in groups of t, for every
-   t > 1 that divides the ranks (the sizes a tp or dp axis can take); every rank
-   runs a block's forward and then all-reduces b s h values with its group,
-   through the ring the trainer uses, and again with no compute in between, when
-   every rank is polling and nobody waits.  The wait of a group of t is the mean
-   all-reduce after compute less the mean without, on the slowest rank.  Each
-   size is timed, not scaled from a pair's: four ranks on two cores fall into
-   step with the scheduler otherwise than two pairs do (docs/planner.md).
+   such a machine each one pays that wait.  The ranks go in pairs (a tp group of
+   2; an odd last rank computes alone); every one runs a block's forward and then
+   all-reduces b s h values with its partner, through the ring the trainer uses,
+   and again with no compute in between, when every rank is polling and nobody
+   waits.  The wait is the mean all-reduce after compute less the mean
+   without, on the slowest rank.  A tp group of t ranks makes 2 (t - 1)
+   exchanges an all-reduce, t - 1 times the pair's (step.py).
 """
 import argparse
 import json
@@ -52,8 +51,7 @@ BLOCK_REPEATS = 15  # a block's forward and backward, after one that warms up
 
 class Shared(NamedTuple):
     block_s: float      # the slowest rank's forward and backward of one block
-    waits: tuple        # (t, s): a group of t's all-reduce wait after compute ((): a
-                        # core for every rank)
+    wait_s: float       # a pair all-reduce's wait after compute (0: a core for every rank)
 
 
 def block_seconds(d_model, heads, seq_len, batch, repeats=BLOCK_REPEATS, device="cpu"):
@@ -75,20 +73,15 @@ def block_seconds(d_model, heads, seq_len, batch, repeats=BLOCK_REPEATS, device=
     return statistics.median(times[1:])
 
 
-def group_sizes(ranks):
-    """The sizes of a tp or dp group of `ranks` ranks: every divisor above 1."""
-    return [t for t in range(2, ranks + 1) if ranks % t == 0]
-
-
-def group_wait(world, t, d_model, heads, seq_len, batch):
-    """On every rank: the wait per all-reduce of a group of t after compute, in s."""
+def pair_wait(world, d_model, heads, seq_len, batch):
+    """On every rank: the wait per pair all-reduce after compute, in s (0 alone)."""
     import numpy as np
     import torch
 
     import allreduce
     from strategies.model.models import Block
-    group = world.Split(world.rank // t, world.rank)
-    ring = allreduce.create("ring", comm=group)
+    pair = world.Split(world.rank // 2, world.rank)
+    ring = allreduce.create("ring", comm=pair) if pair.size > 1 else None
     block = Block(d_model, heads)
     x = torch.randn(batch, seq_len, d_model)
     values = np.zeros(batch * seq_len * d_model, np.float32)
@@ -100,7 +93,8 @@ def group_wait(world, t, d_model, heads, seq_len, batch):
                 with torch.no_grad():
                     block(x)
             start = time.perf_counter()
-            ring.allreduce(values)
+            if ring is not None:
+                ring.allreduce(values)
             times.append(time.perf_counter() - start)
         # the mean, not the median: a step pays every wait, and where the pair falls in
         # and out of step with the scheduler the waits take two values (0.1 and 1 ms at
@@ -109,9 +103,7 @@ def group_wait(world, t, d_model, heads, seq_len, batch):
 
     world.Barrier()
     polling = timed(False)
-    wait = max(0.0, timed(True) - polling)
-    group.Free()
-    return wait
+    return max(0.0, timed(True) - polling)
 
 
 def probe(d_model, heads, seq_len, batch, threads, device="cpu"):
@@ -128,12 +120,10 @@ def probe(d_model, heads, seq_len, batch, threads, device="cpu"):
     world.Barrier()                              # all compute at once, as in the run
     block_s = max(world.allgather(block_seconds(d_model, heads, seq_len, batch,
                                                 device=device)))
-    waits = ()
+    wait_s = 0.0
     if device == "cpu" and world.size > (os.cpu_count() or 1):
-        waits = tuple((t, max(world.allgather(group_wait(world, t, d_model, heads, seq_len,
-                                                         batch))))
-                      for t in group_sizes(world.size))
-    return Shared(block_s, waits)
+        wait_s = max(world.allgather(pair_wait(world, d_model, heads, seq_len, batch)))
+    return Shared(block_s, wait_s)
 
 
 def measure(gpt, ranks, batch, threads, device="cpu", timeout=300):
@@ -150,7 +140,7 @@ def measure(gpt, ranks, batch, threads, device="cpu", timeout=300):
         raise RuntimeError(f"the shared-cores probe failed (exit {done.returncode}): "
                            f"{lines[-1]}")
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    return Shared(found["block_s"], tuple(tuple(tw) for tw in found["waits"]))
+    return Shared(found["block_s"], found["wait_s"])
 
 
 def main(argv=None):

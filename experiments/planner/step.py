@@ -182,7 +182,7 @@ def predict(gpt, cluster, lo):
                  + 2 * logit_flops(gpt, b) / 3) / lo.tp / rate
     replays = 1 if lo.recompute == "full" else 0      # the forward's collectives again
     tp_one = group_time("allreduce", b * gpt.seq_len * gpt.d_model * e, lo.tp, 1, cluster)
-    tp_one += cluster.core_wait(b, lo.tp)                  # shared cores: peers' turns
+    tp_one += (lo.tp - 1) * cluster.core_wait(b) if lo.tp > 1 else 0.0   # shared cores
     tp_f, tp_b = 2 * L * tp_one, 2 * L * tp_one * (1 + replays)
     ep_f = ep_b = 0.0
     if gpt.experts and lo.ep > 1:
@@ -220,7 +220,7 @@ def predict(gpt, cluster, lo):
                          buckets)
         dp_after = reduce + (dp_time("allgather") if lo.zero else 0.0)
     if lo.dp > 1:       # shared cores: the step's last exchange, right after the backward,
-        dp_after += cluster.core_wait(b, lo.dp)         # waits for its peers' turns
+        dp_after += (lo.dp - 1) * cluster.core_wait(b)    # waits for its peers' turns
     # 3. the pipeline: (v m + p - 1) slots, each sending an activation and its gradient
     t_f, t_b = compute_f + tp_f + ep_f + dp_f, compute_b + tp_b + ep_b + dp_b
     nodes, _, _ = placement(lo.pp, lo.tp, G)

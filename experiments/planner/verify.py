@@ -19,9 +19,9 @@ figures are measured, never assumed:
             one, the cost model's example machine (5 us, 10 GB/s: costmodel.py).
             On the emulated cluster, each host's link at --inter-gbps.
   memory    this host's memory over the ranks.
-  waits     where ranks outnumber cores, what a group's all-reduce right after a
-            block's forward waits for its peers' turns on the cores (shared_cores.py),
-            for each micro-batch size and each group size a tp or dp axis can take.
+  waits     where ranks outnumber cores, what a tp pair's all-reduce right after a
+            block's forward waits for the peer's turn on a core (shared_cores.py),
+            for each micro-batch size.
 
 Each layout runs as the sweep would run it (experiments/launchers.py: mpiexec on
 this host, or the emulated cluster), with the trainer's flags (layout_args);
@@ -76,7 +76,7 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
         found = {b: shared_cores.measure(gpt, world, b, threads, device) for b in sizes}
         seconds = {b: shared.block_s for b, shared in found.items()}
         if device == "cpu" and world > cores:   # an exchange right after compute waits
-            waits = tuple((b, t, wait) for b in sizes for t, wait in found[b].waits)
+            waits = tuple((b, found[b].wait_s) for b in sizes)
     # forward and backward: 3 forwards' FLOPs
     rates = tuple((b, 3 * layer_forward_flops(gpt, b) / seconds[b]) for b in sizes)
     rate = max(r for _, r in rates)
