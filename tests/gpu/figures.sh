@@ -14,7 +14,7 @@
 #     launches alternated three times;
 #  4. allreduce.bench --device cuda at 2 ranks (the NCCL row skipped with its note);
 #  5. the layout planner on the GPU: the host's links calibrated, then for each axis
-#     alone (dp, pp, tp at 2 ranks sharing the GPU) the best and the worst layout
+#     alone (tp, pp, dp at 2 ranks sharing the GPU) the best and the worst layout
 #     predicted and measured (experiments.plan --device cuda --verify 1).
 # Each command is printed before it runs; `nvidia-smi -L` names the card, at the top
 # of commands.log.  Seven files in OUT: commands.log, output.log and five JSONL.
@@ -88,7 +88,7 @@ fi
 if want 5; then
     cal=$(mktemp -d)
     run "$PY" -m experiments.calibrate --no-ps --out "$cal"
-    for axis in "--tp-sizes 1 --pp-sizes 1" "--pp-sizes 2" "--tp-sizes 2"; do
+    for axis in "--tp-sizes 2" "--pp-sizes 2" "--tp-sizes 1 --pp-sizes 1"; do
         # shellcheck disable=SC2086  # the axis's two flags, split on purpose
         run "$PY" -m experiments.plan "${PLAN[@]}" --calibration "$cal" \
             --device "$DEVICE" --gpus-per-node 2 $axis --zero 0,1 --recompute none \
