@@ -37,6 +37,7 @@ finished, free), so the protocol runs on any machine against a stand-in whose
 import ctypes
 import hashlib
 import socket
+import sys
 
 import numpy as np
 
@@ -53,6 +54,7 @@ except ImportError:  # pragma: no cover
 HANDLE_BYTES = 64                        # sizeof(cudaIpcMemHandle_t)
 HEADER_WORDS = 3 + HANDLE_BYTES // 8     # bytes, slot, slot capacity, then the handle
 MIN_SLOT_BYTES = 1 << 20
+PROBE_BYTES = 4096                       # the block each rank's peers read once, at the start
 # A message here is one copy on the GPU, not a stream of host segments to overlap
 # with adding: the collectives send a chunk whole (Collective.segment_bytes).
 SEGMENT_BYTES = 1 << 30
@@ -208,6 +210,45 @@ def exchanged(transport, mine):
     return [t.tobytes() for t in theirs]
 
 
+def maps_its_peers(transport, memory, peers):
+    """(None, or why not; this rank's probe block, for the caller to free once every
+    peer has read it): whether this rank maps and reads a small block of each peer's.
+    CUDA IPC may be refused where the GPU is shared (a container without the host's
+    IPC namespace, say), and that must end in the staging on every rank, not in an
+    error at the first gradient.  Each rank fills a block with a byte naming it and
+    sends its handle (after a status word) to its peers.  Collective among peers."""
+    def mark(rank):
+        return rank % 251 + 1
+    why, probe, mine = None, None, np.zeros(1 + HANDLE_BYTES // 8, dtype=np.int64)
+    if peers:
+        try:
+            probe, handle = memory.allocate(PROBE_BYTES)
+            probe.fill_(mark(transport.rank))
+            memory.finished()
+            mine[0], mine[1:] = 1, np.frombuffer(handle, dtype=np.int64)
+        except (TransportError, RuntimeError) as e:
+            why = f"allocating: {e}"
+    theirs = {q: np.zeros_like(mine) for q in peers}
+    transport.wait_all([transport.irecv(theirs[q], q) for q in peers] +
+                       [transport.isend(mine, q) for q in peers])
+    for q in peers:
+        if why is not None:
+            break
+        if not theirs[q][0]:
+            why = f"rank {transport.world_rank(q)} could not export its memory"
+            break
+        try:
+            view = memory.open(theirs[q][1:].tobytes(), PROBE_BYTES)
+            seen = bool((view == mark(q)).all())       # a host read, once, here
+            memory.free(view)
+        except (TransportError, RuntimeError) as e:
+            why = f"mapping rank {transport.world_rank(q)}'s memory: {e}"
+            break
+        if not seen:
+            why = f"rank {transport.world_rank(q)}'s memory read back wrong"
+    return why, probe
+
+
 def peers_sharing(identities, rank):
     """The ranks whose identity equals this rank's (None: a rank that cannot share)."""
     mine = identities[rank]
@@ -276,11 +317,28 @@ class SharedGpuTransport(HostStagedTransport):
         if torch is None or not torch.cuda.is_available() or device.type != "cuda":
             return None
         memory = CudaIpcMemory.find(device)
-        mine = gpu_identity(device) if memory is not None else None
-        identities = exchanged(transport, mine or unable(transport.world_rank(transport.rank)))
+        return cls.among(transport, memory, gpu_identity(device) if memory else None)
+
+    @classmethod
+    def among(cls, transport, memory, identity):
+        """over() for any device memory: the ranks whose `identity` (32 bytes; None:
+        none) is equal pair up, if every rank can map and read its peers' memory
+        (maps_its_peers); None on every rank otherwise.  Collective."""
+        identities = exchanged(transport, identity or unable(transport.world_rank(transport.rank)))
         if len(set(identities)) == len(identities):
             return None                        # every rank on a GPU of its own
-        return cls(transport, peers_sharing(identities, transport.rank), memory)
+        peers = peers_sharing(identities, transport.rank)
+        why, probe = maps_its_peers(transport, memory, peers)
+        votes = exchanged(transport, bytes([why is None]) * 32)
+        if probe is not None:
+            memory.free(probe)                 # every peer has read it: they voted after
+        if why is not None:
+            sys.stderr.write(f"topolab: rank {transport.world_rank(transport.rank)}: CUDA IPC "
+                             f"refused ({why}); ranks that share a GPU stage through host "
+                             f"memory\n")
+        if not all(v[0] for v in votes):
+            return None
+        return cls(transport, peers, memory)
 
     def __repr__(self):
         return f"<cuda-ipc {self.inner!r} with ranks {sorted(self.peers)}>"

@@ -58,10 +58,24 @@ class EveryTensorOnTheGpu(SharedGpuTransport):
         return torch.is_tensor(x)
 
 
+class RefusedToRank1(FileMemory):
+    """Memory that rank 1 cannot map (as a container without the host's IPC namespace)."""
+
+    def open(self, handle, n):
+        if rank == 1:
+            raise TransportError("cudaIpcOpenMemHandle failed: CUDA error 201 (stand-in)")
+        return super().open(handle, n)
+
+
 identities = [b"gpu-a" * 6 + b"..", b"gpu-a" * 6 + b"..", b"gpu-b" * 6 + b".."]
-peers = peers_sharing(identities, rank)
-assert peers == {0: [1], 1: [0], 2: []}[rank], peers
-t = EveryTensorOnTheGpu(MPITransport(), peers, FileMemory())
+assert peers_sharing(identities, rank) == {0: [1], 1: [0], 2: []}[rank]
+
+# 0. where one rank cannot map its peer's memory, no rank uses CUDA IPC
+assert EveryTensorOnTheGpu.among(MPITransport(), RefusedToRank1(), identities[rank]) is None
+alone = (b"own gpu %d" % rank).ljust(32, b".")
+assert EveryTensorOnTheGpu.among(MPITransport(), FileMemory(), alone) is None   # no one shares
+t = EveryTensorOnTheGpu.among(MPITransport(), FileMemory(), identities[rank])
+assert sorted(t.peers) == {0: [1], 1: [0], 2: []}[rank], t.peers
 
 
 def values(n, dtype, r):
@@ -88,7 +102,7 @@ world.Barrier()
 
 # 2. several messages in flight before any receive: a send never waits for its receiver
 t.close()
-t = EveryTensorOnTheGpu(MPITransport(), peers, FileMemory())        # no slots yet
+t = EveryTensorOnTheGpu.among(MPITransport(), FileMemory(), identities[rank])   # no slots yet
 sizes = {1: 10, 2: 3 << 18, 3: 10}          # elements of float32
 go = np.zeros(1)
 if rank == 0:
