@@ -15,6 +15,8 @@
     coll = allreduce.host_staged(coll)       # CUDA tensors through pinned host memory where
                                              # the transport is MPI (not CUDA-aware); a
                                              # transport (point-to-point) the same way
+    allreduce.create("ring", device=gpu)     # made for CUDA tensors: device to device between
+                                             # ranks that share the GPU (cuda_ipc.py)
 
 Algorithms: ring, tree, halving_doubling, hierarchical, shm (one node, buffers
 from coll.empty); baselines: mpi, torch; auto picks one of them per call.
@@ -23,7 +25,8 @@ collective (a transport's error met during one comes back as a CollectiveError
 naming the algorithm and the collective); both are AllreduceErrors.
 
 Imports go one way, down: the factory (factory.py) -> auto -> hierarchical -> registry (the
-one-level algorithms by name) -> ring, tree, ... -> collective -> transport.
+one-level algorithms by name) -> ring, tree, ... -> collective -> transport; the factory
+-> cuda_ipc -> staging -> transport.
 """
 import importlib
 
