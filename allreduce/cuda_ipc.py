@@ -176,6 +176,10 @@ class CudaIpcMemory:
         self.mapped[block.data_ptr()] = address.value
         return block
 
+    def copy(self, dst, src):
+        """dst := src, queued on the current stream (done once finished() returns)."""
+        dst.copy_(src, non_blocking=True)
+
     def finished(self):
         """Return once the copies queued on the current stream are done: an event,
         not a stream synchronisation, so only this stream's work is waited for."""
@@ -356,7 +360,7 @@ class SharedGpuTransport(HostStagedTransport):
         n = nbytes(buf)
         slot = self._slot(peer, n)
         if n:
-            slot.block[:n].copy_(byte_view(buf))  # after the kernels that wrote buf
+            self.memory.copy(slot.block[:n], byte_view(buf))   # after the kernels that wrote buf
             self.memory.finished()                # the peer reads it outside our streams
         header = np.zeros(HEADER_WORDS, dtype=np.int64)
         header[:3] = n, slot.number, slot.capacity
@@ -399,7 +403,7 @@ class SharedGpuTransport(HostStagedTransport):
             if block is None or block.numel() != capacity:
                 block = self.views[peer, number] = self.memory.open(header[3:].tobytes(),
                                                                     capacity)
-            byte_view(buf).copy_(block[:n])     # before the kernels that read buf next
+            self.memory.copy(byte_view(buf), block[:n])   # before the kernels that read buf next
             self.memory.finished()              # then the sender may reuse its slot
         self.traffic.received += n - header.nbytes
         self._ack(number, peer)
