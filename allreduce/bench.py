@@ -34,9 +34,9 @@ overhead of one layer over another (x_raw) is compared fairly with --loop; from
 import numpy as np
 
 from . import create, host_staged, shard_bounds
-from .cuda_ipc import SharedGpuTransport
 from .bench_config import RAW, element_size, parse_args
 from .bench_setup import refuse_unallocatable, use_device, without_shared_gpus
+from .cuda_ipc import SharedGpuTransport
 from .harness import interleaved
 from .native import MPIRaw
 from .records import append_jsonl, provenance
