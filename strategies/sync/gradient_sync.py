@@ -221,12 +221,14 @@ def collective_for(name, cfg, comm, transport=None, device=None):
 
 def for_device(coll, device):
     """`coll` (a collective, or a point-to-point transport) as `device`'s tensors need
-    it.  On a GPU: through pinned host memory where its transport moves host memory
-    only, MPI without CUDA-awareness (allreduce.host_staged: HostStaged, or
-    HostStagedTransport for a pipeline's messages), device to device between ranks
-    that share the GPU (allreduce/cuda_ipc.py: made by collective_for, or here for a
-    pipeline's transport); NCCL and a CUDA-aware MPI take CUDA tensors as they are.  The one place a worker decides it: every collective of the
-    grid, of the experts and of plain data parallelism, and the pipeline's transport."""
+    it.  On a GPU, where its transport moves host memory only (MPI without
+    CUDA-awareness): device to device between ranks that share the GPU
+    (allreduce/cuda_ipc.py: made by collective_for, or here for a pipeline's
+    transport), through pinned host memory otherwise (allreduce.host_staged:
+    HostStaged, or HostStagedTransport for a pipeline's messages); NCCL and a
+    CUDA-aware MPI take CUDA tensors as they are.  The one place a worker decides it:
+    every collective of the grid, of the experts and of plain data parallelism, and
+    the pipeline's transport."""
     return allreduce.host_staged(coll, device) if device is not None and device.type == "cuda" \
         else coll
 

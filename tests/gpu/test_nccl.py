@@ -5,7 +5,9 @@
 Skipped, with that reason, where torch sees no GPU.  NCCL (transport "torch")
 needs a GPU per rank, so its cases run at as many ranks as there are GPUs, up
 to 3; the MPI transports move CUDA tensors through pinned host memory
-(allreduce.host_staged), and their ranks may share one GPU.
+(allreduce.host_staged), and their ranks may share one GPU; made for the GPU
+(allreduce.create(..., device=)), the textbook algorithms hand them over device
+to device between the ranks that share it (allreduce/cuda_ipc.py).
 
 The collectives are checked by tests/mpi/collectives_matrix.py (inputs that
 depend on rank and position, a float64 reference every rank computes alone,
