@@ -254,10 +254,8 @@ def maps_its_peers(transport, memory, peers):
 
 
 def peers_sharing(identities, rank):
-    """The ranks whose identity equals this rank's (None: a rank that cannot share)."""
-    mine = identities[rank]
-    return [q for q, other in enumerate(identities) if q != rank and mine is not None
-            and other == mine]
+    """The ranks whose identity equals this rank's."""
+    return [q for q, other in enumerate(identities) if q != rank and other == identities[rank]]
 
 
 def unable(rank):
