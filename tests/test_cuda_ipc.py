@@ -43,10 +43,10 @@ def test_a_pipelines_transport_off_a_gpu_is_staged_as_before():
 
 @pytest.mark.mpi
 @pytest.mark.timeout(150)
-def test_the_protocol_moves_every_message_through_the_peers_slots():
+def test_the_protocol_moves_every_message_through_the_peers_slots(tmp_path):
     """Also: where one rank cannot map its peer's memory, every rank stages, and that
     rank says why in one line."""
-    result = check_ok(mpirun(3, ["tests/mpi/cuda_ipc_protocol.py"], timeout=140))
+    result = check_ok(mpirun(3, ["tests/mpi/cuda_ipc_protocol.py", tmp_path], timeout=140))
     assert result.stdout.count("OK rank") == 3
     refused = [line for line in result.stderr.splitlines() if "CUDA IPC refused" in line]
     assert refused == ["topolab: rank 1: CUDA IPC refused (mapping rank 0's memory: "

@@ -1,11 +1,14 @@
 """The CUDA IPC transport's protocol (allreduce/cuda_ipc.py) at P = 3, on the host.
 
 Ranks 0 and 1 "share a GPU"; rank 2 is on one of its own.  The device memory is
-a stand-in: blocks are files in /dev/shm that the peer maps (torch.from_file,
-shared), so headers, slots, acks and the staged path to rank 2 run as they would
-on a GPU.  Every tensor here stands for a CUDA one.
+a stand-in: blocks are files in the folder given as the first argument, which the
+peer maps (torch.from_file, shared), so headers, slots, acks and the staged path
+to rank 2 run as they would on a GPU.  Every tensor here stands for a CUDA one.
+
+    mpiexec -n 3 python -m mpi4py tests/mpi/cuda_ipc_protocol.py FOLDER
 """
 import os
+import sys
 import time
 
 import numpy as np
@@ -19,7 +22,7 @@ from allreduce.transport import MPITransport
 
 world = MPI.COMM_WORLD
 rank, P = world.rank, world.size
-PREFIX = f"topolab-ipc-test-{os.getppid()}"
+FOLDER = sys.argv[1]
 
 
 class FileMemory:
@@ -31,7 +34,7 @@ class FileMemory:
         self.made, self.paths, self.queued = 0, {}, []
 
     def allocate(self, n):
-        path = f"/dev/shm/{PREFIX}-{rank}-{self.made}"
+        path = os.path.join(FOLDER, f"block-{rank}-{self.made}")
         self.made += 1
         with open(path, "wb") as f:
             f.truncate(n)
@@ -172,6 +175,6 @@ world.Barrier()
 
 t.close()
 world.Barrier()
-left = [f for f in os.listdir("/dev/shm") if f.startswith(PREFIX)]
+left = os.listdir(FOLDER)             # every block freed: every file gone
 assert not left, left
 print(f"OK rank {rank}", flush=True)
