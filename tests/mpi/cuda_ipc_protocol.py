@@ -26,7 +26,7 @@ FOLDER = sys.argv[1]
 
 
 class FileMemory:
-    """Blocks as shared files: a handle is the file's name.  A copy is queued, as on a
+    """Bytes in shared files: a handle is the file's name in FOLDER.  A copy is queued, as on a
     GPU's stream, and done only at finished(): a peer that read a block before the
     copy into it was waited for would find the bytes of before."""
 
@@ -38,13 +38,13 @@ class FileMemory:
         self.made += 1
         with open(path, "wb") as f:
             f.truncate(n)
-        block = torch.from_file(path, shared=True, size=n, dtype=torch.float32)
+        block = torch.from_file(path, shared=True, size=n, dtype=torch.uint8)
         self.paths[block.data_ptr()] = path
-        return block, path.encode().ljust(HANDLE_BYTES, b"\0")
+        return block, os.path.basename(path).encode().ljust(HANDLE_BYTES, b"\0")
 
     def open(self, handle, n):
-        return torch.from_file(handle.rstrip(b"\0").decode(), shared=True, size=n,
-                               dtype=torch.float32)
+        path = os.path.join(FOLDER, handle.rstrip(b"\0").decode())
+        return torch.from_file(path, shared=True, size=n, dtype=torch.uint8)
 
     def copy(self, dst, src):
         self.queued.append((dst, src.clone()))    # src as it is now, as a stream would read it
