@@ -374,6 +374,25 @@ def test_the_shared_cores_probe_times_every_rank_at_once_and_pairs_them():
         found = json.loads(result.stdout.strip().splitlines()[-1])
         assert found["ranks"] == ranks and found["block_s"] > 0 and found["wait_s"] >= 0
     found = shared_cores.measure(GPT(2, 32, 2, 16, 64, 8), ranks=2, batch=2, threads=1)
-    assert found.block_s > 0
+    assert found.block_s > 0 and found.link is None
     if os.cpu_count() >= 2:             # a core for each rank: nothing to wait for
         assert found.wait_s == 0.0
+    # the link as the trainer's ring moves tensors on the device (here the host's path)
+    alpha, beta = shared_cores.measure(GPT(2, 32, 2, 16, 64, 8), ranks=2, batch=2, threads=1,
+                                       link=True).link
+    assert alpha >= 0 and 0 < beta < 1e-7            # faster than 10 MB/s
+
+
+def test_the_device_link_is_the_ring_at_two_ranks_fitted_through_two_sizes():
+    """t(n) = 2 alpha + n beta (costmodel's ring at P = 2, the reduction free on a GPU):
+    the fit gives back the alpha and beta that made the points, and never below 0."""
+    from experiments.planner.shared_cores import fit_link
+    alpha, beta = 600e-6, 1 / 12e9
+    points = [(n, 2 * alpha + n * beta) for n in (4096, 16 << 20)]
+    assert fit_link(points) == pytest.approx((alpha, beta))
+    assert fit_link([(4096, 1e-3), (16 << 20, 0.5e-3)]) == (0.5e-3, 0.0)   # noise: no negatives
+    from allreduce.costs import Machine
+    from experiments.costmodel import cluster_allreduce_time
+    n = 1 << 20                        # the planner's ring at P = 2 over that link
+    assert cluster_allreduce_time("ring", n, 1, 2, Machine(alpha, beta), None) == \
+        pytest.approx(2 * alpha + n * beta)

@@ -30,6 +30,15 @@ the probe measures what that costs with every rank of the run there at once:
    waits.  The wait is the mean all-reduce after compute less the mean
    without, on the slowest rank.  A tp group of t ranks makes 2 (t - 1)
    exchanges an all-reduce, t - 1 times the pair's (step.py).
+3. The link, where the ranks share a GPU (`--link`).  Their tensors go from rank to
+   rank the way the trainer sends them (strategies/sync/gradient_sync.for_device:
+   CUDA IPC between ranks on one GPU, allreduce/cuda_ipc.py; staged through host
+   memory otherwise), not as experiments.calibrate's host buffers go, and that path
+   has a latency of its own: on one H100 a 4 KiB ring all-reduce of two ranks took
+   1.3 ms over IPC where the host calibration's alpha was microseconds.  Pairs time
+   the trainer's ring on the device at a small and a large size (LINK_SIZES) and
+   fit t(n) = 2 alpha + n beta, the ring's time at P = 2 with the reduction free
+   (costmodel.py), on the slowest pair.
 """
 import argparse
 import json
@@ -47,11 +56,13 @@ from experiments.records import mpiexec_path
 CALLS = 120         # all-reduces a kind, the first WARM_UP left out
 WARM_UP = 8
 BLOCK_REPEATS = 15  # a block's forward and backward, after one that warms up
+LINK_SIZES = ((4 << 10, 120), (16 << 20, 20))     # (bytes, all-reduces) the link is fitted to
 
 
 class Shared(NamedTuple):
     block_s: float      # the slowest rank's forward and backward of one block
     wait_s: float       # a pair all-reduce's wait after compute (0: a core for every rank)
+    link: tuple = None  # (alpha s, beta s a byte) of the device path (--link), or None
 
 
 def block_seconds(d_model, heads, seq_len, batch, repeats=BLOCK_REPEATS, device="cpu"):
@@ -106,7 +117,43 @@ def pair_wait(world, d_model, heads, seq_len, batch):
     return max(0.0, timed(True) - polling)
 
 
-def probe(d_model, heads, seq_len, batch, threads, device="cpu"):
+def pair_link(world, device):
+    """On every rank: (alpha, beta) of the trainer's ring between the ranks of a pair
+    on `device`, fitted to LINK_SIZES; the slowest pair's times (None: one rank)."""
+    import torch
+
+    import allreduce
+    from strategies.runtime.metrics import now
+    from strategies.sync.gradient_sync import for_device
+    device = torch.device(device)
+    pair = world.Split(world.rank // 2, world.rank)
+    ring = for_device(allreduce.create("ring", comm=pair, device=device), device) \
+        if pair.size > 1 else None
+    seconds = []
+    for n, calls in LINK_SIZES:
+        x = torch.zeros(n // 4, dtype=torch.float32, device=device)
+        times = []
+        for _ in range(calls + 2):          # the first two map, pin and warm up
+            world.Barrier()
+            start = now(device)
+            if ring is not None:
+                ring.allreduce(x)
+            times.append(now(device) - start)
+        seconds.append(max(world.allgather(statistics.median(times[2:]))))
+    if ring is None and world.size == 1:
+        return None
+    return fit_link(list(zip([n for n, _ in LINK_SIZES], seconds)))
+
+
+def fit_link(points):
+    """(alpha, beta) from [(bytes, s) small, (bytes, s) large] of a ring all-reduce
+    at P = 2: two steps of n / 2 bytes each way, t(n) = 2 alpha + n beta."""
+    (n1, t1), (n2, t2) = points
+    beta = max(t2 - t1, 0.0) / (n2 - n1)
+    return max(t1 - n1 * beta, 0.0) / 2, beta
+
+
+def probe(d_model, heads, seq_len, batch, threads, device="cpu", link=False):
     """On every rank of an MPI job on one host: Shared, the same on every rank.  On a
     GPU the ranks share it (strategies.train's --device cuda: local rank i on GPU
     i mod the GPUs) and wait for no core."""
@@ -123,16 +170,17 @@ def probe(d_model, heads, seq_len, batch, threads, device="cpu"):
     wait_s = 0.0
     if device == "cpu" and world.size > (os.cpu_count() or 1):
         wait_s = max(world.allgather(pair_wait(world, d_model, heads, seq_len, batch)))
-    return Shared(block_s, wait_s)
+    return Shared(block_s, wait_s, pair_link(world, device) if link else None)
 
 
-def measure(gpt, ranks, batch, threads, device="cpu", timeout=300):
+def measure(gpt, ranks, batch, threads, device="cpu", timeout=300, link=False):
     """Shared on this host with `ranks` ranks of `threads` threads computing on
-    `device` (cpu, or cuda: the host's GPUs), launched through mpiexec."""
+    `device` (cpu, or cuda: the host's GPUs), launched through mpiexec; with `link`
+    the device path's alpha and beta too."""
     argv = [mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m",
             "experiments.planner.shared_cores", "--d-model", str(gpt.d_model), "--heads",
             str(gpt.heads), "--seq-len", str(gpt.seq_len), "--batch", str(batch),
-            "--threads", str(threads), "--device", device]
+            "--threads", str(threads), "--device", device] + (["--link"] if link else [])
     env = {**os.environ, "PYTHONPATH": checkout_pythonpath(), "OMP_NUM_THREADS": str(threads)}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode:
@@ -140,7 +188,7 @@ def measure(gpt, ranks, batch, threads, device="cpu", timeout=300):
         raise RuntimeError(f"the shared-cores probe failed (exit {done.returncode}): "
                            f"{lines[-1]}")
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    return Shared(found["block_s"], found["wait_s"])
+    return Shared(found["block_s"], found["wait_s"], tuple(found["link"] or ()) or None)
 
 
 def main(argv=None):
@@ -151,8 +199,10 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1, help="torch threads a rank")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the ranks compute (cuda: sharing the host's GPUs)")
+    ap.add_argument("--link", action="store_true",
+                    help="also fit alpha and beta of the trainer's ring between pairs on --device")
     a = ap.parse_args(argv)
-    found = probe(a.d_model, a.heads, a.seq_len, a.batch, a.threads, a.device)
+    found = probe(a.d_model, a.heads, a.seq_len, a.batch, a.threads, a.device, a.link)
     from mpi4py import MPI
     if MPI.COMM_WORLD.rank == 0:
         print(json.dumps({**found._asdict(), "ranks": MPI.COMM_WORLD.size}), flush=True)

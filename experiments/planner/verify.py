@@ -17,7 +17,9 @@ figures are measured, never assumed:
             best rate.
   links     experiments.calibrate's calibration.json (--calibration); without
             one, the cost model's example machine (5 us, 10 GB/s: costmodel.py).
-            On the emulated cluster, each host's link at --inter-gbps.
+            On the emulated cluster, each host's link at --inter-gbps.  Ranks on
+            a GPU send device tensors by another path (CUDA IPC or staging):
+            there the links are that path's, timed by the probe (shared_cores.py).
   memory    this host's memory over the ranks.
   waits     where ranks outnumber cores, what a tp pair's all-reduce right after a
             block's forward waits for the peer's turn on a core (shared_cores.py),
@@ -73,8 +75,13 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
         seconds = {b: shared_cores.block_seconds(gpt.d_model, gpt.heads, gpt.seq_len, b,
                                                  device=device) for b in sizes}
     else:
-        found = {b: shared_cores.measure(gpt, world, b, threads, device) for b in sizes}
+        on_gpu = device == "cuda"       # the device path's link, timed once, at the first size
+        found = {b: shared_cores.measure(gpt, world, b, threads, device, link=on_gpu and i == 0)
+                 for i, b in enumerate(sizes)}
         seconds = {b: shared.block_s for b, shared in found.items()}
+        link = found[sizes[0]].link
+        if link:
+            intra = Machine(*link)
         if device == "cpu" and world > cores:   # an exchange right after compute waits
             waits = tuple((b, found[b].wait_s) for b in sizes)
     # forward and backward: 3 forwards' FLOPs
@@ -90,7 +97,8 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
     # on a GPU the data-parallel collectives (MPI, on the host's cores) run beside the
     # compute; on CPU cores they take the same cores, so there they add up
     return Cluster(name, nodes, ranks, gpu_mem_gib=memory / GIB, gpu_tflops=rate / 1e12,
-                   intra_gbps=8e-9 / intra.beta, inter_gbps=inter_gbps, efficiency=1.0,
+                   intra_gbps=8e-9 / intra.beta, intra_latency_us=intra.alpha * 1e6,
+                   inter_gbps=inter_gbps, efficiency=1.0,
                    calibrated_intra=intra, measured_rates=rates, core_waits=waits,
                    overlaps=device == "cuda")
 
