@@ -159,11 +159,16 @@ class Shard:
 
     def check_finite(self, e, worker, frames, what="a gradient"):
         """ValueError naming worker and key if frames hold a NaN or an infinity: one
-        would spread through the optimizer into every later value, on every worker."""
-        for f in frames:
-            if not np.isfinite(np.frombuffer(f, np.float32)).all():
-                raise ValueError(f"worker {worker} sent {what} with NaN or inf for key {e.key} "
-                                 f"({self.keys[e.key].describe()}): refused, nothing applied")
+        would spread through the optimizer into every later value, on every worker.
+        A frame's dot product with itself is finite only where every value is (an inf
+        squares to inf, a NaN spreads) and reads the frame once, without the boolean
+        array isfinite writes; finite values whose squares overflow go to the exact test."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            bad = any(not np.isfinite(np.dot(g, g)) and not np.isfinite(g).all()
+                      for g in (np.frombuffer(f, np.float32) for f in frames))
+        if bad:
+            raise ValueError(f"worker {worker} sent {what} with NaN or inf for key {e.key} "
+                             f"({self.keys[e.key].describe()}): refused, nothing applied")
 
     # -- pushes ----------------------------------------------------------------
     def push(self, key, worker, step, frames):

@@ -144,6 +144,26 @@ def test_a_non_finite_gradient_is_refused_and_nothing_is_applied(bad):
             np.testing.assert_array_equal(out["b"], np.ones(4, np.float32))   # the message whole
 
 
+def test_the_finite_check_passes_huge_finite_values_and_finds_any_inf_or_nan():
+    """store.Shard.check_finite reads a frame's dot product first: its square
+    overflows for finite values above 2**64, which the exact test then lets through."""
+    from types import SimpleNamespace
+
+    from psrv.store import Shard
+    shard, entry = Shard(0), SimpleNamespace(key=0)
+    shard.keys[0] = SimpleNamespace(describe=lambda: "w[0:4096] of shape (4096,)")
+    huge = np.full(4096, 3e38, np.float32)
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(np.dot(huge, huge))
+    shard.check_finite(entry, 0, [np.ones(4096, np.float32).data, huge.data])
+    for bad in (np.nan, np.inf, -np.inf):
+        g = huge.copy() if bad == np.inf else np.ones(4096, np.float32)
+        g[4095] = bad
+        with pytest.raises(ValueError, match=r"worker 0 sent a gradient with NaN or inf "
+                                             r"for key 0 \(w\[0:4096\]"):
+            shard.check_finite(entry, 0, [np.ones(4096, np.float32).data, g.data])
+
+
 def shard_log(directory):
     """The text of psrv.bench's first server log in directory, or None before there is one."""
     names = [n for n in os.listdir(directory) if n.startswith("psrv-shard")]
