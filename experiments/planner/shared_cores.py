@@ -13,7 +13,9 @@ the probe measures what that costs with every rank of the run there at once:
 1. The rate.  Every rank times a transformer block's forward and backward at the
    model's shape (strategies/model/models.py's Block), all ranks together, with
    the threads the trainer gives each.  A synchronous step goes at the pace of its
-   slowest rank, so the probe reports the slowest rank's median.  Timed alone in
+   slowest rank, so the probe reports the slowest rank's mean over half a second
+   of blocks at least (SHARED_S: many time slices, where a few blocks would each
+   fall on one side of a slice or the other).  Timed alone in
    one process and scaled by the ranks' share of the cores instead, a block of
    the 4-layer GPT in docs/planner.md took 4.9 ms x 2 = 9.8 ms, where 4 ranks on
    2 cores took 9.7-12.2 ms each: the slowest 1.24 times the scaled figure.
@@ -42,6 +44,7 @@ the probe measures what that costs with every rank of the run there at once:
 """
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -56,6 +59,8 @@ from experiments.records import mpiexec_path
 CALLS = 120         # all-reduces a kind, the first WARM_UP left out
 WARM_UP = 8
 BLOCK_REPEATS = 15  # a block's forward and backward, after one that warms up
+SHARED_S = 0.5      # ... and at least this long, where ranks share the cores
+MAX_REPEATS = 2000
 LINK_SIZES = ((4 << 10, 120), (16 << 20, 20))     # (bytes, all-reduces) the link is fitted to
 
 
@@ -65,9 +70,11 @@ class Shared(NamedTuple):
     link: tuple = None  # (alpha s, beta s a byte) of the device path (--link), or None
 
 
-def block_seconds(d_model, heads, seq_len, batch, repeats=BLOCK_REPEATS, device="cpu"):
-    """The median forward and backward of one block on `batch` sequences, in this
-    process with its torch threads as they are, on `device` (a GPU: waited for)."""
+def block_seconds(d_model, heads, seq_len, batch, repeats=BLOCK_REPEATS, device="cpu",
+                  typical=statistics.median):
+    """The median (or `typical`) forward and backward of one block on `batch`
+    sequences, in this process with its torch threads as they are, on `device` (a
+    GPU: waited for)."""
     import torch
 
     from strategies.model.models import Block
@@ -81,7 +88,7 @@ def block_seconds(d_model, heads, seq_len, batch, repeats=BLOCK_REPEATS, device=
         start = now(device)
         block(x).sum().backward()
         times.append(now(device) - start)
-    return statistics.median(times[1:])
+    return typical(times[1:])
 
 
 def pair_wait(world, d_model, heads, seq_len, batch):
@@ -164,9 +171,17 @@ def probe(d_model, heads, seq_len, batch, threads, device="cpu", link=False):
     if device == "cuda":
         local = world.Split_type(MPI.COMM_TYPE_SHARED).rank
         device = f"cuda:{local % torch.cuda.device_count()}"
-    world.Barrier()                              # all compute at once, as in the run
-    block_s = max(world.allgather(block_seconds(d_model, heads, seq_len, batch,
-                                                device=device)))
+    # All compute at once, as in the run, for SHARED_S at least: a block of a small
+    # micro-batch takes about a time slice, so a few of them are each timed either
+    # on a core of its own or sharing one, and their median is one or the other (the
+    # prediction of one layout moved 0.091-0.124 s from probe to probe while its runs
+    # measured 0.123-0.139 s).  Over many slices the mean is the rate a rank gets.
+    guess = block_seconds(d_model, heads, seq_len, batch, repeats=2, device=device)
+    repeats = max(world.allgather(min(MAX_REPEATS, max(BLOCK_REPEATS,
+                                                       math.ceil(SHARED_S / guess)))))
+    world.Barrier()
+    block_s = max(world.allgather(block_seconds(d_model, heads, seq_len, batch, repeats,
+                                                device, typical=statistics.fmean)))
     wait_s = 0.0
     if device == "cpu" and world.size > (os.cpu_count() or 1):
         wait_s = max(world.allgather(pair_wait(world, d_model, heads, seq_len, batch)))
