@@ -25,3 +25,5 @@ def test_verify_on_ranks_sharing_the_gpu(tmp_path):
                                                   "--device", "cuda"], timeout=280)
     assert f"2 ranks on {torch.cuda.device_count()}" in stdout, stdout
     assert rows[0]["cluster_figures"]["overlaps"] is True     # MPI on the host, compute on the GPU
+    # the links inside the node: the trainer's ring between ranks on the GPU, timed
+    assert rows[0]["cluster_figures"]["intra_latency_us"] > 0
