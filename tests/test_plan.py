@@ -340,17 +340,24 @@ def test_verify_runs_the_best_and_the_worst_on_two_ranks(tmp_path):
 
 
 def test_ranks_on_shared_cores_add_their_wait_to_every_tp_all_reduce():
-    """Cluster.core_waits (shared_cores.py, the machine at hand): each tp all-reduce waits
-    (tp - 1) pair-waits, at the micro-batch size nearest b, and the data-parallel
-    exchange after the backward (dp - 1) once a step; nothing else changes."""
+    """Cluster.core_waits (shared_cores.py, the machine at hand): each exchange of a tp
+    collective waits half a pair all-reduce's wait (2 (tp - 1) exchanges an all-reduce,
+    tp - 1 an all-gather or a reduce-scatter), at the micro-batch size nearest b, and the
+    data-parallel exchange after the backward (dp - 1) once a step; nothing else changes."""
     from dataclasses import replace
     shared = replace(TWO_NODES, core_waits=((1, 1e-3), (8, 4e-3)))
     assert shared.core_wait(2) == 1e-3 and shared.core_wait(6) == 4e-3
     assert TWO_NODES.core_wait(4) == 0.0
-    layout = Layout(dp=2, tp=4, micro_batches=4, micro_batch_size=2)
-    plain, waiting = predict(SMALL, TWO_NODES, layout), predict(SMALL, shared, layout)
-    per_micro_batch = 4 * SMALL.layers * 3 * 1e-3          # 2 forward + 2 backward a layer
-    assert waiting.split["tp"] - plain.split["tp"] == pytest.approx(4 * per_micro_batch)
+    # a layer and micro-batch, in exchanges of tp = 4 ranks (3 a gather or scatter, 6 an
+    # all-reduce): Megatron's 2 + 2 all-reduces, 24; with sequence parallelism 4 forward,
+    # 6 backward (the column layers' inputs gathered again) and 6 replicated gradients'
+    # all-reduces, 12 + 18 + 36 = 66 (strategies/parallel/sequence_parallel.py)
+    for sequence_parallel, exchanges in ((False, 24), (True, 66)):
+        layout = Layout(dp=2, tp=4, micro_batches=4, micro_batch_size=2,
+                        sequence_parallel=sequence_parallel)
+        plain, waiting = predict(SMALL, TWO_NODES, layout), predict(SMALL, shared, layout)
+        per_micro_batch = SMALL.layers * exchanges * 1e-3 / 2
+        assert waiting.split["tp"] - plain.split["tp"] == pytest.approx(4 * per_micro_batch)
     assert waiting.split["dp"] - plain.split["dp"] == pytest.approx(1 * 1e-3)
     assert {k: v for k, v in waiting.split.items() if k not in ("tp", "dp", "bubble")} == \
         pytest.approx({k: v for k, v in plain.split.items() if k not in ("tp", "dp", "bubble")})
@@ -360,6 +367,53 @@ def test_ranks_on_shared_cores_add_their_wait_to_every_tp_all_reduce():
     one_replica = Layout(dp=1, tp=8, micro_batches=8, micro_batch_size=2)
     assert predict(SMALL, shared, one_replica).split["dp"] == \
         predict(SMALL, TWO_NODES, one_replica).split["dp"]
+
+
+def test_sequence_parallelism_sends_what_the_worker_sends_on_tp():
+    """On a link without latency the forward's tp time is tensor parallelism's (an
+    all-reduce is a reduce-scatter and an all-gather), and the backward's is 1.5 times
+    it (the column layers' inputs gathered again) plus the replicated gradients' sums."""
+    from dataclasses import replace
+
+    from experiments.planner.step import group_time, tp_layer
+    cluster = replace(TWO_NODES, intra_latency_us=0.0)
+    b, e = 2, 2
+    tp, sp = (tp_layer(SMALL, Layout(tp=4, sequence_parallel=on), b, e, cluster)
+              for on in (False, True))
+    assert sp[0] == pytest.approx(tp[0])
+    sums = 6 * group_time("allreduce", SMALL.d_model * e, 4, 1, cluster)
+    assert sp[1] == pytest.approx(1.5 * tp[1] + sums)
+    assert tp_layer(SMALL, Layout(dp=4), b, e, cluster) == (0.0, 0.0)
+
+
+def test_a_tp_block_measured_here_sets_its_rate_and_its_waits():
+    """Cluster.tp_rates and tp_waits (shared_cores.tp_block, verify.tp_waits): a layer
+    split over t ranks computes at its measured rate, and each exchange of its
+    collectives waits what was measured for t at the nearest b; elsewhere the whole
+    block's rate and half a pair all-reduce's wait."""
+    from dataclasses import replace
+
+    from experiments.planner import verify
+    from experiments.planner.shared_cores import Shared
+    from experiments.planner.step import tp_layer
+    shared = replace(TWO_NODES, core_waits=((1, 2e-3),), measured_rates=((1, 1e9),))
+    assert shared.flops_per_s(1, t=4) == 1e9 and shared.tp_wait(4, 1) == 1e-3
+    # one block at t = 4, b = 1: 10 ms over the ring, 4 ms local, 66 exchanges
+    found = {1: Shared(0.01, 2e-3, None, ((4, 0.010, 0.004, 66),))}
+    waits = verify.tp_waits(SMALL, shared, found)
+    no_waits = replace(shared, core_waits=None)
+    link = sum(tp_layer(SMALL, Layout(tp=4, precision="fp32"), 1, 4, no_waits))
+    assert waits == ((4, 1, pytest.approx((0.006 - link) / 66)),)
+    measured = replace(shared, tp_waits=((4, 1, 5e-5), (4, 8, 9e-5)), tp_rates=((4, 1, 2e8),))
+    assert measured.tp_wait(4, 2) == 5e-5 and measured.tp_wait(4, 6) == 9e-5
+    assert measured.tp_wait(2, 1) == 1e-3                  # no t = 2 measured: the pair's
+    assert measured.flops_per_s(1, t=4) == 2e8 and measured.flops_per_s(1, t=2) == 1e9
+    layout = Layout(tp=4, micro_batches=1, micro_batch_size=1, precision="fp32")
+    slow, fast = predict(SMALL, measured, layout), predict(SMALL, shared, layout)
+    assert slow.split["compute"] > fast.split["compute"]    # a t-th of the FLOPs at 1/5 the rate
+    plain = predict(SMALL, shared, Layout(dp=4, micro_batch_size=1, precision="fp32"))
+    assert predict(SMALL, measured, Layout(dp=4, micro_batch_size=1,
+                                           precision="fp32")).step_s == plain.step_s
 
 
 @pytest.mark.mpi
@@ -374,7 +428,11 @@ def test_the_shared_cores_probe_times_every_rank_at_once_and_pairs_them():
         found = json.loads(result.stdout.strip().splitlines()[-1])
         assert found["ranks"] == ranks and found["block_s"] > 0 and found["wait_s"] >= 0
     found = shared_cores.measure(GPT(2, 32, 2, 16, 64, 8), ranks=2, batch=2, threads=1)
-    assert found.block_s > 0 and found.link is None
+    assert found.block_s > 0 and found.link is None and found.tp_blocks == ()
+    # a tp block in groups of 2: with the ring and alone, 22 exchanges (block_collectives)
+    (t, ring_s, local_s, exchanges), = shared_cores.measure(
+        GPT(2, 32, 2, 16, 64, 8), ranks=2, batch=2, threads=1, tp_max=2).tp_blocks
+    assert (t, exchanges) == (2, 22) and ring_s > 0 and local_s > 0
     if os.cpu_count() >= 2:             # a core for each rank: nothing to wait for
         assert found.wait_s == 0.0
     # the link as the trainer's ring moves tensors on the device (here the host's path)

@@ -54,6 +54,12 @@ class Cluster:
     # ((sequences a micro-batch, s), ...): what a pair's all-reduce right after compute
     # waits for a shared core, measured here (shared_cores.py); none on a GPU
     core_waits: tuple = None
+    # ((t, sequences a micro-batch, s), ...): what an exchange of a tp collective of t
+    # ranks waits beyond its link, measured on a tp block here (verify.tp_waits)
+    tp_waits: tuple = None
+    # ((t, sequences a micro-batch, FLOP/s), ...): a tp block's own rate in groups of t
+    # (its 1/t of the FLOPs over its time with no communication), measured here
+    tp_rates: tuple = None
     # The data-parallel collectives run beside the compute: on a GPU the copies and
     # the reductions take the NICs, the copy engines and a few SMs.  MPI ranks on CPU
     # cores run both on the same cores (verify.py), so there they add up.
@@ -75,10 +81,14 @@ class Cluster:
     def world(self):
         return self.nodes * self.gpus_per_node
 
-    def flops_per_s(self, b=None):
+    def flops_per_s(self, b=None, t=1):
         """FLOP/s a GPU reaches on a micro-batch of b sequences: the peak times the
         efficiency, or where rates were measured per size, the one nearest b (a CPU
-        runs small matrices far below its best rate)."""
+        runs small matrices far below its best rate); with t, on a block split over
+        t tp ranks, where that was measured (its matrices are t times smaller still)."""
+        measured = [(size, r) for group, size, r in self.tp_rates or () if group == t]
+        if measured and b is not None:
+            return min(measured, key=lambda br: (abs(br[0] - b), br[0]))[1]
         if not self.measured_rates or b is None:
             return self.gpu_tflops * 1e12 * self.efficiency
         return min(self.measured_rates, key=lambda br: (abs(br[0] - b), br[0]))[1]
@@ -89,6 +99,15 @@ class Cluster:
         if not self.core_waits:
             return 0.0
         return min(self.core_waits, key=lambda bw: (abs(bw[0] - b), bw[0]))[1]
+
+    def tp_wait(self, t, b):
+        """Seconds an exchange of a tp collective of t ranks waits for a shared core: as
+        measured for groups of t at the micro-batch size nearest b, else half a pair
+        all-reduce's wait (two exchanges), else 0."""
+        measured = [(size, s) for group, size, s in self.tp_waits or () if group == t]
+        if measured:
+            return min(measured, key=lambda bs: (abs(bs[0] - b), bs[0]))[1]
+        return self.core_wait(b) / 2
 
     @property
     def memory_bytes(self):

@@ -41,6 +41,16 @@ the probe measures what that costs with every rank of the run there at once:
    the trainer's ring on the device at a small and a large size (LINK_SIZES) and
    fit t(n) = 2 alpha + n beta, the ring's time at P = 2 with the reduction free
    (costmodel.py), on the slowest pair.
+4. A tensor-parallel block, where ranks outnumber cores (`--tp-max`).  A block
+   split over t ranks is far from t times faster at small micro-batches (its
+   matrices are t times smaller), and its collectives, 66 exchanges a block at
+   t = 4 with sequence parallelism, wait for turns on the cores as the pair's
+   all-reduce does, but after less compute each.  So the probe times the block
+   itself in groups of every t, over the trainer's ring and over LocalOnly (the
+   same block, its collectives moving nothing): the second is the block's own
+   rate, the difference its communication (verify.tp_waits takes the link off,
+   per exchange).  At 4 ranks on 2 cores here, b = 1: 3.0 ms local against 14.7
+   ms over the ring, where the whole block alone took 3.8 ms.
 """
 import argparse
 import json
@@ -68,6 +78,8 @@ class Shared(NamedTuple):
     block_s: float      # the slowest rank's forward and backward of one block
     wait_s: float       # a pair all-reduce's wait after compute (0: a core for every rank)
     link: tuple = None  # (alpha s, beta s a byte) of the device path (--link), or None
+    # ((t, s with the ring, s local, exchanges), ...): a tp block in groups of t (tp_block)
+    tp_blocks: tuple = ()
 
 
 def block_seconds(d_model, heads, seq_len, batch, repeats=BLOCK_REPEATS, device="cpu",
@@ -124,6 +136,64 @@ def pair_wait(world, d_model, heads, seq_len, batch):
     return max(0.0, timed(True) - polling)
 
 
+class LocalOnly:
+    """A tp collective that moves nothing and keeps the shapes (allgather: the shard
+    t times; reduce_scatter: the first t-th): the tp block's own compute, timed."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def allreduce(self, x, op="sum"):
+        return x
+
+    def allgather(self, shard, n=None):
+        return shard.repeat(self.size)
+
+    def reduce_scatter(self, whole, op="sum"):
+        return whole[:whole.numel() // self.size].clone()
+
+
+def tp_block_seconds(block, x, repeats):
+    """Mean forward and backward of `block` on x, in s, over `repeats` after one."""
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        block(x).sum().backward()
+        times.append(time.perf_counter() - start)
+    return statistics.fmean(times[1:])
+
+
+def tp_block(world, t, d_model, heads, seq_len, batch, repeats):
+    """On every rank: (s with the ring, s local, exchanges) of a sequence-parallel block
+    (strategies/parallel) forward and backward, the world's ranks in tp groups of t,
+    all at once as in a run: over the trainer's ring, over LocalOnly (its compute
+    alone), the slowest rank's means, and the exchanges of its block_collectives."""
+    import torch
+
+    import allreduce
+    from strategies.model.models import Block
+    from strategies.parallel.sequence_parallel import block_collectives, split_sequence
+    from strategies.parallel.tensor_parallel import TensorParallel, parallelize_blocks
+    group = world.Split(world.rank // t, world.rank)
+    blocks = {}
+    for name, coll in (("ring", allreduce.create("ring", comm=group)),
+                       ("local", LocalOnly(t))):
+        torch.manual_seed(0)
+        tp = TensorParallel(coll, group.rank, t)
+        block = Block(d_model, heads)
+        parallelize_blocks([block], tp)
+        blocks[name] = split_sequence([("blocks.0", block)], tp)[0][1]
+    x = torch.randn(batch, seq_len // t, d_model, requires_grad=True)
+    seconds = {}
+    for name in ("local", "ring", "local", "ring"):   # twice, alternated: the machine drifts
+        world.Barrier()
+        seconds.setdefault(name, []).append(tp_block_seconds(blocks[name], x, repeats))
+    forward, backward = block_collectives(True)
+    exchanges = sum((2 if c == "allreduce" else 1) * (t - 1) for c, _ in forward + backward)
+    return (max(world.allgather(statistics.fmean(seconds["ring"]))),
+            max(world.allgather(statistics.fmean(seconds["local"]))), exchanges)
+
+
 def pair_link(world, device):
     """On every rank: (alpha, beta) of the trainer's ring between the ranks of a pair
     on `device`, fitted to LINK_SIZES; the slowest pair's times (None: one rank)."""
@@ -160,7 +230,7 @@ def fit_link(points):
     return max(t1 - n1 * beta, 0.0) / 2, beta
 
 
-def probe(d_model, heads, seq_len, batch, threads, device="cpu", link=False):
+def probe(d_model, heads, seq_len, batch, threads, device="cpu", link=False, tp_max=None):
     """On every rank of an MPI job on one host: Shared, the same on every rank.  On a
     GPU the ranks share it (strategies.train's --device cuda: local rank i on GPU
     i mod the GPUs) and wait for no core."""
@@ -182,20 +252,28 @@ def probe(d_model, heads, seq_len, batch, threads, device="cpu", link=False):
     world.Barrier()
     block_s = max(world.allgather(block_seconds(d_model, heads, seq_len, batch, repeats,
                                                 device, typical=statistics.fmean)))
-    wait_s = 0.0
+    wait_s, tp_blocks = 0.0, ()
     if device == "cpu" and world.size > (os.cpu_count() or 1):
         wait_s = max(world.allgather(pair_wait(world, d_model, heads, seq_len, batch)))
-    return Shared(block_s, wait_s, pair_link(world, device) if link else None)
+    if device == "cpu" and tp_max:
+        sizes = [t for t in range(2, min(tp_max, world.size) + 1)
+                 if world.size % t == 0 and seq_len % t == 0 and heads % t == 0]
+        tp_blocks = tuple(
+            (t, *tp_block(world, t, d_model, heads, seq_len, batch,
+                         min(MAX_REPEATS, max(10, math.ceil(SHARED_S / 2 * t / block_s)))))
+            for t in sizes)
+    return Shared(block_s, wait_s, pair_link(world, device) if link else None, tp_blocks)
 
 
-def measure(gpt, ranks, batch, threads, device="cpu", timeout=300, link=False):
+def measure(gpt, ranks, batch, threads, device="cpu", timeout=300, link=False, tp_max=None):
     """Shared on this host with `ranks` ranks of `threads` threads computing on
     `device` (cpu, or cuda: the host's GPUs), launched through mpiexec; with `link`
-    the device path's alpha and beta too."""
+    the device path's alpha and beta too; tp blocks in groups of up to tp_max ranks."""
     argv = [mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m",
             "experiments.planner.shared_cores", "--d-model", str(gpt.d_model), "--heads",
             str(gpt.heads), "--seq-len", str(gpt.seq_len), "--batch", str(batch),
-            "--threads", str(threads), "--device", device] + (["--link"] if link else [])
+            "--threads", str(threads), "--device", device] + (["--link"] if link else []) \
+        + (["--tp-max", str(tp_max)] if tp_max else [])
     env = {**os.environ, "PYTHONPATH": checkout_pythonpath(), "OMP_NUM_THREADS": str(threads)}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode:
@@ -203,7 +281,8 @@ def measure(gpt, ranks, batch, threads, device="cpu", timeout=300, link=False):
         raise RuntimeError(f"the shared-cores probe failed (exit {done.returncode}): "
                            f"{lines[-1]}")
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    return Shared(found["block_s"], found["wait_s"], tuple(found["link"] or ()) or None)
+    return Shared(found["block_s"], found["wait_s"], tuple(found["link"] or ()) or None,
+                  tuple(tuple(row) for row in found["tp_blocks"]))
 
 
 def main(argv=None):
@@ -216,8 +295,11 @@ def main(argv=None):
                     help="where the ranks compute (cuda: sharing the host's GPUs)")
     ap.add_argument("--link", action="store_true",
                     help="also fit alpha and beta of the trainer's ring between pairs on --device")
+    ap.add_argument("--tp-max", type=int, help="also time tp blocks in groups of up to "
+                    "this many ranks (on the CPU)")
     a = ap.parse_args(argv)
-    found = probe(a.d_model, a.heads, a.seq_len, a.batch, a.threads, a.device, a.link)
+    found = probe(a.d_model, a.heads, a.seq_len, a.batch, a.threads, a.device, a.link,
+                  a.tp_max)
     from mpi4py import MPI
     if MPI.COMM_WORLD.rank == 0:
         print(json.dumps({**found._asdict(), "ranks": MPI.COMM_WORLD.size}), flush=True)

@@ -16,10 +16,13 @@ with the logit layer too, the slower of the two pacing the pipeline) takes
 
     forward    its FLOPs / tp at the cluster's rate            (transformer.py)
                + 2 all-reduces of b s h values a layer on tp   (Megatron's f and g;
-                 with sequence parallelism a reduce-scatter and an all-gather: the same)
+                 with sequence parallelism 2 all-gathers and 2 reduce-scatters, the
+                 same bytes; the worker's own list: block_collectives)
                + 2 all-to-alls a MoE layer on ep               (dispatch, combine)
     backward   twice the forward's FLOPs, recomputation's on top, the same communication
-               (full recomputation replays the forward's too)
+               (with sequence parallelism an all-gather more for each column-parallel
+               layer, and 6 small all-reduces of replicated weights' gradients; full
+               recomputation replays the forward's too)
 
 none of which overlaps the compute (Megatron runs them in line); on ranks that share
 CPU cores each tp all-reduce also waits for its peers' turns, and so does the
@@ -54,6 +57,7 @@ from dataclasses import asdict, dataclass
 from experiments.costmodel import cluster_collective_time, pipeline_step_time
 from strategies.config.sections import SyncOptions
 from strategies.parallel.bubble import activations_in_flight, bubble_fraction
+from strategies.parallel.sequence_parallel import block_collectives
 from strategies.runtime.memory import zero_memory
 
 from .transformer import (expert_parameters, layer_activation_bytes, layer_forward_flops,
@@ -133,6 +137,24 @@ def group_time(collective, n, size, stride, cluster, on_one_node=False):
                                    cluster.link(sharing) if nodes > 1 else None)
 
 
+def tp_layer(gpt, lo, b, e, cluster):
+    """(forward, backward) seconds of one layer's tp collectives on a micro-batch of b,
+    those the worker makes (sequence_parallel.block_collectives).  Where ranks share
+    cores, each exchange of them waits too (Cluster.tp_wait): 2 (t - 1) exchanges an
+    all-reduce, t - 1 an all-gather or a reduce-scatter."""
+    if lo.tp == 1:
+        return 0.0, 0.0
+    size = {"activation": b * gpt.seq_len * gpt.d_model * e, "replicated": gpt.d_model * e}
+    wait = cluster.tp_wait(lo.tp, b)
+
+    def seconds(collectives):
+        return sum(group_time(c, size[values], lo.tp, 1, cluster)
+                   + (2 if c == "allreduce" else 1) * (lo.tp - 1) * wait
+                   for c, values in collectives)
+    forward, backward = block_collectives(lo.sequence_parallel)
+    return seconds(forward), seconds(backward)
+
+
 def bucketed(total, beside, buckets):
     """What outlasts `beside` seconds of backward of a collective of `total` seconds cut
     into `buckets` equal buckets, bucket i ready at i / buckets of the backward (as
@@ -175,15 +197,16 @@ def predict(gpt, cluster, lo):
     """The Prediction of layout `lo` (a Layout) for model `gpt` on `cluster`."""
     e, b, G = BYTES[lo.precision], lo.micro_batch_size, cluster.gpus_per_node
     L, rate = gpt.layers / lo.pp, cluster.flops_per_s(b)
+    block_rate = cluster.flops_per_s(b, lo.tp)        # a layer split over tp ranks
     # 1. one micro-batch on the slowest stage: compute, then tp's and ep's collectives
     last = lo.pp - 1
-    compute_f = (L * layer_forward_flops(gpt, b) + logit_flops(gpt, b) / 3) / lo.tp / rate
+    compute_f = (L * layer_forward_flops(gpt, b) / block_rate
+                 + logit_flops(gpt, b) / 3 / rate) / lo.tp
     compute_b = (L * (2 * layer_forward_flops(gpt, b) + recompute_flops(gpt, b, lo.recompute))
-                 + 2 * logit_flops(gpt, b) / 3) / lo.tp / rate
+                 / block_rate + 2 * logit_flops(gpt, b) / 3 / rate) / lo.tp
     replays = 1 if lo.recompute == "full" else 0      # the forward's collectives again
-    tp_one = group_time("allreduce", b * gpt.seq_len * gpt.d_model * e, lo.tp, 1, cluster)
-    tp_one += (lo.tp - 1) * cluster.core_wait(b) if lo.tp > 1 else 0.0   # shared cores
-    tp_f, tp_b = 2 * L * tp_one, 2 * L * tp_one * (1 + replays)
+    tp_layer_f, tp_layer_b = tp_layer(gpt, lo, b, e, cluster)
+    tp_f, tp_b = L * tp_layer_f, L * (tp_layer_b + replays * tp_layer_f)
     ep_f = ep_b = 0.0
     if gpt.experts and lo.ep > 1:
         tokens = b * gpt.seq_len * gpt.d_model * gpt.top_k * e

@@ -14,7 +14,9 @@ figures are measured, never assumed:
             run at once, the slowest rank's (shared_cores.py): FLOPs
             (transformer.py) over seconds, efficiency 1, for each micro-batch size
             the planner may choose, since a CPU runs small matrices far below its
-            best rate.
+            best rate.  Where ranks outnumber cores, also the block split over t
+            tp ranks (its t-th of the FLOPs; tp_rates), which is far from t times
+            faster at small micro-batches.
   links     experiments.calibrate's calibration.json (--calibration); without
             one, the cost model's example machine (5 us, 10 GB/s: costmodel.py).
             On the emulated cluster, each host's link at --inter-gbps.  Ranks on
@@ -23,7 +25,8 @@ figures are measured, never assumed:
   memory    this host's memory over the ranks.
   waits     where ranks outnumber cores, what a tp pair's all-reduce right after a
             block's forward waits for the peer's turn on a core (shared_cores.py),
-            for each micro-batch size.
+            for each micro-batch size; and what each exchange of a tp block's
+            collectives waits, in groups of every tp size (tp_waits).
 
 Each layout runs as the sweep would run it (experiments/launchers.py: mpiexec on
 this host, or the emulated cluster), with the trainer's flags (layout_args);
@@ -38,6 +41,7 @@ import os
 import statistics
 import subprocess
 import tempfile
+from dataclasses import replace
 
 from allreduce.costs import Machine
 from allreduce.records import checkout_pythonpath, read_calibration
@@ -47,6 +51,7 @@ from experiments.records import ROOT, read_jsonl, slowest_rank, train_runs
 
 from . import shared_cores
 from .cluster import GIB, Cluster
+from .step import Layout, tp_layer
 from .transformer import layer_forward_flops
 
 WARM_UP_STEPS = 2
@@ -76,7 +81,9 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
                                                  device=device) for b in sizes}
     else:
         on_gpu = device == "cuda"       # the device path's link, timed once, at the first size
-        found = {b: shared_cores.measure(gpt, world, b, threads, device, link=on_gpu and i == 0)
+        shared = device == "cpu" and world > cores     # tp blocks in groups inside a node
+        found = {b: shared_cores.measure(gpt, world, b, threads, device, link=on_gpu and i == 0,
+                                         tp_max=ranks if shared else None)
                  for i, b in enumerate(sizes)}
         seconds = {b: shared.block_s for b, shared in found.items()}
         link = found[sizes[0]].link
@@ -96,11 +103,31 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world
     # on a GPU the data-parallel collectives (MPI, on the host's cores) run beside the
     # compute; on CPU cores they take the same cores, so there they add up
-    return Cluster(name, nodes, ranks, gpu_mem_gib=memory / GIB, gpu_tflops=rate / 1e12,
-                   intra_gbps=8e-9 / intra.beta, intra_latency_us=intra.alpha * 1e6,
-                   inter_gbps=inter_gbps, efficiency=1.0,
-                   calibrated_intra=intra, measured_rates=rates, core_waits=waits,
-                   overlaps=device == "cuda")
+    cluster = Cluster(name, nodes, ranks, gpu_mem_gib=memory / GIB, gpu_tflops=rate / 1e12,
+                      intra_gbps=8e-9 / intra.beta, intra_latency_us=intra.alpha * 1e6,
+                      inter_gbps=inter_gbps, efficiency=1.0,
+                      calibrated_intra=intra, measured_rates=rates, core_waits=waits,
+                      overlaps=device == "cuda")
+    if world > 1 and any(found[b].tp_blocks for b in sizes):
+        tp_rates = tuple((t, b, 3 * layer_forward_flops(gpt, b) / t / local_s)
+                         for b, shared in found.items()
+                         for t, _, local_s, _ in shared.tp_blocks)
+        cluster = replace(cluster, tp_rates=tp_rates, tp_waits=tp_waits(gpt, cluster, found))
+    return cluster
+
+
+def tp_waits(gpt, cluster, found):
+    """((t, b, s), ...): what an exchange of a tp collective waits, from the probe's tp
+    blocks (shared_cores.tp_block): a block's time over the ring less its time over
+    LocalOnly, less what its collectives take on the link (step.tp_layer, with no
+    wait), over their exchanges."""
+    no_waits = replace(cluster, core_waits=None, tp_waits=None)
+    waits = []
+    for b, shared in found.items():
+        for t, ring_s, local_s, exchanges in shared.tp_blocks:
+            link = sum(tp_layer(gpt, Layout(tp=t, precision="fp32"), b, 4, no_waits))
+            waits.append((t, b, max(0.0, (ring_s - local_s - link) / exchanges)))
+    return tuple(waits)
 
 
 def runnable(gpt, layout):

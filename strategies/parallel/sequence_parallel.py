@@ -265,6 +265,21 @@ def saved_bytes_saving(micro_batch, seq_len, d_model, tp, blocks, has_head):
     return 4 * (blocks * per_block + head) * (tp - 1) // tp
 
 
+def block_collectives(sequence_parallel):
+    """The tp collectives of one block and micro-batch, as this file and
+    tensor_parallel.py make them: (forward, backward), lists of (collective, values)
+    with values "activation" (the b s h of the residual stream, whole) or "replicated"
+    (a replicated weight's gradient, C values: two LayerNorms' weight and bias, the
+    two row-parallel biases).  The cost model counts them (experiments/planner)."""
+    if not sequence_parallel:              # f: identity / all-reduce; g: all-reduce / identity
+        return [("allreduce", "activation")] * 2, [("allreduce", "activation")] * 2
+    pair = [("allgather", "activation"), ("reduce_scatter", "activation")]
+    backward = [("allgather", "activation"),           # GatheredLinear: its input again,
+                ("reduce_scatter", "activation"),      # then dX; for attention and the MLP
+                ("allgather", "activation")] * 2       # g-bar's backward
+    return pair * 2, backward + [("allreduce", "replicated")] * 6
+
+
 def tp_bytes_sent(micro_batch, seq_len, d_model, tp, blocks, has_embed, has_head,
                   sequence_parallel):
     """Bytes a rank sends on the tp axis for one micro-batch, ring collectives: an
@@ -279,8 +294,12 @@ def tp_bytes_sent(micro_batch, seq_len, d_model, tp, blocks, has_embed, has_head
     So sequence parallelism moves the same bytes as tensor parallelism in its g / g-bar
     pairs, and pays one all-gather per column-parallel layer for the memory it saves."""
     half = 4 * micro_batch * seq_len * d_model * (tp - 1) // tp     # (t-1)/t of one activation
+    forward, backward = block_collectives(sequence_parallel)
+    halves = sum(2 if c == "allreduce" else 1 for c, values in forward + backward
+                 if values == "activation")
     if not sequence_parallel:
-        return blocks * 8 * half
-    replicated = blocks * 6 * d_model + (2 * d_model if has_head else 0)   # LN w, b; 2 biases
-    return (blocks * 10 + has_embed + has_head) * half + \
+        return blocks * halves * half
+    sums = sum(1 for _, values in backward if values == "replicated")
+    replicated = blocks * sums * d_model + (2 * d_model if has_head else 0)  # + ln_f's w, b
+    return (blocks * halves + has_embed + has_head) * half + \
         2 * 4 * replicated * (tp - 1) // tp
