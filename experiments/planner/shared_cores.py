@@ -71,6 +71,7 @@ WARM_UP = 8
 BLOCK_REPEATS = 15  # a block's forward and backward, after one that warms up
 SHARED_S = 0.5      # ... and at least this long, where ranks share the cores
 MAX_REPEATS = 2000
+TP_ROUNDS = 3       # a tp block over the ring and alone, alternated, SHARED_S each
 LINK_SIZES = ((4 << 10, 120), (16 << 20, 20))     # (bytes, all-reduces) the link is fitted to
 
 
@@ -185,7 +186,7 @@ def tp_block(world, t, d_model, heads, seq_len, batch, repeats):
         blocks[name] = split_sequence([("blocks.0", block)], tp)[0][1]
     x = torch.randn(batch, seq_len // t, d_model, requires_grad=True)
     seconds = {}
-    for name in ("local", "ring", "local", "ring"):   # twice, alternated: the machine drifts
+    for name in ("local", "ring") * TP_ROUNDS:      # alternated: the machine drifts
         world.Barrier()
         seconds.setdefault(name, []).append(tp_block_seconds(blocks[name], x, repeats))
     forward, backward = block_collectives(True)
@@ -260,7 +261,7 @@ def probe(d_model, heads, seq_len, batch, threads, device="cpu", link=False, tp_
                  if world.size % t == 0 and seq_len % t == 0 and heads % t == 0]
         tp_blocks = tuple(
             (t, *tp_block(world, t, d_model, heads, seq_len, batch,
-                         min(MAX_REPEATS, max(10, math.ceil(SHARED_S / 2 * t / block_s)))))
+                         min(MAX_REPEATS, max(10, math.ceil(SHARED_S * t / block_s)))))
             for t in sizes)
     return Shared(block_s, wait_s, pair_link(world, device) if link else None, tp_blocks)
 
