@@ -399,7 +399,7 @@ def test_a_tp_block_measured_here_sets_its_rate_and_its_waits():
     shared = replace(TWO_NODES, core_waits=((1, 2e-3),), measured_rates=((1, 1e9),))
     assert shared.flops_per_s(1, t=4) == 1e9 and shared.tp_wait(4, 1) == 1e-3
     # one block at t = 4, b = 1: 10 ms over the ring, 4 ms local, 66 exchanges
-    found = {1: Shared(0.01, 2e-3, None, ((4, 0.010, 0.004, 66),))}
+    found = {1: Shared(0.01, 2e-3, None, ((4, 0.010, 0.004),))}
     waits = verify.tp_waits(SMALL, shared, found)
     no_waits = replace(shared, core_waits=None)
     link = sum(tp_layer(SMALL, Layout(tp=4, precision="fp32"), 1, 4, no_waits))
@@ -429,10 +429,10 @@ def test_the_shared_cores_probe_times_every_rank_at_once_and_pairs_them():
         assert found["ranks"] == ranks and found["block_s"] > 0 and found["wait_s"] >= 0
     found = shared_cores.measure(GPT(2, 32, 2, 16, 64, 8), ranks=2, batch=2, threads=1)
     assert found.block_s > 0 and found.link is None and found.tp_blocks == ()
-    # a tp block in groups of 2: with the ring and alone, 22 exchanges (block_collectives)
-    (t, ring_s, local_s, exchanges), = shared_cores.measure(
+    # a tp block in groups of 2: with the ring and alone
+    (t, ring_s, local_s), = shared_cores.measure(
         GPT(2, 32, 2, 16, 64, 8), ranks=2, batch=2, threads=1, tp_max=2).tp_blocks
-    assert (t, exchanges) == (2, 22) and ring_s > 0 and local_s > 0
+    assert t == 2 and ring_s > 0 and local_s > 0
     if os.cpu_count() >= 2:             # a core for each rank: nothing to wait for
         assert found.wait_s == 0.0
     # the link as the trainer's ring moves tensors on the device (here the host's path)

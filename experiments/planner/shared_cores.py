@@ -79,7 +79,7 @@ class Shared(NamedTuple):
     block_s: float      # the slowest rank's forward and backward of one block
     wait_s: float       # a pair all-reduce's wait after compute (0: a core for every rank)
     link: tuple = None  # (alpha s, beta s a byte) of the device path (--link), or None
-    # ((t, s with the ring, s local, exchanges), ...): a tp block in groups of t (tp_block)
+    # ((t, s with the ring, s local), ...): a tp block in groups of t (tp_block)
     tp_blocks: tuple = ()
 
 
@@ -91,17 +91,23 @@ def block_seconds(d_model, heads, seq_len, batch, repeats=BLOCK_REPEATS, device=
     import torch
 
     from strategies.model.models import Block
-    from strategies.runtime.metrics import now
     device = torch.device(device)
     torch.manual_seed(0)
     block = Block(d_model, heads).to(device)
     x = torch.randn(batch, seq_len, d_model, requires_grad=True, device=device)
+    return typical(timed_blocks(block, x, repeats, device))
+
+
+def timed_blocks(block, x, repeats, device):
+    """Seconds of each forward and backward of `block` on x, `repeats` after one that
+    warms the allocator up (on a GPU: waited for)."""
+    from strategies.runtime.metrics import now
     times = []
-    for _ in range(repeats + 1):                 # the first warms the allocator up
+    for _ in range(repeats + 1):
         start = now(device)
         block(x).sum().backward()
         times.append(now(device) - start)
-    return typical(times[1:])
+    return times[1:]
 
 
 def pair_wait(world, d_model, heads, seq_len, batch):
@@ -154,26 +160,16 @@ class LocalOnly:
         return whole[:whole.numel() // self.size].clone()
 
 
-def tp_block_seconds(block, x, repeats):
-    """Mean forward and backward of `block` on x, in s, over `repeats` after one."""
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        block(x).sum().backward()
-        times.append(time.perf_counter() - start)
-    return statistics.fmean(times[1:])
-
-
 def tp_block(world, t, d_model, heads, seq_len, batch, repeats):
-    """On every rank: (s with the ring, s local, exchanges) of a sequence-parallel block
+    """On every rank: (s with the ring, s local) of a sequence-parallel block
     (strategies/parallel) forward and backward, the world's ranks in tp groups of t,
     all at once as in a run: over the trainer's ring, over LocalOnly (its compute
-    alone), the slowest rank's means, and the exchanges of its block_collectives."""
+    alone), the slowest rank's means."""
     import torch
 
     import allreduce
     from strategies.model.models import Block
-    from strategies.parallel.sequence_parallel import block_collectives, split_sequence
+    from strategies.parallel.sequence_parallel import split_sequence
     from strategies.parallel.tensor_parallel import TensorParallel, parallelize_blocks
     group = world.Split(world.rank // t, world.rank)
     blocks = {}
@@ -188,11 +184,10 @@ def tp_block(world, t, d_model, heads, seq_len, batch, repeats):
     seconds = {}
     for name in ("local", "ring") * TP_ROUNDS:      # alternated: the machine drifts
         world.Barrier()
-        seconds.setdefault(name, []).append(tp_block_seconds(blocks[name], x, repeats))
-    forward, backward = block_collectives(True)
-    exchanges = sum((2 if c == "allreduce" else 1) * (t - 1) for c, _ in forward + backward)
+        times = timed_blocks(blocks[name], x, repeats, torch.device("cpu"))
+        seconds.setdefault(name, []).append(statistics.fmean(times))
     return (max(world.allgather(statistics.fmean(seconds["ring"]))),
-            max(world.allgather(statistics.fmean(seconds["local"]))), exchanges)
+            max(world.allgather(statistics.fmean(seconds["local"]))))
 
 
 def pair_link(world, device):
@@ -218,8 +213,6 @@ def pair_link(world, device):
                 ring.allreduce(x)
             times.append(now(device) - start)
         seconds.append(max(world.allgather(statistics.median(times[2:]))))
-    if ring is None and world.size == 1:
-        return None
     return fit_link(list(zip([n for n, _ in LINK_SIZES], seconds)))
 
 

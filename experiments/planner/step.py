@@ -137,11 +137,16 @@ def group_time(collective, n, size, stride, cluster, on_one_node=False):
                                    cluster.link(sharing) if nodes > 1 else None)
 
 
+def exchanges(collective, t):
+    """Steps of a ring collective over t ranks: 2 (t - 1) an all-reduce, t - 1 an
+    all-gather or a reduce-scatter."""
+    return (2 if collective == "allreduce" else 1) * (t - 1)
+
+
 def tp_layer(gpt, lo, b, e, cluster):
     """(forward, backward) seconds of one layer's tp collectives on a micro-batch of b,
     those the worker makes (sequence_parallel.block_collectives).  Where ranks share
-    cores, each exchange of them waits too (Cluster.tp_wait): 2 (t - 1) exchanges an
-    all-reduce, t - 1 an all-gather or a reduce-scatter."""
+    cores, each of their exchanges waits too (Cluster.tp_wait)."""
     if lo.tp == 1:
         return 0.0, 0.0
     size = {"activation": b * gpt.seq_len * gpt.d_model * e, "replicated": gpt.d_model * e}
@@ -149,7 +154,7 @@ def tp_layer(gpt, lo, b, e, cluster):
 
     def seconds(collectives):
         return sum(group_time(c, size[values], lo.tp, 1, cluster)
-                   + (2 if c == "allreduce" else 1) * (lo.tp - 1) * wait
+                   + exchanges(c, lo.tp) * wait
                    for c, values in collectives)
     forward, backward = block_collectives(lo.sequence_parallel)
     return seconds(forward), seconds(backward)

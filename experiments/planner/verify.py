@@ -48,10 +48,11 @@ from allreduce.records import checkout_pythonpath, read_calibration
 
 from experiments import launchers
 from experiments.records import ROOT, read_jsonl, slowest_rank, train_runs
+from strategies.parallel.sequence_parallel import block_collectives
 
 from . import shared_cores
 from .cluster import GIB, Cluster
-from .step import Layout, tp_layer
+from .step import Layout, exchanges, tp_layer
 from .transformer import layer_forward_flops
 
 WARM_UP_STEPS = 2
@@ -111,7 +112,7 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
     if world > 1 and any(found[b].tp_blocks for b in sizes):
         tp_rates = tuple((t, b, 3 * layer_forward_flops(gpt, b) / t / local_s)
                          for b, shared in found.items()
-                         for t, _, local_s, _ in shared.tp_blocks)
+                         for t, _, local_s in shared.tp_blocks)
         cluster = replace(cluster, tp_rates=tp_rates, tp_waits=tp_waits(gpt, cluster, found))
     return cluster
 
@@ -122,11 +123,13 @@ def tp_waits(gpt, cluster, found):
     LocalOnly, less what its collectives take on the link (step.tp_layer, with no
     wait), over their exchanges."""
     no_waits = replace(cluster, core_waits=None, tp_waits=None)
+    forward, backward = block_collectives(True)         # the probe's block
     waits = []
     for b, shared in found.items():
-        for t, ring_s, local_s, exchanges in shared.tp_blocks:
+        for t, ring_s, local_s in shared.tp_blocks:
             link = sum(tp_layer(gpt, Layout(tp=t, precision="fp32"), b, 4, no_waits))
-            waits.append((t, b, max(0.0, (ring_s - local_s - link) / exchanges)))
+            steps = sum(exchanges(c, t) for c, _ in forward + backward)
+            waits.append((t, b, max(0.0, (ring_s - local_s - link) / steps)))
     return tuple(waits)
 
 
