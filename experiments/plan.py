@@ -35,7 +35,8 @@ from .planner.figure import plan_frontier
 from .planner.search import Space, plan
 from .planner.step import PARTS
 from .planner.transformer import GPT, RECOMPUTE
-from .planner.verify import WARM_UP_STEPS, problems, runnable, this_machine, verify
+from .planner.verify import (MEASURED_S, WARM_UP_STEPS, problems, runnable, this_machine,
+                             verify)
 
 EXPLICIT = ("gpus_per_node", "gpu_mem_gib", "gpu_tflops", "intra_gbps", "inter_gbps")
 
@@ -101,7 +102,10 @@ def parser():
     add_output_flags(o, out_what="plan_frontier.png (.svg, .json)")
     o.add_argument("--verify", type=int, default=0, metavar="N",
                    help="run the N best and the worst layouts here (needs --calibration)")
-    o.add_argument("--steps", type=int, default=6, help="--verify: steps a run")
+    o.add_argument("--steps", type=int, default=6, help="--verify: steps a run, at least")
+    o.add_argument("--measure-s", type=float, default=MEASURED_S, metavar="S",
+                   help="--verify: more steps where the first ones would take less than S "
+                        "seconds after the warm-up, by the prediction (default %(default)s)")
     o.add_argument("--cluster", action="store_true", help="--verify on the emulated "
                    "cluster of --nodes x --gpus-per-node hosts' ranks at --inter-gbps (root)")
     return ap
@@ -160,9 +164,9 @@ def main(argv=None):
         space = Space(a.zero, a.recompute, a.schedules, a.micro_batch_sizes,
                       precision=precision, sequence_parallel=not a.no_sequence_parallel,
                       tp_sizes=a.tp_sizes, pp_sizes=a.pp_sizes)
-        if a.top < 1 or a.verify < 0 or a.steps <= WARM_UP_STEPS:
-            raise ValueError(f"--top must be >= 1, --verify >= 0 and --steps > "
-                             f"{WARM_UP_STEPS} (the warm-up steps, not timed)")
+        if a.top < 1 or a.verify < 0 or a.steps <= WARM_UP_STEPS or a.measure_s < 0:
+            raise ValueError(f"--top must be >= 1, --verify >= 0, --measure-s >= 0 and "
+                             f"--steps > {WARM_UP_STEPS} (the warm-up steps, not timed)")
         if a.verify and not a.calibration:
             raise ValueError("--verify runs layouts on this machine: describe it with "
                              "--calibration FILE|DIR (and --gpus-per-node RANKS)")
@@ -210,20 +214,21 @@ def check(a, gpt, cluster, entries, stamp):
     if not chosen:
         print("--verify: no layout that fits is one strategies.train can run", file=sys.stderr)
         return 1
-    print(f"\nverify: {len(chosen)} layouts with strategies.train, {a.steps} steps each")
-    rows = verify(gpt, chosen, cluster, a.steps, a.cluster, a.device)
+    print(f"\nverify: {len(chosen)} layouts with strategies.train, {a.steps} steps each "
+          f"or enough to time {a.measure_s:g} s")
+    rows = verify(gpt, chosen, cluster, a.steps, a.cluster, a.device, a.measure_s)
     out = []
-    for e, measured, why in rows:
+    for e, steps, measured, why in rows:
         p = e.prediction
         error = f"measured / predicted {measured / p.step_s:.2f}" if measured else why
         print(f"  {p.layout.label():<30} predicted {p.step_s:8.4f} s  measured "
-              f"{measured or float('nan'):8.4f} s  {error}")
+              f"{measured or float('nan'):8.4f} s  {error}  ({steps} steps)")
         out.append({"kind": "plan_verify", **asdict(p.layout), "label": p.layout.label(),
-                    "predicted_s": p.step_s, "measured_s": measured, "why": why,
-                    "rank": entries.index(e) + 1, **stamp})
+                    "predicted_s": p.step_s, "measured_s": measured, "steps": steps,
+                    "why": why, "rank": entries.index(e) + 1, **stamp})
     if a.jsonl:
         append_jsonl(a.jsonl, out)
-    return 0 if all(m for _, m, _ in rows) else 1
+    return 0 if all(m for _, _, m, _ in rows) else 1
 
 
 if __name__ == "__main__":

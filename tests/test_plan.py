@@ -309,6 +309,16 @@ def test_a_model_with_no_layout_is_an_error(capsys):
     assert stop.value.code == 2 and "no layout" in capsys.readouterr().err
 
 
+def test_a_verified_run_lasts_long_enough_to_span_the_machines_drift():
+    """verify.steps_for: at least --steps, and enough after the warm-up to time
+    --measure-s seconds by the prediction, never more than MAX_STEPS."""
+    from experiments.planner.verify import MAX_STEPS, WARM_UP_STEPS, steps_for
+    assert steps_for(4.0, 6, 20.0) == 7                  # 5 timed steps of 4 s
+    assert steps_for(0.1, 6, 20.0) == WARM_UP_STEPS + 200
+    assert steps_for(0.1, 6, 0.0) == 6 and steps_for(10.0, 6, 20.0) == 6
+    assert steps_for(1e-6, 6, 20.0) == MAX_STEPS
+
+
 def verify_on_two_ranks(tmp_path, flags, timeout=180):
     """`experiments.plan --verify 1` of a tiny GPT on 2 ranks with a made-up calibration:
     (its stdout, its records).  Each verified layout has a measured step beside its
@@ -319,7 +329,8 @@ def verify_on_two_ranks(tmp_path, flags, timeout=180):
     result = check_ok(run([sys.executable, "-m", "experiments.plan", "--heads", "2",
                            "--layers", "2", "--global-batch", "8", "--calibration", tmp_path,
                            "--gpus-per-node", "2", "--zero", "0,1", "--micro-batch-sizes",
-                           "4", "--verify", "1", "--jsonl", out, *flags], timeout,
+                           "4", "--verify", "1", "--measure-s", "0", "--jsonl", out,
+                           *flags], timeout,
                           mpi_env()))
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     checked = [r for r in rows if r["kind"] == "plan_verify"]
@@ -399,7 +410,7 @@ def test_a_tp_block_measured_here_sets_its_rate_and_its_waits():
     shared = replace(TWO_NODES, core_waits=((1, 2e-3),), measured_rates=((1, 1e9),))
     assert shared.flops_per_s(1, t=4) == 1e9 and shared.tp_wait(4, 1) == 1e-3
     # one block at t = 4, b = 1: 10 ms over the ring, 4 ms local, 66 exchanges
-    found = {1: Shared(0.01, 2e-3, None, ((4, 0.010, 0.004),))}
+    found = {1: Shared(0.01, 2e-3, ((4, 0.010, 0.004),))}
     waits = verify.tp_waits(SMALL, shared, found)
     no_waits = replace(shared, core_waits=None)
     link = sum(tp_layer(SMALL, Layout(tp=4, precision="fp32"), 1, 4, no_waits))
@@ -421,23 +432,26 @@ def test_a_tp_block_measured_here_sets_its_rate_and_its_waits():
 def test_the_shared_cores_probe_times_every_rank_at_once_and_pairs_them():
     from experiments.planner import shared_cores
     probe = [sys.executable, "-m", "mpi4py", "-m", "experiments.planner.shared_cores",
-             "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch", "2"]
+             "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batches", "2,1"]
     from conftest import MPIEXEC
     for ranks in (2, 3):                # an odd last rank computes alone
         result = check_ok(run([MPIEXEC, "-n", str(ranks), *probe], 100, mpi_env()))
         found = json.loads(result.stdout.strip().splitlines()[-1])
-        assert found["ranks"] == ranks and found["block_s"] > 0 and found["wait_s"] >= 0
-    found = shared_cores.measure(GPT(2, 32, 2, 16, 64, 8), ranks=2, batch=2, threads=1)
-    assert found.block_s > 0 and found.link is None and found.tp_blocks == ()
-    # a tp block in groups of 2: with the ring and alone
-    (t, ring_s, local_s), = shared_cores.measure(
-        GPT(2, 32, 2, 16, 64, 8), ranks=2, batch=2, threads=1, tp_max=2).tp_blocks
-    assert t == 2 and ring_s > 0 and local_s > 0
+        assert found["ranks"] == ranks and set(found["sizes"]) == {"1", "2"}
+        assert all(s["block_s"] > 0 and s["wait_s"] >= 0 for s in found["sizes"].values())
+    found = shared_cores.measure(GPT(2, 32, 2, 16, 64, 8), ranks=2, batches=(2,), threads=1)
+    assert found.sizes[2].block_s > 0 and found.link is None and found.sizes[2].tp_blocks == ()
+    # a tp block in groups of 2, at each size: with the ring and alone
+    probed = shared_cores.measure(GPT(2, 32, 2, 16, 64, 8), ranks=2, batches=(1, 2),
+                                  threads=1, tp_max=2)
+    for b in (1, 2):
+        (t, ring_s, local_s), = probed.sizes[b].tp_blocks
+        assert t == 2 and ring_s > 0 and local_s > 0
     if os.cpu_count() >= 2:             # a core for each rank: nothing to wait for
-        assert found.wait_s == 0.0
+        assert found.sizes[2].wait_s == 0.0
     # the link as the trainer's ring moves tensors on the device (here the host's path)
-    alpha, beta = shared_cores.measure(GPT(2, 32, 2, 16, 64, 8), ranks=2, batch=2, threads=1,
-                                       link=True).link
+    alpha, beta = shared_cores.measure(GPT(2, 32, 2, 16, 64, 8), ranks=2, batches=(2,),
+                                       threads=1, link=True).link
     assert alpha >= 0 and 0 < beta < 1e-7            # faster than 10 MB/s
 
 

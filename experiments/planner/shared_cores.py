@@ -2,8 +2,9 @@
 ranks, and an exchange's wait for its peer's turn on a core.
 
     mpiexec -n 4 python -m mpi4py -m experiments.planner.shared_cores --d-model 128 \
-        --heads 4 --seq-len 64 --batch 8 --threads 1   # {"block_s": ..., "wait_s": ...}
-    found = shared_cores.measure(gpt, ranks=4, batch=8, threads=1)   # the same, from Python
+        --heads 4 --seq-len 64 --batches 1,8 --threads 1   # {"sizes": {"1": {"block_s": ...
+    found = shared_cores.measure(gpt, ranks=4, batches=(1, 8), threads=1)  # from Python
+    found.sizes[8].block_s, found.sizes[8].wait_s
 
 On the machine at hand the planner's "GPUs" are MPI ranks on CPU cores, or ranks
 sharing its GPUs (verify.py).  A cluster gives every rank a device of its own; here
@@ -15,7 +16,10 @@ the probe measures what that costs with every rank of the run there at once:
    the threads the trainer gives each.  A synchronous step goes at the pace of its
    slowest rank, so the probe reports the slowest rank's mean over half a second
    of blocks at least (SHARED_S: many time slices, where a few blocks would each
-   fall on one side of a slice or the other).  Timed alone in
+   fall on one side of a slice or the other).  Every figure below is taken in
+   ROUNDS rounds, each round through every micro-batch size, so that each size's
+   figures span the whole probe: this machine's speed drifts over tens of seconds,
+   and a size timed in one stretch caught one speed.  Timed alone in
    one process and scaled by the ranks' share of the cores instead, a block of
    the 4-layer GPT in docs/planner.md took 4.9 ms x 2 = 9.8 ms, where 4 ranks on
    2 cores took 9.7-12.2 ms each: the slowest 1.24 times the scaled figure.
@@ -66,21 +70,26 @@ from allreduce.records import checkout_pythonpath
 
 from experiments.records import mpiexec_path
 
-CALLS = 120         # all-reduces a kind, the first WARM_UP left out
-WARM_UP = 8
+ROUNDS = 3          # every figure in this many rounds, each round through every size
+CALLS = 120         # a pair's all-reduces of each kind, over the rounds
+WARM_UP = 8         # ... after this many that warm the ring up
 BLOCK_REPEATS = 15  # a block's forward and backward, after one that warms up
 SHARED_S = 0.5      # ... and at least this long, where ranks share the cores
 MAX_REPEATS = 2000
-TP_ROUNDS = 3       # a tp block over the ring and alone, alternated, SHARED_S each
 LINK_SIZES = ((4 << 10, 120), (16 << 20, 20))     # (bytes, all-reduces) the link is fitted to
 
 
 class Shared(NamedTuple):
+    """What the probe found at one micro-batch size."""
     block_s: float      # the slowest rank's forward and backward of one block
     wait_s: float       # a pair all-reduce's wait after compute (0: a core for every rank)
-    link: tuple = None  # (alpha s, beta s a byte) of the device path (--link), or None
-    # ((t, s with the ring, s local), ...): a tp block in groups of t (tp_block)
+    # ((t, s with the ring, s local), ...): a tp block in groups of t (SizeProbe)
     tp_blocks: tuple = ()
+
+
+class Probed(NamedTuple):
+    sizes: dict         # micro-batch size -> Shared
+    link: tuple = None  # (alpha s, beta s a byte) of the device path (--link), or None
 
 
 def block_seconds(d_model, heads, seq_len, batch, repeats=BLOCK_REPEATS, device="cpu",
@@ -98,49 +107,16 @@ def block_seconds(d_model, heads, seq_len, batch, repeats=BLOCK_REPEATS, device=
     return typical(timed_blocks(block, x, repeats, device))
 
 
-def timed_blocks(block, x, repeats, device):
-    """Seconds of each forward and backward of `block` on x, `repeats` after one that
-    warms the allocator up (on a GPU: waited for)."""
+def timed_blocks(block, x, repeats, device, warm_up=1):
+    """Seconds of each forward and backward of `block` on x, `repeats` after `warm_up`
+    that warm the allocator up (on a GPU: waited for)."""
     from strategies.runtime.metrics import now
     times = []
-    for _ in range(repeats + 1):
+    for _ in range(repeats + warm_up):
         start = now(device)
         block(x).sum().backward()
         times.append(now(device) - start)
-    return times[1:]
-
-
-def pair_wait(world, d_model, heads, seq_len, batch):
-    """On every rank: the wait per pair all-reduce after compute, in s (0 alone)."""
-    import numpy as np
-    import torch
-
-    import allreduce
-    from strategies.model.models import Block
-    pair = world.Split(world.rank // 2, world.rank)
-    ring = allreduce.create("ring", comm=pair) if pair.size > 1 else None
-    block = Block(d_model, heads)
-    x = torch.randn(batch, seq_len, d_model)
-    values = np.zeros(batch * seq_len * d_model, np.float32)
-
-    def timed(compute):
-        times = []
-        for _ in range(CALLS):
-            if compute:
-                with torch.no_grad():
-                    block(x)
-            start = time.perf_counter()
-            if ring is not None:
-                ring.allreduce(values)
-            times.append(time.perf_counter() - start)
-        # the mean, not the median: a step pays every wait, and where the pair falls in
-        # and out of step with the scheduler the waits take two values (0.1 and 1 ms at
-        # b1 here), whose median is one or the other
-        return statistics.fmean(times[WARM_UP:])
-
-    world.Barrier()
-    polling = timed(False)
-    return max(0.0, timed(True) - polling)
+    return times[warm_up:]
 
 
 class LocalOnly:
@@ -160,34 +136,97 @@ class LocalOnly:
         return whole[:whole.numel() // self.size].clone()
 
 
-def tp_block(world, t, d_model, heads, seq_len, batch, repeats):
-    """On every rank: (s with the ring, s local) of a sequence-parallel block
-    (strategies/parallel) forward and backward, the world's ranks in tp groups of t,
-    all at once as in a run: over the trainer's ring, over LocalOnly (its compute
-    alone), the slowest rank's means."""
-    import torch
+class SizeProbe:
+    """Everything the probe times at one micro-batch size, a round at a time
+    (probe() runs a round of every size in turn): the block among all ranks; with
+    `pair` (the ranks in twos, their ring), the pair all-reduce's wait; with `groups`
+    ({t: (ranks in groups of t, their ring)}), a sequence-parallel block
+    (strategies/parallel) over the ring and over LocalOnly.  Every rank keeps its own
+    times; result() gives the slowest rank's means."""
 
-    import allreduce
-    from strategies.model.models import Block
-    from strategies.parallel.sequence_parallel import split_sequence
-    from strategies.parallel.tensor_parallel import TensorParallel, parallelize_blocks
-    group = world.Split(world.rank // t, world.rank)
-    blocks = {}
-    for name, coll in (("ring", allreduce.create("ring", comm=group)),
-                       ("local", LocalOnly(t))):
+    def __init__(self, world, d_model, heads, seq_len, batch, device, pair=None, groups=None):
+        import numpy as np
+        import torch
+
+        from strategies.model.models import Block
+        self.world, self.device, self.pair = world, torch.device(device), pair
         torch.manual_seed(0)
-        tp = TensorParallel(coll, group.rank, t)
+        self.block = Block(d_model, heads).to(self.device)
+        self.x = torch.randn(batch, seq_len, d_model, requires_grad=True, device=self.device)
+        self.values = np.zeros(batch * seq_len * d_model, np.float32)
+        if pair is not None and pair[1] is not None:
+            for _ in range(WARM_UP):            # the ring's buffers, at this size
+                pair[1].allreduce(self.values)
+        guess = max(world.allgather(statistics.median(
+            timed_blocks(self.block, self.x, 2, self.device))))
+        total = min(MAX_REPEATS, max(BLOCK_REPEATS, math.ceil(SHARED_S / guess)))
+        self.repeats = math.ceil(total / ROUNDS)
+        self.times = {"block": [], "after compute": [], "polling": []}
+        self.tp = {}
+        for t, (group, ring) in (groups or {}).items():
+            blocks = {name: self.tp_block(coll, group.rank, t, d_model, heads)
+                      for name, coll in (("ring", ring), ("local", LocalOnly(t)))}
+            x = torch.randn(batch, seq_len // t, d_model, requires_grad=True)
+            # each pass as long as the whole block's SHARED_S: t times the (smaller) blocks
+            repeats = min(MAX_REPEATS, max(10, math.ceil(SHARED_S * t / guess)))
+            self.tp[t] = (blocks, x, repeats)
+            self.times.update({("ring", t): [], ("local", t): []})
+
+    @staticmethod
+    def tp_block(coll, rank, t, d_model, heads):
+        """One Block split over t ranks with sequence parallelism, over `coll`."""
+        import torch
+
+        from strategies.model.models import Block
+        from strategies.parallel.sequence_parallel import split_sequence
+        from strategies.parallel.tensor_parallel import TensorParallel, parallelize_blocks
+        torch.manual_seed(0)
+        tp = TensorParallel(coll, rank, t)
         block = Block(d_model, heads)
         parallelize_blocks([block], tp)
-        blocks[name] = split_sequence([("blocks.0", block)], tp)[0][1]
-    x = torch.randn(batch, seq_len // t, d_model, requires_grad=True)
-    seconds = {}
-    for name in ("local", "ring") * TP_ROUNDS:      # alternated: the machine drifts
-        world.Barrier()
-        times = timed_blocks(blocks[name], x, repeats, torch.device("cpu"))
-        seconds.setdefault(name, []).append(statistics.fmean(times))
-    return (max(world.allgather(statistics.fmean(seconds["ring"]))),
-            max(world.allgather(statistics.fmean(seconds["local"]))))
+        return split_sequence([("blocks.0", block)], tp)[0][1]
+
+    def round(self):
+        self.world.Barrier()
+        self.times["block"] += timed_blocks(self.block, self.x, self.repeats, self.device,
+                                            warm_up=0)
+        if self.pair is not None:
+            self.pair_all_reduces(compute=False)
+            self.pair_all_reduces(compute=True)
+        for t, (blocks, x, repeats) in self.tp.items():
+            for name in ("local", "ring"):          # alternated: the machine drifts
+                self.world.Barrier()
+                self.times[name, t] += timed_blocks(blocks[name], x, repeats,
+                                                    self.device, warm_up=0)
+
+    def pair_all_reduces(self, compute):
+        """A round's share of CALLS all-reduces of b s h values with the partner, each
+        right after a block's forward (compute) or back to back, when every rank is
+        polling and nobody waits."""
+        import torch
+        _, ring = self.pair
+        for _ in range(math.ceil(CALLS / ROUNDS)):
+            if compute:
+                with torch.no_grad():
+                    self.block(self.x)
+            start = time.perf_counter()
+            if ring is not None:
+                ring.allreduce(self.values)
+            self.times["after compute" if compute else "polling"].append(
+                time.perf_counter() - start)
+
+    def result(self):
+        """Shared: the slowest rank's means over every round."""
+        def slowest(value):
+            return max(self.world.allgather(value))
+        mean = {kind: statistics.fmean(times) for kind, times in self.times.items() if times}
+        # the mean, not the median: a step pays every wait, and where the pair falls in
+        # and out of step with the scheduler the waits take two values (0.1 and 1 ms at
+        # b1 here), whose median is one or the other
+        wait = mean["after compute"] - mean["polling"] if self.pair is not None else 0.0
+        return Shared(slowest(mean["block"]), slowest(max(0.0, wait)),
+                      tuple((t, slowest(mean["ring", t]), slowest(mean["local", t]))
+                            for t in self.tp))
 
 
 def pair_link(world, device):
@@ -224,8 +263,18 @@ def fit_link(points):
     return max(t1 - n1 * beta, 0.0) / 2, beta
 
 
-def probe(d_model, heads, seq_len, batch, threads, device="cpu", link=False, tp_max=None):
-    """On every rank of an MPI job on one host: Shared, the same on every rank.  On a
+def ring_groups(world, sizes):
+    """{t: (the world's ranks in groups of t, the trainer's ring on each)}."""
+    import allreduce
+    groups = {}
+    for t in sizes:
+        group = world.Split(world.rank // t, world.rank)
+        groups[t] = (group, allreduce.create("ring", comm=group) if group.size > 1 else None)
+    return groups
+
+
+def probe(d_model, heads, seq_len, batches, threads, device="cpu", link=False, tp_max=None):
+    """On every rank of an MPI job on one host: Probed, the same on every rank.  On a
     GPU the ranks share it (strategies.train's --device cuda: local rank i on GPU
     i mod the GPUs) and wait for no core."""
     import torch
@@ -235,38 +284,40 @@ def probe(d_model, heads, seq_len, batch, threads, device="cpu", link=False, tp_
     if device == "cuda":
         local = world.Split_type(MPI.COMM_TYPE_SHARED).rank
         device = f"cuda:{local % torch.cuda.device_count()}"
+    shared = device == "cpu" and world.size > (os.cpu_count() or 1)
+    pair = ring_groups(world, [2])[2] if shared else None
+    tp_sizes = [t for t in range(2, min(tp_max or 1, world.size) + 1)
+                if world.size % t == 0 and seq_len % t == 0 and heads % t == 0] \
+        if device == "cpu" else []
+    groups = ring_groups(world, tp_sizes)
+    sizes = {b: SizeProbe(world, d_model, heads, seq_len, b, device, pair, groups)
+             for b in batches}
     # All compute at once, as in the run, for SHARED_S at least: a block of a small
     # micro-batch takes about a time slice, so a few of them are each timed either
     # on a core of its own or sharing one, and their median is one or the other (the
     # prediction of one layout moved 0.091-0.124 s from probe to probe while its runs
     # measured 0.123-0.139 s).  Over many slices the mean is the rate a rank gets.
-    guess = block_seconds(d_model, heads, seq_len, batch, repeats=2, device=device)
-    repeats = max(world.allgather(min(MAX_REPEATS, max(BLOCK_REPEATS,
-                                                       math.ceil(SHARED_S / guess)))))
-    world.Barrier()
-    block_s = max(world.allgather(block_seconds(d_model, heads, seq_len, batch, repeats,
-                                                device, typical=statistics.fmean)))
-    wait_s, tp_blocks = 0.0, ()
-    if device == "cpu" and world.size > (os.cpu_count() or 1):
-        wait_s = max(world.allgather(pair_wait(world, d_model, heads, seq_len, batch)))
-    if device == "cpu" and tp_max:
-        sizes = [t for t in range(2, min(tp_max, world.size) + 1)
-                 if world.size % t == 0 and seq_len % t == 0 and heads % t == 0]
-        tp_blocks = tuple(
-            (t, *tp_block(world, t, d_model, heads, seq_len, batch,
-                         min(MAX_REPEATS, max(10, math.ceil(SHARED_S * t / block_s)))))
-            for t in sizes)
-    return Shared(block_s, wait_s, pair_link(world, device) if link else None, tp_blocks)
+    # And in rounds through every size: this machine's speed drifts over tens of
+    # seconds (a run's steps of one layout took 3.1-5.5 s), so each size's figures
+    # are spread over the whole probe, not taken in one stretch of it.
+    for _ in range(ROUNDS):
+        for size in sizes.values():
+            size.round()
+    return Probed({b: size.result() for b, size in sizes.items()},
+                  pair_link(world, device) if link else None)
 
 
-def measure(gpt, ranks, batch, threads, device="cpu", timeout=300, link=False, tp_max=None):
-    """Shared on this host with `ranks` ranks of `threads` threads computing on
-    `device` (cpu, or cuda: the host's GPUs), launched through mpiexec; with `link`
-    the device path's alpha and beta too; tp blocks in groups of up to tp_max ranks."""
+def measure(gpt, ranks, batches, threads, device="cpu", timeout=600, link=False,
+            tp_max=None):
+    """Probed on this host with `ranks` ranks of `threads` threads computing on
+    `device` (cpu, or cuda: the host's GPUs) at micro-batches of each of `batches`
+    sequences, launched through mpiexec; with `link` the device path's alpha and
+    beta too; tp blocks in groups of up to tp_max ranks."""
     argv = [mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m",
             "experiments.planner.shared_cores", "--d-model", str(gpt.d_model), "--heads",
-            str(gpt.heads), "--seq-len", str(gpt.seq_len), "--batch", str(batch),
-            "--threads", str(threads), "--device", device] + (["--link"] if link else []) \
+            str(gpt.heads), "--seq-len", str(gpt.seq_len),
+            "--batches", ",".join(str(b) for b in batches), "--threads", str(threads),
+            "--device", device] + (["--link"] if link else []) \
         + (["--tp-max", str(tp_max)] if tp_max else [])
     env = {**os.environ, "PYTHONPATH": checkout_pythonpath(), "OMP_NUM_THREADS": str(threads)}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
@@ -275,15 +326,19 @@ def measure(gpt, ranks, batch, threads, device="cpu", timeout=300, link=False, t
         raise RuntimeError(f"the shared-cores probe failed (exit {done.returncode}): "
                            f"{lines[-1]}")
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    return Shared(found["block_s"], found["wait_s"], tuple(found["link"] or ()) or None,
-                  tuple(tuple(row) for row in found["tp_blocks"]))
+    return Probed({int(b): Shared(s["block_s"], s["wait_s"],
+                                  tuple(tuple(row) for row in s["tp_blocks"]))
+                   for b, s in found["sizes"].items()},
+                  tuple(found["link"] or ()) or None)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m experiments.planner.shared_cores",
                                  description=__doc__.split("\n")[0])
-    for name in ("d-model", "heads", "seq-len", "batch"):
+    for name in ("d-model", "heads", "seq-len"):
         ap.add_argument(f"--{name}", type=int, required=True, help=f"the model's {name}")
+    ap.add_argument("--batches", type=lambda text: [int(b) for b in text.split(",")],
+                    required=True, help="micro-batch sizes, comma-separated: 1,2,4,8")
     ap.add_argument("--threads", type=int, default=1, help="torch threads a rank")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the ranks compute (cuda: sharing the host's GPUs)")
@@ -292,11 +347,12 @@ def main(argv=None):
     ap.add_argument("--tp-max", type=int, help="also time tp blocks in groups of up to "
                     "this many ranks (on the CPU)")
     a = ap.parse_args(argv)
-    found = probe(a.d_model, a.heads, a.seq_len, a.batch, a.threads, a.device, a.link,
+    found = probe(a.d_model, a.heads, a.seq_len, a.batches, a.threads, a.device, a.link,
                   a.tp_max)
     from mpi4py import MPI
     if MPI.COMM_WORLD.rank == 0:
-        print(json.dumps({**found._asdict(), "ranks": MPI.COMM_WORLD.size}), flush=True)
+        print(json.dumps({"sizes": {b: s._asdict() for b, s in found.sizes.items()},
+                          "link": found.link, "ranks": MPI.COMM_WORLD.size}), flush=True)
 
 
 if __name__ == "__main__":

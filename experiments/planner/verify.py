@@ -2,7 +2,7 @@
 beside predicted.
 
     cluster = this_machine(gpt, ranks=4, calibration="results")   # rate timed, links calibrated
-    rows = verify(gpt, [entry, ...], cluster, steps=6)            # [(entry, measured s or why)]
+    rows = verify(gpt, [entry, ...], cluster, steps=6)   # [(entry, steps, measured s, why)]
 
 The machine at hand is a cluster of one node (or of the emulated cluster's
 nodes, experiments/cluster) whose "GPUs" are MPI ranks on CPU cores.  Its
@@ -29,14 +29,16 @@ figures are measured, never assumed:
             collectives waits, in groups of every tp size (tp_waits).
 
 Each layout runs as the sweep would run it (experiments/launchers.py: mpiexec on
-this host, or the emulated cluster), with the trainer's flags (layout_args);
-the measured step is the median over the steps after the first two of the
-slowest rank's step_time_s (experiments/records.py), from the trainer's JSONL.
+this host, or the emulated cluster), with the trainer's flags (layout_args), for
+enough steps to last MEASURED_S after the first two (steps_for); the measured step
+is the median over the steps after the first two of the slowest rank's
+step_time_s (experiments/records.py), from the trainer's JSONL.
 What the trainer cannot run yet (recomputation on the grid, a mixture of
 experts with micro-batches or pipeline stages: strategies/config/settings.py) is not
 offered to --verify (runnable()).
 """
 import contextlib
+import math
 import os
 import statistics
 import subprocess
@@ -56,6 +58,17 @@ from .step import Layout, exchanges, tp_layer
 from .transformer import layer_forward_flops
 
 WARM_UP_STEPS = 2
+# A run's timed steps last at least this long, by the prediction: this machine's speed
+# drifts over tens of seconds (one layout's steps took 3.1-5.5 s in one run), and a
+# layout of 0.1 s steps timed for 4 of them catches one moment of it.
+MEASURED_S = 20.0
+MAX_STEPS = 1000
+
+
+def steps_for(predicted_s, steps, measured_s=MEASURED_S):
+    """Steps of a run: at least `steps`, and enough after the warm-up to last
+    `measured_s` by the prediction."""
+    return min(MAX_STEPS, max(steps, WARM_UP_STEPS + math.ceil(measured_s / predicted_s)))
 
 
 def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1, 2, 4, 8),
@@ -81,16 +94,14 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
         seconds = {b: shared_cores.block_seconds(gpt.d_model, gpt.heads, gpt.seq_len, b,
                                                  device=device) for b in sizes}
     else:
-        on_gpu = device == "cuda"       # the device path's link, timed once, at the first size
-        shared = device == "cpu" and world > cores     # tp blocks in groups inside a node
-        found = {b: shared_cores.measure(gpt, world, b, threads, device, link=on_gpu and i == 0,
-                                         tp_max=ranks if shared else None)
-                 for i, b in enumerate(sizes)}
+        sharing = device == "cpu" and world > cores    # ranks outnumber the cores
+        probed = shared_cores.measure(gpt, world, sizes, threads, device,  # tp in a node
+                                      link=device == "cuda", tp_max=ranks if sharing else None)
+        found = probed.sizes
         seconds = {b: shared.block_s for b, shared in found.items()}
-        link = found[sizes[0]].link
-        if link:
-            intra = Machine(*link)
-        if device == "cpu" and world > cores:   # an exchange right after compute waits
+        if probed.link:                  # ranks sharing a GPU: the device path's link
+            intra = Machine(*probed.link)
+        if sharing:                      # an exchange right after compute waits
             waits = tuple((b, found[b].wait_s) for b in sizes)
     # forward and backward: 3 forwards' FLOPs
     rates = tuple((b, 3 * layer_forward_flops(gpt, b) / seconds[b]) for b in sizes)
@@ -210,7 +221,13 @@ def measure(gpt, layout, cluster, steps, emulated=False, timeout=600, device="cp
         return statistics.median(times), ""
 
 
-def verify(gpt, entries, cluster, steps=6, emulated=False, device="cpu"):
-    """[(entry, measured seconds or None, why)] for each entry, one run after another."""
-    return [(e, *measure(gpt, e.prediction.layout, cluster, steps, emulated, device=device))
-            for e in entries]
+def verify(gpt, entries, cluster, steps=6, emulated=False, device="cpu",
+           measured_s=MEASURED_S):
+    """[(entry, steps run, measured seconds or None, why)] for each entry, one run
+    after another, each of steps_for(its prediction) steps."""
+    rows = []
+    for e in entries:
+        n = steps_for(e.prediction.step_s, steps, measured_s)
+        rows.append((e, n, *measure(gpt, e.prediction.layout, cluster, n, emulated,
+                                    device=device)))
+    return rows

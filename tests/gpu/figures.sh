@@ -92,7 +92,8 @@ if want 5; then
         # shellcheck disable=SC2086  # the axis's two flags, split on purpose
         run "$PY" -m experiments.plan "${PLAN[@]}" --calibration "$cal" \
             --device "$DEVICE" --gpus-per-node 2 $axis --zero 0,1 --recompute none \
-            --micro-batch-sizes 4,8 --verify 1 --steps 6 --jsonl "$OUT/plan.jsonl"
+            --micro-batch-sizes 4,8 --verify 1 --steps 6 --measure-s 5 \
+            --jsonl "$OUT/plan.jsonl"
     done
     rm -rf "$cal"
 fi
