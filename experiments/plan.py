@@ -163,6 +163,8 @@ def main(argv=None):
         precision = a.precision or ("fp32" if a.calibration else "bf16")
         space = Space(a.zero, a.recompute, a.schedules, a.micro_batch_sizes,
                       precision=precision, sequence_parallel=not a.no_sequence_parallel,
+                      # the machine at hand runs strategies.train, whose head is whole
+                      whole_head=bool(a.calibration),
                       tp_sizes=a.tp_sizes, pp_sizes=a.pp_sizes)
         if a.top < 1 or a.verify < 0 or a.steps <= WARM_UP_STEPS or a.measure_s < 0:
             raise ValueError(f"--top must be >= 1, --verify >= 0, --measure-s >= 0 and "

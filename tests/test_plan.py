@@ -17,8 +17,9 @@ from experiments.costmodel import (Machine, cluster_collective_time, cluster_all
 from experiments.planner.cluster import Cluster, preset
 from experiments.planner.figure import plan_frontier
 from experiments.planner.search import Space, layouts, pareto, plan
-from experiments.planner.step import (BUCKET_BYTES, PARTS, Layout, bucketed, group_time,
-                                     memory_of, placement, predict, rank_parameters)
+from experiments.planner.step import (BUCKET_BYTES, PARTS, Layout, bucketed, exchanges,
+                                     group_time, memory_of, placement, predict,
+                                     rank_parameters)
 from experiments.planner.transformer import (GPT, layer_activation_bytes, parameters,
                                              step_flops)
 from strategies.parallel.bubble import bubble_fraction
@@ -395,6 +396,37 @@ def test_sequence_parallelism_sends_what_the_worker_sends_on_tp():
     sums = 6 * group_time("allreduce", SMALL.d_model * e, 4, 1, cluster)
     assert sp[1] == pytest.approx(1.5 * tp[1] + sums)
     assert tp_layer(SMALL, Layout(dp=4), b, e, cluster) == (0.0, 0.0)
+
+
+def test_the_workers_whole_head_costs_its_logits_and_its_collectives_on_every_tp_rank():
+    """Layout.whole_head (strategies.train's head, on every tp rank; with --calibration):
+    the logit layer's FLOPs and logits whole rather than a tp-th, and with sequence
+    parallelism the head's all-gather, the embedding's and ln_f's two gradients'
+    all-reduces (sequence_parallel.edge_collectives: 3 + 3 + 2 x 6 = 18 exchanges a
+    micro-batch at tp = 4, on top of the layers' 66); Megatron's split head otherwise."""
+    from dataclasses import replace
+
+    from experiments.planner.transformer import logit_flops, logits_bytes
+    from strategies.parallel.sequence_parallel import edge_collectives
+    shared = replace(TWO_NODES, core_waits=((2, 1e-3),))
+    split = Layout(tp=4, micro_batches=2, micro_batch_size=2, precision="fp32")
+    whole = replace(split, whole_head=True)
+    a, b = predict(SMALL, shared, split), predict(SMALL, shared, whole)
+    head = logit_flops(SMALL, 2) / shared.flops_per_s(2)       # forward and backward
+    assert b.split["compute"] - a.split["compute"] == pytest.approx(2 * head * 3 / 4)
+    assert b.memory["activations"] - a.memory["activations"] == \
+        pytest.approx(logits_bytes(SMALL, 2) * 3 / 4)
+    forward, backward = edge_collectives(True, True, True)
+    assert sum(exchanges(c, 4) for c, _ in forward + backward) == 18
+    wire = sum(group_time(c, {"activation": 2 * SMALL.seq_len * SMALL.d_model * 4,
+                              "replicated": SMALL.d_model * 4}[v], 4, 1, shared)
+               for c, v in forward + backward)
+    assert b.split["tp"] - a.split["tp"] == pytest.approx(2 * (wire + 18 * 1e-3 / 2))
+    assert edge_collectives(False, True, True) == ([], [])   # the head whole: nothing to gather
+    # Space.whole_head gives it to every tp layout it enumerates, never to tp = 1
+    found = list(layouts(SMALL, TWO_NODES, Space(whole_head=True, tp_sizes=(1, 4))))
+    assert {lo.whole_head for lo in found if lo.tp == 4} == {True}
+    assert {lo.whole_head for lo in found if lo.tp == 1} == {False}
 
 
 def test_a_tp_block_measured_here_sets_its_rate_and_its_waits():

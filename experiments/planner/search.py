@@ -35,6 +35,7 @@ class Space:
     max_virtual_stages: int = 8          # interleaved: every v from 2 to this dividing a stage
     precision: str = "bf16"
     sequence_parallel: bool = True
+    whole_head: bool = False             # the worker's head (Layout.whole_head)
     tp_sizes: tuple = None               # the tensor- and pipeline-parallel sizes allowed
     pp_sizes: tuple = None               # (None: every one the rules allow)
 
@@ -99,7 +100,8 @@ def layouts(gpt, cluster, space):
                         for zero in (space.zero if dp > 1 else space.zero[:1]):
                             for recompute in space.recompute:
                                 yield Layout(dp, pp, tp, ep, zero, m, b, schedule, v, recompute,
-                                             space.precision, space.sequence_parallel and tp > 1)
+                                             space.precision, space.sequence_parallel and tp > 1,
+                                             space.whole_head and tp > 1)
 
 
 def why_out(prediction, cluster):

@@ -14,7 +14,8 @@ groups of its axis that cross a node's link at once share it (placement()).
 A micro-batch of b sequences on one stage (layers / pp of them, the last stage
 with the logit layer too, the slower of the two pacing the pipeline) takes
 
-    forward    its FLOPs / tp at the cluster's rate            (transformer.py)
+    forward    its FLOPs / tp at the cluster's rate            (transformer.py;
+                 the logit layer's whole on every tp rank with Layout.whole_head)
                + 2 all-reduces of b s h values a layer on tp   (Megatron's f and g;
                  with sequence parallelism 2 all-gathers and 2 reduce-scatters, the
                  same bytes; the worker's own list: block_collectives)
@@ -23,6 +24,9 @@ with the logit layer too, the slower of the two pacing the pipeline) takes
                (with sequence parallelism an all-gather more for each column-parallel
                layer, and 6 small all-reduces of replicated weights' gradients; full
                recomputation replays the forward's too)
+               + with the worker's whole head and sequence parallelism, the head's
+                 all-gather (forward), the embedding's (backward) and ln_f's two
+                 gradients (edge_collectives)
 
 none of which overlaps the compute (Megatron runs them in line); on ranks that share
 CPU cores each tp all-reduce also waits for its peers' turns, and so does the
@@ -57,7 +61,7 @@ from dataclasses import asdict, dataclass
 from experiments.costmodel import cluster_collective_time, pipeline_step_time
 from strategies.config.sections import SyncOptions
 from strategies.parallel.bubble import activations_in_flight, bubble_fraction
-from strategies.parallel.sequence_parallel import block_collectives
+from strategies.parallel.sequence_parallel import block_collectives, edge_collectives
 from strategies.runtime.memory import zero_memory
 
 from .transformer import (expert_parameters, layer_activation_bytes, layer_forward_flops,
@@ -84,6 +88,9 @@ class Layout:
     recompute: str = "none"      # none, selective, full
     precision: str = "bf16"
     sequence_parallel: bool = True
+    # the logit layer whole on every tp rank, as strategies.train keeps it, where
+    # Megatron splits it over the vocabulary (Narayanan et al.'s layouts, the presets)
+    whole_head: bool = False
 
     @property
     def world(self):
@@ -143,21 +150,39 @@ def exchanges(collective, t):
     return (2 if collective == "allreduce" else 1) * (t - 1)
 
 
-def tp_layer(gpt, lo, b, e, cluster):
-    """(forward, backward) seconds of one layer's tp collectives on a micro-batch of b,
-    those the worker makes (sequence_parallel.block_collectives).  Where ranks share
-    cores, each of their exchanges waits too (Cluster.tp_wait)."""
+def tp_seconds(gpt, lo, b, e, cluster, collectives):
+    """(forward, backward) seconds of (forward, backward) lists of tp collectives
+    (sequence_parallel's) on a micro-batch of b.  Where ranks share cores, each of
+    their exchanges waits too (Cluster.tp_wait)."""
     if lo.tp == 1:
         return 0.0, 0.0
     size = {"activation": b * gpt.seq_len * gpt.d_model * e, "replicated": gpt.d_model * e}
     wait = cluster.tp_wait(lo.tp, b)
 
-    def seconds(collectives):
+    def seconds(listed):
         return sum(group_time(c, size[values], lo.tp, 1, cluster)
                    + exchanges(c, lo.tp) * wait
-                   for c, values in collectives)
-    forward, backward = block_collectives(lo.sequence_parallel)
+                   for c, values in listed)
+    forward, backward = collectives
     return seconds(forward), seconds(backward)
+
+
+def tp_layer(gpt, lo, b, e, cluster):
+    """(forward, backward) seconds of one layer's tp collectives on a micro-batch of b,
+    those the worker makes (sequence_parallel.block_collectives)."""
+    return tp_seconds(gpt, lo, b, e, cluster, block_collectives(lo.sequence_parallel))
+
+
+def tp_edges(gpt, lo, b, e, cluster):
+    """(forward, backward) seconds of the slowest stage's embedding and head tp
+    collectives on a micro-batch of b, where the head is the worker's, whole
+    (sequence_parallel.edge_collectives): the last stage's head, and with one stage
+    the embedding too.  Megatron's vocabulary-parallel head and its loss's small
+    all-reduces are left out."""
+    if not lo.whole_head:
+        return 0.0, 0.0
+    return tp_seconds(gpt, lo, b, e, cluster,
+                      edge_collectives(lo.sequence_parallel, lo.pp == 1, True))
 
 
 def bucketed(total, beside, buckets):
@@ -194,7 +219,7 @@ def memory_of(gpt, lo, stage):
     if lo.recompute == "full":                  # the layer whose backward replays it
         acts += layer_activation_bytes(gpt, b, lo.tp, lo.sequence_parallel, "none", e)
     if stage == lo.pp - 1:
-        acts += logits_bytes(gpt, b, lo.tp)
+        acts += logits_bytes(gpt, b, 1 if lo.whole_head else lo.tp)
     return {**states, "activations": acts}
 
 
@@ -205,13 +230,15 @@ def predict(gpt, cluster, lo):
     block_rate = cluster.flops_per_s(b, lo.tp)        # a layer split over tp ranks
     # 1. one micro-batch on the slowest stage: compute, then tp's and ep's collectives
     last = lo.pp - 1
-    compute_f = (L * layer_forward_flops(gpt, b) / block_rate
-                 + logit_flops(gpt, b) / 3 / rate) / lo.tp
+    head = logit_flops(gpt, b) / 3 / rate / (1 if lo.whole_head else lo.tp)
+    compute_f = L * layer_forward_flops(gpt, b) / block_rate / lo.tp + head
     compute_b = (L * (2 * layer_forward_flops(gpt, b) + recompute_flops(gpt, b, lo.recompute))
-                 / block_rate + 2 * logit_flops(gpt, b) / 3 / rate) / lo.tp
+                 / block_rate / lo.tp + 2 * head)
     replays = 1 if lo.recompute == "full" else 0      # the forward's collectives again
     tp_layer_f, tp_layer_b = tp_layer(gpt, lo, b, e, cluster)
-    tp_f, tp_b = L * tp_layer_f, L * (tp_layer_b + replays * tp_layer_f)
+    tp_edge_f, tp_edge_b = tp_edges(gpt, lo, b, e, cluster)
+    tp_f = L * tp_layer_f + tp_edge_f
+    tp_b = L * (tp_layer_b + replays * tp_layer_f) + tp_edge_b
     ep_f = ep_b = 0.0
     if gpt.experts and lo.ep > 1:
         tokens = b * gpt.seq_len * gpt.d_model * gpt.top_k * e

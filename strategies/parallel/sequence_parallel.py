@@ -280,6 +280,20 @@ def block_collectives(sequence_parallel):
     return pair * 2, backward + [("allreduce", "replicated")] * 6
 
 
+def edge_collectives(sequence_parallel, has_embed, has_head):
+    """The tp collectives of a stage's embedding and head, one micro-batch, as
+    (forward, backward) like block_collectives.  Both stay whole on every tp rank:
+    without sequence parallelism they make none; with it the embedding's positions
+    are cut after it (its backward gathers them), the head's gathered before it, and
+    ln_f's weight and bias are replicated gradients ("replicated")."""
+    if not sequence_parallel:
+        return [], []
+    forward = [("allgather", "activation")] if has_head else []
+    backward = ([("allgather", "activation")] if has_embed else []) + \
+        ([("allreduce", "replicated")] * 2 if has_head else [])
+    return forward, backward
+
+
 def tp_bytes_sent(micro_batch, seq_len, d_model, tp, blocks, has_embed, has_head,
                   sequence_parallel):
     """Bytes a rank sends on the tp axis for one micro-batch, ring collectives: an
@@ -293,13 +307,11 @@ def tp_bytes_sent(micro_batch, seq_len, d_model, tp, blocks, has_embed, has_head
 
     So sequence parallelism moves the same bytes as tensor parallelism in its g / g-bar
     pairs, and pays one all-gather per column-parallel layer for the memory it saves."""
-    half = 4 * micro_batch * seq_len * d_model * (tp - 1) // tp     # (t-1)/t of one activation
+    size = {"activation": 4 * micro_batch * seq_len * d_model, "replicated": 4 * d_model}
+
+    def sent(collectives):       # (t-1)/t of the values a half, an all-reduce two halves
+        return sum((2 if c == "allreduce" else 1) * size[values] * (tp - 1) // tp
+                   for c, values in collectives)
     forward, backward = block_collectives(sequence_parallel)
-    halves = sum(2 if c == "allreduce" else 1 for c, values in forward + backward
-                 if values == "activation")
-    if not sequence_parallel:
-        return blocks * halves * half
-    sums = sum(1 for _, values in backward if values == "replicated")
-    replicated = blocks * sums * d_model + (2 * d_model if has_head else 0)  # + ln_f's w, b
-    return (blocks * halves + has_embed + has_head) * half + \
-        2 * 4 * replicated * (tp - 1) // tp
+    edge_f, edge_b = edge_collectives(sequence_parallel, has_embed, has_head)
+    return blocks * sent(forward + backward) + sent(edge_f + edge_b)
