@@ -197,7 +197,7 @@ class SizeProbe:
             for name in ("local", "ring"):          # alternated: the machine drifts
                 self.world.Barrier()
                 self.times[name, t] += timed_blocks(blocks[name], x, repeats,
-                                                    self.device, warm_up=0)
+                                                    self.device)
 
     def pair_all_reduces(self, compute):
         """A round's share of CALLS all-reduces of b s h values with the partner, each
