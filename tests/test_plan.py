@@ -430,7 +430,7 @@ def test_the_workers_whole_head_costs_its_logits_and_its_collectives_on_every_tp
 
 
 def test_a_tp_block_measured_here_sets_its_rate_and_its_waits():
-    """Cluster.tp_rates and tp_waits (shared_cores.tp_block, verify.tp_waits): a layer
+    """Cluster.tp_rates and tp_waits (shared_cores.SizeProbe, verify.tp_waits): a layer
     split over t ranks computes at its measured rate, and each exchange of its
     collectives waits what was measured for t at the nearest b; elsewhere the whole
     block's rate and half a pair all-reduce's wait."""

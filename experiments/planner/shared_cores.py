@@ -92,9 +92,8 @@ class Probed(NamedTuple):
     link: tuple = None  # (alpha s, beta s a byte) of the device path (--link), or None
 
 
-def block_seconds(d_model, heads, seq_len, batch, repeats=BLOCK_REPEATS, device="cpu",
-                  typical=statistics.median):
-    """The median (or `typical`) forward and backward of one block on `batch`
+def block_seconds(d_model, heads, seq_len, batch, repeats=BLOCK_REPEATS, device="cpu"):
+    """The median forward and backward of one block on `batch`
     sequences, in this process with its torch threads as they are, on `device` (a
     GPU: waited for)."""
     import torch
@@ -104,7 +103,7 @@ def block_seconds(d_model, heads, seq_len, batch, repeats=BLOCK_REPEATS, device=
     torch.manual_seed(0)
     block = Block(d_model, heads).to(device)
     x = torch.randn(batch, seq_len, d_model, requires_grad=True, device=device)
-    return typical(timed_blocks(block, x, repeats, device))
+    return statistics.median(timed_blocks(block, x, repeats, device))
 
 
 def timed_blocks(block, x, repeats, device, warm_up=1):
@@ -284,8 +283,8 @@ def probe(d_model, heads, seq_len, batches, threads, device="cpu", link=False, t
     if device == "cuda":
         local = world.Split_type(MPI.COMM_TYPE_SHARED).rank
         device = f"cuda:{local % torch.cuda.device_count()}"
-    shared = device == "cpu" and world.size > (os.cpu_count() or 1)
-    pair = ring_groups(world, [2])[2] if shared else None
+    sharing = device == "cpu" and world.size > (os.cpu_count() or 1)   # ranks > cores
+    pair = ring_groups(world, [2])[2] if sharing else None
     tp_sizes = [t for t in range(2, min(tp_max or 1, world.size) + 1)
                 if world.size % t == 0 and seq_len % t == 0 and heads % t == 0] \
         if device == "cpu" else []

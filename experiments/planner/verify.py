@@ -130,7 +130,7 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
 
 def tp_waits(gpt, cluster, found):
     """((t, b, s), ...): what an exchange of a tp collective waits, from the probe's tp
-    blocks (shared_cores.tp_block): a block's time over the ring less its time over
+    blocks (shared_cores.SizeProbe): a block's time over the ring less its time over
     LocalOnly, less what its collectives take on the link (step.tp_layer, with no
     wait), over their exchanges."""
     no_waits = replace(cluster, core_waits=None, tp_waits=None)
