@@ -250,6 +250,20 @@ def test_a_steps_clock_on_a_gpu_records_events_and_waits_for_the_last_only(monke
     assert metrics.StepClock(torch.device("cpu")).events is False
 
 
+def test_the_steps_host_reads_give_what_item_gives():
+    """StepClock.read: the loss and fp16's counters come back as .item() gives them
+    (float64 holds a float32 and an int64 counter exactly); what is no tensor, as it
+    is.  On a GPU the tensors are copied to pinned memory behind the update
+    (tests/gpu/test_step_waits.py: no host read after the clock's wait)."""
+    from strategies.runtime.metrics import StepClock
+
+    loss = torch.tensor(0.1234567, dtype=torch.float32)
+    scale, skips = torch.tensor(65536.0), torch.tensor(3, dtype=torch.int64)
+    values = StepClock.read(loss, None, 2.5, scale, skips).values()
+    assert values == [loss.item(), None, 2.5, 65536.0, 3]
+    assert type(values[0]) is float and type(values[4]) is int
+
+
 def test_a_gpus_optimizer_is_fused_and_a_cpus_stays_the_reference():
     from types import SimpleNamespace
 

@@ -94,15 +94,16 @@ class StepEngine:
                 sync.step(self.optimizer)
         else:       # every rank holds the same averaged gradients, or `agree` votes
             self.precision.step(sync.gradients(), lambda: sync.step(self.optimizer), p.agree)
+        # the loss and fp16's scale, copied to the host behind the update: one wait a step
+        read = clock.read(loss, *self.precision.scalars())
         t3 = clock.mark()
         start, t1, t2, t3 = clock.seconds(start, t1, t2, t3)
-        if torch.is_tensor(loss):                  # read once the step's work is done
-            loss = loss.item()
+        loss, *scalars = read.values()
         fields = {"step_time_s": t3 - start,
                   **(self.pipeline_times(start, t1, t3) if p.pipelined else
                      self.clocked_times(step, start, t1, t2, t3)),
                   "staleness": sync.staleness, "comm_rounds": sync.comm_rounds - rounds,
-                  **self.wire_fields(), **self.precision.record()}
+                  **self.wire_fields(), **self.precision.record(scalars)}
         if exchanged:                              # the experts' all-to-alls
             self.alltoall_fields(fields, *exchanged)
         return (loss if p.reports else None), fields

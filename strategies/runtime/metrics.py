@@ -223,6 +223,37 @@ class StepClock:
         first = marks[0]
         return tuple(first.elapsed_time(m) / 1000.0 for m in marks)
 
+    @staticmethod
+    def read(*values):
+        """What the host reads of the step once it is done (the loss, fp16's scale), to
+        ask for before the last mark: a host read after `seconds` would be a second
+        wait for the GPU, and with ranks taking turns on one GPU each wait can cost
+        them a turn.  Returns a HostCopy; its `values()` after `seconds`."""
+        return HostCopy(values)
+
+
+class HostCopy:
+    """Values as Python numbers, where the GPU's tensors among them are copied into
+    pinned host memory without a wait: one copy for all of them, which the wait for
+    the next event recorded after it (StepClock.seconds) also waits for."""
+
+    def __init__(self, values):
+        self.given = list(values)
+        self.on_gpu = [i for i, v in enumerate(self.given) if torch.is_tensor(v) and v.is_cuda]
+        if self.on_gpu:
+            # float64 holds the loss (float32) and the counters (int32/64) exactly
+            stacked = torch.stack([self.given[i].detach().reshape(()).double()
+                                   for i in self.on_gpu])
+            self.host = torch.empty(len(self.on_gpu), dtype=torch.float64, pin_memory=True)
+            self.host.copy_(stacked, non_blocking=True)
+
+    def values(self):
+        out = list(self.given)
+        if self.on_gpu:
+            for i, value in zip(self.on_gpu, self.host.tolist()):
+                out[i] = value
+        return [v.item() if torch.is_tensor(v) else v for v in out]
+
 
 def _delta(now_bytes, before):
     """Bytes since the last step; None where the backend's traffic is not observable."""

@@ -140,12 +140,23 @@ class MixedPrecision:
         if self.scaler is not None and state:
             self.scaler.restore(state)
 
-    def record(self):
-        """The step record's fields: the scale and the skips so far (fp16 only).  On the
-        device's path this is the step's one host read of them, made when the record
-        is written, beside the loss the loop reads every step anyway."""
+    def scalars(self):
+        """What record() reports, where it lives on the GPU (the scale and the skips of
+        the device's path): for the step to read with its loss, in one copy
+        (StepClock.read).  () where the host holds them, or there is no scaler."""
+        if isinstance(self.scaler, DeviceLossScaler):
+            return self.scaler.multiplier, self.scaler.skips
+        return ()
+
+    def record(self, read=()):
+        """The step record's fields: the scale and the skips so far (fp16 only).  `read`:
+        the values of scalars(), read by the caller; else read here (on the device's
+        path a host read)."""
         if self.scaler is None:
             return {}
+        if read:
+            scale, skips = read
+            return {"loss_scale": scale, "overflow_skips": int(skips)}
         state = self.scaler.snapshot()
         return {"loss_scale": state["scale"], "overflow_skips": state["overflow_skips"]}
 

@@ -5,8 +5,9 @@
 Skipped, with that reason, where torch sees no GPU.  A plain PyTorch loop waits
 once a step, where it reads its loss back; the kernels of its update are queued
 while the GPU still runs backward.  The step engine (strategies/engine/loop.py)
-times its phases with CUDA events (runtime/metrics.StepClock) and reads the loss
-after the update is queued, so it may wait only where the clock reads its events.
+times its phases with CUDA events (runtime/metrics.StepClock) and copies the loss,
+with fp16's scale, into pinned memory before the last event, so it may wait only
+where the clock reads its events.
 torch.cuda.set_sync_debug_mode("error") makes every other synchronising call (a
 .item(), a torch.cuda.synchronize, a copy to pageable memory) an error.  The
 batch's own copy from pageable host memory waits in the plain loop too, and is
@@ -51,8 +52,8 @@ def test_a_local_step_waits_for_the_gpu_once_at_its_end(monkeypatch, precision):
 
     def read_the_clock(clock, *marks):
         waits.append(len(marks))
-        torch.cuda.set_sync_debug_mode(0)           # from here on, the step's one wait
-        return seconds(clock, *marks)
+        with SyncsAllowed():                        # the step's one wait
+            return seconds(clock, *marks)
 
     def batch_from_host(*args, **kwargs):
         with SyncsAllowed():
@@ -68,6 +69,9 @@ def test_a_local_step_waits_for_the_gpu_once_at_its_end(monkeypatch, precision):
         torch.cuda.set_sync_debug_mode(0)
         engine.sync.close()
     assert waits == [4]                             # start, backward, gradients, update
+    # the loss and fp16's scale came with that wait (StepClock.read): no read after it
     assert isinstance(loss, float) and loss == loss
+    if precision == "fp16":
+        assert fields["loss_scale"] > 0 and fields["overflow_skips"] in (0, 1)
     assert fields["step_time_s"] >= fields["compute_time_s"] > 0
     assert fields["comm_time_s"] >= 0
