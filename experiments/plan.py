@@ -121,7 +121,8 @@ def cluster_of(a, gpt):
     if a.calibration:
         ranks = a.gpus_per_node or os.cpu_count() or 1        # default: a rank a core
         machine = this_machine(gpt, ranks, a.calibration, a.nodes or 1,
-                               a.inter_gbps or 1.0, a.micro_batch_sizes, a.device)
+                               a.inter_gbps or 1.0, a.micro_batch_sizes, a.device,
+                               replays="full" in a.recompute)
         return replace(machine, **given)
     missing = [k for k in EXPLICIT if k not in given]
     if missing:

@@ -437,16 +437,16 @@ def test_a_tp_block_measured_here_sets_its_rate_and_its_waits():
     from dataclasses import replace
 
     from experiments.planner import verify
-    from experiments.planner.shared_cores import Shared
+    from experiments.planner.shared_cores import Shared, TpBlock
     from experiments.planner.step import tp_layer
     shared = replace(TWO_NODES, core_waits=((1, 2e-3),), measured_rates=((1, 1e9),))
     assert shared.flops_per_s(1, t=4) == 1e9 and shared.tp_wait(4, 1) == 1e-3
     # one block at t = 4, b = 1: 10 ms over the ring, 4 ms local, 66 exchanges
-    found = {1: Shared(0.01, 2e-3, ((4, 0.010, 0.004),))}
-    waits = verify.tp_waits(SMALL, shared, found)
+    found = {1: Shared(0.01, 2e-3, (TpBlock(4, 0.010, 0.004),))}
+    waits, replay_waits = verify.tp_waits(SMALL, shared, found)
     no_waits = replace(shared, core_waits=None)
     link = sum(tp_layer(SMALL, Layout(tp=4, precision="fp32"), 1, 4, no_waits))
-    assert waits == ((4, 1, pytest.approx((0.006 - link) / 66)),)
+    assert waits == ((4, 1, pytest.approx((0.006 - link) / 66)),) and replay_waits == ()
     measured = replace(shared, tp_waits=((4, 1, 5e-5), (4, 8, 9e-5)), tp_rates=((4, 1, 2e8),))
     assert measured.tp_wait(4, 2) == 5e-5 and measured.tp_wait(4, 6) == 9e-5
     assert measured.tp_wait(2, 1) == 1e-3                  # no t = 2 measured: the pair's
@@ -457,6 +457,37 @@ def test_a_tp_block_measured_here_sets_its_rate_and_its_waits():
     plain = predict(SMALL, shared, Layout(dp=4, micro_batch_size=1, precision="fp32"))
     assert predict(SMALL, measured, Layout(dp=4, micro_batch_size=1,
                                            precision="fp32")).step_s == plain.step_s
+
+
+def test_a_recomputed_tp_block_measured_here_sets_its_replays_rate_and_waits():
+    """Cluster.tp_replay_rates and tp_replay_waits (the probe's tp blocks recomputed,
+    verify.tp_waits): a layout with full recomputation replays each layer's forward
+    at the replay's measured rate, and its forward collectives wait what a replayed
+    exchange was measured to wait; without them, as the block's own figures."""
+    from dataclasses import replace
+
+    from experiments.planner import verify
+    from experiments.planner.shared_cores import Shared, TpBlock
+    from experiments.planner.step import tp_layer
+    shared = replace(TWO_NODES, core_waits=((1, 2e-3),), measured_rates=((1, 1e9),))
+    # recomputed: 3 ms more locally, 5 ms more over the ring; 12 forward exchanges
+    found = {1: Shared(0.01, 2e-3, (TpBlock(4, 0.010, 0.004, 0.015, 0.007),))}
+    waits, replay_waits = verify.tp_waits(SMALL, shared, found)
+    no_waits = replace(shared, core_waits=None)
+    link_f, _ = tp_layer(SMALL, Layout(tp=4, precision="fp32"), 1, 4, no_waits)
+    assert replay_waits == ((4, 1, pytest.approx((0.002 - link_f) / 12)),)
+    measured = replace(shared, tp_waits=waits, tp_replay_waits=((4, 1, 1e-3),),
+                       tp_rates=((4, 1, 2e8),), tp_replay_rates=((4, 1, 5e7),))
+    assert measured.tp_wait(4, 1, replay=True) == 1e-3
+    assert measured.tp_wait(4, 1) == waits[0][2]
+    assert measured.flops_per_s(1, t=4, replay=True) == 5e7
+    assert measured.flops_per_s(1, t=2, replay=True) == 1e9     # not measured: the block's
+    full = Layout(tp=4, micro_batch_size=1, recompute="full", precision="fp32")
+    plain = replace(measured, tp_replay_waits=None, tp_replay_rates=None)
+    slow, fast = predict(SMALL, measured, full), predict(SMALL, plain, full)
+    assert slow.split["compute"] > fast.split["compute"] and slow.split["tp"] > fast.split["tp"]
+    none = replace(full, recompute="none")                       # no replay: no change
+    assert predict(SMALL, measured, none).step_s == predict(SMALL, plain, none).step_s
 
 
 @pytest.mark.mpi
@@ -475,10 +506,12 @@ def test_the_shared_cores_probe_times_every_rank_at_once_and_pairs_them():
     assert found.sizes[2].block_s > 0 and found.link is None and found.sizes[2].tp_blocks == ()
     # a tp block in groups of 2, at each size: with the ring and alone
     probed = shared_cores.measure(GPT(2, 32, 2, 16, 64, 8), ranks=2, batches=(1, 2),
-                                  threads=1, tp_max=2)
+                                  threads=1, tp_max=2, replays=True)
     for b in (1, 2):
-        (t, ring_s, local_s), = probed.sizes[b].tp_blocks
-        assert t == 2 and ring_s > 0 and local_s > 0
+        block, = probed.sizes[b].tp_blocks
+        assert block.t == 2 and block.ring_s > 0 and block.local_s > 0
+        # and recomputed: at least the block again, with its forward once more
+        assert block.ring_replayed_s > 0 and block.local_replayed_s > 0
     if os.cpu_count() >= 2:             # a core for each rank: nothing to wait for
         assert found.sizes[2].wait_s == 0.0
     # the link as the trainer's ring moves tensors on the device (here the host's path)

@@ -60,6 +60,11 @@ class Cluster:
     # ((t, sequences a micro-batch, FLOP/s), ...): a tp block's own rate in groups of t
     # (its 1/t of the FLOPs over its time with no communication), measured here
     tp_rates: tuple = None
+    # the same for a tp block's replay under full recomputation (its forward again,
+    # inside the backward, through torch's checkpoint): ((t, b, FLOP/s), ...) and
+    # ((t, b, s), ...) a replayed exchange waits, measured here (verify.py)
+    tp_replay_rates: tuple = None
+    tp_replay_waits: tuple = None
     # The data-parallel collectives run beside the compute: on a GPU the copies and
     # the reductions take the NICs, the copy engines and a few SMs.  MPI ranks on CPU
     # cores run both on the same cores (verify.py), so there they add up.
@@ -81,11 +86,15 @@ class Cluster:
     def world(self):
         return self.nodes * self.gpus_per_node
 
-    def flops_per_s(self, b=None, t=1):
+    def flops_per_s(self, b=None, t=1, replay=False):
         """FLOP/s a GPU reaches on a micro-batch of b sequences: the peak times the
         efficiency, or where rates were measured per size, the one nearest b (a CPU
         runs small matrices far below its best rate); with t, on a block split over
-        t tp ranks, where that was measured (its matrices are t times smaller still)."""
+        t tp ranks, where that was measured (its matrices are t times smaller still);
+        replay: that block's recomputed forward, where measured."""
+        replays = [(size, r) for group, size, r in self.tp_replay_rates or () if group == t]
+        if replay and replays and b is not None:
+            return min(replays, key=lambda br: (abs(br[0] - b), br[0]))[1]
         measured = [(size, r) for group, size, r in self.tp_rates or () if group == t]
         if measured and b is not None:
             return min(measured, key=lambda br: (abs(br[0] - b), br[0]))[1]
@@ -100,10 +109,14 @@ class Cluster:
             return 0.0
         return min(self.core_waits, key=lambda bw: (abs(bw[0] - b), bw[0]))[1]
 
-    def tp_wait(self, t, b):
+    def tp_wait(self, t, b, replay=False):
         """Seconds an exchange of a tp collective of t ranks waits for a shared core: as
-        measured for groups of t at the micro-batch size nearest b, else half a pair
-        all-reduce's wait (two exchanges), else 0."""
+        measured for groups of t at the micro-batch size nearest b (replay: in a
+        recomputed forward, where measured), else half a pair all-reduce's wait (two
+        exchanges), else 0."""
+        replays = [(size, s) for group, size, s in self.tp_replay_waits or () if group == t]
+        if replay and replays:
+            return min(replays, key=lambda bs: (abs(bs[0] - b), bs[0]))[1]
         measured = [(size, s) for group, size, s in self.tp_waits or () if group == t]
         if measured:
             return min(measured, key=lambda bs: (abs(bs[0] - b), bs[0]))[1]

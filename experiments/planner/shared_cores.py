@@ -55,6 +55,14 @@ the probe measures what that costs with every rank of the run there at once:
    rate, the difference its communication (verify.tp_waits takes the link off,
    per exchange).  At 4 ranks on 2 cores here, b = 1: 3.0 ms local against 14.7
    ms over the ring, where the whole block alone took 3.8 ms.
+5. The same tp block recomputed (`--replays`: the trainer's --recompute, the block
+   checkpointed as strategies/parallel/recompute.py checkpoints it), over the ring
+   and over LocalOnly.  A replay is one more forward, a third of the block's
+   FLOPs, but torch's checkpoint adds work of its own that small micro-batches
+   feel: at 4 ranks on 2 cores, b = 1, the local block took 2.4-3.1 ms more
+   recomputed, where a third of its 3.0 ms was expected; its collectives'
+   replays waited about as much as the block's own (0.23-0.28 against 0.20-0.22
+   ms an exchange).
 """
 import argparse
 import json
@@ -83,8 +91,16 @@ class Shared(NamedTuple):
     """What the probe found at one micro-batch size."""
     block_s: float      # the slowest rank's forward and backward of one block
     wait_s: float       # a pair all-reduce's wait after compute (0: a core for every rank)
-    # ((t, s with the ring, s local), ...): a tp block in groups of t (SizeProbe)
-    tp_blocks: tuple = ()
+    tp_blocks: tuple = ()   # (TpBlock, ...): a tp block in groups of t (SizeProbe)
+
+
+class TpBlock(NamedTuple):
+    """A sequence-parallel block's forward and backward in groups of t ranks."""
+    t: int
+    ring_s: float                   # over the trainer's ring
+    local_s: float                  # over LocalOnly: its compute alone
+    ring_replayed_s: float = None   # recomputed (--replays), over the ring
+    local_replayed_s: float = None  # ... and over LocalOnly
 
 
 class Probed(NamedTuple):
@@ -140,10 +156,12 @@ class SizeProbe:
     (probe() runs a round of every size in turn): the block among all ranks; with
     `pair` (the ranks in twos, their ring), the pair all-reduce's wait; with `groups`
     ({t: (ranks in groups of t, their ring)}), a sequence-parallel block
-    (strategies/parallel) over the ring and over LocalOnly.  Every rank keeps its own
-    times; result() gives the slowest rank's means."""
+    (strategies/parallel) over the ring and over LocalOnly, and with `replays` each
+    also recomputed.  Every rank keeps its own times; result() gives the slowest
+    rank's means."""
 
-    def __init__(self, world, d_model, heads, seq_len, batch, device, pair=None, groups=None):
+    def __init__(self, world, d_model, heads, seq_len, batch, device, pair=None, groups=None,
+                 replays=False):
         import numpy as np
         import torch
 
@@ -162,28 +180,38 @@ class SizeProbe:
         self.repeats = math.ceil(total / ROUNDS)
         self.times = {"block": [], "after compute": [], "polling": []}
         self.tp = {}
+        # alternated in each round (the machine drifts): local, ring, and recomputed
+        self.tp_kinds = [("local", False), ("ring", False)] + \
+            ([("local", True), ("ring", True)] if replays else [])
         for t, (group, ring) in (groups or {}).items():
-            blocks = {name: self.tp_block(coll, group.rank, t, d_model, heads)
-                      for name, coll in (("ring", ring), ("local", LocalOnly(t)))}
+            colls = {"ring": ring, "local": LocalOnly(t)}
+            blocks = {(name, replayed): self.tp_block(colls[name], group.rank, t, d_model,
+                                                      heads, replayed)
+                      for name, replayed in self.tp_kinds}
             x = torch.randn(batch, seq_len // t, d_model, requires_grad=True)
             # each pass as long as the whole block's SHARED_S: t times the (smaller) blocks
             repeats = min(MAX_REPEATS, max(10, math.ceil(SHARED_S * t / guess)))
             self.tp[t] = (blocks, x, repeats)
-            self.times.update({("ring", t): [], ("local", t): []})
+            self.times.update({(name, replayed, t): [] for name, replayed in self.tp_kinds})
 
     @staticmethod
-    def tp_block(coll, rank, t, d_model, heads):
-        """One Block split over t ranks with sequence parallelism, over `coll`."""
+    def tp_block(coll, rank, t, d_model, heads, replayed=False):
+        """One Block split over t ranks with sequence parallelism, over `coll`; replayed:
+        checkpointed as the trainer's --recompute checkpoints it."""
         import torch
 
         from strategies.model.models import Block
+        from strategies.parallel.recompute import Recompute
         from strategies.parallel.sequence_parallel import split_sequence
         from strategies.parallel.tensor_parallel import TensorParallel, parallelize_blocks
         torch.manual_seed(0)
         tp = TensorParallel(coll, rank, t)
         block = Block(d_model, heads)
         parallelize_blocks([block], tp)
-        return split_sequence([("blocks.0", block)], tp)[0][1]
+        blocks = split_sequence([("blocks.0", block)], tp)
+        if replayed:
+            Recompute.of_blocks(blocks)
+        return blocks[0][1]
 
     def round(self):
         self.world.Barrier()
@@ -193,10 +221,10 @@ class SizeProbe:
             self.pair_all_reduces(compute=False)
             self.pair_all_reduces(compute=True)
         for t, (blocks, x, repeats) in self.tp.items():
-            for name in ("local", "ring"):          # alternated: the machine drifts
+            for name, replayed in self.tp_kinds:
                 self.world.Barrier()
-                self.times[name, t] += timed_blocks(blocks[name], x, repeats,
-                                                    self.device)
+                self.times[name, replayed, t] += timed_blocks(blocks[name, replayed], x,
+                                                              repeats, self.device)
 
     def pair_all_reduces(self, compute):
         """A round's share of CALLS all-reduces of b s h values with the partner, each
@@ -224,7 +252,9 @@ class SizeProbe:
         # b1 here), whose median is one or the other
         wait = mean["after compute"] - mean["polling"] if self.pair is not None else 0.0
         return Shared(slowest(mean["block"]), slowest(max(0.0, wait)),
-                      tuple((t, slowest(mean["ring", t]), slowest(mean["local", t]))
+                      tuple(TpBlock(t, **{f"{name}{'_replayed' if replayed else ''}_s":
+                                          slowest(mean[name, replayed, t])
+                                          for name, replayed in self.tp_kinds})
                             for t in self.tp))
 
 
@@ -272,10 +302,11 @@ def ring_groups(world, sizes):
     return groups
 
 
-def probe(d_model, heads, seq_len, batches, threads, device="cpu", link=False, tp_max=None):
+def probe(d_model, heads, seq_len, batches, threads, device="cpu", link=False, tp_max=None,
+          replays=False):
     """On every rank of an MPI job on one host: Probed, the same on every rank.  On a
     GPU the ranks share it (strategies.train's --device cuda: local rank i on GPU
-    i mod the GPUs) and wait for no core."""
+    i mod the GPUs) and wait for no core.  replays: the tp blocks recomputed too."""
     import torch
     from mpi4py import MPI
     world = MPI.COMM_WORLD
@@ -289,7 +320,7 @@ def probe(d_model, heads, seq_len, batches, threads, device="cpu", link=False, t
                 if world.size % t == 0 and seq_len % t == 0 and heads % t == 0] \
         if device == "cpu" else []
     groups = ring_groups(world, tp_sizes)
-    sizes = {b: SizeProbe(world, d_model, heads, seq_len, b, device, pair, groups)
+    sizes = {b: SizeProbe(world, d_model, heads, seq_len, b, device, pair, groups, replays)
              for b in batches}
     # All compute at once, as in the run, for SHARED_S at least: a block of a small
     # micro-batch takes about a time slice, so a few of them are each timed either
@@ -307,17 +338,18 @@ def probe(d_model, heads, seq_len, batches, threads, device="cpu", link=False, t
 
 
 def measure(gpt, ranks, batches, threads, device="cpu", timeout=600, link=False,
-            tp_max=None):
+            tp_max=None, replays=False):
     """Probed on this host with `ranks` ranks of `threads` threads computing on
     `device` (cpu, or cuda: the host's GPUs) at micro-batches of each of `batches`
     sequences, launched through mpiexec; with `link` the device path's alpha and
-    beta too; tp blocks in groups of up to tp_max ranks."""
+    beta too; tp blocks in groups of up to tp_max ranks, with `replays` also
+    recomputed."""
     argv = [mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m",
             "experiments.planner.shared_cores", "--d-model", str(gpt.d_model), "--heads",
             str(gpt.heads), "--seq-len", str(gpt.seq_len),
             "--batches", ",".join(str(b) for b in batches), "--threads", str(threads),
             "--device", device] + (["--link"] if link else []) \
-        + (["--tp-max", str(tp_max)] if tp_max else [])
+        + (["--tp-max", str(tp_max)] if tp_max else []) + (["--replays"] if replays else [])
     env = {**os.environ, "PYTHONPATH": checkout_pythonpath(), "OMP_NUM_THREADS": str(threads)}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode:
@@ -326,7 +358,7 @@ def measure(gpt, ranks, batches, threads, device="cpu", timeout=600, link=False,
                            f"{lines[-1]}")
     found = json.loads(done.stdout.strip().splitlines()[-1])
     return Probed({int(b): Shared(s["block_s"], s["wait_s"],
-                                  tuple(tuple(row) for row in s["tp_blocks"]))
+                                  tuple(TpBlock(*row) for row in s["tp_blocks"]))
                    for b, s in found["sizes"].items()},
                   tuple(found["link"] or ()) or None)
 
@@ -345,9 +377,11 @@ def main(argv=None):
                     help="also fit alpha and beta of the trainer's ring between pairs on --device")
     ap.add_argument("--tp-max", type=int, help="also time tp blocks in groups of up to "
                     "this many ranks (on the CPU)")
+    ap.add_argument("--replays", action="store_true",
+                    help="also time the tp blocks recomputed (the trainer's --recompute)")
     a = ap.parse_args(argv)
     found = probe(a.d_model, a.heads, a.seq_len, a.batches, a.threads, a.device, a.link,
-                  a.tp_max)
+                  a.tp_max, a.replays)
     from mpi4py import MPI
     if MPI.COMM_WORLD.rank == 0:
         print(json.dumps({"sizes": {b: s._asdict() for b, s in found.sizes.items()},

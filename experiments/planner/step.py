@@ -150,14 +150,14 @@ def exchanges(collective, t):
     return (2 if collective == "allreduce" else 1) * (t - 1)
 
 
-def tp_seconds(gpt, lo, b, e, cluster, collectives):
+def tp_seconds(gpt, lo, b, e, cluster, collectives, replay=False):
     """(forward, backward) seconds of (forward, backward) lists of tp collectives
     (sequence_parallel's) on a micro-batch of b.  Where ranks share cores, each of
-    their exchanges waits too (Cluster.tp_wait)."""
+    their exchanges waits too (Cluster.tp_wait; replay: a recomputed forward's)."""
     if lo.tp == 1:
         return 0.0, 0.0
     size = {"activation": b * gpt.seq_len * gpt.d_model * e, "replicated": gpt.d_model * e}
-    wait = cluster.tp_wait(lo.tp, b)
+    wait = cluster.tp_wait(lo.tp, b, replay)
 
     def seconds(listed):
         return sum(group_time(c, size[values], lo.tp, 1, cluster)
@@ -167,10 +167,12 @@ def tp_seconds(gpt, lo, b, e, cluster, collectives):
     return seconds(forward), seconds(backward)
 
 
-def tp_layer(gpt, lo, b, e, cluster):
+def tp_layer(gpt, lo, b, e, cluster, replay=False):
     """(forward, backward) seconds of one layer's tp collectives on a micro-batch of b,
-    those the worker makes (sequence_parallel.block_collectives)."""
-    return tp_seconds(gpt, lo, b, e, cluster, block_collectives(lo.sequence_parallel))
+    those the worker makes (sequence_parallel.block_collectives); replay: as a
+    recomputed forward makes them again."""
+    return tp_seconds(gpt, lo, b, e, cluster, block_collectives(lo.sequence_parallel),
+                      replay)
 
 
 def tp_edges(gpt, lo, b, e, cluster):
@@ -228,17 +230,19 @@ def predict(gpt, cluster, lo):
     e, b, G = BYTES[lo.precision], lo.micro_batch_size, cluster.gpus_per_node
     L, rate = gpt.layers / lo.pp, cluster.flops_per_s(b)
     block_rate = cluster.flops_per_s(b, lo.tp)        # a layer split over tp ranks
+    replay_rate = cluster.flops_per_s(b, lo.tp, replay=lo.recompute == "full")
     # 1. one micro-batch on the slowest stage: compute, then tp's and ep's collectives
     last = lo.pp - 1
     head = logit_flops(gpt, b) / 3 / rate / (1 if lo.whole_head else lo.tp)
     compute_f = L * layer_forward_flops(gpt, b) / block_rate / lo.tp + head
-    compute_b = (L * (2 * layer_forward_flops(gpt, b) + recompute_flops(gpt, b, lo.recompute))
-                 / block_rate / lo.tp + 2 * head)
+    compute_b = (L * (2 * layer_forward_flops(gpt, b) / block_rate +
+                      recompute_flops(gpt, b, lo.recompute) / replay_rate) / lo.tp + 2 * head)
     replays = 1 if lo.recompute == "full" else 0      # the forward's collectives again
     tp_layer_f, tp_layer_b = tp_layer(gpt, lo, b, e, cluster)
+    tp_replay_f, _ = tp_layer(gpt, lo, b, e, cluster, replay=True)
     tp_edge_f, tp_edge_b = tp_edges(gpt, lo, b, e, cluster)
     tp_f = L * tp_layer_f + tp_edge_f
-    tp_b = L * (tp_layer_b + replays * tp_layer_f) + tp_edge_b
+    tp_b = L * (tp_layer_b + replays * tp_replay_f) + tp_edge_b
     ep_f = ep_b = 0.0
     if gpt.experts and lo.ep > 1:
         tokens = b * gpt.seq_len * gpt.d_model * gpt.top_k * e

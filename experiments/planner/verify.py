@@ -26,7 +26,10 @@ figures are measured, never assumed:
   waits     where ranks outnumber cores, what a tp pair's all-reduce right after a
             block's forward waits for the peer's turn on a core (shared_cores.py),
             for each micro-batch size; and what each exchange of a tp block's
-            collectives waits, in groups of every tp size (tp_waits).
+            collectives waits, in groups of every tp size (tp_waits).  Where the
+            search holds full recomputation, the tp block recomputed too: its
+            replay's rate and its replayed exchanges' waits (torch's checkpoint
+            costs small micro-batches more than the forward's FLOPs say).
 
 Each layout runs as the sweep would run it (experiments/launchers.py: mpiexec on
 this host, or the emulated cluster), with the trainer's flags (layout_args), for
@@ -72,11 +75,12 @@ def steps_for(predicted_s, steps, measured_s=MEASURED_S):
 
 
 def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1, 2, 4, 8),
-                 device="cpu"):
+                 device="cpu", replays=False):
     """The Cluster of the machine at hand: `nodes` x `ranks` (per node) MPI ranks
     computing on `device` (cpu: its cores; cuda: its GPUs, shared by the ranks as
     strategies.train shares them), its rate timed for micro-batches of each of
-    `sizes` sequences."""
+    `sizes` sequences; `replays`: for layouts that recompute, the tp blocks
+    recomputed too."""
     world, cores = nodes * ranks, os.cpu_count() or 1
     if device == "cuda":
         import torch
@@ -96,7 +100,8 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
     else:
         sharing = device == "cpu" and world > cores    # ranks outnumber the cores
         probed = shared_cores.measure(gpt, world, sizes, threads, device,  # tp in a node
-                                      link=device == "cuda", tp_max=ranks if sharing else None)
+                                      link=device == "cuda", tp_max=ranks if sharing else None,
+                                      replays=replays)
         found = probed.sizes
         seconds = {b: shared.block_s for b, shared in found.items()}
         if probed.link:                  # ranks sharing a GPU: the device path's link
@@ -121,27 +126,44 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
                       calibrated_intra=intra, measured_rates=rates, core_waits=waits,
                       overlaps=device == "cuda")
     if world > 1 and any(found[b].tp_blocks for b in sizes):
-        tp_rates = tuple((t, b, 3 * layer_forward_flops(gpt, b) / t / local_s)
-                         for b, shared in found.items()
-                         for t, _, local_s in shared.tp_blocks)
-        cluster = replace(cluster, tp_rates=tp_rates, tp_waits=tp_waits(gpt, cluster, found))
+        blocks = [(b, block) for b, shared in found.items() for block in shared.tp_blocks]
+        tp_rates = tuple((block.t, b, 3 * layer_forward_flops(gpt, b) / block.t /
+                          block.local_s) for b, block in blocks)
+        replayed = [(b, block) for b, block in blocks if block.local_replayed_s is not None]
+        # a replay's own rate: its forward's FLOPs over what recomputing added locally
+        replay_rates = tuple((block.t, b, layer_forward_flops(gpt, b) / block.t /
+                              max(block.local_replayed_s - block.local_s, 1e-9))
+                             for b, block in replayed)
+        waits, replay_waits = tp_waits(gpt, cluster, found)
+        cluster = replace(cluster, tp_rates=tp_rates, tp_waits=waits,
+                          tp_replay_rates=replay_rates or None,
+                          tp_replay_waits=replay_waits or None)
     return cluster
 
 
 def tp_waits(gpt, cluster, found):
-    """((t, b, s), ...): what an exchange of a tp collective waits, from the probe's tp
-    blocks (shared_cores.SizeProbe): a block's time over the ring less its time over
-    LocalOnly, less what its collectives take on the link (step.tp_layer, with no
-    wait), over their exchanges."""
-    no_waits = replace(cluster, core_waits=None, tp_waits=None)
+    """(waits, replay waits), each ((t, b, s), ...): what an exchange of a tp collective
+    waits, from the probe's tp blocks (shared_cores.SizeProbe).  A block's time over
+    the ring less its time over LocalOnly, less what its collectives take on the link
+    (step.tp_layer, with no wait), over their exchanges; for a replay (the blocks
+    recomputed, where probed), what recomputing added over the ring less what it added
+    locally, less the forward collectives' link, over their exchanges."""
+    no_waits = replace(cluster, core_waits=None, tp_waits=None, tp_replay_waits=None)
     forward, backward = block_collectives(True)         # the probe's block
-    waits = []
+    waits, replay_waits = [], []
     for b, shared in found.items():
-        for t, ring_s, local_s in shared.tp_blocks:
-            link = sum(tp_layer(gpt, Layout(tp=t, precision="fp32"), b, 4, no_waits))
-            steps = sum(exchanges(c, t) for c, _ in forward + backward)
-            waits.append((t, b, max(0.0, (ring_s - local_s - link) / steps)))
-    return tuple(waits)
+        for block in shared.tp_blocks:
+            t = block.t
+            link_f, link_b = tp_layer(gpt, Layout(tp=t, precision="fp32"), b, 4, no_waits)
+            steps_f = sum(exchanges(c, t) for c, _ in forward)
+            steps = steps_f + sum(exchanges(c, t) for c, _ in backward)
+            waits.append((t, b, max(0.0, (block.ring_s - block.local_s - link_f - link_b)
+                                    / steps)))
+            if block.ring_replayed_s is not None:
+                replay = (block.ring_replayed_s - block.ring_s) - \
+                    (block.local_replayed_s - block.local_s)
+                replay_waits.append((t, b, max(0.0, (replay - link_f) / steps_f)))
+    return tuple(waits), tuple(replay_waits)
 
 
 def runnable(gpt, layout):
