@@ -129,11 +129,12 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
         blocks = [(b, block) for b, shared in found.items() for block in shared.tp_blocks]
         tp_rates = tuple((block.t, b, 3 * layer_forward_flops(gpt, b) / block.t /
                           block.local_s) for b, block in blocks)
-        replayed = [(b, block) for b, block in blocks if block.local_replayed_s is not None]
         # a replay's own rate: its forward's FLOPs over what recomputing added locally
+        # (where the noise left nothing added, none: the block's rate stands in)
         replay_rates = tuple((block.t, b, layer_forward_flops(gpt, b) / block.t /
-                              max(block.local_replayed_s - block.local_s, 1e-9))
-                             for b, block in replayed)
+                              (block.local_replayed_s - block.local_s))
+                             for b, block in blocks if block.local_replayed_s is not None
+                             and block.local_replayed_s > block.local_s)
         waits, replay_waits = tp_waits(gpt, cluster, found)
         cluster = replace(cluster, tp_rates=tp_rates, tp_waits=waits,
                           tp_replay_rates=replay_rates or None,
