@@ -239,10 +239,10 @@ def predict(gpt, cluster, lo):
                       recompute_flops(gpt, b, lo.recompute) / replay_rate) / lo.tp + 2 * head)
     replays = 1 if lo.recompute == "full" else 0      # the forward's collectives again
     tp_layer_f, tp_layer_b = tp_layer(gpt, lo, b, e, cluster)
-    tp_replay_f, _ = tp_layer(gpt, lo, b, e, cluster, replay=True)
+    tp_replay_f = tp_layer(gpt, lo, b, e, cluster, replay=True)[0] if replays else 0.0
     tp_edge_f, tp_edge_b = tp_edges(gpt, lo, b, e, cluster)
     tp_f = L * tp_layer_f + tp_edge_f
-    tp_b = L * (tp_layer_b + replays * tp_replay_f) + tp_edge_b
+    tp_b = L * (tp_layer_b + tp_replay_f) + tp_edge_b
     ep_f = ep_b = 0.0
     if gpt.experts and lo.ep > 1:
         tokens = b * gpt.seq_len * gpt.d_model * gpt.top_k * e
