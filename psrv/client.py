@@ -83,6 +83,7 @@ class Client:
         self._expect = [dict() for _ in self.endpoints]     # request id -> out, for its VALUES
         self._slices = []                                   # server -> {key: Slice}
         self._numel = {}                                    # parameter name -> elements
+        self._mine = set()                                  # the names this worker pushes
         self._start_steps = {}                              # INIT request id -> clock
         heap.tune()          # reuse freed 1 MiB frames instead of faulting in fresh pages
         self._ctx = zmq.Context()
@@ -97,31 +98,52 @@ class Client:
         self.closed = False
 
     # -- the API ----------------------------------------------------------------------
-    def init(self, params, optimizer, consistency=None):
+    def init(self, params, optimizer, consistency=None, group=None, shapes=None):
         """Declare params on the servers (worker 0's values win), then copy the servers'
-        values into params.  Returns the step to start from (> 0 after a resume)."""
+        values into params.  Returns the step to start from (> 0 after a resume).
+
+        Under a model split, workers hold different parameters: `group` (worker ids,
+        this one among them) are the workers that push these params, the data-parallel
+        replicas of this worker's piece, and the first of them brings their values;
+        `shapes` are every group's parameters (name -> shape), the same on every worker,
+        so that all of them number the keys alike (placement.py).  None: every worker
+        pushes every parameter, params' own shapes."""
         if consistency is not None:
             self.consistency = consistency
         for name, p in params.items():
             _check_out(name, p)
-        self.placement = Placement({n: p.shape for n, p in params.items()}, len(self.endpoints),
-                                   self.slice_bytes)
-        self._slices = [{sl.key: sl for sl in self.placement.on_server(s)}
-                        for s in range(len(self.endpoints))]
+        if group is not None:
+            group = tuple(sorted(int(w) for w in group))
+            if self.worker_id not in group or max(group) >= self.num_workers:
+                raise ValueError(f"group {list(group)[:8]} must hold worker {self.worker_id} "
+                                 f"and ids below num_workers={self.num_workers}")
+        shapes = {n: p.shape for n, p in params.items()} if shapes is None else dict(shapes)
+        for name, p in params.items():
+            if tuple(shapes.get(name, ())) != tuple(p.shape):
+                raise ValueError(f"{name}: shape {tuple(p.shape)}, shapes say "
+                                 f"{shapes.get(name)}")
+        self.placement = Placement(shapes, len(self.endpoints), self.slice_bytes)
+        mine = [[sl for sl in self.placement.on_server(s) if sl.name in params]
+                for s in range(len(self.endpoints))]
+        self._slices = [{sl.key: sl for sl in slices} for slices in mine]
         self._numel = {n: p.size for n, p in params.items()}
+        self._mine = set(params)
         config = pack_config(optimizer, self.consistency, self.num_workers)
+        extras = [config] if group is None else [config, np.array(group, "<i4")]
+        first = 0 if group is None else group[0]
         requests = []
-        for server in range(len(self.endpoints)):
-            slices = self.placement.on_server(server)
-            source = params if self.worker_id == 0 else {}
+        # every server hears from every worker (its roster counts W), with no keys where
+        # it holds none of this worker's
+        for server, slices in enumerate(mine):
+            source = params if self.worker_id == first else {}
             entries, payload = self._entries(slices, source, step=0)
             names = "\n".join(sl.name for sl in slices).encode()
-            requests.append(self._send(server, P.Op.INIT, entries, payload, [config, names], params))
-        steps = []
+            requests.append(self._send(server, P.Op.INIT, entries, payload,
+                                       [extras[0], names, *extras[1:]], params,
+                                       flags=0 if group is None else P.GROUP))
         Handle(self, requests).wait()
-        for server, request, op, out in requests:
-            steps.append(self._start_steps.pop(request, 0))
-        return min(steps)
+        steps = [self._start_steps.pop(request) for _, request, _, _ in requests]
+        return min((s for s in steps if s is not None), default=0)
 
     def push_pull(self, grads, out, step):
         """Non-blocking: push grads for `step`, and fill `out` with the updated values on wait()."""
@@ -207,7 +229,7 @@ class Client:
         if self.placement is None:
             raise PSError("call init() before push/pull")
         for name in arrays:
-            if name not in self.placement.by_name:
+            if name not in self._mine:
                 raise KeyError(f"{name!r} was not declared in init()")
         if out is not None:
             for name, o in out.items():
@@ -246,9 +268,9 @@ class Client:
             payload += parts
         return entries, payload
 
-    def _send(self, server, op, entries, payload, extras, out, nowait=False):
+    def _send(self, server, op, entries, payload, extras, out, nowait=False, flags=0):
         request = next(self._ids)
-        frames = P.encode(op, self.worker_id, request, entries, extras, payload)
+        frames = P.encode(op, self.worker_id, request, entries, extras, payload, flags)
         now = time.monotonic()
         self._links[server].send(frames, now if nowait else now + self.timeout, f"took no {op.name}")
         if out is not None:
@@ -279,7 +301,8 @@ class Client:
         if msg.op != P.Op.VALUES:
             return
         if op == P.Op.INIT:
-            self._start_steps[request] = min((e.step for e in msg.entries), default=0)
+            # None: a server that holds none of this worker's keys has no step to say
+            self._start_steps[request] = min((e.step for e in msg.entries), default=None)
         elif op == P.Op.PUSH_PULL:
             self.staleness_log += [e.staleness for e in msg.entries if e.staleness >= 0]
 

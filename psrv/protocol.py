@@ -4,7 +4,10 @@ A message is one ZeroMQ multipart message (after the ROUTER's identity frame):
 
     frame 0          HEADER, then num_entries ENTRY records, nothing else
     extra frames     how many depends on the op (EXTRA_FRAMES): INIT carries the
-                     config struct and the parameter names; ERROR a utf-8 text;
+                     config struct and the parameter names, and with flag GROUP a
+                     third, the int32 worker ids that push its keys (its group:
+                     a pipeline stage's or a tp rank's data-parallel replicas; without
+                     it every one of the W workers); ERROR a utf-8 text;
                      STATS_REPLY an int64 array of (staleness, count) pairs;
                      CHECKPOINT the step to save as one int64 (CHECKPOINT_STEP; -1:
                      the shard's own file, not a step of a set: checkpoints.py)
@@ -13,7 +16,7 @@ A message is one ZeroMQ multipart message (after the ROUTER's identity frame):
                      3-4 GB/s here and one 64 MiB frame at 1.5 GB/s), sent zero-copy
 
     HEADER <4s B B B B I I I Q   (28 bytes)
-        magic b"TLPS", version, op, flags=0, reserved=0,
+        magic b"TLPS", version, op, flags (GROUP on an INIT, else 0), reserved=0,
         sender (worker id, or shard id in replies), request id (echoed in the reply),
         num_entries, payload_bytes (sum of the payload frames' sizes)
 
@@ -50,7 +53,7 @@ from enum import IntEnum
 import numpy as np
 
 MAGIC = b"TLPS"
-VERSION = 3                       # 2: no HMAC flag; ABORT.  3: CHECKPOINT names its step
+VERSION = 4     # 2: no HMAC flag; ABORT.  3: CHECKPOINT names its step.  4: INIT's GROUP
 HEADER = struct.Struct("<4sBBBBIIIQ")
 ENTRY = struct.Struct("<IBBHIQQqqi4I")
 CHUNK_BYTES = 1 << 20
@@ -82,6 +85,8 @@ class Op(IntEnum):
 _OPS = {int(op): op for op in Op}     # code -> Op without Enum's slower call
 EXTRA_FRAMES = {Op.INIT: 2, Op.ERROR: 1, Op.STATS_REPLY: 1, Op.OK: 1, Op.ABORT: 1,
                 Op.CHECKPOINT: 1}
+GROUP = 1                         # flag: an INIT names the workers that push its keys
+MAX_GROUP = 1 << 16               # worker ids in a GROUP frame (MAX_WORKERS's order)
 CHECKPOINT_STEP = struct.Struct("<q")      # -1: the shard's own file; else a set's step
 CARRIES_PAYLOAD = {Op.INIT, Op.PUSH, Op.PUSH_PULL, Op.VALUES}
 
@@ -142,14 +147,14 @@ def chunks(flat, chunk_bytes=CHUNK_BYTES):
     return [flat[i:i + step] for i in range(0, len(flat), step)] or [flat[:0]]
 
 
-def encode(op, sender, request, entries=(), extras=(), payload=()):
+def encode(op, sender, request, entries=(), extras=(), payload=(), flags=0):
     """-> list of frames.  Entries' nframes must already count their payload frames."""
     payload = list(payload)
     body = [ENTRY.pack(e.key, e.dtype, len(e.shape), 0, e.nframes, e.offset, e.length,
                        e.step, e.version, e.staleness, *(tuple(e.shape) + (0,) * (4 - len(e.shape))))
             for e in entries]
     nbytes = sum(memoryview(p).nbytes for p in payload)
-    head = HEADER.pack(MAGIC, VERSION, int(op), 0, 0, sender, request, len(body), nbytes)
+    head = HEADER.pack(MAGIC, VERSION, int(op), flags, 0, sender, request, len(body), nbytes)
     return [head + b"".join(body), *extras, *payload]
 
 
@@ -167,8 +172,8 @@ def decode_head(frame0):
         raise ProtocolError(f"protocol version {version}, this server speaks {VERSION}")
     if op not in _OPS:
         raise ProtocolError(f"unknown op {op}")
-    if flags or reserved:
-        raise ProtocolError(f"unknown flags {flags:#x} or reserved byte {reserved}")
+    if reserved or flags & ~GROUP or (flags and op != Op.INIT):
+        raise ProtocolError(f"unknown flags {flags:#x} for op {op} or reserved byte {reserved}")
     if n > MAX_ENTRIES:
         raise ProtocolError(f"num_entries {n} above the limit {MAX_ENTRIES}")
     if buf.nbytes != HEADER.size + n * ENTRY.size:
@@ -179,7 +184,7 @@ def decode_head(frame0):
     if op not in CARRIES_PAYLOAD and any(e.nframes for e in entries):
         raise ProtocolError(f"{op.name} carries no payload, entries announce "
                             f"{sum(e.nframes for e in entries)} frames")
-    return Message(op, sender, request, entries, [], [], payload_bytes=nbytes)
+    return Message(op, sender, request, entries, [], [], flags=flags, payload_bytes=nbytes)
 
 
 def decode(frames):
@@ -189,7 +194,7 @@ def decode(frames):
         raise ProtocolError("empty message")
     bufs = [memoryview(f) for f in frames]
     msg = decode_head(bufs[0])
-    extra = EXTRA_FRAMES.get(msg.op, 0)
+    extra = EXTRA_FRAMES.get(msg.op, 0) + (msg.flags & GROUP)
     if len(bufs) < 1 + extra:
         raise ProtocolError(f"{msg.op.name} needs {extra} extra frames, message has {len(bufs) - 1}")
     msg.extras, msg.payload = bufs[1:1 + extra], bufs[1 + extra:]
@@ -206,6 +211,20 @@ def decode(frames):
             raise ProtocolError(f"key {e.key}: {got} payload bytes in {len(parts)} frames for "
                                 f"{e.length} elements of {DTYPES[e.dtype]}")
     return msg
+
+
+def group_of(msg):
+    """An INIT's group: the sorted worker ids that push its keys (a tuple), or None
+    (no GROUP flag: all W workers); ProtocolError for a frame that is not one."""
+    if not msg.flags & GROUP:
+        return None
+    frame = msg.extras[2]
+    if frame.nbytes % 4 or not 0 < frame.nbytes // 4 <= MAX_GROUP:
+        raise ProtocolError(f"GROUP frame of {frame.nbytes} bytes: 1 to {MAX_GROUP} int32 ids")
+    ids = np.frombuffer(frame, "<i4")
+    if (ids < 0).any() or len(set(ids.tolist())) != len(ids):
+        raise ProtocolError("GROUP names a negative or a repeated worker id")
+    return tuple(sorted(ids.tolist()))
 
 
 def _entry(buf, at, i):

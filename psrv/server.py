@@ -260,13 +260,21 @@ class Server:
         for e in msg.entries:
             if e.dtype != P.FLOAT32:
                 raise ValueError(f"key {e.key}: dtype code {e.dtype}, servers hold float32 (code 0)")
-        self.store.configure(opt, consistency, num_workers, msg.entries, names)
+        group = P.group_of(msg)
+        if group is not None and msg.sender not in group:
+            raise ValueError(f"INIT from worker {msg.sender} for the keys of group "
+                             f"{list(group)[:8]}, which it is not in")
+        self.store.configure(opt, consistency, num_workers, msg.entries, names, group)
         self.roster.expect(num_workers)
-        if msg.sender == 0 and not self.store.has_values:
+        # the first worker of the keys' group (worker 0 of all W without one) brings
+        # their initial values; the others' INITs wait for them (release)
+        first = 0 if group is None else group[0]
+        if msg.sender == first and not self.store.values_of(msg.entries):
             for e, frames in msg.entry_frames():
                 if not frames:
-                    raise ValueError("worker 0's INIT must carry the initial value of every key")
-                self.store.check_finite(e, 0, frames, "an initial value")
+                    raise ValueError(f"worker {first}'s INIT must carry the initial value "
+                                     f"of every key of its group")
+                self.store.check_finite(e, first, frames, "an initial value")
             self.store.set_values(msg)
 
     # -- replies -------------------------------------------------------------------
@@ -276,7 +284,8 @@ class Server:
         limit = self.max_unread or 2 * s.value_bytes + UNREAD_MARGIN
         for item in self.pending:
             identity, op, request, w, entries = item
-            ready = s.has_values if op == P.Op.INIT else all(s.may_read(e.key, w) for e in entries)
+            ready = s.values_of(entries) if op == P.Op.INIT else \
+                all(s.may_read(e.key, w) for e in entries)
             if not ready:
                 still.append(item)
             elif w not in unread:

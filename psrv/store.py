@@ -4,6 +4,7 @@ Per key (one slice of one parameter) the shard keeps
 
     value, optimizer state      float32 arrays of the slice's length
     version                     updates applied so far
+    workers                     who pushes it: its group (None: all W workers)
     clock[w]                    pushes worker w made to this key (its next step)
     read[w]                     the version last sent to worker w
     acc, arrived                BSP only: sum of this step's gradients, who sent them
@@ -14,14 +15,22 @@ whatever W it declares, and W x keys is capped (MAX_KEY_WORKERS).
 
 and the three consistency models reduce to one question each:
 
-    on a push          bsp: add to acc; when every live worker has pushed, apply acc / n
-                       ssp, asp: apply grad / W at once
+    on a push          bsp: add to acc; when every live worker of the key's group has
+                       pushed, apply acc / n
+                       ssp, asp: apply grad / G at once (G: the group's size)
     which push?        the worker's next step: step == clock[w]; under bsp also only
                        while that step is open (step == version): an early push for
                        step t+1 is refused, it would be summed into step t
     may w read key?    bsp: version >= clock[w]           (its own step is applied)
-                       ssp: min_j clock[j] >= clock[w] - s (nobody is more than s behind)
+                       ssp: min_j clock[j] >= clock[w] - s (nobody of the group is more
+                                                            than s behind)
                        asp: always
+
+A key's group is the set of workers that push it.  Plain data parallelism has one
+group, all W workers.  Under a pipeline or tensor split each stage or tp rank holds
+other parameters, so its data-parallel replicas are the group of its keys (BytePS's
+per-partition pushes, Jiang et al., OSDI 2020): every worker declares its own keys,
+with its group, and the first worker of a group brings their initial values.
 
 The staleness of an applied update is version - read[w]: how many updates the
 key took between the read the gradient was computed from and this update
@@ -51,11 +60,12 @@ MAX_KEY_WORKERS = 1 << 24        # keys x W of one shard: per-worker state is la
 
 
 class Key:
-    __slots__ = ("name", "offset", "length", "shape", "value", "state", "version", "clock",
-                 "read", "staleness", "resumed", "acc", "arrived", "trackers")
+    __slots__ = ("name", "offset", "length", "shape", "workers", "value", "state", "version",
+                 "clock", "read", "staleness", "resumed", "acc", "arrived", "trackers")
 
-    def __init__(self, name, offset, length, shape):
+    def __init__(self, name, offset, length, shape, workers=None):
         self.name, self.offset, self.length, self.shape = name, offset, length, tuple(shape)
+        self.workers = None if workers is None else frozenset(workers)   # None: all W
         self.value = None
         self.state = {}
         self.version = 0
@@ -100,31 +110,59 @@ class Shard:
         return bool(self.keys) and all(k.value is not None for k in self.keys.values())
 
     # -- initialisation ------------------------------------------------------
-    def configure(self, opt, consistency, num_workers, entries, names):
-        if num_workers * len(entries) > MAX_KEY_WORKERS:
+    def configure(self, opt, consistency, num_workers, entries, names, group=None):
+        """An INIT's keys.  Without a group every worker declares every key, the same
+        ones; with one (a tuple of worker ids) the keys are that group's, and each
+        group adds its own keys to the shard, declared alike by all its members."""
+        if group is not None and (max(group) >= num_workers):
+            raise ValueError(f"INIT's group {list(group)[:8]} names a worker id >= W={num_workers}")
+        if num_workers * (len(entries) + len(self.keys)) > MAX_KEY_WORKERS:
             raise ValueError(f"INIT declares {len(entries)} keys x W={num_workers} = "
                              f"{num_workers * len(entries)} key-worker pairs on shard "
                              f"{self.shard_id}, above the limit {MAX_KEY_WORKERS}")
+        if self.configured:
+            mine = (self.opt, self.consistency, self.num_workers)
+            if mine != (opt, consistency, num_workers):
+                raise ValueError(f"INIT config {opt}, {consistency}, W={num_workers} differs "
+                                 f"from the one this shard holds: {mine[0]}, {mine[1]}, "
+                                 f"W={mine[2]}")
+        workers = None if group is None else frozenset(group)
+        declared = {e.key: (n, e.offset, e.length, e.shape, workers)
+                    for e, n in zip(entries, names)}
+        held = {k: (v.name, v.offset, v.length, v.shape, v.workers) for k, v in self.keys.items()
+                if group is None or k in declared or v.workers == workers}
+        if self.configured and held and declared != held:
+            diff = sorted(set(declared.items()) ^ set(held.items()), key=str)[:3]
+            raise ValueError(f"INIT declares other keys than this shard holds, e.g. {diff}")
         if not self.configured:
             self.opt, self.consistency, self.num_workers = opt, consistency, num_workers
             self.active = set(range(num_workers))
-            for e, name in zip(entries, names):
-                self.keys[e.key] = Key(name, e.offset, e.length, e.shape)
-            self.value_bytes = 4 * sum(k.length for k in self.keys.values())
-            return
-        mine = (self.opt, self.consistency, self.num_workers)
-        if mine != (opt, consistency, num_workers):
-            raise ValueError(f"INIT config {opt}, {consistency}, W={num_workers} differs from the "
-                             f"one this shard holds: {mine[0]}, {mine[1]}, W={mine[2]}")
-        declared = {e.key: (n, e.offset, e.length, e.shape) for e, n in zip(entries, names)}
-        held = {k: (v.name, v.offset, v.length, v.shape) for k, v in self.keys.items()}
-        if declared != held:
-            diff = sorted(set(declared.items()) ^ set(held.items()))[:3]
-            raise ValueError(f"INIT declares other keys than this shard holds, e.g. {diff}")
+        for e, name in zip(entries, names):
+            if e.key not in self.keys:
+                self.keys[e.key] = Key(name, e.offset, e.length, e.shape, workers)
+        self.value_bytes = 4 * sum(k.length for k in self.keys.values())
+
+    def group(self, k):
+        """The live workers whose pushes key k waits for."""
+        return self.active if k.workers is None else self.active & k.workers
+
+    def group_size(self, k):
+        """Its declared workers, live or not: what SSP/ASP divide a gradient by."""
+        return self.num_workers if k.workers is None else len(k.workers)
+
+    def pushes(self, k, worker):
+        return k.workers is None or worker in k.workers
+
+    def values_of(self, entries):
+        """Whether every key of these entries has its initial value."""
+        return all(self.keys[e.key].value is not None for e in entries)
 
     def set_values(self, msg):
+        """The initial values an INIT carries, for keys that have none yet."""
         for e, frames in msg.entry_frames():
             k = self.keys[e.key]
+            if k.value is not None or not frames:
+                continue
             k.value = np.empty(k.length, np.float32)
             pos = 0
             for f in frames:
@@ -145,6 +183,9 @@ class Shard:
             raise ValueError(f"key {e.key}: dtype code {e.dtype}, servers hold float32 (code 0)")
         if not push:
             return
+        if not self.pushes(k, worker):
+            raise ValueError(f"key {e.key} ({k.name}) is pushed by workers "
+                             f"{sorted(k.workers)[:8]}, not by worker {worker}")
         clock = k.clock.get(worker, 0)
         if e.step < k.resumed.get(worker, 0):
             return                                    # applied before the checkpoint: skipped
@@ -152,7 +193,7 @@ class Shard:
             raise ValueError(f"key {e.key}: worker {worker} pushed step {e.step}, "
                              f"its next step is {clock}")
         if self.consistency.mode == "bsp" and worker in k.arrived:
-            waiting = sorted(self.active - k.arrived)
+            waiting = sorted(self.group(k) - k.arrived)
             raise ValueError(f"key {e.key}: worker {worker} pushed step {e.step} while step "
                              f"{k.version} is still open (waiting for workers {waiting}); "
                              f"under bsp push step t+1 only after step t's values came back")
@@ -178,9 +219,9 @@ class Shard:
             return
         k.clock[worker] = step + 1
         if self.consistency.mode != "bsp":
-            self._apply(k, frames, 1.0 / self.num_workers, [worker])
+            self._apply(k, frames, 1.0 / self.group_size(k), [worker])
             return
-        if not k.arrived and self.active == {worker}:      # W = 1: no sum, no copy
+        if not k.arrived and self.group(k) == {worker}:    # one worker: no sum, no copy
             k.arrived.add(worker)
             self._apply(k, frames, 1.0, [worker])
             return
@@ -198,8 +239,8 @@ class Shard:
         self.try_complete(k)
 
     def try_complete(self, k):
-        """BSP: apply the step once every live worker's gradient is in."""
-        if k.arrived and k.arrived >= self.active:
+        """BSP: apply the step once every live worker of its group has pushed."""
+        if k.arrived and k.arrived >= self.group(k):
             n = len(k.arrived)
             if n > 1:
                 k.acc /= np.float32(n)
@@ -233,8 +274,9 @@ class Shard:
         mode = self.consistency.mode
         if mode == "bsp":
             return k.version >= k.clock.get(worker, 0)
-        if mode == "ssp" and self.active:
-            gap = k.clock.get(worker, 0) - min(k.clock.get(j, 0) for j in self.active)
+        live = self.group(k)
+        if mode == "ssp" and live:
+            gap = k.clock.get(worker, 0) - min(k.clock.get(j, 0) for j in live)
             if gap > self.consistency.staleness:
                 return False
             self.max_clock_gap = max(self.max_clock_gap, gap)
@@ -249,8 +291,8 @@ class Shard:
 
     def note_pushes(self, worker):
         """After a push message of worker: its lowest clock over the keys, O(keys)."""
-        self.completed[worker] = min((k.clock.get(worker, 0) for k in self.keys.values()),
-                                     default=0)
+        self.completed[worker] = min((k.clock.get(worker, 0) for k in self.keys.values()
+                                      if self.pushes(k, worker)), default=0)
 
     def steps_done(self):
         """Steps every live worker has pushed to every key here (BSP: the version)."""
@@ -268,7 +310,7 @@ class Shard:
         has pushed `step` steps to every key (a half-pushed BSP step counts as not
         pushed, as save writes it).  A checkpoint set must be of one step."""
         for key, k in self.keys.items():
-            for w in sorted(self.active):
+            for w in sorted(self.group(k)):
                 clock = k.clock.get(w, 0) - (w in k.arrived)
                 if clock != step:
                     return f"worker {w} is at step {clock} on key {key} ({k.name})"
@@ -282,6 +324,7 @@ class Shard:
                 "consistency": vars(self.consistency),
                 "keys": {str(key): {"name": k.name, "offset": k.offset, "length": k.length,
                                     "shape": list(k.shape), "version": k.version,
+                                    "workers": None if k.workers is None else sorted(k.workers),
                                     "clock": clocks(k),
                                     "read": {str(w): v for w, v in k.read.items()}}
                          for key, k in self.keys.items()},
@@ -307,7 +350,7 @@ class Shard:
             self.active = set(range(self.num_workers))
             self.histogram = Counter({s: c for s, c in meta["histogram"]})
             for key, d in meta["keys"].items():
-                k = Key(d["name"], d["offset"], d["length"], d["shape"])
+                k = Key(d["name"], d["offset"], d["length"], d["shape"], d.get("workers"))
                 k.version, k.clock, k.read = d["version"], _per_worker(d["clock"]), _per_worker(d["read"])
                 k.resumed = dict(k.clock)
                 k.value = z[f"value_{key}"].astype(np.float32)

@@ -178,11 +178,13 @@ def check_flags(cfg):
         raise ConfigError(f"--sequence-parallel: --seq-len {cfg.seq_len} is not divisible "
                           f"by tp({cfg.tp}): {cfg.seq_len} % {cfg.tp} = "
                           f"{cfg.seq_len % cfg.tp}", field="sequence_parallel")
-    if cfg.on_grid and cfg.sync not in ALLREDUCE_SYNCS:
-        what = f"--zero {cfg.zero}" if cfg.zero else "--dp/--pp/--tp"
-        raise ConfigError(f"{what} needs an all-reduce --sync ({', '.join(ALLREDUCE_SYNCS)}),"
-                          f" not --sync {cfg.sync}: the grid's axes talk through collectives",
-                          field="sync")
+    if cfg.zero and cfg.sync in PS_SYNCS:
+        raise ConfigError(f"--zero {cfg.zero} has no meaning with --sync {cfg.sync}: the "
+                          f"parameter servers already hold the optimizer state and the "
+                          f"parameters, sharded over the servers", field="zero")
+    if cfg.on_grid and cfg.sync == "local":
+        raise ConfigError("--dp/--pp/--tp split a model over ranks; --sync local is one "
+                          "process", field="sync")
     if cfg.on_grid and cfg.recompute and cfg.model != "gpt":
         raise ConfigError(f"--recompute with --dp/--pp/--tp/--zero/--micro-batches "
                           f"checkpoints GPT blocks; --model {cfg.model} is not cut into "
@@ -233,8 +235,11 @@ def world_of(cfg, world_size):
     The parameter servers' launcher (psrv.launch) decides which ranks serve; here only
     how many ranks are left to train."""
     if cfg.on_grid:                        # world = dp x pp x tp (mesh.py names each factor)
-        mesh = Mesh(world_size, cfg.dp, cfg.pp, cfg.tp, cfg.ep)
-        return mesh.dp, mesh.describe()
+        servers = cfg.servers if cfg.sync in PS_SYNCS else 0
+        if world_size - servers < 1:
+            return 0, f"world {world_size} = servers({servers}) and no worker"
+        mesh = Mesh(world_size - servers, cfg.dp, cfg.pp, cfg.tp, cfg.ep)
+        return mesh.dp, mesh.describe() + (f" + servers({servers})" if servers else "")
     if cfg.sync in PS_SYNCS:
         dp = world_size - cfg.servers
         return dp, f"world {world_size} = dp({dp}) + servers({cfg.servers})"

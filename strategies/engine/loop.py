@@ -210,8 +210,9 @@ class StepEngine:
         first = self.ctx.mesh.dp_rank == 0
         mine = [piece for piece in self.pieces()
                 if (first if piece[0] not in experts else p.placement.group == 0)]
-        gathered = self.ctx.comm.gather([piece[1:] for piece in mine], root=0)
-        return assemble(gathered) if self.ctx.rank == 0 else {}
+        workers = self.ctx.mesh.world              # the servers hold no piece
+        gathered = workers.gather([piece[1:] for piece in mine], root=0)
+        return assemble(gathered) if workers.rank == 0 else {}
 
     def pieces(self):
         """(id, full name, local array, tp pieces, full shape) of this rank's parameters;

@@ -44,6 +44,7 @@ import torch.nn as nn
 
 from allreduce import make_transport
 
+from ..config.choices import ALLREDUCE_SYNCS, PS_SYNCS
 from ..config.sections import PrecisionOptions, SyncOptions
 from ..model.moe import MoE
 from ..parallel.expert_parallel import AllToAllExperts, ExpertPlacement, shard_experts, units_of
@@ -55,6 +56,7 @@ from ..parallel.tensor_parallel import TensorParallel, parallelize_blocks
 from ..runtime.memory import ActivationMeter
 from ..runtime.precision import any_rank_of, of_config
 from ..sync.gradient_sync import build_compressor, collective_for, for_device, torch_optimizer
+from ..sync.server_buckets import ServerBuckets
 from ..sync.zero import ZeRO, Replicas
 from .accumulation import Accumulation
 from .optimizer import DistributedOptimizer
@@ -95,6 +97,13 @@ def cut_into_layers(cfg):
     return cfg.on_grid and not experts_apart(cfg)
 
 
+def axis_collective(cfg):
+    """The algorithm of the collectives inside a step (tp's all-reduces, the experts'
+    all-to-alls): the --sync's own where it is an all-reduce, else (ps, hybrid, whose
+    --sync says how data parallelism meets the servers) the ring."""
+    return cfg.sync if cfg.sync in ALLREDUCE_SYNCS else "ring"
+
+
 def parallelize(model, ctx, cfg, device, tracer):
     """This rank's Parallelized of `model` (whole, as model/models.py built it), by the
     steps of the module docstring.  Collective: every rank of the run calls it."""
@@ -109,7 +118,7 @@ def parallelize(model, ctx, cfg, device, tracer):
         layers = [layer for chunk in chunks for layer in chunk]
     # 1. tensor parallelism: Megatron's split of this stage's blocks
     if grid and comms.tp_size > 1:
-        tp_coll = collective_for(cfg.sync, cfg, comms.tp, device=device)
+        tp_coll = collective_for(axis_collective(cfg), cfg, comms.tp, device=device)
         tp = TensorParallel(tp_coll, comms.tp_rank, comms.tp_size, tracer)
         parallelize_blocks([b for name, b in layers if name.startswith("blocks.")], tp)
         if cfg.sequence_parallel:                  # LayerNorms on T/tp positions each
@@ -132,7 +141,8 @@ def parallelize(model, ctx, cfg, device, tracer):
     if experts:
         plan.placement = ExpertPlacement(comms.mesh, cfg.experts, ctx.rank)
         # the mesh's expert groups: the all-to-alls never meet the comm thread's collectives
-        plan.exchange = AllToAllExperts(collective_for(cfg.sync, cfg, comms.ep, device=device),
+        plan.exchange = AllToAllExperts(collective_for(axis_collective(cfg), cfg, comms.ep,
+                                                       device=device),
                                         plan.placement, tracer)
         plan.expert_params = shard_experts(model, plan.placement, plan.exchange)
         plan.counters = [plan.exchange.coll]
@@ -168,6 +178,14 @@ def zero_data_parallel(plan, ctx, cfg, device, tracer, layers):
         units = units_of(plan.model, replicas)
     else:
         units = [(name, module, list(module.parameters())) for name, module in layers]
+    if cfg.sync in PS_SYNCS:    # a bucket's reduction is a push and a pull to the servers
+        plan.sync = ServerBuckets(units, comms, ctx.role, cfg, cfg.micro_batches, tracer,
+                                  device, collective_for, ctx.host)
+        plan.sync.setup(plan.model)
+        plan.optimizer = plan.sync.make_optimizer()
+        plan.counters = plan.counters + [plan.sync]
+        plan.scales_in_sync = True        # the servers step: nothing to unscale here
+        return
     # the comm thread's collective: its own communicator, beside the main thread's
     thread_coll = over(comms.dp.Dup()) if cfg.overlap else None
     compressor = build_compressor(cfg.compress, thread_coll, cfg.error_feedback,

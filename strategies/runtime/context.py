@@ -6,8 +6,9 @@
     ctx.dp_rank, ctx.dp_size, ctx.dp_comm # the data-parallel workers (servers excluded)
     ctx.workers                           # control over every rank that trains (records)
     ctx.control.allgather(obj)            # small control messages (errors, metrics)
-    ctx.mesh                              # mesh.MeshComms: a communicator per axis of
-                                          #   dp x pp x tp and ep (dp_comm is its dp axis)
+    ctx.mesh                              # mesh.MeshComms over the workers: a communicator
+                                          #   per axis of dp x pp x tp and ep (dp_comm is its
+                                          #   dp axis); None on a server and under torchrun
 
 There is no global state: two contexts could live in one test.  The pipeline
 and tensor axes live here too, as more (rank, size, comm) triples of a
@@ -82,7 +83,7 @@ class RunContext:
     workers: object = None   # ... over the ranks that train (all but the servers)
     role: object = None      # psrv.launch's Role (ps, hybrid)
     host: str = ""
-    mesh: object = None      # mesh.MeshComms (None: parameter servers, torchrun)
+    mesh: object = None      # mesh.MeshComms over the workers (None: a server, torchrun)
     host_visible_gpus: list = None   # --sync torch on CUDA: each local rank's
                                      #   CUDA_VISIBLE_DEVICES (None: unset), in local order
 
@@ -102,19 +103,20 @@ class RunContext:
             if cfg.device == "cuda" and cfg.sync == "torch" else None
         local.Free()
         control = MPIControl(comm)
+        role, workers = None, comm
         if cfg.sync in PS_SYNCS:          # psrv.launch decides who serves; we ask it
             role = ps_role(comm, cfg.servers, **ps_checkpoint_options(cfg, comm))
             workers = role.worker_comm            # None on a server
-            return cls(comm.rank, comm.size, local_rank, local_size,
-                       -1 if role.is_server else workers.rank, role.num_workers,
-                       role.is_server, comm, workers, control,
-                       None if role.is_server else MPIControl(workers), role=role, host=host,
-                       host_visible_gpus=visible)
-        # every other run is a mesh: plain data parallelism is dp = world
-        mesh = Mesh(comm.size, cfg.dp if cfg.on_grid else 0, cfg.pp, cfg.tp, cfg.ep).split(comm)
+            if role.is_server:                    # a role beside the mesh's workers
+                return cls(comm.rank, comm.size, local_rank, local_size, -1,
+                           role.num_workers, True, comm, None, control, None, role=role,
+                           host=host, host_visible_gpus=visible)
+        # every worker is on a mesh over the workers: plain data parallelism is dp = all
+        mesh = Mesh(workers.size, cfg.dp if cfg.on_grid else 0, cfg.pp, cfg.tp,
+                    cfg.ep).split(workers)
         return cls(comm.rank, comm.size, local_rank, local_size, mesh.dp_rank, dp, False,
-                   comm, mesh.dp, control, control, host=host, mesh=mesh,
-                   host_visible_gpus=visible)
+                   comm, mesh.dp, control, MPIControl(workers) if role else control,
+                   role=role, host=host, mesh=mesh, host_visible_gpus=visible)
 
     @classmethod
     def _from_torchrun(cls, cfg, host):
@@ -141,7 +143,6 @@ class RunContext:
     def device(self, cfg):
         import torch
         if cfg.device == "cuda":
-            # UNVERIFIED: no GPU on the machine this was written on.
             if not torch.cuda.is_available():
                 raise ConfigError("--device cuda but torch sees no GPU", field="device")
             gpus = torch.cuda.device_count()

@@ -1,0 +1,196 @@
+"""Data parallelism through the parameter servers, one bucket at a time (ps, hybrid).
+
+The bucket engine (buckets.py) hands each bucket to a reduction the moment backward
+finishes it.  For the all-reduce syncs that reduction is a collective (zero.py); here
+it is a round trip to the servers, as BytePS plugs its servers into the framework's
+gradient hooks per tensor partition (Jiang et al., "A Unified Architecture for
+Accelerating Distributed DNN Training in Heterogeneous GPU/CPU Clusters", OSDI 2020):
+
+    backward finishes bucket i      push its flat gradient under key "pp{p}.tp{t}.b{i}"
+                                    pull the key's new value (the servers ran the step)
+    synchronize                     wait for the last buckets' round trips
+    step                            the pulled values into the bucket's flat parameters
+
+A key names its pipeline stage, its tp rank and its bucket, so every stage's
+data-parallel replicas push their own layers and every tp rank its own piece: the
+key's group (psrv/store.py) is this rank's dp axis, and BSP waits for it alone, SSP
+and ASP count staleness per key, as with the whole model.  The servers hold the
+parameters and the optimizer state, so there is nothing to shard: ZeRO has no
+meaning here (config/validate.py says so).
+
+The hybrid (--sync hybrid): inside a node the replicas all-reduce the bucket (the
+ring), the node's leader alone talks to the servers, and broadcasts what it pulled:
+
+    node 0: dp ranks 0 1 ──ring──▶ leader 0 ─┐
+                                              ├── push / pull key "pp0.tp0.b3" ── servers
+    node 1: dp ranks 2 3 ──ring──▶ leader 2 ─┘
+            then each leader broadcasts the key's new values inside its node
+
+so a key's group on the servers is its dp axis's leaders.  Nodes must hold equally
+many replicas: the servers average over the leaders, the ring over the node, and
+the mean of equal-sized means is the mean.
+"""
+import zlib
+
+import torch
+
+from ..config.choices import ConfigError
+from ..runtime.context import require_psrv
+from ..runtime.trace import span
+from .gradient_sync import make_optimizer
+from .ps_sync import check_servers_step
+from .zero import ZeRO
+
+
+class ServerBuckets(ZeRO):
+    """Stage 0 of the bucket engine (every replica holds every parameter of its piece),
+    whose reduction is a push and a pull.
+
+    units: [(name, module, [parameters])] of this rank's layers, in forward order;
+    comms: the run's mesh.MeshComms (over the workers); role: psrv.launch's Role of
+    this worker; collective_for: gradient_sync's, for the dp axis or the hybrid's node;
+    host: this rank's host name (the hybrid's nodes, without --ranks-per-node)."""
+    signal_stop = True           # its waits are ZeroMQ polls and Python-polled MPI
+
+    def __init__(self, units, comms, role, cfg, backwards_per_step, tracer, device,
+                 collective_for, host=""):
+        psrv = require_psrv()
+        node = NodeOfReplicas(cfg, comms, host, collective_for, device) \
+            if cfg.sync == "hybrid" else None
+        # the replicas start equal (ZeRO broadcasts each bucket over `coll`: the dp axis,
+        # or the hybrid's node), then take the servers' values.  fp32 parameters under
+        # autocast, as the whole model's ps: the servers hold and update fp32
+        coll = node.coll if node else collective_for("ring", cfg, comms.dp, device=device)
+        super().__init__(0, units, coll, cfg, backwards_per_step, tracer, None,
+                         thread_coll=node.thread_coll if node else coll,
+                         overlap=cfg.overlap, device=device)
+        self.name, self.node, self.comms = cfg.sync, node, comms
+        self.leads = node is None or node.rank == 0
+        # every rank learns every group's keys (a control allgather over the workers),
+        # so that all number them alike; the group of this rank's keys is its dp axis
+        # (its leaders, under hybrid)
+        prefix = f"pp{comms.pp_rank}.tp{comms.tp_rank}."
+        self.keys = [f"{prefix}b{u.index}" for u in self.units]
+        mine = {k: (u.numel,) for k, u in zip(self.keys, self.units)} if self.leads else {}
+        shapes = {k: s for part in comms.world.allgather(mine) for k, s in part.items()}
+        # the servers' workers are the ranks that talk to them: every worker, or under
+        # hybrid the node leaders, numbered in rank order
+        leaders = [r for r, leads in enumerate(comms.world.allgather(self.leads)) if leads]
+        worker_id = {r: i for i, r in enumerate(leaders)}
+        group = [worker_id[r] for r in comms.dp.allgather(comms.rank) if r in worker_id]
+        self.host = {k: u.full.detach().cpu().clone() for k, u in zip(self.keys, self.units)}
+        self.client = None
+        start = 0
+        if self.leads:
+            self.client = psrv.Client(
+                endpoints=role.endpoints, worker_id=worker_id[comms.rank],
+                num_workers=len(leaders),
+                timeout=cfg.timeout, keys=role.keys,
+                consistency=psrv.Consistency(mode=cfg.consistency, staleness=cfg.staleness))
+            optimizer = psrv.OptimizerConfig(
+                name=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum, betas=(0.9, 0.999),
+                eps=1e-8, weight_decay=cfg.weight_decay)
+            # the group's first rank brings the values; after --resume, the servers' own
+            start = self.client.init({k: t.numpy() for k, t in self.host.items()},
+                                     optimizer, group=group, shapes=shapes)
+        if node is not None:          # the node starts from its leader's values and step
+            step = torch.tensor([start], dtype=torch.float64)
+            node.coll.broadcast(step, root=0)
+            start = int(step[0])
+            for t in self.host.values():
+                node.coll.broadcast(t, root=0)
+        self.start_step = self.next_step = start
+        self.step(None)
+
+    def make_optimizer(self, model=None):
+        """The servers step; the torch optimizer is held for the checkpoint's format only."""
+        return make_optimizer(self.cfg, [p for u in self.units for p in u.params])
+
+    # ---------------------------------------------- a bucket's reduction
+    def _reduce_bucket(self, bucket, flat):
+        """On the comm thread: the bucket's gradient to the servers, its values back.
+        Returns the bytes this rank sent."""
+        unit, key = self.units[bucket.index], self.keys[bucket.index]
+        node = self.node if self.node is not None and self.node.size > 1 else None
+        sent = 0
+        if node:
+            with span(self.tracer, f"all-reduce grads {unit.name} (node)", self.category):
+                node.thread_coll.allreduce(flat, op="avg")
+            sent += flat.numel() * flat.element_size()
+        if self.leads:
+            grad = flat.detach().cpu().float().numpy()
+            with span(self.tracer, f"push/pull {key}", self.category):
+                self.client.push_pull({key: grad}, {key: self.host[key].numpy()},
+                                      self.next_step).wait()
+            sent += grad.nbytes
+        if node:
+            node.thread_coll.broadcast(self.host[key], root=0)
+        return sent
+
+    def synchronize(self, step):
+        super().synchronize(step)
+        self.next_step = step + 1
+
+    def gradients(self):
+        return []                  # the servers updated: no gradient is left to check
+
+    def step(self, optimizer):
+        """The pulled values into the buckets' flat parameters: the one change of the
+        model in a step, as the contract says (gradient_sync.py)."""
+        with torch.no_grad():
+            for k, u in zip(self.keys, self.units):
+                u.full.copy_(self.host[k], non_blocking=True)
+
+    # ------------------------------------------------------ what it holds
+    @property
+    def bytes_sent(self):
+        return (self.client.bytes_sent if self.client else 0) + \
+            (self.node.coll.transport.bytes_sent if self.node else 0)
+
+    @property
+    def bytes_received(self):
+        return (self.client.bytes_received if self.client else 0) + \
+            (self.node.coll.transport.bytes_received if self.node else 0)
+
+    @property
+    def staleness(self):
+        log = self.client.staleness_log if self.client else []
+        return log[-1] if log else None
+
+    def state_dict(self):
+        """The servers write their shards (under --checkpoint-dir/ps) when the first
+        worker asks; the rank files keep the step they are at, for the check on resume."""
+        if self.comms.rank == 0:
+            self.client.checkpoint(self.next_step)
+        return {"servers_step": self.next_step}
+
+    def load_state_dict(self, state):
+        check_servers_step(self.start_step, state)
+
+    def abort(self, error):
+        if self.client is not None:
+            self.client.close(error=f"{type(error).__name__}: {error}")
+
+    def close(self):
+        super().close()
+        if self.client is not None:
+            self.client.close()
+
+
+class NodeOfReplicas:
+    """The hybrid's node: this rank's dp replicas on its host (or --ranks-per-node of
+    them), a collective over them, and another for the comm thread."""
+
+    def __init__(self, cfg, comms, host, collective_for, device):
+        per, dp = cfg.ranks_per_node, comms.dp
+        node_id = dp.rank // per if per else zlib.crc32(host.encode())
+        comm = dp.Split(node_id % (2**31), dp.rank)
+        sizes = dp.allgather(comm.size)
+        if len(set(sizes)) != 1:
+            raise ConfigError(f"--sync hybrid needs equally many dp replicas per node, got "
+                              f"node sizes {sorted(set(sizes))} (use --ranks-per-node)",
+                              field="sync")
+        self.rank, self.size = comm.rank, comm.size
+        self.coll = collective_for("ring", cfg, comm, device=device)
+        self.thread_coll = collective_for("ring", cfg, comm.Dup(), device=device) \
+            if cfg.overlap else self.coll
