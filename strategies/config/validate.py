@@ -179,9 +179,10 @@ def check_flags(cfg):
                           f"by tp({cfg.tp}): {cfg.seq_len} % {cfg.tp} = "
                           f"{cfg.seq_len % cfg.tp}", field="sequence_parallel")
     if cfg.zero and cfg.sync in PS_SYNCS:
-        raise ConfigError(f"--zero {cfg.zero} has no meaning with --sync {cfg.sync}: the "
-                          f"parameter servers already hold the optimizer state and the "
-                          f"parameters, sharded over the servers", field="zero")
+        raise ConfigError(f"--zero {cfg.zero} needs an all-reduce --sync "
+                          f"({', '.join(ALLREDUCE_SYNCS)}), not --sync {cfg.sync}: it has no "
+                          f"meaning there, the parameter servers already hold the optimizer "
+                          f"state and the parameters, sharded over the servers", field="zero")
     if cfg.on_grid and cfg.sync == "local":
         raise ConfigError("--dp/--pp/--tp split a model over ranks; --sync local is one "
                           "process", field="sync")
