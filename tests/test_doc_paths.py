@@ -9,9 +9,10 @@ Two checks, with rules kept simple on purpose so that a reader can predict them.
    - in a guide, the text of an inline code span (`...`), and in a docstring any word,
      that contains a '/' and either ends in one of SUFFIXES or ends in '/' (a folder).
    A span or word is resolved from the repository root, then from the file's own folder and
-   each folder above it (so `parallel/zero.py` inside strategies/ means strategies/parallel/).
+   each folder above it (so a docstring of a module in strategies/ may leave out the
+   strategies/ prefix).
    Not paths: URLs, absolute paths, words with a placeholder or glob (`<`, `*`, `{`, `$`,
-   `...`, or an upper-case segment such as `OUT/` or `RUN_DIR/`), what a run writes (GENERATED:
+   `...`, an upper-case folder such as `OUT/` or `RUN_DIR/`, or `NAME`), what a run writes (GENERATED:
    results/, cal/, .venv*, .whl/, runs/, tmp folders), which a fresh checkout does not hold,
    and the few files of other projects that docstrings cite (EXTERNAL).
 2. A guide (README.md and docs/*.md; docs/measurements/ holds the records and is exempt) says
@@ -29,7 +30,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SUFFIXES = (".py", ".md", ".toml", ".json", ".jsonl", ".sh")
 GENERATED = ("results/", "cal/", ".venv", ".whl/", "runs/", "tmp/")
-PLACEHOLDER = re.compile(r"[<>*{}$…]|\.\.\.|(^|/)[A-Z][A-Z_]+(/|$)")
+PLACEHOLDER = re.compile(r"[<>*{}$…]|\.\.\.|(^|/)[A-Z][A-Z_]+(/|$)|\bNAME\b")
 # Files of other projects, named where a docstring says whose idea it follows.
 EXTERNAL = {
     "doc/PERFORMANCE.md",       # nccl-tests' page on bus bandwidth
