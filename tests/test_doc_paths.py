@@ -15,6 +15,8 @@ Two checks, with rules kept simple on purpose so that a reader can predict them.
    `...`, an upper-case folder such as `OUT/` or `RUN_DIR/`, or `NAME`), what a run writes (GENERATED:
    results/, cal/, .venv*, .whl/, runs/, tmp folders), which a fresh checkout does not hold,
    and the few files of other projects that docstrings cite (EXTERNAL).
+   A link's `#anchor` into a Markdown file must name one of its headings, turned into an
+   anchor as GitHub does (lower case, punctuation dropped, spaces to '-', '-1' on repeats).
 2. A guide (README.md and docs/*.md; docs/measurements/ holds the records and is exempt) says
    how things are today: no line carries a date (YYYY-MM-DD), a load average, a commit of
    this repository, or the words of a lab notebook (NOTEBOOK_WORDS); README.md is at most
@@ -120,6 +122,37 @@ def test_every_path_a_guide_names_exists():
     missing = [f"{md.relative_to(ROOT)}:{n}: {path}"
                for md in guides() for n, path, ok in named_paths(md) if not ok]
     assert not missing, "paths named but not in the repository:\n" + "\n".join(missing)
+
+
+def anchors(md):
+    """The anchors GitHub gives the headings of md."""
+    seen, out = {}, set()
+    fenced = False
+    for line in md.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        if fenced or not line.startswith("#"):
+            continue
+        text = line.lstrip("#").strip().lower()
+        slug = re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_every_anchor_a_guide_links_exists():
+    wrong = []
+    for md in guides():
+        for n, line in enumerate(md.read_text().splitlines(), 1):
+            for target in LINK.findall(line):
+                if "://" in target or "#" not in target:
+                    continue
+                path, anchor = target.split("#", 1)
+                dest = (md.parent / path) if path else md
+                if dest.suffix == ".md" and dest.exists() and anchor not in anchors(dest):
+                    wrong.append(f"{md.relative_to(ROOT)}:{n}: {target}")
+    assert not wrong, "links to headings that are not there:\n" + "\n".join(wrong)
 
 
 def test_every_path_a_docstring_names_exists():
