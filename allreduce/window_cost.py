@@ -15,7 +15,7 @@ message from and into the window more slowly than from a private buffer: the
 window's pages are 4 KiB (shared memory takes no transparent huge pages where
 the kernel's shmem_enabled is never), numpy asks for 2 MiB pages for a buffer
 of 4 MiB or more, and the kernel copies a message page by page
-(docs/performance.md).  So `ring in window` is not the `ring` row: a window
+(docs/measurements/performance/README.md).  So `ring in window` is not the `ring` row: a window
 buffer is worth having only while shm's path beats the ring on a private one.
 """
 import argparse

@@ -5,7 +5,7 @@
 
 The records are strategies.train's own --jsonl (config, step and summary
 records) from runs that differ in --compress (and --momentum,
---no-error-feedback) only, as in docs/training.md:
+--no-error-feedback) only, as in docs/compression.md:
 
     for c in none topk:0.01 powersgd:4; do
       .venv/bin/mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.train --sync ring \\

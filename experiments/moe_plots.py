@@ -4,7 +4,7 @@
         -> results/plots/moe_capacity.png (+ .svg, .json)
 
 The records are strategies.train's own --jsonl (config and step records), from
-runs that differ in --top-k and --capacity-factor only (docs/training.md):
+runs that differ in --top-k and --capacity-factor only (docs/moe.md):
 
     for k in 1 2; do for cf in 0.5 1.0 1.25 2.0; do
       mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.train --sync ring --model moe \\

@@ -4,7 +4,7 @@
         -> docs/gallery/recompute_gantt.png (+ .svg, .json)
 
 The traces are strategies.train's own --trace files (Chrome trace JSON), of two runs
-that differ in --recompute only (docs/training.md):
+that differ in --recompute only (docs/memory.md):
 
     .venv/bin/python -m strategies.train --sync local --model gpt --layers 4 --d-model 128 \\
         --seq-len 64 --global-batch 16 --steps 4 --threads 1 --no-progress \\

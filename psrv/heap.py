@@ -15,7 +15,7 @@ in mallopt(3)) by default treats a large block as rare and long-lived:
 Measured with psrv.bench on loopback TCP, 1 worker x 1 server, 64 MiB: 7,700-9,300
 minor page faults per round (worker and server together) with the defaults, 16
 after `tune()`, and the CPU time of a round fell from 82-95 ms to 66-73 ms
-(docs/parameter-server.md, "Under load, with and without the heap tuning").  A raw pyzmq echo faults too, until
+(docs/measurements/psrv/README.md, "The heap tuning").  A raw pyzmq echo faults too, until
 glibc's moving threshold happens to settle above its frames.
 
 `tune()` sets both, for the whole process:

@@ -21,7 +21,7 @@ the probe measures what that costs with every rank of the run there at once:
    figures span the whole probe: this machine's speed drifts over tens of seconds,
    and a size timed in one stretch caught one speed.  Timed alone in
    one process and scaled by the ranks' share of the cores instead, a block of
-   the 4-layer GPT in docs/planner.md took 4.9 ms x 2 = 9.8 ms, where 4 ranks on
+   the 4-layer GPT in docs/measurements/planner/README.md took 4.9 ms x 2 = 9.8 ms, where 4 ranks on
    2 cores took 9.7-12.2 ms each: the slowest 1.24 times the scaled figure.
 2. The wait, where ranks outnumber cores.  A rank that reaches a blocking
    exchange right after computing finds its peer descheduled, running someone

@@ -6,5 +6,5 @@
     powersgd.py       PowerSGD: low-rank factors P, Q all-reduced, warm-started
 
 A compressor reduces one flat bucket through a collective it is handed; the buckets
-and ZeRO's layers (sync/, parallel/zero.py) decide when.
+and ZeRO's layers (sync/buckets.py, sync/zero.py) decide when.
 """

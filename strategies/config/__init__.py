@@ -1,4 +1,8 @@
-"""What a run is asked to do, checked before anything runs.  Imports no torch.
+"""What a run is asked to do, checked before anything runs.
+
+Only optimizer_checks.py imports torch (it checks a model and a communicator handed to
+DistributedOptimizer); the rest imports no torch, so the command line, the sweeps and
+the planner check a config without paying for `import torch`.
 
     choices.py         ConfigError (with the field it is about) and the values of each choice flag
     sections.py        the sections of a config: SyncOptions, PrecisionOptions, ParallelOptions, ...

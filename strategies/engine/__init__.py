@@ -1,4 +1,4 @@
-"""What drives training: the step engines, the loop, and the user's own optimizer.
+"""What drives training: the one step engine, the loop, and the user's own optimizer.
 
     optimizer.py     DistributedOptimizer: any sync, in a loop of the user's own
     parallelize.py   one rank's share of the model: tp, recompute, pipeline, experts, then
