@@ -81,7 +81,7 @@ class Client:
         self._ids = itertools.count(1)
         self._stash = [dict() for _ in self.endpoints]      # request id -> early reply
         self._expect = [dict() for _ in self.endpoints]     # request id -> out, for its VALUES
-        self._slices = []                                   # server -> {key: Slice}
+        self._slices = [{} for _ in self.endpoints]          # server -> {key: Slice}
         self._numel = {}                                    # parameter name -> elements
         self._mine = set()                                  # the names this worker pushes
         self._start_steps = {}                              # INIT request id -> clock

@@ -129,6 +129,27 @@ FOUR = [
 ]
 
 
+# The parameter servers on the grid: 4 workers and 1 server.  Each bucket of a stage's
+# (or a tp piece's) layers is pushed under a key of its own, and the server averages it
+# over that key's dp replicas (sync/server_buckets.py); the hybrid all-reduces it inside
+# a node of dp replicas first.  Same tolerance as above: the server's SGD is torch's,
+# in float32, and only the order of additions changes.
+SERVERS = [
+    ("ps_dp2_pp2", GPT + ["--sync", "ps", "--servers", "1", "--dp", "2", "--pp", "2",
+                          "--micro-batches", "2"]),
+    ("ps_dp2_tp2", GPT + ["--sync", "ps", "--servers", "1", "--dp", "2", "--tp", "2"]),
+    ("hybrid_dp2_pp2", GPT + ["--sync", "hybrid", "--servers", "1", "--ranks-per-node", "2",
+                              "--dp", "2", "--pp", "2", "--micro-batches", "2"]),
+]
+
+
+@pytest.mark.timeout(300)
+def test_parameter_servers_on_the_grid_reproduce_one_process(tmp_path, reference):
+    runs = launch(tmp_path, 5, SERVERS, timeout=240)
+    for name, _ in SERVERS:
+        assert_same_run(runs[name], reference["gpt"], 4)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_four_ranks_combinations_reproduce_one_process(tmp_path, reference):
