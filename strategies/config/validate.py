@@ -186,11 +186,6 @@ def check_flags(cfg):
     if cfg.on_grid and cfg.sync == "local":
         raise ConfigError("--dp/--pp/--tp split a model over ranks; --sync local is one "
                           "process", field="sync")
-    if cfg.on_grid and cfg.recompute and cfg.model != "gpt":
-        raise ConfigError(f"--recompute with --dp/--pp/--tp/--zero/--micro-batches "
-                          f"checkpoints GPT blocks; --model {cfg.model} is not cut into "
-                          f"blocks a stage can replay (use --model gpt, or the plain loop)",
-                          field="recompute")
     if cfg.ep > 1 and spec.lossy:
         raise ConfigError(f"--compress {cfg.compress} with --ep {cfg.ep} is not "
                           f"supported; fp16 and bf16 are", field="compress")

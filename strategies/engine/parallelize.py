@@ -49,7 +49,7 @@ from ..config.sections import PrecisionOptions, SyncOptions
 from ..model.moe import MoE
 from ..parallel.expert_parallel import AllToAllExperts, ExpertPlacement, shard_experts, units_of
 from ..parallel.interleaved import InterleavedPipeline, chunk_layers
-from ..parallel.pipeline import Pipeline, Stage
+from ..parallel.pipeline import Pipeline, Stage, layers_of
 from ..parallel.recompute import Recompute
 from ..parallel.sequence_parallel import positions_per_rank, split_sequence
 from ..parallel.tensor_parallel import TensorParallel, parallelize_blocks
@@ -129,8 +129,9 @@ def parallelize(model, ctx, cfg, device, tracer):
                 plan.names.setdefault(id(p), f"{name}.{local}")
     # 2. recompute: the kept GPT blocks after their tp split; the whole model's blocks
     if cfg.recompute:
+        blocks = {name for name, _ in layers_of(model)[1]}   # GPT blocks, MLP hidden layers
         plan.recompute = Recompute.of_blocks(
-            [(n, b) for n, b in layers if n.startswith("blocks.")], tracer) if grid \
+            [(n, b) for n, b in layers if n in blocks], tracer) if grid \
             else Recompute(model, tracer)
     # 3. the pipeline split: the kept layers, in order, re-cut into their chunks
     if grid:

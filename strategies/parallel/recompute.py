@@ -86,9 +86,13 @@ class Recompute:
 
     @classmethod
     def of_blocks(cls, blocks, tracer=None):
-        """The GPT blocks a pipeline stage holds, [(name, block)], each checkpointed:
-        the grid's share of the model (engine/parallelize.py), already split over tp, whose
-        collectives the replay runs again, in the same order on every tp rank."""
+        """The blocks a pipeline stage holds, [(name, block)], each checkpointed: the
+        grid's share of the model (engine/parallelize.py).  GPT blocks are already split
+        over tp, and the replay runs their collectives again, in the same order on every
+        tp rank.  An MLP's hidden layer (Linear, ReLU) is a segment of its own here, not
+        one of sqrt(depth) layers as in the whole model: the stages cut the model
+        into layers, and a layer keeps only its input, which its ReLU output is to the
+        next one anyway, so on the grid the MLP replays for time and saves no memory."""
         recompute = cls(None, tracer)
         for name, block in blocks:
             recompute._wrap(block, name)
