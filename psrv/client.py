@@ -61,7 +61,7 @@ class Handle:
 class Client:
     def __init__(self, endpoints, worker_id, num_workers, timeout=30.0, consistency=None,
                  keys=None, heartbeat_interval=0.5, slice_bytes=DEFAULT_SLICE_BYTES,
-                 message_bytes=4 << 20):
+                 message_bytes=4 << 20, wire="fp32"):
         if not 0 <= worker_id < num_workers:
             raise ValueError(f"worker_id {worker_id} not in [0, num_workers={num_workers})")
         if not endpoints:
@@ -75,6 +75,10 @@ class Client:
         if keys is not None and len(keys.servers) not in (1, len(self.endpoints)):
             raise ValueError(f"{len(keys.servers)} server keys for {len(self.endpoints)} endpoints")
         self.consistency = consistency or Consistency()
+        if wire not in P.WIRE_DTYPES:
+            raise ValueError(f"wire {wire!r}: choose {', '.join(P.WIRE_DTYPES)}")
+        # pushes carry gradients in this dtype; the servers sum and step in float32
+        self.wire = P.WIRE_DTYPES[wire]
         self.slice_bytes, self.message_bytes = slice_bytes, message_bytes
         self.placement = None
         self.staleness_log = []
@@ -240,13 +244,14 @@ class Client:
                 by_server.setdefault(sl.server, []).append(sl)
         requests = []
         source = arrays if op != P.Op.PULL else {}
+        dtype = self.wire if op in (P.Op.PUSH, P.Op.PUSH_PULL) else P.FLOAT32
         for server, slices in sorted(by_server.items()):
             # batch: consecutive slices up to message_bytes per message
             batch, size = [], 0
             for sl in slices + [None]:
                 nbytes = sl.length * 4 if sl else 0
                 if batch and (sl is None or size + nbytes > self.message_bytes):
-                    entries, payload = self._entries(batch, source, step)
+                    entries, payload = self._entries(batch, source, step, dtype)
                     requests.append(self._send(server, op, entries, payload, [], out))
                     batch, size = [], 0
                 if sl:
@@ -254,7 +259,7 @@ class Client:
                     size += nbytes
         return requests
 
-    def _entries(self, slices, arrays, step):
+    def _entries(self, slices, arrays, step, dtype=P.FLOAT32):
         entries, payload = [], []
         for sl in slices:
             parts = []
@@ -262,9 +267,9 @@ class Client:
                 flat = np.ascontiguousarray(arrays[sl.name], dtype=np.float32).reshape(-1)
                 if flat.size != self._numel[sl.name]:
                     raise ValueError(f"{sl.name}: {flat.size} elements, declared shape {sl.shape}")
-                parts = P.chunks(flat[sl.offset:sl.offset + sl.length])
-            entries.append(P.Entry(sl.key, sl.offset, sl.length, sl.shape, nframes=len(parts),
-                                   step=step))
+                parts = P.chunks(P.to_wire(flat[sl.offset:sl.offset + sl.length], dtype))
+            entries.append(P.Entry(sl.key, sl.offset, sl.length, sl.shape, dtype=dtype,
+                                   nframes=len(parts), step=step))
             payload += parts
         return entries, payload
 

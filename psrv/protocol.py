@@ -90,10 +90,13 @@ MAX_GROUP = 1 << 16               # worker ids in a GROUP frame (MAX_WORKERS's o
 CHECKPOINT_STEP = struct.Struct("<q")      # -1: the shard's own file; else a set's step
 CARRIES_PAYLOAD = {Op.INIT, Op.PUSH, Op.PUSH_PULL, Op.VALUES}
 
-# The dtype table: the order is the contract.  The server stores float32 only.
+# The dtype table: the order is the contract.  The server stores float32 only; a push
+# may carry a gradient in 16 bits (FLOAT16, or BFLOAT16: bfloat16's bits as <u2), which
+# it widens to float32 on arrival, before it sums or applies it (to_float32).
 DTYPES = (np.dtype("<f4"), np.dtype("<f8"), np.dtype("<f2"), np.dtype("<i4"),
-          np.dtype("<i8"), np.dtype("u1"))
-FLOAT32 = 0
+          np.dtype("<i8"), np.dtype("u1"), np.dtype("<u2"))
+FLOAT32, FLOAT16, BFLOAT16 = 0, 2, 6
+WIRE_DTYPES = {"fp32": FLOAT32, "fp16": FLOAT16, "bf16": BFLOAT16}   # a push's choices
 
 
 class ProtocolError(ValueError):
@@ -211,6 +214,28 @@ def decode(frames):
             raise ProtocolError(f"key {e.key}: {got} payload bytes in {len(parts)} frames for "
                                 f"{e.length} elements of {DTYPES[e.dtype]}")
     return msg
+
+
+def to_wire(flat, dtype):
+    """A float32 slice as a push of `dtype` carries it (a copy, unless float32).  bfloat16
+    rounds to nearest, ties to even, as torch's cast does: the upper 16 bits of
+    x + 0x7FFF + (bit 16 of x)."""
+    if dtype == FLOAT32:
+        return flat
+    if dtype == FLOAT16:
+        return flat.astype("<f2")
+    bits = flat.view("<u4").astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+
+
+def to_float32(entry, frames):
+    """A pushed entry's frames as float32 arrays: views where they are float32 already,
+    widened copies of 16-bit ones (exact: every fp16 and bf16 value is a float32)."""
+    if entry.dtype == FLOAT32:
+        return [np.frombuffer(f, np.float32) for f in frames]
+    if entry.dtype == FLOAT16:
+        return [np.frombuffer(f, "<f2").astype(np.float32) for f in frames]
+    return [(np.frombuffer(f, "<u2").astype(np.uint32) << 16).view(np.float32) for f in frames]
 
 
 def group_of(msg):

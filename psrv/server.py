@@ -231,11 +231,13 @@ class Server:
             for e in msg.entries:
                 s.check_entry(e, w, push=op != P.Op.PULL)
             if op in (P.Op.PUSH, P.Op.PUSH_PULL):
-                for e, frames in msg.entry_frames():
+                # 16-bit gradients widened to float32 first: the sum and the step are fp32
+                pushed = [(e, P.to_float32(e, frames)) for e, frames in msg.entry_frames()]
+                for e, frames in pushed:
                     if not frames:
                         raise ValueError(f"key {e.key}: {op.name} without a gradient")
                     s.check_finite(e, w, frames)
-                for e, frames in msg.entry_frames():
+                for e, frames in pushed:
                     s.push(e.key, w, e.step, frames)
                 if self.checkpoints and self.checkpoints.every:   # O(keys): only if needed
                     s.note_pushes(w)

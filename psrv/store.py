@@ -179,10 +179,14 @@ class Shard:
         if (e.offset, e.length, e.shape) != (k.offset, k.length, k.shape):
             raise ValueError(f"key {e.key} is {k.describe()}, message says "
                              f"[{e.offset}:{e.offset + e.length}] of shape {e.shape}")
-        if e.dtype != 0:
-            raise ValueError(f"key {e.key}: dtype code {e.dtype}, servers hold float32 (code 0)")
         if not push:
+            if e.dtype != 0:
+                raise ValueError(f"key {e.key}: dtype code {e.dtype}, servers hold float32 "
+                                 f"(code 0)")
             return
+        if e.dtype not in (0, 2, 6):
+            raise ValueError(f"key {e.key}: a gradient of dtype code {e.dtype}; pushes carry "
+                             f"float32 (0), float16 (2) or bfloat16 (6)")
         if not self.pushes(k, worker):
             raise ValueError(f"key {e.key} ({k.name}) is pushed by workers "
                              f"{sorted(k.workers)[:8]}, not by worker {worker}")

@@ -120,11 +120,11 @@ def check_compress(compress, sync, error_feedback=True, cli=True, sparsity_warmu
     if spec.kind != "none" and sync == "local":
         raise ConfigError(f"{what} with {setting_of('sync', 'local', cli)}: one process has "
                           f"no wire, so there is nothing to compress", field="sync")
-    if spec.kind != "none" and sync in ("ps", "hybrid"):
-        raise ConfigError(f"{what} with {setting_of('sync', sync, cli)} is not supported: the "
-                          f"parameter servers take float32 gradients (psrv's protocol) and run the "
-                          f"optimizer on them; use an all-reduce sync (ring, tree, ...)",
-                          field="sync")
+    if spec.lossy and sync in ("ps", "hybrid"):
+        raise ConfigError(f"{what} with {setting_of('sync', sync, cli)} is not supported: "
+                          f"psrv's pushes are dense (float32, fp16 or bf16 frames), so a "
+                          f"sparse or low-rank gradient would travel whole; --compress fp16 "
+                          f"and bf16 halve a push", field="sync")
     if not error_feedback and not spec.lossy:
         raise ConfigError(f"{'--no-error-feedback' if cli else 'error_feedback=False'} "
                           f"switches off the residuals of topk:RATIO and powersgd:RANK, "

@@ -159,7 +159,7 @@ class StepEngine:
     def wire_fields(self):
         """This step's gradient bytes handed to the collectives (`wire_bytes`) and what
         float32 all-reduces would have handed over (`dense_bytes`); none where the sync
-        does not count them (local, ps, hybrid).  Top-k adds `kept_ratio`, the fraction
+        does not count them (local).  Top-k adds `kept_ratio`, the fraction
         of each bucket it sent (above RATIO only during --sparsity-warmup)."""
         wire, dense = self.sync.wire_bytes, self.sync.dense_bytes
         if wire is None:

@@ -137,8 +137,8 @@ class GradientSync:
 
     Read-only figures: name, bytes_sent and bytes_received (this rank's traffic so far;
     None where a library's traffic is not observable), wire_bytes and dense_bytes
-    (all-reduce syncs: the gradient bytes handed to the collectives so far, compressed,
-    and what float32 would have been; None elsewhere), kept_ratio (top-k: the fraction
+    (the gradient bytes handed to the collectives or pushed to the servers so far,
+    compressed, and what float32 would have been; None for local), kept_ratio (top-k: the fraction
     of each bucket the last step sent; None elsewhere), staleness (ps: how many steps old
     the parameters of the last step were; None elsewhere), start_step, comm_rounds
     (the collectives or server round trips this rank has made so far), signal_stop

@@ -30,6 +30,12 @@ def check_servers_step(start_step, state):
                            f"the worker checkpoint is at step {state.get('servers_step')}")
 
 
+def wire_of(cfg):
+    """What a push carries: --compress fp16 or bf16 halves it (the servers widen it to
+    float32 before they sum and step), else float32."""
+    return cfg.compress if cfg.compress in ("fp16", "bf16") else "fp32"
+
+
 class PSSync(GradientSync):
     """Workers push gradients and pull parameters; no optimizer on the worker.
 
@@ -52,7 +58,8 @@ class PSSync(GradientSync):
             num_workers=ctx.dp_size if num_workers is None else num_workers,
             timeout=cfg.timeout,
             consistency=psrv.Consistency(mode=cfg.consistency, staleness=cfg.staleness),
-            keys=role.keys)             # CURVE keys when the servers listen off loopback
+            keys=role.keys,             # CURVE keys when the servers listen off loopback
+            wire=wire_of(cfg))
         self.optimizer_config = psrv.OptimizerConfig(
             name=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum, betas=(0.9, 0.999),
             eps=1e-8, weight_decay=cfg.weight_decay)
@@ -75,6 +82,7 @@ class PSSync(GradientSync):
         self.grads_np = {n: t.numpy() for n, t in self.host_grads.items()}
         # worker 0's values win; after --resume the servers' saved ones, at start_step
         self.start_step = self.next_step = self.client.init(self.params_np, self.optimizer_config)
+        self.wire_bytes = self.dense_bytes = 0    # gradient bytes pushed, and as float32
         self._install()
 
     def before_backward(self):
@@ -92,6 +100,9 @@ class PSSync(GradientSync):
                 self.host_grads[n].copy_(p.grad)
         self.client.push_pull(self.grads_np, self.params_np, step).wait()
         self.comm_rounds += 1
+        dense = 4 * sum(g.size for g in self.grads_np.values())
+        self.dense_bytes += dense
+        self.wire_bytes += dense // 2 if self.client.wire else dense     # 16-bit frames
         self.next_step = step + 1
 
     def step(self, optimizer):
@@ -233,6 +244,14 @@ class HybridSync(GradientSync):
     @property
     def staleness(self):
         return self.ps.staleness if self.ps else None
+
+    @property
+    def wire_bytes(self):
+        return self.inside.wire_bytes + (self.ps.wire_bytes if self.ps else 0)
+
+    @property
+    def dense_bytes(self):
+        return self.inside.dense_bytes + (self.ps.dense_bytes if self.ps else 0)
 
     def state_dict(self):
         if self.ps is not None:

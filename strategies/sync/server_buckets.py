@@ -37,8 +37,8 @@ import torch
 from ..config.choices import ConfigError
 from ..runtime.context import require_psrv
 from ..runtime.trace import span
-from .gradient_sync import make_optimizer
-from .ps_sync import check_servers_step
+from .gradient_sync import build_compressor, make_optimizer
+from .ps_sync import check_servers_step, wire_of
 from .zero import ZeRO
 
 
@@ -63,7 +63,8 @@ class ServerBuckets(ZeRO):
         coll = node.coll if node else collective_for("ring", cfg, comms.dp, device=device)
         super().__init__(0, units, coll, cfg, backwards_per_step, tracer, None,
                          thread_coll=node.thread_coll if node else coll,
-                         overlap=cfg.overlap, device=device)
+                         compressor=build_compressor(cfg.compress), overlap=cfg.overlap,
+                         device=device)
         self.name, self.node, self.comms = cfg.sync, node, comms
         self.leads = node is None or node.rank == 0
         # every rank learns every group's keys (a control allgather over the workers),
@@ -86,7 +87,8 @@ class ServerBuckets(ZeRO):
                 endpoints=role.endpoints, worker_id=worker_id[comms.rank],
                 num_workers=len(leaders),
                 timeout=cfg.timeout, keys=role.keys,
-                consistency=psrv.Consistency(mode=cfg.consistency, staleness=cfg.staleness))
+                consistency=psrv.Consistency(mode=cfg.consistency, staleness=cfg.staleness),
+                wire=wire_of(cfg))
             optimizer = psrv.OptimizerConfig(
                 name=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum, betas=(0.9, 0.999),
                 eps=1e-8, weight_decay=cfg.weight_decay)
@@ -113,16 +115,15 @@ class ServerBuckets(ZeRO):
         unit, key = self.units[bucket.index], self.keys[bucket.index]
         node = self.node if self.node is not None and self.node.size > 1 else None
         sent = 0
-        if node:
+        if node:                    # through the compressor, as every all-reduce sync
             with span(self.tracer, f"all-reduce grads {unit.name} (node)", self.category):
-                node.thread_coll.allreduce(flat, op="avg")
-            sent += flat.numel() * flat.element_size()
+                sent += self._allreduce_avg(bucket, flat)
         if self.leads:
             grad = flat.detach().cpu().float().numpy()
             with span(self.tracer, f"push/pull {key}", self.category):
                 self.client.push_pull({key: grad}, {key: self.host[key].numpy()},
                                       self.next_step).wait()
-            sent += grad.nbytes
+            sent += grad.nbytes // (2 if self.client.wire else 1)   # 16-bit frames
         if node:
             node.thread_coll.broadcast(self.host[key], root=0)
         return sent
