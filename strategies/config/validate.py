@@ -136,14 +136,6 @@ def parse_straggler(text):
 def check_sync_combinations(sync, precision, optimizer, cli=True):
     """The sync section against the precision and the optimizer: for TrainConfig (pass it
     three times) and DistributedOptimizer (its sections; the optimizer's is the wrapped one)."""
-    # bf16 needs no loss scale: the workers compute under autocast and push the fp32
-    # gradients of their fp32 parameters, which the parameter servers take as they are
-    if sync.sync in PS_SYNCS and precision.precision == "fp16":
-        raise ConfigError(f"{setting_of('precision', precision.precision, cli)} with "
-                          f"{setting_of('sync', sync.sync, cli)} is not supported: an fp16 "
-                          f"overflow skips the step on every rank, and the servers, which apply "
-                          f"what they are pushed, have no message for a skipped step; use bf16",
-                          field="precision")
     if sync.momentum_correction and not (
             parse_compress(sync.compress).kind == "topk" and optimizer.optimizer == "sgd"
             and optimizer.momentum > 0 and sync.error_feedback):

@@ -238,9 +238,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               f"lr={self.config.lr}; a schedule cannot change it to {lr}",
                               field="sync")
         self.synchronize()
-        # every rank holds the same averaged gradients: all skip the same fp16 steps
+        # every rank holds the same averaged gradients, or (ps) the workers vote: all
+        # skip the same fp16 steps
         self.precision.step([p.grad for p in self.model.parameters()],
-                            lambda: self.sync.step(self.optimizer))
+                            lambda: self.sync.step(self.optimizer), self.sync.agree)
         self._synchronized = False
         self._step += 1
         return loss

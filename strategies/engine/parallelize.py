@@ -181,7 +181,7 @@ def zero_data_parallel(plan, ctx, cfg, device, tracer, layers):
         units = [(name, module, list(module.parameters())) for name, module in layers]
     if cfg.sync in PS_SYNCS:    # a bucket's reduction is a push and a pull to the servers
         plan.sync = ServerBuckets(units, comms, ctx.role, cfg, cfg.micro_batches, tracer,
-                                  device, collective_for, ctx.host)
+                                  device, collective_for, ctx.host, plan.precision)
         plan.sync.setup(plan.model)
         plan.optimizer = plan.sync.make_optimizer()
         plan.counters = plan.counters + [plan.sync]
@@ -221,6 +221,7 @@ def whole_data_parallel(plan, ctx, cfg):
                                comm=ctx.dp_comm, role=ctx.role, **settings)
     plan.sync, plan.optimizer = opt.sync, opt.optimizer
     plan.counters = [opt.sync]
+    plan.agree = opt.sync.agree                # ps under fp16: the workers vote
 
 
 def pipeline(plan, comms, cfg, device, stages, tracer, criterion):

@@ -153,6 +153,10 @@ class GradientSync:
     wire_bytes = dense_bytes = None    # all-reduce syncs: bytes handed to the collectives
     kept_ratio = None                  # top-k: the fraction of each bucket sent
     signal_stop = False                # ps: a signal ends the run at an agreed step
+    # fp16's overflow vote, agree(found) -> found on any rank (precision.py), where the
+    # ranks hold different gradients at the check (ps: each its own, pushed after it);
+    # None where every rank holds the same averaged gradients
+    agree = None
 
     def __init__(self, cfg, ctx, device):
         self.cfg, self.ctx, self.device = cfg, ctx, device

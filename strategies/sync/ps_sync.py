@@ -30,6 +30,15 @@ def check_servers_step(start_step, state):
                            f"the worker checkpoint is at step {state.get('servers_step')}")
 
 
+def deferred_push(cfg, ctx):
+    """(whether the push waits for step, the vote over the workers) under fp16's loss
+    scaling: each worker holds its own gradients until the push, so they vote."""
+    if cfg.precision != "fp16":
+        return False, None
+    from ..runtime.precision import any_rank_of
+    return True, any_rank_of(ctx.dp_comm)
+
+
 def wire_of(cfg):
     """What a push carries: --compress fp16 or bf16 halves it (the servers widen it to
     float32 before they sum and step), else float32."""
@@ -50,6 +59,10 @@ class PSSync(GradientSync):
     def __init__(self, cfg, ctx, device, worker_id=None, num_workers=None, bind_grads=True):
         super().__init__(cfg, ctx, device)
         psrv = require_psrv()
+        # fp16: the push waits for the workers' vote on an overflow (precision.step calls
+        # `step` only where no worker found one), so a skipped step is skipped by all of
+        # them and never reaches the servers; the pushed gradients are unscaled by then
+        self.deferred, self.agree = deferred_push(cfg, ctx)
         role = ctx.role
         self.bind_grads = bind_grads and device.type == "cpu"
         self.client = psrv.Client(
@@ -95,17 +108,25 @@ class PSSync(GradientSync):
                 p.grad = None
 
     def synchronize(self, step):
+        if not self.deferred:
+            self.push()
+
+    def push(self):
+        """The gradients to the servers as their next step (`next_step`: the pushes so
+        far, which a skipped fp16 step does not count), their new parameters back."""
         for n, p in self.named.items():             # gradients not in our buffer: copy
             if p.grad is not None and p.grad.data_ptr() != self.host_grads[n].data_ptr():
                 self.host_grads[n].copy_(p.grad)
-        self.client.push_pull(self.grads_np, self.params_np, step).wait()
+        self.client.push_pull(self.grads_np, self.params_np, self.next_step).wait()
         self.comm_rounds += 1
         dense = 4 * sum(g.size for g in self.grads_np.values())
         self.dense_bytes += dense
         self.wire_bytes += dense // 2 if self.client.wire else dense     # 16-bit frames
-        self.next_step = step + 1
+        self.next_step += 1
 
     def step(self, optimizer):
+        if self.deferred:
+            self.push()
         self._install()
 
     def _install(self):
@@ -189,6 +210,7 @@ class HybridSync(GradientSync):
         self.node_coll = self.inside.coll
         self.ps = PSSync(cfg, ctx, device, worker_id=leaders.rank, num_workers=nodes,
                          bind_grads=False) if self.is_leader else None
+        self.deferred, self.agree = deferred_push(cfg, ctx)
 
     def setup(self, model):
         super().setup(model)
@@ -221,13 +243,19 @@ class HybridSync(GradientSync):
 
     def synchronize(self, step):
         self.inside.synchronize(step)               # gradients averaged over the node
+        if not self.deferred:
+            self.push()
+
+    def push(self):
         if self.ps is not None:
-            self.ps.synchronize(step)               # ... and over the nodes, by the servers
+            self.ps.push()                          # ... and over the nodes, by the servers
         for t in self.incoming:                     # the servers' answer, to the node
             self.node_coll.broadcast(t, root=0)
-        self.next_step = step + 1
+        self.next_step += 1
 
     def step(self, optimizer):
+        if self.deferred:                           # fp16: after the workers' vote
+            self.push()
         with torch.no_grad():
             for p, new in zip(self.model.parameters(), self.incoming):
                 p.copy_(new, non_blocking=True)

@@ -36,6 +36,7 @@ import torch
 
 from ..config.choices import ConfigError
 from ..runtime.context import require_psrv
+from ..runtime.precision import any_rank_of
 from ..runtime.trace import span
 from .gradient_sync import build_compressor, make_optimizer
 from .ps_sync import check_servers_step, wire_of
@@ -53,7 +54,7 @@ class ServerBuckets(ZeRO):
     signal_stop = True           # its waits are ZeroMQ polls and Python-polled MPI
 
     def __init__(self, units, comms, role, cfg, backwards_per_step, tracer, device,
-                 collective_for, host=""):
+                 collective_for, host="", precision=None):
         psrv = require_psrv()
         node = NodeOfReplicas(cfg, comms, host, collective_for, device) \
             if cfg.sync == "hybrid" else None
@@ -66,6 +67,11 @@ class ServerBuckets(ZeRO):
                          compressor=build_compressor(cfg.compress), overlap=cfg.overlap,
                          device=device)
         self.name, self.node, self.comms = cfg.sync, node, comms
+        # fp16: the buckets wait for step, where the workers vote on an overflow (each
+        # stage and tp rank sees its own gradients) and push only where none found one
+        self.scaling = precision
+        self.deferred = precision is not None and precision.scaler is not None
+        self.agree = any_rank_of(comms.world) if self.deferred else None
         self.leads = node is None or node.rank == 0
         # every rank learns every group's keys (a control allgather over the workers),
         # so that all number them alike; the group of this rank's keys is its dp axis
@@ -102,7 +108,8 @@ class ServerBuckets(ZeRO):
             for t in self.host.values():
                 node.coll.broadcast(t, root=0)
         self.start_step = self.next_step = start
-        self.step(None)
+        self.pending = {}
+        self._install()
 
     def make_optimizer(self, model=None):
         """The servers step; the torch optimizer is held for the checkpoint's format only."""
@@ -118,6 +125,16 @@ class ServerBuckets(ZeRO):
         if node:                    # through the compressor, as every all-reduce sync
             with span(self.tracer, f"all-reduce grads {unit.name} (node)", self.category):
                 sent += self._allreduce_avg(bucket, flat)
+        if self.deferred:           # fp16: pushed by step, after the vote
+            self.pending[bucket.index] = flat
+            return sent
+        return sent + self._push(bucket.index, flat)
+
+    def _push(self, index, flat):
+        """One bucket's round trip (the leader's) and its values to the node; its bytes."""
+        unit, key = self.units[index], self.keys[index]
+        node = self.node if self.node is not None and self.node.size > 1 else None
+        sent = 0
         if self.leads:
             grad = flat.detach().cpu().float().numpy()
             with span(self.tracer, f"push/pull {key}", self.category):
@@ -130,14 +147,32 @@ class ServerBuckets(ZeRO):
 
     def synchronize(self, step):
         super().synchronize(step)
-        self.next_step = step + 1
+        if not self.deferred:
+            self.next_step += 1
+
+    def before_backward(self):
+        self.pending = {}
+        super().before_backward()
 
     def gradients(self):
         return []                  # the servers updated: no gradient is left to check
 
     def step(self, optimizer):
         """The pulled values into the buckets' flat parameters: the one change of the
-        model in a step, as the contract says (gradient_sync.py)."""
+        model in a step, as the contract says (gradient_sync.py).  fp16: first the vote
+        and the unscaling (precision.py), then the pushes, or neither where any worker
+        found an overflow: the servers never see the skipped step."""
+        if self.deferred:
+            order = sorted(self.pending)
+
+            def push():
+                self.engine.wire_bytes += sum(self._push(i, self.pending[i]) for i in order)
+            if not self.scaling.step([self.pending[i] for i in order], push, self.agree):
+                return
+            self.next_step += 1
+        self._install()
+
+    def _install(self):
         with torch.no_grad():
             for k, u in zip(self.keys, self.units):
                 u.full.copy_(self.host[k], non_blocking=True)
