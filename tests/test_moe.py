@@ -207,6 +207,15 @@ def assert_reproduce(runs, reference):
 
 
 @pytest.mark.timeout(300)
+def test_expert_parallel_over_torch_distributed_reproduces_one_process(tmp_path):
+    """The experts' all-to-alls over torch.distributed's (gloo) all_to_all_single, the
+    dense layers' all-reduces over its all_reduce, one thread (--no-overlap)."""
+    reference = launch(tmp_path, 1, [("top2", TOP2 + LOCAL)])
+    assert_reproduce(launch(tmp_path, 2, [("ep2torch_top2", TOP2 + [
+        "--sync", "torch", "--ep", "2", "--no-overlap"])]), reference)
+
+
+@pytest.mark.timeout(300)
 def test_expert_parallel_under_zero1_reproduces_one_process(tmp_path):
     """ep carved out of dp: ZeRO-1 shards the dense layers over the world and each
     expert over its replicas (one rank each at ep 2).  In the quick tier: the one

@@ -212,9 +212,15 @@ def check_moe(cfg):
     if cfg.experts % cfg.ep:
         raise ConfigError(f"--experts {cfg.experts} is not divisible by ep({cfg.ep}): "
                           f"{cfg.experts} % {cfg.ep} = {cfg.experts % cfg.ep}", field="experts")
-    if cfg.sync not in ALLREDUCE_SYNCS or cfg.sync == "torch":
-        raise ConfigError(f"--ep {cfg.ep} needs an all-reduce --sync over MPI "
-                          f"(ring, tree, ...), not --sync {cfg.sync}", field="ep")
+    if cfg.sync not in ALLREDUCE_SYNCS:
+        raise ConfigError(f"--ep {cfg.ep} needs an all-reduce --sync (ring, tree, ..., "
+                          f"torch), not --sync {cfg.sync}", field="ep")
+    if cfg.sync == "torch" and cfg.overlap:
+        raise ConfigError(f"--ep {cfg.ep} needs --no-overlap with --sync torch, not "
+                          f"--sync torch alone: torch.distributed keeps one gloo group per "
+                          f"set of ranks (allreduce/torch_transport.py), which the comm "
+                          f"thread's all-reduces and the experts' all-to-alls would share "
+                          f"from two threads", field="ep")
 
 
 # ------------------------------------------------------------------ against the world
