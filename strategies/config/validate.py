@@ -164,6 +164,9 @@ def check_flags(cfg):
         raise ConfigError(f"--grad-accum {cfg.grad_accum} and --micro-batches "
                           f"{cfg.micro_batches} are the same thing on the grid and "
                           f"off it: give one of them", field="grad_accum")
+    if cfg.tp > 1 and cfg.model == "mlp":
+        raise ConfigError(f"--tp {cfg.tp}: tensor parallelism splits the GPT's attention "
+                          "and MLP; use --model gpt", field="tp")
     check_moe(cfg)
     check_sync_combinations(cfg, cfg, cfg)
     if cfg.sequence_parallel and cfg.seq_len % cfg.tp:
@@ -207,8 +210,8 @@ def check_moe(cfg):
     if cfg.ep == 1:
         return
     if cfg.model != "moe":
-        raise ConfigError(f"--ep {cfg.ep} splits the experts of --model moe, not of "
-                          f"--model {cfg.model}", field="ep")
+        raise ConfigError(f"--ep {cfg.ep} needs --model moe: it splits the experts of "
+                          f"--model moe, not of --model {cfg.model}", field="ep")
     if cfg.experts % cfg.ep:
         raise ConfigError(f"--experts {cfg.experts} is not divisible by ep({cfg.ep}): "
                           f"{cfg.experts} % {cfg.ep} = {cfg.experts % cfg.ep}", field="experts")
@@ -246,6 +249,20 @@ def check_sync_world(sync, world_size, cli=True):
     if sync.sync == "local" and world_size != 1:
         raise ConfigError(f"{setting_of('sync', 'local', cli)} runs on one process, not "
                           f"{world_size}", field="world_size")
+
+
+def check_launcher(cfg, torchrun):
+    """The flags against the launcher: torchrun starts torch.distributed's world alone,
+    without MPI, which the grid's axes, the parameter servers and the textbook
+    collectives over MPI need."""
+    if not torchrun:
+        return
+    if cfg.on_grid or cfg.ep > 1:
+        raise ConfigError("--dp/--pp/--tp/--zero/--ep run under mpiexec, not torchrun: "
+                          "their axes are MPI communicators (config/mesh.py)", field="dp")
+    if cfg.sync != "torch":
+        raise ConfigError(f"under torchrun only --sync torch works (got --sync {cfg.sync}); "
+                          "launch the others with mpiexec", field="sync")
 
 
 def check_world(cfg, world_size):
@@ -303,9 +320,6 @@ def check_grid(cfg, dp):
                           f"pp({cfg.pp}): micro-batches go round the ranks in groups of pp",
                           field="schedule")
     if cfg.tp > 1:
-        if cfg.model != "gpt":
-            raise ConfigError(f"--tp {cfg.tp}: tensor parallelism splits the GPT's attention "
-                              "and MLP; use --model gpt", field="tp")
         if cfg.heads % cfg.tp:
             raise ConfigError(f"--heads {cfg.heads} is not divisible by tp({cfg.tp}): "
                               f"{cfg.heads} % {cfg.tp} = {cfg.heads % cfg.tp}", field="heads")

@@ -30,7 +30,7 @@ from allreduce.torch_world import init_torch_distributed, torchrun_world
 from ..config.choices import PS_SYNCS, ConfigError
 from ..config.mesh import Mesh
 from ..config.settings import check_checkpoint_dir
-from ..config.validate import check_world
+from ..config.validate import check_launcher, check_world
 from . import checkpoint
 
 
@@ -120,12 +120,7 @@ class RunContext:
 
     @classmethod
     def _from_torchrun(cls, cfg, host):
-        if cfg.on_grid:
-            raise ConfigError("--dp/--pp/--tp/--zero run under mpiexec, not torchrun",
-                              field="dp")
-        if cfg.sync != "torch":
-            raise ConfigError(f"under torchrun only --sync torch works (got --sync {cfg.sync}); "
-                              "launch the others with mpiexec", field="sync")
+        check_launcher(cfg, torchrun=True)
         import torch.distributed as dist
         init_torch_distributed()
         rank, world = dist.get_rank(), dist.get_world_size()
