@@ -4,6 +4,7 @@ and how much of the dp axis's communication backward hides.
     mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.bench_parallel --part zero
     mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.bench_parallel --part pipeline
     mpiexec -n 4 .venv/bin/python -m mpi4py -m strategies.bench_parallel --part overlap
+    mpiexec -n 5 .venv/bin/python -m mpi4py -m strategies.bench_parallel --part servers
     mpiexec -n 4 ... --part zero      (N = 4; oversubscribed on two cores: figures of
                                        memory and bytes hold, times do not)
 
@@ -30,6 +31,9 @@ overlap:  a dp2 x pp2 GPT (4 ranks) with ZeRO-1, its dp collectives inside the g
           thread) against on the comm thread (comm_thread.py), interleaved rounds; per
           configuration the median step time and the exposed-communication fraction
           (the trace's main-thread "comm" spans over the step).
+servers:  the same grid without ZeRO through one parameter server (5 ranks): --sync ps
+          and hybrid, interleaved rounds, each one's median step and exposed-communication
+          fraction (the waits for the last buckets' round trips over the step).
 """
 import argparse
 import os
@@ -228,13 +232,58 @@ def overlap_part(comm, directory, rounds, n_steps):
     return rows
 
 
+def servers_part(comm, directory, rounds, n_steps):
+    """The same dp2 x pp2 GPT (no ZeRO: the servers shard the state) through one
+    parameter server: 4 workers and 1 server, --sync ps and hybrid.  The ring's row of
+    the same grid is --part overlap's "comm thread" (with ZeRO-1, whose traffic is the
+    all-reduce's): a launch of 4 ranks, since a run takes the whole world it is given."""
+    if comm.size != 5:
+        raise SystemExit("--part servers runs a dp2 x pp2 grid and a server: mpiexec -n 5")
+    at = GPT.index("--zero")
+    base = GPT[:at] + GPT[at + 2:]
+    configs = {"ps": ["--sync", "ps", "--servers", "1"],
+               "hybrid": ["--sync", "hybrid", "--servers", "1", "--ranks-per-node", "2"]}
+    launches = dict.fromkeys(configs, 0)
+
+    def path_of(name, i):
+        return os.path.join(directory, f"servers_{name}_{i}.jsonl")
+
+    def launch(name):
+        i, launches[name] = launches[name], launches[name] + 1
+        train(base + configs[name] + ["--steps", str(n_steps)], path_of(name, i))
+        records = steps(path_of(name, i)) if comm.rank == 0 else []
+        by_step = {}
+        for r in records:
+            by_step.setdefault(r["step"], []).append(r)
+        return [max(rs, key=lambda r: r["step_time_s"]) for _, rs in sorted(by_step.items())]
+
+    timed = interleaved({n: (lambda n=n: [r["step_time_s"] for r in launch(n)])
+                         for n in configs}, rounds=rounds, warmup=0, own_clock=True)
+    if comm.rank:
+        return []
+    rows = []
+    print(f"dp2 x pp2 GPT, 2 micro-batches, through one server ({rounds} interleaved "
+          f"rounds of {n_steps} steps); the ring's row: --part overlap, 'comm thread'")
+    print(f"{'sync':>8} {'step ms':>8} {'exposed comm':>13} {'/ ps':>6}")
+    for name in configs:
+        records = [r for i in range(launches[name]) for r in steps(path_of(name, i))]
+        exposed = statistics.median(r["comm_time_s"] / r["step_time_s"] for r in records)
+        row = {"kind": "servers", "config": name, "median_step_s": timed.median(name),
+               "exposed_fraction": exposed, "over_ps": timed.ratio(name, "ps")}
+        rows.append(row)
+        print(f"{name:>8} {1000 * row['median_step_s']:>8.1f} {exposed:>13.1%} "
+              f"{row['over_ps']:>6.2f}")
+    return rows
+
+
 def parser():
     p = argparse.ArgumentParser(prog="python -m strategies.bench_parallel", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=("zero", "pipeline", "overlap"), required=True,
+    p.add_argument("--part", choices=("zero", "pipeline", "overlap", "servers"),
+                   required=True,
                    help="zero: memory, traffic and speed of the ZeRO stages; pipeline: "
                         "bubbles; overlap: the grid's dp collectives in the hooks or beside "
-                        "backward")
+                        "backward; servers: the same grid through the parameter servers")
     add_output_flags(p, out_what="each configuration's training records (a temporary "
                                  "directory if not given)")
     p.add_argument("--rounds", type=int, default=3,
@@ -253,6 +302,8 @@ def main(argv=None):
         rows = zero_part(comm, directory, args.rounds, args.steps)
     elif args.part == "overlap":
         rows = overlap_part(comm, directory, args.rounds, args.steps)
+    elif args.part == "servers":
+        rows = servers_part(comm, directory, args.rounds, args.steps)
     else:
         rows = pipeline_part(comm, directory, args.steps)
     if comm.rank == 0 and args.jsonl:
