@@ -37,6 +37,7 @@ import time
 from allreduce.torch_world import under_torchrun
 
 from .config.choices import ConfigError
+from .config.optimizer_checks import check_same_config
 from .config.settings import check_outputs, parse_args
 from .engine import loop
 from .engine.loop import StepEngine
@@ -54,7 +55,21 @@ def prepare(argv=None):
     device = data = model = state = None
     try:
         cfg = parse_args(argv)
+    except ConfigError as e:
+        problem = str(e)
+    if not under_torchrun():
+        # the one cross-rank check of the settings, on every run, before the context's
+        # collectives, which ranks of other settings would enter unlike each other
+        from mpi4py import MPI
+        world = MPIControl(MPI.COMM_WORLD)
+        everyone = world.allgather(cfg)
+        if problem is None and None not in everyone:
+            problem = same_config_problem(everyone, cfg)
+        report(world, problem)
+    try:
         ctx = RunContext.create(cfg)           # ps, hybrid: psrv.launch says who serves
+        if under_torchrun():                   # its world exists from here on
+            check_same_config(ctx.control.allgather(cfg), cfg)
         check_outputs(cfg, writer=ctx.rank == 0)   # before any work, not after it
         ctx.set_threads(cfg)
         device = ctx.device(cfg)
@@ -65,12 +80,26 @@ def prepare(argv=None):
     except ConfigError as e:
         problem = str(e)
     if ctx is not None:
-        control = ctx.control
+        report(ctx.control, problem)
     elif under_torchrun():
         raise ConfigError(problem)                 # torchrun reports every rank's failure
     else:
         from mpi4py import MPI
-        control = MPIControl(MPI.COMM_WORLD)
+        report(MPIControl(MPI.COMM_WORLD), problem)
+    return cfg, ctx, device, data, model, state
+
+
+def same_config_problem(everyone, cfg):
+    try:
+        check_same_config(everyone, cfg)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def report(control, problem):
+    """Collective: if any rank has a problem, every rank prints one line (its own, or
+    the first rank's) and exits 2."""
     problems = control.allgather(problem)
     if any(problems):
         rank, first = next((r, p) for r, p in enumerate(problems) if p)
@@ -80,7 +109,6 @@ def prepare(argv=None):
         sys.stderr.flush()
         control.barrier()                          # everyone has printed before anyone exits
         sys.exit(2)
-    return cfg, ctx, device, data, model, state
 
 
 def train(argv=None):

@@ -183,6 +183,23 @@ def check_same_everywhere(gather, params, sections):
                               "rank: every rank must wrap the same model with the same settings")
 
 
+def check_same_config(everyone, cfg):
+    """Every rank of a launch must run the same TrainConfig (strategies.train's one
+    check, on every run): a rank with another --lr, --layers or --sync would build
+    other buckets, stages or keys, and the others would pair unrelated buffers or wait
+    for ever.  everyone: every rank's TrainConfig (the launch's control channel
+    gathers them); every rank sees a rank unlike itself where one differs, so every
+    rank raises, naming the first field that differs."""
+    for rank, theirs in enumerate(everyone):
+        if theirs == cfg:
+            continue
+        name = next(f.name for f in dataclasses.fields(cfg)
+                    if getattr(theirs, f.name) != getattr(cfg, f.name))
+        raise ConfigError(f"rank {rank} was started with other settings than this rank "
+                          f"({name} = {getattr(theirs, name)!r} there, {getattr(cfg, name)!r} "
+                          f"here): every rank of a launch must get the same flags", field=name)
+
+
 def gathered(coll, values):
     """Every rank's list of ints, through the collective itself (MPI or torch)."""
     mine = torch.tensor(values, dtype=torch.int64)
