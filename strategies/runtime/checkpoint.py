@@ -71,6 +71,7 @@ import torch
 
 from ..config.choices import ConfigError
 from ..model.models import signature
+from . import waits
 
 FILE = "checkpoint.pt"
 PS_FOLDER = "ps"                # under --checkpoint-dir: the servers' shards
@@ -157,13 +158,13 @@ def save(cfg, ctx, step, engine, run_id):
     if ctx.dp_rank == 0 or sharded(cfg):   # every data-parallel replica holds the same state
         entry = _write(cfg, ctx, step, engine, run_id, sync_state)
     if sharded(cfg):                       # the manifest, last: the set is complete
-        entries = ctx.workers.allgather(entry)
+        entries = waits.allgather(ctx.workers, entry, f"the checkpoint of step {step}")
         if ctx.workers.rank == 0:
             write_manifest(cfg, step, run_id, ctx.world_size, entries)
             prune(cfg, step, run_id)
     # the set is complete before any rank goes on: none pushes step `step` to the
     # servers before they saved it, none exits while another still writes
-    ctx.workers.barrier()
+    waits.barrier(ctx.workers, f"the barrier after the checkpoint of step {step}")
 
 
 def layout_of(cfg):
