@@ -37,7 +37,7 @@ import time
 from allreduce.torch_world import under_torchrun
 
 from .config.choices import ConfigError
-from .config.settings import check_outputs, parse_args
+from .config.settings import check_memory, check_outputs, parse_args
 from .engine import loop
 from .engine.loop import StepEngine
 from .model.data import load_data
@@ -57,6 +57,7 @@ def prepare(argv=None):
         cfg = parse_args(argv)
         ctx = RunContext.create(cfg)           # ps, hybrid: psrv.launch says who serves
         check_outputs(cfg, writer=ctx.rank == 0)   # before any work, not after it
+        check_memory(cfg, ctx.dp_size, ctx.local_size)   # the sizes against free memory
         ctx.set_threads(cfg)
         device = ctx.device(cfg)
         if not ctx.is_server:
