@@ -25,6 +25,11 @@ barrier is an allgather of nothing.  On the deadline a WaitTimeout (a TimeoutErr
 names the waiting rank, what it waited in, and the silent ranks;
 strategies.train turns it into one line and exit 1 on that rank, and mpi4py's
 abort ends the others.
+
+A trade-off: a wait cannot tell a stopped rank from a slow one.  Under ASP a
+worker meets the others only at checkpoints and at the end, and waits there for
+the slowest one's lag, which --timeout must then cover (a straggler of 20 ms a
+step, 60 steps: 1.2 s; the default timeout is 60 s).
 """
 import time
 
