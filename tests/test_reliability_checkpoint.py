@@ -9,11 +9,12 @@ an older complete one: every rank says so, the run resumes from the older one, a
 the temporary files a killed writer left are gone.
 """
 import shutil
+import sys
 
 import pytest
 import torch
 
-from conftest import check_ok, mpirun
+from conftest import check_ok, mpi_env, mpirun, run
 
 GPT = ["--model", "gpt", "--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16",
        "--vocab", "64", "--global-batch", "8", "--sync", "ring", "--threads", "1",
@@ -133,3 +134,31 @@ def test_an_unfinished_newest_set_falls_back_to_the_complete_one(saved, tmp_path
     # the new set of step 6 (at the end) and the complete one before it; the torn one gone
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-6"]
     assert (ckpt / "step-6" / "manifest.json").exists()
+
+
+# ---------------------------------------------------------------- tier (a): the digest
+def test_the_digest_survives_save_and_load_and_sees_one_flipped_bit(tmp_path):
+    from strategies.runtime.checkpoint import digest
+    state = {"step": 3, "place": {"rank": 1, "dp": 0}, "layout": ("dp", 2),
+             "model": {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+                       "h": torch.ones(2, dtype=torch.bfloat16), "n": torch.tensor(7)}}
+    torch.save(state, tmp_path / "s.pt")
+    again = torch.load(tmp_path / "s.pt", weights_only=True)
+    assert digest(again) == digest(state)
+    flipped = again["model"]["w"].view(torch.int32)
+    flipped[1, 2] ^= 1
+    assert digest(again) != digest(state)
+    moved = dict(state, place={"rank": 0, "dp": 1})
+    assert digest(moved) != digest(state)
+
+
+@pytest.mark.timeout(120)
+def test_a_flipped_plain_checkpoint_is_refused(tmp_path):
+    """Plain data parallelism (one checkpoint.pt, one process) carries the digest too."""
+    cmd = [sys.executable, "-m", "strategies.train", "--steps", "2", "--no-progress",
+           "--threads", "1", "--checkpoint-dir", tmp_path]
+    check_ok(run(cmd, 90, mpi_env()))
+    flip_inside_a_tensor(tmp_path / "checkpoint.pt")
+    result = run(cmd[:4] + ["4"] + cmd[5:] + ["--resume"], 90, mpi_env())
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert f"{tmp_path / 'checkpoint.pt'} is damaged" in result.stderr
