@@ -209,8 +209,9 @@ def gib(nbytes):
 
 
 def check_memory(cfg, dp, ranks_on_host, available=None):
-    """Refuse --threads beyond THREADS_PER_CORE a core, and a run whose floor (memory_floor) is more than this host's free memory
-    (MemAvailable) shared by its ranks, with the figure, before anything is built:
+    """Refuse --threads beyond THREADS_PER_CORE a core, and a run whose floor
+    (memory_floor) is more than this host's free memory (MemAvailable) shared by its
+    ranks, with the figure, before anything is built:
     such a run used to end in a traceback from the allocator (--width 3000000: 36 TB)
     or to grow until the kernel killed it (--global-batch 10**12)."""
     cores = os.cpu_count() or 1
