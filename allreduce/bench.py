@@ -31,11 +31,14 @@ barrier and the wake-up after it are as large as the collective itself, so the
 overhead of one layer over another (x_raw) is compared fairly with --loop; from
 1 MiB the two modes agree within the noise.
 """
+import math
+import os
+
 import numpy as np
 
 from . import create, host_staged, shard_bounds
-from .bench_config import RAW, element_size, parse_args
-from .bench_setup import refuse_unallocatable, use_device, without_shared_gpus
+from .bench_config import RAW, element_size, parse_args, parser
+from .bench_setup import refuse, refuse_unallocatable, use_device, without_shared_gpus
 from .cuda_ipc import SharedGpuTransport
 from .harness import interleaved
 from .native import MPIRaw
@@ -168,10 +171,52 @@ def header(args, P, width, predict, mpi):
             (f" {'predicted':>10}" if predict else ""))
 
 
+INT_MAX = 2**63 - 1             # an int past int64 overflows numpy's arithmetic
+SLOWEST_LINK_GBPS = 1e-3        # 1 Mbit/s; slower links overflow the emulated sleep
+LONGEST_LATENCY_US = 1e12       # 11.6 days a message
+
+
+def input_problem(argv, comm):
+    """What is wrong with the flags that parse_args would take, or None: numbers out
+    of their domain (NaN, inf, past int64; a sweep from 0 bytes, which never ends),
+    and, on rank 0, a --jsonl it cannot write (it used to measure everything and then
+    end in a traceback).  The same answer on every rank."""
+    args, _ = parser().parse_known_args(argv)    # argparse's own errors: parse_args's
+    problem = None
+    for flag in ("iters", "warmup", "loop", "factor", "min_bytes", "max_bytes"):
+        if abs(getattr(args, flag)) > INT_MAX:
+            problem = f"--{flag.replace('_', '-')} {getattr(args, flag)} is out of range: " \
+                      f"at most 2**63 - 1"
+    if args.min_bytes < 1 and not args.sizes:
+        problem = f"--min-bytes {args.min_bytes}: the sweep multiplies it by --factor, " \
+                  f"so it starts at 1 byte or more"
+    latency, gbps = args.link_latency_us, args.link_gbps
+    if not (math.isfinite(latency) and 0 <= latency <= LONGEST_LATENCY_US):
+        problem = f"--link-latency-us {latency:g}: give microseconds from 0 to " \
+                  f"{LONGEST_LATENCY_US:g}"
+    if gbps is not None and not (math.isfinite(gbps) and gbps >= SLOWEST_LINK_GBPS):
+        problem = f"--link-gbps {gbps:g}: give a finite bandwidth of at least " \
+                  f"{SLOWEST_LINK_GBPS:g} Gbit/s (1 Mbit/s)"
+    mine = None
+    if comm.rank == 0 and args.jsonl:
+        folder = os.path.dirname(os.path.abspath(args.jsonl))
+        if os.path.isdir(args.jsonl):
+            mine = f"--jsonl {args.jsonl} is a folder, not a file"
+        elif not os.path.isdir(folder):
+            mine = f"--jsonl {args.jsonl}: no folder {folder} to write it in"
+        elif not os.access(folder, os.W_OK) or \
+                (os.path.exists(args.jsonl) and not os.access(args.jsonl, os.W_OK)):
+            mine = f"--jsonl {args.jsonl}: not writable"
+    return problem or comm.bcast(mine)
+
+
 def main(argv=None):
     from mpi4py import MPI
-    args = parse_args(argv, description=__doc__)
     comm = MPI.COMM_WORLD
+    problem = input_problem(argv, comm)
+    if problem:
+        refuse(comm, problem)
+    args = parse_args(argv, description=__doc__)
     rank, P = comm.rank, comm.size
     device = use_device(args, comm)
     args.algos, note = without_shared_gpus(args, comm)

@@ -38,13 +38,14 @@ from allreduce.torch_world import under_torchrun
 
 from .config.choices import ConfigError
 from .config.optimizer_checks import check_same_config
-from .config.settings import check_outputs, parse_args
+from .config.settings import check_memory, check_outputs, parse_args
 from .engine import loop
 from .engine.loop import StepEngine
 from .model.data import load_data
 from .model.models import build_model
 from .runtime import checkpoint
 from .runtime.context import MPIControl, RunContext
+from .runtime.waits import bounded
 
 
 def prepare(argv=None):
@@ -71,6 +72,7 @@ def prepare(argv=None):
         if under_torchrun():                   # its world exists from here on
             check_same_config(ctx.control.allgather(cfg), cfg)
         check_outputs(cfg, writer=ctx.rank == 0)   # before any work, not after it
+        check_memory(cfg, ctx.dp_size, ctx.local_size)   # the sizes against free memory
         ctx.set_threads(cfg)
         device = ctx.device(cfg)
         if not ctx.is_server:
@@ -118,6 +120,9 @@ def train(argv=None):
     if ctx.is_server:
         ctx.role.serve()                           # until every worker has closed
         return None
+    # every control wait of the workers (records, barriers, checkpoints) within
+    # --timeout, as the gradients' and the pipeline's already are (runtime/waits.py)
+    ctx.workers = bounded(ctx.workers, cfg.timeout)
     # one engine: engine/parallelize.py cuts the model as the flags say, the engine
     # runs its micro-batches through the schedule, step after step
     engine = StepEngine(cfg, ctx, device, data, model)
@@ -126,8 +131,15 @@ def train(argv=None):
 
 def main(argv=None):
     """The command line (`topolab-train`): exit status 0 after a run.  Not the summary:
-    a console script passes main's value to sys.exit, which prints a dict and exits 1."""
-    train(argv)
+    a console script passes main's value to sys.exit, which prints a dict and exits 1.
+    A peer that never came (a wait past --timeout) is one line and exit 1 on the rank
+    that waited; under `python -m mpi4py` the exit aborts the others."""
+    try:
+        train(argv)
+    except TimeoutError as e:                      # waits.WaitTimeout, CollectiveTimeout
+        sys.stderr.write(f"strategies.train: error: {e}\n")
+        sys.stderr.flush()
+        raise SystemExit(1) from None
     return 0
 
 

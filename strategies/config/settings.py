@@ -26,8 +26,14 @@ from .sections import SECTIONS
 from .validate import check_flags, check_world, parse_straggler, world_of
 
 __all__ = ["ALLREDUCE_SYNCS", "PS_SYNCS", "SYNCS", "ConfigError", "TrainConfig",
-           "check_checkpoint_dir", "check_outputs", "check_world", "parse_args",
-           "parse_straggler", "parser", "world_of"]
+           "check_checkpoint_dir", "check_memory", "check_outputs", "check_ranges",
+           "check_world", "memory_floor", "parse_args", "parse_straggler", "parser",
+           "world_of"]
+
+INT_MAX = 2**63 - 1      # numpy's int64 and torch's seeds: a larger int overflows in them
+LONGEST_WAIT_S = 10**6   # ~11.6 days: longer waits overflow time.sleep and torch's timedelta
+THREADS_PER_CORE = 4     # --threads: at most this many a core of the host
+SLOWEST_LINK_GBPS = 1e-3  # 1 Mbit/s: a 25 MB bucket takes 200 s; slower ones overflow sleeps
 
 
 class Settings:
@@ -36,6 +42,7 @@ class Settings:
 
     def __post_init__(self):
         check_flags(self)
+        check_ranges(self)
         if self.grad_accum > 1:
             # one concept: accumulating K micro-batches is what a schedule does, the
             # pipeline's or the trivial one of one stage, so --grad-accum K is
@@ -125,6 +132,108 @@ def check_outputs(cfg, writer):
         if path and os.path.isdir(path):
             raise ConfigError(f"{flag_of(field)} {path} is a folder, not a file", field=field)
     check_checkpoint_dir(cfg)
+
+
+def check_ranges(cfg):
+    """What check_flags leaves to the machine: an int beyond int64 (a seed of 2**70
+    overflows in torch.manual_seed), waits so long that the clock's arithmetic
+    overflows (--timeout 1e300 under torch, --straggler 0:1e300), and links so slow
+    that one bucket's emulated transfer does."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_MAX:
+            raise ConfigError(f"{flag_of(f.name)} {value} is out of range: at most "
+                              f"2**63 - 1 = {INT_MAX}", field=f.name)
+    waits = (("timeout", cfg.timeout, "--timeout"),
+             ("straggler", cfg.straggler_seconds, f"--straggler {cfg.straggler}"),
+             ("link_latency_us", cfg.link_latency_us / 1e6, "--link-latency-us"))
+    for field, seconds, flag in waits:
+        if seconds > LONGEST_WAIT_S:
+            raise ConfigError(f"{flag}: {seconds:g} s is longer than any wait can be here "
+                              f"(at most {LONGEST_WAIT_S:g} s)", field=field)
+    if 0 < cfg.link_gbps < SLOWEST_LINK_GBPS:
+        raise ConfigError(f"--link-gbps {cfg.link_gbps:g} is slower than the slowest link "
+                          f"emulated ({SLOWEST_LINK_GBPS:g} Gbit/s = 1 Mbit/s); 0 = no cap",
+                          field="link_gbps")
+
+
+def parameter_count(cfg):
+    """The whole model's parameters as the flags size it (model/models.py's layers),
+    before the data may change its input and output (a --data file)."""
+    if cfg.model == "mlp":
+        dims = [cfg.in_dim] + [cfg.width] * cfg.depth + [cfg.classes]
+        return sum(a * b + b for a, b in zip(dims, dims[1:]))
+    d, vocab = cfg.d_model, cfg.vocab if not cfg.data else 256
+    mlp = 8 * d * d + 5 * d
+    if cfg.model == "moe":
+        mlp = cfg.experts * mlp + d * cfg.experts
+    block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + mlp
+    return 2 * vocab * d + cfg.seq_len * d + cfg.layers * block + 2 * d
+
+
+def memory_floor(cfg, dp):
+    """{part: bytes}: a floor of what one rank allocates (less than it will), so that a
+    run refused on it could never have fitted.  Every rank builds the whole model
+    (fp32) before parallelize cuts it, then holds gradients and optimizer state of its
+    pp x tp share; every rank builds the global batch's indices (int64); its dp share
+    of the batch goes through the model (inputs and the activations of one pass); the
+    synthetic data are made whole on every rank (model/data.py)."""
+    psi = parameter_count(cfg)
+    state = 4 + {"adam": 8}.get(cfg.optimizer, 4 if cfg.momentum else 0)
+    local = -(-cfg.global_batch // max(dp, 1))
+    if cfg.model == "mlp":
+        per_sample = 4 * (cfg.in_dim + 2 * cfg.width * cfg.depth + cfg.classes)
+        data = 0 if cfg.data else 12 * cfg.dataset_size * cfg.in_dim
+    else:
+        vocab, S = (cfg.vocab if not cfg.data else 256), cfg.seq_len
+        per_sample = 4 * S * (8 * cfg.d_model * cfg.layers + 2 * vocab) + \
+            4 * cfg.heads * S * S * cfg.layers
+        data = 0 if cfg.data else 16 * vocab * vocab + 16 * cfg.dataset_size * (S + 1) + \
+            9 * cfg.dataset_size * vocab
+    return {"parameters": 4 * psi + state * psi // (cfg.pp * cfg.tp),
+            "data": data, "batch indices": 8 * cfg.global_batch,
+            "activations": local * per_sample}
+
+
+# the flags that size each part of memory_floor, for the message
+SIZED_BY = {"parameters": {"mlp": "--width, --depth, --in-dim, --classes",
+                           "gpt": "--d-model, --layers, --vocab, --seq-len",
+                           "moe": "--d-model, --layers, --experts, --vocab"},
+            "data": "--dataset-size, --in-dim, --vocab, --seq-len",
+            "batch indices": "--global-batch",
+            "activations": "--global-batch over dp, the model's widths"}
+
+
+def gib(nbytes):
+    return f"{nbytes / 2**30:,.1f} GiB" if nbytes < 2**40 * 1000 else f"{nbytes / 2**40:,.0f} TiB"
+
+
+def check_memory(cfg, dp, ranks_on_host, available=None):
+    """Refuse --threads beyond THREADS_PER_CORE a core, and a run whose floor
+    (memory_floor) is more than this host's free memory (MemAvailable) shared by its
+    ranks, with the figure, before anything is built:
+    such a run used to end in a traceback from the allocator (--width 3000000: 36 TB)
+    or to grow until the kernel killed it (--global-batch 10**12)."""
+    cores = os.cpu_count() or 1
+    if cfg.threads > THREADS_PER_CORE * cores:     # 10**8 threads crashed torch (SIGSEGV)
+        raise ConfigError(f"--threads {cfg.threads} is more than {THREADS_PER_CORE} a core of "
+                          f"this host's {cores} cores", field="threads")
+    if available is None:
+        from allreduce.bench_setup import available_memory
+        available = available_memory()
+    if available is None:                          # not Linux: nothing to compare with
+        return
+    parts = memory_floor(cfg, dp)
+    need, share = sum(parts.values()), available // max(ranks_on_host, 1)
+    if need <= share:
+        return
+    part = max(parts, key=parts.get)
+    by = SIZED_BY[part]
+    by = by[cfg.model] if isinstance(by, dict) else by
+    raise ConfigError(f"the run needs at least {gib(need)} a rank ({part} {gib(parts[part])}: "
+                      f"{by}), more than the {gib(share)} this host has free for each of its "
+                      f"{ranks_on_host} rank(s)", field="global_batch" if part != "parameters"
+                      else "model")
 
 
 def check_checkpoint_dir(cfg):

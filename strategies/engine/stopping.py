@@ -21,7 +21,7 @@ Why nobody waits forever (this holds for --sync ps, whose sync says so with
 signal_stop): a worker at its own proposal waits for the others' proposals.
 Each other worker is waiting for a server (a ZeroMQ poll, which runs Python's
 signal handlers), computing (handlers run between torch calls), in a polled
-barrier (context.MPIControl.barrier, where the loop meets before the records'
+barrier (runtime/waits.py's, where the loop meets before the records'
 allgather under SSP and ASP), or, under BSP, in the allgather of the records
 after a step, which the waiting worker has left: one still inside needs nothing
 more from it.  So every handler runs, and every proposal comes.  Proposals are

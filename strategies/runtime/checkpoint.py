@@ -18,16 +18,38 @@ Two layouts of the files:
 
     checkpoint.pt      plain data parallelism: every replica holds the same state,
                        so data-parallel rank 0 writes it and every rank reads it
-    rank-R.pt          a split model (--dp/--pp/--tp/--zero, --ep): each rank holds
-                       a different share (a stage, a tp piece, a ZeRO shard, its
-                       experts), so each writes and reads its own.  A resume needs
-                       the same layout; the files are checked to be of one step
+    step-S/rank-R.pt   a split model (--dp/--pp/--tp/--zero, --ep): each rank holds
+    step-S/manifest.json   a different share (a stage, a tp piece, a ZeRO shard, its
+                       experts), so each writes and reads its own; the set of step S
+                       is a folder, and its manifest, written last, names every file
 
-A checkpoint is written to a temporary file in the same directory, flushed to
-disk, then renamed over its name: rename is atomic, so a crash leaves the
-previous checkpoint or the new one, never half a file.  Every rank reads the
-file itself, so several hosts need a shared file system for --resume.  No rank
-goes on past a checkpoint before all its files are written (save ends in a barrier).
+A file is written to a temporary file in the same folder, flushed to disk, then
+renamed over its name: rename is atomic, so a crash leaves the previous file or the
+new one, never half a file; a temporary file a killed writer left is removed by
+the rank that writes that name next (and on --resume).  Every rank reads its file
+itself, so several hosts need a shared file system for --resume.  No rank goes on
+past a checkpoint before all its files are written (save ends in a barrier,
+bounded by --timeout like every wait of the run: waits.py).
+
+A file knows itself: it carries the run's id and layout, the step, the writing
+rank's coordinates (rank, dp, pp, tp, expert group and ep rank, ZeRO shard) and a
+sha256 of its contents (every tensor's bytes, dtype and shape and every other
+value, walked in one fixed order: `digest`).  A split run's set is complete once
+rank 0 has written the manifest (the run, the layout, the step, each file's rank,
+coordinates and digest), after every rank wrote its file; the previous complete
+set stays until then, and is removed after (a folder holds the set just written
+and the complete set before it, of the same run).  --resume checks, on every rank,
+before training: its file's digest against its contents (a flipped byte), its
+rank, coordinates, step and run against the manifest (a swapped, copied, torn or
+foreign file), the digest against the manifest's (a file of another set); any
+mismatch is one line naming the file, on every rank, exit 2.
+
+Which set --resume takes (a split run): the newest folder with a manifest.  A
+folder without one is a set whose writing was stopped (a kill between the ranks'
+files and the manifest): it is never read, and where one is newer than the set
+taken every rank says so in one line.  A set with a manifest but a damaged file is
+refused, never skipped silently: the line names the file and the older complete
+set, which --resume takes once the damaged folder is moved aside.
 
 With --sync ps or hybrid a checkpoint is a SET of one step s: the servers' shards
 DIR/ps/shardI-of-N-steps.npz and the workers' checkpoint.pt.  Every worker is at s
@@ -39,16 +61,23 @@ the set that checkpoint.pt names is on disk.  --resume takes that set; if newer
 shards are there (a run stopped between the servers' parts and the workers' file)
 every rank says so in one line and resumes the complete set (ps_set_to_resume).
 """
+import hashlib
+import json
 import os
+import shutil
+import sys
 
 import torch
 
 from ..config.choices import ConfigError
 from ..model.models import signature
+from . import waits
 
 FILE = "checkpoint.pt"
 PS_FOLDER = "ps"                # under --checkpoint-dir: the servers' shards
-FORMAT = 3
+FORMAT = 4                      # 4: the file's identity and digest
+MANIFEST = "manifest.json"      # in a split run's set folder, written last
+SET_PREFIX = "step-"            # a split run's set of step S: DIR/step-S/
 # what a split run must share with the run it resumes: each rank's file holds its share
 LAYOUT = ("dp", "pp", "tp", "ep", "zero", "virtual_stages", "sequence_parallel")
 
@@ -58,9 +87,63 @@ def sharded(cfg):
     return cfg.on_grid or cfg.ep > 1
 
 
-def path_of(cfg, rank=0):
-    name = f"rank-{rank}.pt" if sharded(cfg) else FILE
-    return os.path.join(cfg.checkpoint_dir, name)
+def file_name(cfg, rank=0):
+    return f"rank-{rank}.pt" if sharded(cfg) else FILE
+
+
+def set_folder(cfg, step):
+    """A split run's set of step `step`."""
+    return os.path.join(cfg.checkpoint_dir, f"{SET_PREFIX}{step}")
+
+
+def path_of(cfg, rank=0, step=None):
+    """checkpoint.pt, or rank R's file of the set of step `step` (a split run)."""
+    if sharded(cfg):
+        return os.path.join(set_folder(cfg, step), file_name(cfg, rank))
+    return os.path.join(cfg.checkpoint_dir, FILE)
+
+
+def coordinates(cfg, ctx):
+    """This rank's place in the run: what its file must say to be its file."""
+    place = {"rank": ctx.rank}
+    mesh = ctx.mesh
+    if mesh is not None:
+        place.update(dp=mesh.dp_rank, pp=mesh.pp_rank, tp=mesh.tp_rank)
+        if cfg.ep > 1:
+            place.update(expert_group=mesh.expert_group, ep=mesh.ep_rank)
+        if cfg.zero:
+            place["zero_shard"] = mesh.dp_rank       # ZeRO shards over the dp axis
+    return place
+
+
+def describe_place(place):
+    return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in place.items())
+
+
+def digest(value):
+    """sha256 of a checkpoint's contents: every tensor's dtype, shape and bytes and
+    every other value, under its path, walked in a fixed order (dict keys sorted), so
+    that the same state gives the same digest after torch.save and torch.load."""
+    h = hashlib.sha256()
+    _feed(h, "", value)
+    return h.hexdigest()
+
+
+def _feed(h, path, value):
+    if torch.is_tensor(value):
+        t = value.detach().cpu().contiguous()
+        h.update(f"{path}:{t.dtype}{tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, dict):
+        h.update(f"{path}:dict{len(value)}\n".encode())
+        for key in sorted(value, key=repr):
+            _feed(h, f"{path}/{key!r}", value[key])
+    elif isinstance(value, (list, tuple)):          # a tuple may come back a list
+        h.update(f"{path}:seq{len(value)}\n".encode())
+        for i, item in enumerate(value):
+            _feed(h, f"{path}[{i}]", item)
+    else:
+        h.update(f"{path}={value!r}\n".encode())
 
 
 def ps_folder(cfg):
@@ -71,29 +154,117 @@ def save(cfg, ctx, step, engine, run_id):
     """`step` is the number of steps done: a resumed run starts at it.  Every worker
     calls it at `step` (ps: the servers save their part of step `step` first)."""
     sync_state = engine.sync.state_dict()  # every rank: a sync's state_dict may be collective
+    entry = None
     if ctx.dp_rank == 0 or sharded(cfg):   # every data-parallel replica holds the same state
-        _write(cfg, ctx, step, engine, run_id, sync_state)
+        entry = _write(cfg, ctx, step, engine, run_id, sync_state)
+    if sharded(cfg):                       # the manifest, last: the set is complete
+        entries = waits.allgather(ctx.workers, entry, f"the checkpoint of step {step}")
+        if ctx.workers.rank == 0:
+            write_manifest(cfg, step, run_id, ctx.world_size, entries)
+            prune(cfg, step, run_id)
     # the set is complete before any rank goes on: none pushes step `step` to the
     # servers before they saved it, none exits while another still writes
-    ctx.workers.barrier()
+    waits.barrier(ctx.workers, f"the barrier after the checkpoint of step {step}")
+
+
+def layout_of(cfg):
+    return {k: getattr(cfg, k) for k in LAYOUT}
 
 
 def _write(cfg, ctx, step, engine, run_id, sync_state):
+    """This rank's file of step `step`; returns its manifest entry."""
     os.makedirs(cfg.checkpoint_dir, mode=0o700, exist_ok=True)   # the run's state: its owner's
+    final = path_of(cfg, ctx.rank, step)
+    os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
+    remove_stale_temporaries(cfg, file_name(cfg, ctx.rank))
     precision = engine.precision.state_dict() if engine.precision else {}
-    payload = {"format": FORMAT, "step": step, "run_id": run_id, "sync": sync_state,
+    place = coordinates(cfg, ctx)
+    payload = {"format": FORMAT, "step": step, "run_id": run_id, "place": place,
+               "sync": sync_state,
                "model_kind": cfg.model, "signature": engine.signature, "dp_size": ctx.dp_size,
                "world_size": ctx.world_size, "config": cfg.as_dict(),
-               "layout": {k: getattr(cfg, k) for k in LAYOUT}, "precision": precision,
+               "layout": layout_of(cfg), "precision": precision,
                "model": engine.model.state_dict(), "optimizer": engine.optimizer.state_dict()}
     payload = on_host(payload)
-    final = path_of(cfg, ctx.rank)
+    payload["digest"] = digest(payload)
+    write_atomically(final, lambda f: torch.save(payload, f))
+    return {"file": os.path.basename(final), "place": place, "digest": payload["digest"]}
+
+
+def write_atomically(final, write):
+    """write(f) into a temporary file beside `final` (0600), flushed, renamed over it."""
     tmp = f"{final}.tmp.{os.getpid()}"
     with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-        torch.save(payload, f)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
+    folder = os.open(os.path.dirname(final) or ".", os.O_RDONLY)
+    try:                                   # the rename itself on disk
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def write_manifest(cfg, step, run_id, world_size, entries):
+    """Rank 0, once every rank's file of step `step` is on disk: the set's manifest."""
+    manifest = {"format": FORMAT, "step": step, "run_id": run_id, "world_size": world_size,
+                "layout": layout_of(cfg), "files": entries}
+    manifest["digest"] = digest(manifest)
+    text = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    path = os.path.join(set_folder(cfg, step), MANIFEST)
+    remove_stale_temporaries(cfg, MANIFEST)
+    write_atomically(path, lambda f: f.write(text))
+
+
+def set_steps(cfg):
+    """{step: whether its folder has a manifest} of the split run's sets on disk."""
+    found = {}
+    for name in os.listdir(cfg.checkpoint_dir) if os.path.isdir(cfg.checkpoint_dir) else ():
+        tail = name[len(SET_PREFIX):]
+        if name.startswith(SET_PREFIX) and tail.isdigit():
+            found[int(tail)] = os.path.isfile(
+                os.path.join(cfg.checkpoint_dir, name, MANIFEST))
+    return found
+
+
+def prune(cfg, step, run_id):
+    """Rank 0, after the manifest of step `step`: keep that set and the complete set
+    before it of the same run; remove every other set folder (an older set, one never
+    finished, one of a run this one replaced or went back from)."""
+    sets = set_steps(cfg)
+    older = [s for s, whole in sets.items() if whole and s < step and
+             _manifest_run(cfg, s) == run_id]
+    keep = {step, max(older)} if older else {step}
+    for s in sets:
+        if s not in keep:
+            shutil.rmtree(set_folder(cfg, s), ignore_errors=True)
+
+
+def _manifest_run(cfg, step):
+    try:
+        with open(os.path.join(set_folder(cfg, step), MANIFEST)) as f:
+            return json.load(f).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def remove_stale_temporaries(cfg, name):
+    """Remove NAME.tmp.PID files in the checkpoint folder and its set folders that
+    another process left (a writer killed mid-write): only this rank writes NAME."""
+    folders = [cfg.checkpoint_dir] + [set_folder(cfg, s) for s in set_steps(cfg)]
+    mine = f"{name}.tmp.{os.getpid()}"
+    for folder in folders:
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for left in names:
+            if left.startswith(f"{name}.tmp.") and left != mine:
+                try:
+                    os.remove(os.path.join(folder, left))
+                except OSError:
+                    pass
 
 
 def on_host(value):
@@ -120,6 +291,11 @@ def load(path):
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ConfigError(f"--resume: {path} is not a topolab checkpoint (format {FORMAT})",
                           field="resume")
+    stored = state.pop("digest", None)
+    if stored != digest(state):
+        raise ConfigError(f"--resume: {path} is damaged: the sha256 of its contents is not "
+                          f"the one it was written with ({str(stored)[:12]}...)", field="resume")
+    state["digest"] = stored
     return state
 
 
@@ -151,8 +327,12 @@ def ps_set_to_resume(cfg):
 
 def read(cfg, ctx, model):
     """The checkpoint to resume from, checked against this run (before training)."""
-    path = path_of(cfg, ctx.rank)
-    state = load(path)
+    if sharded(cfg):
+        path, state = read_share(cfg, ctx)
+    else:
+        remove_stale_temporaries(cfg, FILE)
+        path = path_of(cfg)
+        state = load(path)
     mine = [(n, tuple(s)) for n, s in signature(model)]
     theirs = [(n, tuple(s)) for n, s in state["signature"]]
     if state["model_kind"] != cfg.model or mine != theirs:
@@ -167,7 +347,7 @@ def read(cfg, ctx, model):
             f"--resume: {path} was written by world {state['world_size']} = "
             f"dp({state['dp_size']}), this run is world {ctx.world_size} = dp({ctx.dp_size})",
                           field="resume")
-    layout = {k: getattr(cfg, k) for k in LAYOUT}
+    layout = layout_of(cfg)
     if sharded(cfg) and state["layout"] != layout:
         theirs = ", ".join(f"{k} {v}" for k, v in state["layout"].items() if layout[k] != v)
         ours = ", ".join(f"{k} {v}" for k, v in layout.items() if state["layout"][k] != v)
@@ -180,10 +360,93 @@ def read(cfg, ctx, model):
     return state
 
 
+def set_to_resume(cfg):
+    """A split run's set for --resume: (step, note), the newest folder with a manifest
+    (module docstring), and a note ("" if none) naming the newer unfinished ones."""
+    sets = set_steps(cfg)
+    complete = sorted(s for s, whole in sets.items() if whole)
+    if not complete:
+        flat = os.path.isfile(os.path.join(cfg.checkpoint_dir, "rank-0.pt"))
+        raise ConfigError(
+            f"--resume: no complete checkpoint set in {cfg.checkpoint_dir}" + (
+                f": the folders of steps {', '.join(map(str, sorted(sets)))} have no "
+                f"{MANIFEST} (their writing was stopped)" if sets else
+                ": rank-R.pt files of an older topolab (no manifest)" if flat else
+                f": no {SET_PREFIX}S folder"), field="resume")
+    step = complete[-1]
+    newer = sorted(s for s in sets if s > step)
+    note = "" if not newer else (
+        f"--resume: the checkpoint set of step {newer[-1]} in {cfg.checkpoint_dir} is "
+        f"incomplete (no {MANIFEST}: its writing was stopped): resuming from step {step}, "
+        f"the newest complete set")
+    return step, note
+
+
+def read_manifest(cfg, step):
+    path = os.path.join(set_folder(cfg, step), MANIFEST)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        stored = manifest.pop("digest")
+        whole = stored == digest(manifest) and manifest["step"] == step
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"--resume: cannot read {path} ({e})", field="resume") from None
+    if not whole:
+        raise ConfigError(f"--resume: {path} is damaged: its sha256 is not the one it was "
+                          f"written with", field="resume")
+    return manifest
+
+
+def read_share(cfg, ctx):
+    """(path, state) of this rank's file of the set to resume, checked against the
+    set's manifest and this rank's place; ConfigError naming the file if it is not
+    this rank's share of that set."""
+    step, note = set_to_resume(cfg)
+    if note:                                   # one write, so that ranks do not interleave
+        sys.stderr.write(f"strategies.train rank {ctx.rank}: note: {note}\n")
+        sys.stderr.flush()
+    manifest = read_manifest(cfg, step)
+    layout = layout_of(cfg)
+    if manifest["layout"] != layout or manifest["world_size"] != ctx.world_size:
+        theirs = ", ".join(f"{k} {v}" for k, v in manifest["layout"].items()
+                           if layout.get(k) != v)
+        ours = ", ".join(f"{k} {v}" for k, v in layout.items()
+                         if manifest["layout"].get(k) != v)
+        raise ConfigError(f"--resume: {set_folder(cfg, step)} is a set of a run of world "
+                          f"{manifest['world_size']}, {theirs or 'the same layout'}; this run "
+                          f"is world {ctx.world_size}, {ours or 'the same layout'} (a split "
+                          f"run resumes in its own layout)", field="resume")
+    path = path_of(cfg, ctx.rank, step)
+    name, place = os.path.basename(path), coordinates(cfg, ctx)
+    entry = next((e for e in manifest["files"] if e.get("file") == name), None)
+    if entry is None:
+        raise ConfigError(f"--resume: {os.path.join(set_folder(cfg, step), MANIFEST)} names "
+                          f"no {name}", field="resume")
+    remove_stale_temporaries(cfg, name)
+    state = load(path)                         # its own digest: a flipped byte
+    if state.get("run_id") != manifest["run_id"]:
+        raise ConfigError(f"--resume: {path} is foreign: it was written by run "
+                          f"{state.get('run_id')}, the set of step {step} by run "
+                          f"{manifest['run_id']}", field="resume")
+    if state.get("step") != step:
+        raise ConfigError(f"--resume: {path} is of step {state.get('step')}, its set of "
+                          f"step {step} (a set torn or mixed by hand)", field="resume")
+    held = state.get("place") or {}
+    if held != place or entry.get("place") != place:
+        raise ConfigError(f"--resume: {path} holds the share of {describe_place(held)}, not "
+                          f"this rank's ({describe_place(place)})", field="resume")
+    if state["digest"] != entry.get("digest"):
+        raise ConfigError(f"--resume: {path} is not the file the manifest of step {step} "
+                          f"names (sha256 {state['digest'][:12]}..., the manifest's "
+                          f"{str(entry.get('digest'))[:12]}...)", field="resume")
+    return path, state
+
+
 def restore(state, engine, control):
     """Load a checked state after sync.setup; returns the step to continue from.  The
     sync checks its own part (ps: that the servers resumed at the same step); a split
-    run's files must all be of one step (collective over `control`, the workers)."""
+    run's files must all be of one step (read_share checked them against the manifest;
+    this is the same check over `control`, the workers)."""
     steps = control.allgather(state["step"])
     if len(set(steps)) > 1:
         raise ConfigError(f"--resume: the ranks' checkpoint files are of different steps "

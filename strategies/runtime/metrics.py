@@ -35,7 +35,8 @@ own clock: every wait (for a server, a peer, a metrics flush) included, which th
 step times leave out where the wait falls between steps.
 
 Records are gathered to every training rank with one small collective, which
-every worker waits in.  Synchronous runs flush every step (the bar shows the
+every worker waits in, at most --timeout seconds (waits.py: the rank that never
+came is named).  Synchronous runs flush every step (the bar shows the
 global loss at once); ASP/SSP flush only at checkpoints and at the end, so that
 the metrics do not hold fast workers back to a slow one's pace.
 """
@@ -46,6 +47,8 @@ import torch
 
 from allreduce.records import append_jsonl, read_jsonl, rewrite_jsonl
 from allreduce.units import format_size
+
+from . import waits
 
 
 def peak_memory_mb(device):
@@ -100,7 +103,8 @@ class Metrics:
             self.flush()
 
     def flush(self):
-        gathered = self.control.allgather(self.pending)
+        # at most --timeout where the control is waits.Bounded (strategies.train's)
+        gathered = waits.allgather(self.control, self.pending, "the metrics flush")
         self.pending = []
         if not self.is_writer:
             return
