@@ -38,7 +38,8 @@ import torch
 
 from ..config.settings import world_of
 from ..model.models import count_parameters, signature
-from ..runtime import checkpoint
+from ..runtime import checkpoint, waits
+from ..runtime.context import MPIControl
 from ..runtime.metrics import Metrics, StepClock
 from ..runtime.trace import Tracer, busy_seconds, span, write_chrome_trace
 from .grid import assemble
@@ -67,6 +68,9 @@ class StepEngine:
                        "pp_size": mesh.pp if mesh else 1, "tp_size": mesh.tp if mesh else 1,
                        **({"ep_size": cfg.ep} if p.placement else {})}
         self._wire = (0, 0)                        # the sync's wire and dense bytes so far
+        # the stages' meeting for the bubble's span, bounded by --timeout (collective)
+        self.stages = waits.bounded(MPIControl(ctx.mesh.pp), cfg.timeout) \
+            if self.plan.pipelined else None
 
     def step(self, step):
         """One training step (the module docstring); returns (this rank's loss where it
@@ -142,7 +146,7 @@ class StepEngine:
         the last stage's end (ranks share one clock on a host).  The GPipe paper's bubble
         (p-1)/(m+p-1) is a share of this common span; a stage's own [start, end) would
         leave out the work of the others before it starts and after it ends."""
-        spans = self.ctx.mesh.pp.allgather((start, end))
+        spans = waits.allgather(self.stages, (start, end), "the pipeline's span")
         return max(e for _, e in spans) - min(s for s, _ in spans)
 
     def alltoall_fields(self, fields, bytes_before, seconds_before):
