@@ -61,7 +61,7 @@ def test_a_bad_spec_names_the_flag(text, message):
 
 @pytest.mark.parametrize("flags, message", [
     (dict(sync="ps", compress="topk:0.01"), "--compress topk:0.01 with --sync ps"),
-    (dict(sync="ps", compress="fp16"), "--compress fp16 with --sync ps"),
+    (dict(sync="ps", compress="topk:0.01"), "--compress topk:0.01 with --sync ps"),
     (dict(sync="hybrid", compress="powersgd:2"), "--compress powersgd:2 with --sync hybrid"),
     (dict(sync="local", compress="topk:0.1"), "one process has no wire"),
     (dict(sync="ring", model="moe", compress="topk:0.1", ep=2), "with --ep 2"),

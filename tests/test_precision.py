@@ -79,13 +79,19 @@ def test_zero_memory_formula_fp32_and_mixed():
 
 @pytest.mark.parametrize("flags, message", [
     ({"precision": "fp8"}, "--precision 'fp8' is not one of fp32, bf16, fp16"),
-    ({"precision": "fp16", "sync": "ps"}, "--precision fp16 with --sync ps"),
-    ({"precision": "fp16", "sync": "hybrid"}, "--precision fp16 with --sync hybrid"),
     ({"precision": "fp16", "loss_scale": 0.0}, "--loss-scale must be > 0"),
 ])
 def test_unsupported_combinations_are_named(flags, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         TrainConfig(**flags)
+
+
+def test_the_parameter_servers_take_both_precisions():
+    """fp16 under ps and hybrid: the workers vote on an overflow before they push (it was
+    refused, when the servers had no way to skip a step; tests/test_ps_wire.py runs it)."""
+    for sync in ("ps", "hybrid"):
+        for precision in ("bf16", "fp16"):
+            assert TrainConfig(precision=precision, sync=sync).precision == precision
 
 
 def test_expert_parallelism_takes_both_precisions():
