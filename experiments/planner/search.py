@@ -163,8 +163,8 @@ def why_out(prediction, cluster):
     if prediction.mem_bytes <= cluster.memory_bytes:
         return ""
     part = max(prediction.memory, key=prediction.memory.get)
-    return (f"needs {prediction.mem_bytes / GIB:.1f} GiB a rank (most of it {part}: "
-            f"{prediction.memory[part] / GIB:.1f} GiB), {cluster.memory_bytes / GIB:.1f} "
+    return (f"needs {prediction.mem_bytes / GIB:.3g} GiB a rank (most of it {part}: "
+            f"{prediction.memory[part] / GIB:.3g} GiB), {cluster.memory_bytes / GIB:.3g} "
             f"GiB usable")
 
 
