@@ -23,7 +23,8 @@ bandwidth).  Two kinds of kernel make a transformer layer:
              leaves SMs idle or a ragged last wave (NVIDIA's "Matrix
              Multiplication Background" guide: tile and wave quantization); a
              batched kernel's outputs fill the SMs together.  A short k shows as
-             a low arithmetic intensity, which the roofline's bytes price.
+             a low arithmetic intensity, which the roofline's bytes price.  (A
+             matrix-vector product, n = 1, is outside this model: a layer has none.)
              D_HALF = 1024 is the one constant fitted: to Narayanan et al.'s
              Table 1 (A100s, tests/test_plan_published.py), where it stands for
              what a roofline leaves out besides the tiles (the gaps between
