@@ -81,12 +81,14 @@ def finite(text):
 
 
 def listing(kind):
+    what = "whole numbers" if kind is whole else kind.__name__
+
     def parse(text):
         try:
             return tuple(kind(v) for v in text.split(",") if v)
         except (ValueError, argparse.ArgumentTypeError):
             raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
-                                             f"{'whole numbers' if kind is whole else kind.__name__}") from None
+                                             f"{what}") from None
     return parse
 
 
@@ -169,8 +171,9 @@ def cluster_of(a, gpt):
         return clusters.preset(a.preset, nodes=nodes, **given)
     if a.calibration:
         # the figures first: a wrong flag fails before the machine is timed
-        clusters.Cluster("check", nodes, a.gpus_per_node or 1, **{
-            "gpu_mem_gib": 1, "gpu_tflops": 1, "intra_gbps": 1, "inter_gbps": 1, **given})
+        clusters.Cluster("check", nodes, **{"gpus_per_node": 1, "gpu_mem_gib": 1,
+                                            "gpu_tflops": 1, "intra_gbps": 1,
+                                            "inter_gbps": 1, **given})
         calibration_of(a.calibration)
         ranks = a.gpus_per_node or os.cpu_count() or 1        # default: a rank a core
         machine = this_machine(gpt, ranks, a.calibration, nodes,
@@ -199,18 +202,17 @@ def table(rows, top):
 
 
 def writable(path, flag, directory=False):
-    """ValueError naming `flag` unless `path` can be written: a file (or with `directory`,
-    a directory, made if missing) whose nearest existing ancestor we may write into."""
-    if os.path.isdir(path) if not directory else os.path.exists(path) and not \
-            os.path.isdir(path):
-        raise ValueError(f"{flag} {path}: is a {'file' if directory else 'directory'}, "
-                         f"not a {'directory' if directory else 'file'}")
+    """ValueError naming `flag` unless `path` can be written: a file, or with `directory`
+    a directory (made later if missing), whose nearest existing ancestor we may write into."""
+    kind, other = ("directory", "file") if directory else ("file", "directory")
+    if os.path.exists(path) and os.path.isdir(path) != directory:
+        raise ValueError(f"{flag} {path}: is a {other}, not a {kind}")
     if os.path.exists(path):
         if not os.access(path, os.W_OK | (os.X_OK if directory else 0)):
             raise ValueError(f"{flag} {path}: not writable")
         return
     parent = os.path.dirname(os.path.abspath(path))
-    while directory and not os.path.exists(parent):
+    while directory and not os.path.exists(parent):      # --out's missing parents are made
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {path}: its directory {parent} does not exist")

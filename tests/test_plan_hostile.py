@@ -108,7 +108,8 @@ def test_a_hostile_calibration_names_its_file_and_key(name, tmp_path, capsys):
     text, says = CALIBRATIONS[name]
     path = tmp_path / "calibration.json"
     path.write_text(text)
-    code, err = one_line_error(MODEL + ["--calibration", str(tmp_path)], capsys)
+    code, err = one_line_error(MODEL + ["--calibration", str(tmp_path), "--gpus-per-node", "2"],
+                               capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert str(path) in err and says in err, err
 

@@ -83,11 +83,11 @@ def split_gemms(gpt, b, tp):
     """layer_gemms on one of tp ranks: Megatron's column-parallel matrices (QKV, the MLP's
     first) split n, the row-parallel ones (attention's output, the MLP's last) split k,
     and each rank computes heads / tp heads' attention core."""
-    split = {"qkv": (1, tp, 1, 1), "mlp_in": (1, tp, 1, 1), "attention_out": (1, 1, tp, 1),
-             "mlp_out": (1, 1, tp, 1), "scores": (1, 1, 1, tp), "context": (1, 1, 1, tp)}
+    split = {"qkv": (tp, 1, 1), "mlp_in": (tp, 1, 1), "attention_out": (1, tp, 1),
+             "mlp_out": (1, tp, 1), "scores": (1, 1, tp), "context": (1, 1, tp)}
     for name, m, n, k, times in layer_gemms(gpt, b):
-        dm, dn, dk, dt = split[name]
-        yield name, m / dm, max(1, n / dn), max(1, k / dk), max(1, times / dt)
+        over_n, over_k, over_times = split[name]
+        yield name, m, max(1, n / over_n), max(1, k / over_k), max(1, times / over_times)
 
 
 def layer_seconds(gpt, b, tp, sequence_parallel, cluster, e=2):

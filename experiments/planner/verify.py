@@ -163,7 +163,7 @@ def calibration_of(path):
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ValueError(f"--calibration {file}: not a JSON file ({e})") from None
 
-    def number(key, value):
+    def number(value):
         return isinstance(value, (int, float)) and not isinstance(value, bool) and \
             math.isfinite(value)
     if not isinstance(cal, dict):
@@ -171,7 +171,7 @@ def calibration_of(path):
                          f"object of experiments.calibrate's fields")
     for key, least in SCALARS.items():
         value = cal.get(key)
-        if not number(key, value) or value < (least or 0) or (least is None and value <= 0):
+        if not number(value) or (value <= 0 if least is None else value < least):
             bound = "> 0" if least is None else f">= {least:g}"
             raise ValueError(f"--calibration {file}: key {key!r} must be a finite number "
                              f"{bound}, got {value!r}")
@@ -185,7 +185,7 @@ def calibration_of(path):
             continue
         for key in (sizes, values):
             if not isinstance(cal.get(key), list) or \
-                    not all(number(key, v) and v >= 0 for v in cal[key]):
+                    not all(number(v) and v >= 0 for v in cal[key]):
                 raise ValueError(f"--calibration {file}: key {key!r} must be a list of "
                                  f"finite numbers >= 0, got {cal.get(key)!r:.60}")
         if len(cal[sizes]) != len(cal[values]):
@@ -221,6 +221,11 @@ def tp_waits(gpt, cluster, found):
 
 def runnable(gpt, layout):
     """'' when strategies.train runs this layout, else why not."""
+    if (gpt.kv_heads, gpt.ffn_hidden, gpt.gated_mlp, gpt.flash_attention) != \
+            (gpt.heads, 4 * gpt.d_model, False, False):
+        return "the trainer builds GPT-3's shape (no GQA, MLP width, gating or fused attention)"
+    if layout.stages and len(set(layout.stages)) > 1:
+        return "the trainer splits the layers evenly over its stages"
     if layout.recompute == "selective":
         return "the trainer recomputes whole blocks (--recompute), not attention alone"
     if gpt.experts and (layout.pp > 1 or layout.tp > 1 or layout.zero or
