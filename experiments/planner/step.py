@@ -21,7 +21,9 @@ the pipeline.  A micro-batch of b sequences on one stage takes
                  logit layer's whole on every tp rank with Layout.whole_head)
                + 2 all-reduces of b s h values a layer on tp   (Megatron's f and g;
                  with sequence parallelism 2 all-gathers and 2 reduce-scatters, the
-                 same bytes; the worker's own list: block_collectives)
+                 same bytes; the worker's own list: block_collectives; the same with
+                 GQA, any MLP width or gating: they carry the layer's h-wide input
+                 and output, never its keys, values or MLP activations)
                + 2 all-to-alls a MoE layer on ep               (dispatch, combine)
     backward   twice the forward's FLOPs, recomputation's on top, the same communication
                (with sequence parallelism an all-gather more for each column-parallel
