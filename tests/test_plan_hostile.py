@@ -3,7 +3,8 @@
 Every one ends in exit status 2 and one line on stderr that names what is wrong
 (the flag, the file and its key), never in a traceback, a hang or a silent
 default; each runs in-process through experiments.plan.main, in well under a
-second (the million-node cluster included: the search never counts to the world).
+second (a million GPUs included: the search never counts to the world; beyond
+cluster.MAX_GPUS a cluster is refused).
 """
 import json
 import time
@@ -52,8 +53,15 @@ HOSTILE = {                     # name: (argv, what the one line must say)
     "no-nodes": (MODEL + cluster(nodes="0"), "--nodes"),
     "negative-nodes": (MODEL + cluster(nodes="-3"), "--nodes"),
     "a-billion-nodes": (MODEL + ["--preset", "dgx-h100", "--nodes", "1000000000"],
-                        "at most the layers"),
+                        "--nodes 1000000000"),
+    "more-stages-than-layers": (MODEL + ["--preset", "dgx-h100", "--nodes", "131072"],
+                                "at most the layers (8)"),
     "beyond-any-count": (MODEL + cluster(nodes="99999999999999"), "--nodes"),
+    "every-count-at-its-largest": (model(layers="2147483647", global_batch="2147483647") +
+                                   ["--preset", "dgx-h100", "--nodes", "2147483647"],
+                                   "GPUs: the planner plans for at most"),
+    "a-model-of-two-billion-layers": (model(layers="2147483647") + ["--preset", "dgx-h100"],
+                                      "no layout fits"),
     "fp8": (MODEL + cluster() + ["--precision", "fp8"], "'fp8'"),
     "fits-nowhere": (MODEL + cluster(gpu_mem_gib="0.0001"), "no layout fits"),
     "the-users-tp-filter": (MODEL + cluster() + ["--tp-sizes", "16"], "--tp-sizes 16"),

@@ -35,6 +35,10 @@ from allreduce.twolevel import link_of_rate
 from .transformer import MAX_COUNT
 
 GIB = 1 << 30
+# The largest cluster the planner plans for: five times the largest announced (xAI's
+# Colossus, about 200,000 GPUs).  The cost model walks a ring's ranks one by one
+# (allreduce/twolevel.py), so a data-parallel group of a billion would never finish.
+MAX_GPUS = 1 << 20
 # Allocator fragmentation, the CUDA context and the communication library's buffers
 # take a few GiB of a GPU: a layout fits when it needs at most this share of the memory.
 USABLE_MEMORY = 0.9
@@ -83,6 +87,10 @@ class Cluster:
                     not 1 <= value <= MAX_COUNT:
                 raise ValueError(f"--{name.replace('_', '-')} must be a whole number in "
                                  f"1..{MAX_COUNT}, got {value}")
+        if self.nodes * self.gpus_per_node > MAX_GPUS:
+            raise ValueError(f"--nodes {self.nodes} x --gpus-per-node {self.gpus_per_node} = "
+                             f"{self.nodes * self.gpus_per_node} GPUs: the planner plans for "
+                             f"at most {MAX_GPUS}")
         for name in ("gpu_mem_gib", "gpu_tflops", "intra_gbps", "inter_gbps", "hbm_gbps"):
             value = getattr(self, name)
             if name == "hbm_gbps" and value is None:

@@ -11,7 +11,7 @@ layout, and so never listed (rules(): the same list, each with its test):
         their key-value head: Megatron-LM's rule; we never replicate a
         key-value head over tp ranks);
     pp above the layers (every stage holds at least one; stages.stage_layers
-        says how many each, balanced or --pp-layers');
+        says how many each, balanced or --pp-layers') or above stages.MAX_STAGES;
     dp that does not divide the global batch, a micro-batch size b that does not
         divide a replica's share B / dp (m = B / (dp b) micro-batches);
     the interleaved schedule without a pipeline, with v chunks that do not divide
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import math
 
 from .cluster import GIB
+from .stages import MAX_STAGES
 from .step import BYTES, Layout, balanced_stages, predict
 from .transformer import RECOMPUTE
 
@@ -100,8 +101,9 @@ def rules(gpt, cluster, space):
         steps.append((f"--tp-sizes {','.join(map(str, space.tp_sizes))}", tps))
     pairs = [(t, dp) for t in tps for dp in divisors(math.gcd(B, world // t))]
     steps.append((f"dp divides the global batch ({B})", pairs))
-    pairs = [(t, dp) for t, dp in pairs if world // (t * dp) <= gpt.layers]
-    steps.append((f"pp = {world} GPUs / (tp dp) is at most the layers ({gpt.layers})", pairs))
+    pairs = [(t, dp) for t, dp in pairs if world // (t * dp) <= min(gpt.layers, MAX_STAGES)]
+    steps.append((f"pp = {world} GPUs / (tp dp) is at most the layers ({gpt.layers}) and "
+                  f"{MAX_STAGES}", pairs))
     if space.pp_sizes:
         pairs = [(t, dp) for t, dp in pairs if world // (t * dp) in space.pp_sizes]
         steps.append((f"--pp-sizes {','.join(map(str, space.pp_sizes))}", pairs))

@@ -28,11 +28,17 @@ counted as a layer on each end: BLOOM's 5, 6 x 10, 5 for 70 layers on 12 stages)
 """
 import math
 
+# The longest pipeline considered: sixteen times Megatron-LM's longest published one
+# (64 stages, the 1-trillion-parameter GPT of Narayanan et al. 2021); it keeps a
+# split's list short whatever the layers and the GPUs.
+MAX_STAGES = 1024
+
 
 def _check(layers, pp):
-    if not (isinstance(layers, int) and isinstance(pp, int)) or not 1 <= pp <= layers:
-        raise ValueError(f"pp={pp} stages need 1 <= pp <= layers ({layers}): every stage "
-                         f"holds at least one layer")
+    if not (isinstance(layers, int) and isinstance(pp, int)) or \
+            not 1 <= pp <= min(layers, MAX_STAGES):
+        raise ValueError(f"pp={pp} stages need 1 <= pp <= layers ({layers}), every stage "
+                         f"holding at least one layer, and pp <= {MAX_STAGES}")
 
 
 def _capacity(bound, extras):

@@ -96,8 +96,9 @@ class GPT:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or \
                     not 1 <= value <= MAX_COUNT:
-                raise ValueError(f"--{name.replace('_', '-')} must be a whole number in "
-                                 f"1..{MAX_COUNT}, got {value}")
+                unless = " (4 x --d-model unless given)" if name == "ffn_hidden" else ""
+                raise ValueError(f"--{name.replace('_', '-')}{unless} must be a whole number "
+                                 f"in 1..{MAX_COUNT}, got {value}")
         if self.d_model % self.heads:
             raise ValueError(f"--heads {self.heads} must divide --d-model {self.d_model}")
         if self.heads % self.kv_heads:
