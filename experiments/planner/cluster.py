@@ -39,6 +39,9 @@ GIB = 1 << 30
 # Colossus, about 200,000 GPUs).  The cost model walks a ring's ranks one by one
 # (allreduce/twolevel.py), so a data-parallel group of a billion would never finish.
 MAX_GPUS = 1 << 20
+# Every figure of a GPU or a link lies within these of its unit (GiB, TFLOP/s, GB/s,
+# Gbit/s): far beyond any device either way, and every predicted time stays finite.
+FIGURE_RANGE = (1e-6, 1e9)
 # Allocator fragmentation, the CUDA context and the communication library's buffers
 # take a few GiB of a GPU: a layout fits when it needs at most this share of the memory.
 USABLE_MEMORY = 0.9
@@ -95,17 +98,19 @@ class Cluster:
             value = getattr(self, name)
             if name == "hbm_gbps" and value is None:
                 continue
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, "
-                                 f"got {value}")
+            if not (isinstance(value, (int, float)) and
+                    FIGURE_RANGE[0] <= value <= FIGURE_RANGE[1]):
+                raise ValueError(f"--{name.replace('_', '-')} must be a number from "
+                                 f"{FIGURE_RANGE[0]:g} to {FIGURE_RANGE[1]:g}, got {value}")
         for name in ("intra_latency_us", "inter_latency_us"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, "
                                  f"got {getattr(self, name)}")
         for name in ("efficiency", "gemm_best"):
             value = getattr(self, name)
-            if value is not None and not 0 < value <= 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be in (0, 1], got {value}")
+            if value is not None and not FIGURE_RANGE[0] <= value <= 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be in "
+                                 f"[{FIGURE_RANGE[0]:g}, 1], got {value}")
 
     @property
     def flat(self):

@@ -303,6 +303,8 @@ def balanced_stages(gpt, lo, cluster, given=None):
     e, b = BYTES[lo.precision], lo.micro_batch_size
     times = compute_seconds(gpt, lo, cluster)
     layer = sum(times["layer"]) + sum(tp_layer(gpt, lo, b, e, cluster))
+    if layer <= 0:                        # nothing to weigh the ends against: even
+        return tuple(stage_layers(gpt.layers, lo.pp))
     return tuple(stage_layers(gpt.layers, lo.pp, sum(times["embedding"]) / layer,
                               sum(times["head"]) / layer))
 

@@ -143,10 +143,12 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
     return cluster
 
 
-# calibration.json's fields the planner reads (experiments/calibrate.py writes them):
-# the link's latency, its seconds a byte (> 0: the planner takes its rate, 1 / beta)
+# calibration.json's fields the planner reads (experiments/calibrate.py writes them),
+# each with its least and its largest value: the link's latency, its seconds a byte
+# (the planner takes its rate, 8 / beta bit/s, within cluster.FIGURE_RANGE's Gbit/s)
 # and the reduction's; then curves of (bytes, value) pairs, each two arrays
-SCALARS = {"alpha_s": 0.0, "beta_s_per_byte": None, "gamma_s_per_byte": 0.0}
+SCALARS = {"alpha_s": (0.0, 1.0), "beta_s_per_byte": (8e-18, 8e-3),
+           "gamma_s_per_byte": (0.0, 1.0)}
 CURVES = (("beta_bytes", "beta_s_per_byte_at"), ("beta_one_way_bytes",
                                                   "beta_one_way_s_per_byte_at"),
           ("gamma_bytes", "gamma_s_per_byte_at"), ("ps_bytes", "ps_s"),
@@ -169,12 +171,11 @@ def calibration_of(path):
     if not isinstance(cal, dict):
         raise ValueError(f"--calibration {file}: holds a JSON {type(cal).__name__}, not an "
                          f"object of experiments.calibrate's fields")
-    for key, least in SCALARS.items():
+    for key, (least, most) in SCALARS.items():
         value = cal.get(key)
-        if not number(value) or (value <= 0 if least is None else value < least):
-            bound = "> 0" if least is None else f">= {least:g}"
-            raise ValueError(f"--calibration {file}: key {key!r} must be a finite number "
-                             f"{bound}, got {value!r}")
+        if not number(value) or not least <= value <= most:
+            raise ValueError(f"--calibration {file}: key {key!r} must be a number from "
+                             f"{least:g} to {most:g}, got {value!r}")
     if "cores" in cal and cal["cores"] is not None and (
             not isinstance(cal["cores"], int) or isinstance(cal["cores"], bool) or
             cal["cores"] < 1):
