@@ -14,6 +14,7 @@ from experiments.planner.stages import stage_layers
 from experiments.planner.step import Layout, memory_of, predict
 from experiments.planner.transformer import (GPT, layer_activation_bytes, layer_forward_flops,
                                              parameters, step_flops)
+from experiments.planner.verify import runnable
 
 SMALL = GPT(layers=8, d_model=512, heads=8, seq_len=256, vocab=1024, global_batch=32)
 NODE = Cluster("test", nodes=1, gpus_per_node=8, gpu_mem_gib=16, gpu_tflops=100,
@@ -123,10 +124,22 @@ def test_activations_of_gqa_a_width_and_gating_follow_korthikantis_sum():
 def test_tp_divides_the_key_value_heads():
     gpt = replace(SMALL, kv_heads=2)
     assert {lo.tp for lo in layouts(gpt, NODE, Space())} == {1, 2}
-    with pytest.raises(ValueError, match=r"--tp-sizes 4 \(of tp 1,2\)"):
+    with pytest.raises(ValueError, match=r"--tp-sizes 4 \(of tp 1,2\); tp 4 is out once "
+                                         r"tp divides the heads \(8\) and the key-value "
+                                         r"heads \(2\)"):
         plan(gpt, NODE, Space(tp_sizes=(4,)))
     with pytest.raises(ValueError, match="--kv-heads"):
         replace(SMALL, kv_heads=3)
+
+
+def test_verify_offers_the_trainer_only_what_it_builds():
+    """strategies.train builds GPT-3's shape and splits its layers evenly (for now)."""
+    even = Layout(dp=2, pp=2, micro_batches=4, stages=(4, 4))
+    assert runnable(SMALL, even) == ""
+    assert "evenly" in runnable(SMALL, replace(even, stages=(3, 5)))
+    for shape in (dict(kv_heads=2), dict(ffn_hidden=1024), dict(gated_mlp=True),
+                  dict(flash_attention=True)):
+        assert "GPT-3's shape" in runnable(replace(SMALL, **shape), even)
 
 
 # ------------------------------------------------------------- the compute model

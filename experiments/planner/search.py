@@ -119,15 +119,19 @@ def rules(gpt, cluster, space):
 
 
 def no_layout(gpt, cluster, space):
-    """Why the model has no layout: the first rule that leaves no size, and what was left."""
+    """Why the model has no layout: the first rule that leaves no size, what it was
+    given, and where the user's own --tp-sizes were ruled out before it."""
     steps = rules(gpt, cluster, space)
     for i, (rule, left) in enumerate(steps):
         if not left:
             before = steps[i - 1][1] if i else []
             tps = sorted({x[0] if isinstance(x, tuple) else x for x in before})
             kept = f" (of tp {','.join(map(str, tps))})" if tps else ""
+            dropped = [(t, next(r for r, sizes in steps if t not in sizes))
+                       for t in (space.tp_sizes or ()) if rule.startswith("--tp-sizes")]
+            why = "".join(f"; tp {t} is out once {r}" for t, r in dropped)
             return (f"no layout of this model on {cluster.world} GPUs: none is left once "
-                    f"{rule}{kept}")
+                    f"{rule}{kept}{why}")
     return f"no layout of this model on {cluster.world} GPUs"
 
 
