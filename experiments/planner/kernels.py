@@ -98,9 +98,9 @@ def layer_seconds(gpt, b, tp, sequence_parallel, cluster, e=2):
     gemms = {name: gemm_seconds(m, n, k, cluster, e, times)
              for name, m, n, k, times in split_gemms(gpt, b, tp)}
     sbh = s * b * h / (tp if sequence_parallel else 1)
-    reads = 3 if gpt.gated_mlp else 2                     # SwiGLU reads the gate and the up
+    passes = 3 if gpt.gated_mlp else 2     # GeLU: read, write; SwiGLU: gate and up read
     streamed = 2 * 2 * sbh * e + 2 * (3 * e + 1) * sbh + \
-        reads * s * b * f * e / tp * mlp_copies(gpt)[1]
+        passes * s * b * f * e / tp * mlp_copies(gpt)[1]
     scores = 0 if gpt.flash_attention else (3 * e + 1) * b * a * s * s / tp
     core = gemms["scores"] + gemms["context"] + stream_seconds(scores, cluster)
     forward = sum(gemms.values()) + stream_seconds(streamed + scores, cluster)
