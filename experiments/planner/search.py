@@ -125,8 +125,11 @@ def no_layout(gpt, cluster, space):
     for i, (rule, left) in enumerate(steps):
         if not left:
             before = steps[i - 1][1] if i else []
-            tps = sorted({x[0] if isinstance(x, tuple) else x for x in before})
-            kept = f" (of tp {','.join(map(str, tps))})" if tps else ""
+            if before and isinstance(before[0], tuple):        # (tp, dp): say the pp left
+                pps = sorted({cluster.world // (t * dp) for t, dp in before})
+                kept = f" (of pp {','.join(map(str, pps[:12]))}{',...' * (len(pps) > 12)})"
+            else:
+                kept = f" (of tp {','.join(map(str, before))})" if before else ""
             dropped = [(t, next(r for r, sizes in steps if t not in sizes))
                        for t in (space.tp_sizes or ()) if rule.startswith("--tp-sizes")]
             why = "".join(f"; tp {t} is out once {r}" for t, r in dropped)
