@@ -8,12 +8,21 @@ GPT predicted, checked against the memory and ranked by step time (docs/planner.
     python -m experiments.plan --layers 4 --d-model 64 --heads 4 --seq-len 32 --vocab 32 \\
         --global-batch 16 --calibration results --gpus-per-node 4 --verify 3
 
-MODEL is a GPT's shape (--experts E: a mixture of experts in every layer).
+MODEL is a GPT's shape (--experts E: a mixture of experts in every layer;
+--kv-heads, --ffn-hidden, --gated-mlp, --flash-attention: today's shapes, e.g.
+Llama 3 405B: --layers 126 --d-model 16384 --heads 128 --kv-heads 8 --ffn-hidden
+53248 --gated-mlp --flash-attention --seq-len 8192 --vocab 128256).  Any pipeline
+size up to the layers is searched: each stage holds the layers of the balanced
+split (experiments/planner/stages.py: the embedding and the head counted as the
+work they are on the first and last stage), or --pp-layers 5,6,...,6,5 sets
+them by hand (their count is then the pipeline size).
 CLUSTER is --preset NAME (and --nodes), or the figures themselves, or
 --calibration FILE|DIR: the machine at hand, its links from experiments.calibrate's
 calibration.json and its compute rate timed here (experiments/planner/verify.py).
 
-Prints the K fastest layouts that fit, the time split of each (compute, exposed
+Prints the K fastest layouts that fit (near-duplicates, ZeRO stages with the
+same time, once), their MFU (the model's FLOPs a second over the peak) and HFU
+(recomputation's FLOPs counted too), the time split of each (compute, exposed
 tensor-, pipeline-, data- and expert-parallel communication, pipeline bubble)
 and why the rest are out; --jsonl appends one record a layout (kind "plan"),
 --out DIR draws plan_frontier.png.  --verify N runs the N best and the worst
@@ -23,6 +32,7 @@ cluster with --cluster) and puts each measured step beside its prediction
 in experiments/planner/step.py, not a measurement.
 """
 import argparse
+import math
 import os
 import sys
 from dataclasses import asdict, replace
@@ -32,13 +42,14 @@ from allreduce.records import append_jsonl, provenance
 
 from .planner import cluster as clusters
 from .planner.figure import plan_frontier
-from .planner.search import Space, plan
+from .planner.search import Space, distinct, plan
 from .planner.step import PARTS
-from .planner.transformer import GPT, RECOMPUTE
-from .planner.verify import (MEASURED_S, WARM_UP_STEPS, problems, runnable, this_machine,
-                             verify)
+from .planner.transformer import GPT, MAX_COUNT, RECOMPUTE
+from .planner.verify import (MEASURED_S, WARM_UP_STEPS, calibration_of, problems, runnable,
+                             this_machine, verify)
 
 EXPLICIT = ("gpus_per_node", "gpu_mem_gib", "gpu_tflops", "intra_gbps", "inter_gbps")
+OPTIONAL = ("hbm_gbps", "gemm_best", "efficiency")
 
 
 class Parser(argparse.ArgumentParser):
@@ -47,13 +58,37 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def whole(text):
+    """A whole number within the planner's counts (transformer.MAX_COUNT)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if abs(value) > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{text} is beyond {MAX_COUNT}")
+    return value
+
+
+def finite(text):
+    """A finite number: inf and nan describe no machine."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
 def listing(kind):
+    what = "whole numbers" if kind is whole else kind.__name__
+
     def parse(text):
         try:
             return tuple(kind(v) for v in text.split(",") if v)
-        except ValueError:
+        except (ValueError, argparse.ArgumentTypeError):
             raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
-                                             f"{kind.__name__}") from None
+                                             f"{what}") from None
     return parse
 
 
@@ -64,46 +99,61 @@ def parser():
     for name, what in (("layers", "transformer layers"), ("d-model", "hidden size h"),
                        ("heads", "attention heads"), ("seq-len", "tokens a sequence"),
                        ("vocab", "vocabulary size"), ("global-batch", "sequences a step")):
-        m.add_argument(f"--{name}", type=int, required=True, help=what)
-    m.add_argument("--experts", type=int, default=0, help="experts a layer (0: dense)")
-    m.add_argument("--top-k", type=int, default=2, help="experts a token passes through")
+        m.add_argument(f"--{name}", type=whole, required=True, help=what)
+    m.add_argument("--experts", type=whole, default=0, help="experts a layer (0: dense)")
+    m.add_argument("--top-k", type=whole, default=2, help="experts a token passes through")
+    m.add_argument("--kv-heads", type=whole, help="key-value heads (GQA; 1: MQA; default "
+                                                 "the heads); tp must divide them")
+    m.add_argument("--ffn-hidden", type=whole, help="the MLP's width (default 4 d-model)")
+    m.add_argument("--gated-mlp", action="store_true",
+                   help="a gated MLP (SwiGLU): three matrices, not two")
+    m.add_argument("--flash-attention", action="store_true",
+                   help="a fused attention core: the scores neither stored nor streamed")
     c = ap.add_argument_group("CLUSTER")
     c.add_argument("--preset", choices=sorted(clusters.PRESETS), help="a machine's figures")
-    c.add_argument("--nodes", type=int, help="nodes (default 1)")
-    c.add_argument("--gpus-per-node", type=int,
+    c.add_argument("--nodes", type=whole, help="nodes (default 1)")
+    c.add_argument("--gpus-per-node", type=whole,
                    help="GPUs a node (with --calibration: ranks a host, default its cores)")
-    c.add_argument("--gpu-mem-gib", type=float, help="memory a GPU, GiB")
-    c.add_argument("--gpu-tflops", type=float, help="dense 16-bit peak a GPU, TFLOP/s")
-    c.add_argument("--intra-gbps", type=float, help="Gbit/s a GPU, each way, inside a node")
-    c.add_argument("--inter-gbps", type=float, help="Gbit/s a node, each way, between nodes")
-    c.add_argument("--efficiency", type=float, help="share of the peak a layer reaches "
-                                                    "(default 0.48: docs/planner.md)")
+    c.add_argument("--gpu-mem-gib", type=finite, help="memory a GPU, GiB")
+    c.add_argument("--gpu-tflops", type=finite, help="dense 16-bit peak a GPU, TFLOP/s")
+    c.add_argument("--intra-gbps", type=finite, help="Gbit/s a GPU, each way, inside a node")
+    c.add_argument("--inter-gbps", type=finite, help="Gbit/s a node, each way, between nodes")
+    c.add_argument("--hbm-gbps", type=finite, help="a GPU's memory bandwidth, GB/s (the "
+                                                   "presets': their datasheets')")
+    c.add_argument("--gemm-best", type=finite, help="share of the peak the best GEMMs reach "
+                                                    "(the presets': measured; else 0.8)")
+    c.add_argument("--efficiency", type=finite,
+                   help="one flat share of the peak for every FLOP, in place of the "
+                        "kernel-by-kernel model (experiments/planner/kernels.py)")
     c.add_argument("--calibration", metavar="FILE|DIR",
                    help="the machine at hand: experiments.calibrate's calibration.json")
     c.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="with --calibration: the machine at hand's ranks compute on its CPU "
                         "cores, or on its GPUs, which they share (default cpu)")
     s = ap.add_argument_group("what the planner may choose")
-    s.add_argument("--zero", type=listing(int), default=(0, 1, 2, 3), help="ZeRO stages")
+    s.add_argument("--zero", type=listing(whole), default=(0, 1, 2, 3), help="ZeRO stages")
     s.add_argument("--recompute", type=listing(str), default=RECOMPUTE,
                    help="none, selective, full")
     s.add_argument("--schedules", type=listing(str), default=("1f1b", "interleaved"),
                    help="pipeline schedules")
-    s.add_argument("--micro-batch-sizes", type=listing(int), default=(1, 2, 4, 8),
+    s.add_argument("--micro-batch-sizes", type=listing(whole), default=(1, 2, 4, 8),
                    help="sequences a micro-batch")
-    s.add_argument("--tp-sizes", type=listing(int), help="tensor-parallel sizes (default all)")
-    s.add_argument("--pp-sizes", type=listing(int), help="pipeline sizes (default all)")
+    s.add_argument("--tp-sizes", type=listing(whole), help="tensor-parallel sizes (default all)")
+    s.add_argument("--pp-sizes", type=listing(whole), help="pipeline sizes (default all)")
+    s.add_argument("--pp-layers", type=listing(whole), metavar="N,N,...",
+                   help="each pipeline stage's layers by hand, first to last (e.g. BLOOM's "
+                        "5,6,6,6,6,6,6,6,6,6,6,5); default: the balanced split of every pp")
     s.add_argument("--precision", help="bf16, fp16 or fp32 (default bf16; fp32 with "
                                        "--calibration)")
     s.add_argument("--no-sequence-parallel", action="store_true",
                    help="keep norms and dropouts whole on every tp rank")
     o = ap.add_argument_group("output")
-    o.add_argument("--top", type=int, default=10, metavar="K", help="layouts in the table")
+    o.add_argument("--top", type=whole, default=10, metavar="K", help="layouts in the table")
     add_output_flags(o, out_what="plan_frontier.png (.svg, .json)")
-    o.add_argument("--verify", type=int, default=0, metavar="N",
+    o.add_argument("--verify", type=whole, default=0, metavar="N",
                    help="run the N best and the worst layouts here (needs --calibration)")
-    o.add_argument("--steps", type=int, default=6, help="--verify: steps a run, at least")
-    o.add_argument("--measure-s", type=float, default=MEASURED_S, metavar="S",
+    o.add_argument("--steps", type=whole, default=6, help="--verify: steps a run, at least")
+    o.add_argument("--measure-s", type=finite, default=MEASURED_S, metavar="S",
                    help="--verify: more steps where the first ones would take less than S "
                         "seconds after the warm-up, by the prediction (default %(default)s)")
     o.add_argument("--cluster", action="store_true", help="--verify on the emulated "
@@ -113,14 +163,20 @@ def parser():
 
 def cluster_of(a, gpt):
     """The Cluster the flags describe; ValueError naming the flag that is wrong."""
-    given = {k: getattr(a, k) for k in EXPLICIT + ("efficiency",) if getattr(a, k) is not None}
+    given = {k: getattr(a, k) for k in EXPLICIT + OPTIONAL if getattr(a, k) is not None}
+    nodes = 1 if a.nodes is None else a.nodes
     if a.preset and a.calibration:
         raise ValueError("give --preset or --calibration, not both")
     if a.preset:
-        return clusters.preset(a.preset, nodes=a.nodes or 1, **given)
+        return clusters.preset(a.preset, nodes=nodes, **given)
     if a.calibration:
+        # the figures first: a wrong flag fails before the machine is timed
+        clusters.Cluster("check", nodes, **{"gpus_per_node": 1, "gpu_mem_gib": 1,
+                                            "gpu_tflops": 1, "intra_gbps": 1,
+                                            "inter_gbps": 1, **given})
+        calibration_of(a.calibration)
         ranks = a.gpus_per_node or os.cpu_count() or 1        # default: a rank a core
-        machine = this_machine(gpt, ranks, a.calibration, a.nodes or 1,
+        machine = this_machine(gpt, ranks, a.calibration, nodes,
                                a.inter_gbps or 1.0, a.micro_batch_sizes, a.device,
                                replays="full" in a.recompute)
         return replace(machine, **given)
@@ -129,20 +185,39 @@ def cluster_of(a, gpt):
         raise ValueError(f"CLUSTER: give --preset, --calibration, or all of --"
                          f"{', --'.join(k.replace('_', '-') for k in EXPLICIT)} "
                          f"(missing --{missing[0].replace('_', '-')})")
-    return clusters.Cluster("cluster", nodes=a.nodes or 1, **given)
+    return clusters.Cluster("cluster", nodes=nodes, **given)
 
 
 def table(rows, top):
     """The top K that fit, one line each."""
-    head = (f"{'#':>3} {'layout':<30} {'m':>4} {'GiB':>6} {'step s':>9} {'TFLOP/s':>8}  "
-            + " ".join(f"{p:>7}" for p in PARTS))
+    head = (f"{'#':>3} {'layout':<34} {'m':>4} {'GiB':>6} {'step s':>9} {'MFU':>6} "
+            f"{'HFU':>6}  " + " ".join(f"{p:>7}" for p in PARTS))
     lines = [head]
     for i, r in enumerate(rows[:top], 1):
         split = " ".join(f"{100 * r[f'{p}_s'] / r['step_s']:6.1f}%" for p in PARTS)
-        lines.append(f"{i:>3} {r['label']:<30} {r['micro_batches']:>4} "
+        lines.append(f"{i:>3} {r['label']:<34} {r['micro_batches']:>4} "
                      f"{r['mem_bytes'] / clusters.GIB:6.1f} {r['step_s']:9.4g} "
-                     f"{r['tflops_per_gpu']:8.3g}  {split}")
+                     f"{100 * r['mfu']:5.1f}% {100 * r['hfu']:5.1f}%  {split}")
     return "\n".join(lines)
+
+
+def writable(path, flag, directory=False):
+    """ValueError naming `flag` unless `path` can be written: a file, or with `directory`
+    a directory (made later if missing), whose nearest existing ancestor we may write into."""
+    kind, other = ("directory", "file") if directory else ("file", "directory")
+    if os.path.exists(path) and os.path.isdir(path) != directory:
+        raise ValueError(f"{flag} {path}: is a {other}, not a {kind}")
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK | (os.X_OK if directory else 0)):
+            raise ValueError(f"{flag} {path}: not writable")
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    while directory and not os.path.exists(parent):      # --out's missing parents are made
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: its directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: cannot write into {parent}")
 
 
 def out_summary(entries, shown=3):
@@ -160,13 +235,23 @@ def main(argv=None):
     a = ap.parse_args(argv)
     try:
         gpt = GPT(a.layers, a.d_model, a.heads, a.seq_len, a.vocab, a.global_batch,
-                  a.experts, a.top_k)
+                  a.experts, a.top_k, a.kv_heads, a.ffn_hidden, a.gated_mlp,
+                  a.flash_attention)
         precision = a.precision or ("fp32" if a.calibration else "bf16")
         space = Space(a.zero, a.recompute, a.schedules, a.micro_batch_sizes,
                       precision=precision, sequence_parallel=not a.no_sequence_parallel,
                       # the machine at hand runs strategies.train, whose head is whole
                       whole_head=bool(a.calibration),
-                      tp_sizes=a.tp_sizes, pp_sizes=a.pp_sizes)
+                      tp_sizes=a.tp_sizes, pp_sizes=a.pp_sizes, pp_layers=a.pp_layers)
+        if a.pp_layers and sum(a.pp_layers) != gpt.layers:
+            raise ValueError(f"--pp-layers {','.join(map(str, a.pp_layers))}: adds up to "
+                             f"{sum(a.pp_layers)} layers, the model has {gpt.layers}")
+        if a.nodes is not None and a.nodes < 1:
+            raise ValueError(f"--nodes must be >= 1, got {a.nodes}")
+        if a.jsonl:
+            writable(a.jsonl, "--jsonl")
+        if a.out:
+            writable(a.out, "--out", directory=True)
         if a.top < 1 or a.verify < 0 or a.steps <= WARM_UP_STEPS or a.measure_s < 0:
             raise ValueError(f"--top must be >= 1, --verify >= 0, --measure-s >= 0 and "
                              f"--steps > {WARM_UP_STEPS} (the warm-up steps, not timed)")
@@ -183,17 +268,26 @@ def main(argv=None):
         if missing:
             raise ValueError("--verify: " + "; ".join(missing))
         entries = plan(gpt, cluster, space)
-    except (ValueError, OSError, KeyError) as e:
-        ap.error(str(e).strip("'\""))
+        if not any(e.fits for e in entries):
+            nearest = entries[0]       # those that do not fit come by memory, least first
+            raise ValueError(f"no layout fits: the nearest, {nearest.prediction.layout.label()}"
+                             f", {nearest.why_out}")
+    except (ValueError, OSError) as e:
+        ap.error(" ".join(str(e).split()))
+    except KeyError as e:               # a missing key's message is the key, quoted
+        ap.error(f"missing {e.args[0]!r}")
     stamp = {"model": asdict(gpt), "cluster_figures": asdict(cluster, dict_factory=figures),
              "provenance": provenance()}
     records = [{**e.record(cluster), "rank": i, "label": e.prediction.layout.label(), **stamp}
                for i, e in enumerate(entries, 1)]
     fits = [r for r in records if r["fits"]]
+    shown = {id(e) for e in distinct(entries)}
+    listed = [r for r, e in zip(records, entries) if r["fits"] and id(e) in shown]
     print(cluster.describe())
     print(f"{len(fits)} of {len(records)} layouts fit ({cluster.world} GPUs, "
-          f"{cluster.memory_bytes / clusters.GIB:.1f} GiB usable a GPU); predicted:")
-    print(table(fits, a.top) if fits else "none")
+          f"{cluster.memory_bytes / clusters.GIB:.1f} GiB usable a GPU); predicted "
+          f"({len(fits) - len(listed)} near-duplicates not listed):")
+    print(table(listed, a.top))
     print(out_summary(entries))
     if a.jsonl:
         append_jsonl(a.jsonl, records)

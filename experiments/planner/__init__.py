@@ -1,8 +1,11 @@
 """The layout planner: predict, rank and check every dp x pp x tp x ZeRO layout of a GPT
 on a cluster you do not have (python -m experiments.plan; docs/planner.md).
 
-    transformer.py   the model's side: parameters, FLOPs, activation bytes (the papers' formulas)
-    cluster.py       the machine's side: GPUs, memory, rate, links; presets with their sources
+    transformer.py   the model's side: parameters, FLOPs, activation bytes (the papers' formulas;
+                     GQA, the MLP's width, gating)
+    stages.py        how many layers each pipeline stage holds (balanced, or by hand)
+    kernels.py       a layer's compute kernel by kernel: GEMMs by shape, the rest by bandwidth
+    cluster.py       the machine's side: GPUs, memory, bandwidth, links; presets with sources
     step.py          one layout's predicted step: time split by cause, memory per rank
     search.py        every layout of a model on a cluster, why each is out or where it ranks
     figure.py        step time against memory per rank, the Pareto front marked

@@ -5,21 +5,30 @@
     ranked[0].prediction.layout                          # the fastest layout that fits
 
 A layout uses every GPU: dp x pp x tp = nodes x GPUs a node.  What is never a
-layout, and so never listed:
-    tp that does not divide a node's GPUs (tp stays inside a node) or the heads;
-    pp that does not divide the layers (every stage holds as many);
-    a micro-batch size b that does not divide the global batch's share of a
-        replica, B / dp (m = B / (dp b) micro-batches);
+layout, and so never listed (rules(): the same list, each with its test):
+    tp that does not divide a node's GPUs (tp stays inside a node), the heads or
+        the key-value heads (each tp rank holds whole groups of query heads with
+        their key-value head: Megatron-LM's rule; we never replicate a
+        key-value head over tp ranks);
+    pp above the layers (every stage holds at least one; stages.stage_layers
+        says how many each, balanced or --pp-layers') or above stages.MAX_STAGES;
+    dp that does not divide the global batch, a micro-batch size b that does not
+        divide a replica's share B / dp (m = B / (dp b) micro-batches);
     the interleaved schedule without a pipeline, with v chunks that do not divide
-        a stage's layers, or with m not a multiple of pp (Megatron-LM's rule);
+        every stage's layers, or with m not a multiple of pp (Megatron-LM's rule);
     ep that does not divide both dp and the experts.
+The sizes are found as divisors of gcd(B, world / tp) (dp) and by pp <= layers,
+never by counting up to the world: a million nodes are searched at once.
 What is a layout but does not fit: a rank needs more memory than the GPU's
 usable share (cluster.USABLE_MEMORY); its Entry says how much and which part.
 """
 from dataclasses import dataclass
 
+import math
+
 from .cluster import GIB
-from .step import BYTES, Layout, predict
+from .stages import MAX_STAGES
+from .step import BYTES, Layout, balanced_stages, predict
 from .transformer import RECOMPUTE
 
 SCHEDULES = ("1f1b", "interleaved")
@@ -38,6 +47,7 @@ class Space:
     whole_head: bool = False             # the worker's head (Layout.whole_head)
     tp_sizes: tuple = None               # the tensor- and pipeline-parallel sizes allowed
     pp_sizes: tuple = None               # (None: every one the rules allow)
+    pp_layers: tuple = None              # each stage's layers by hand (its length is pp)
 
     def __post_init__(self):
         checks = (("zero", self.zero, (0, 1, 2, 3)), ("recompute", self.recompute, RECOMPUTE),
@@ -51,6 +61,9 @@ class Space:
             sizes = getattr(self, name)
             if sizes is not None and (not sizes or min(sizes) < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {sizes}")
+        if self.pp_layers is not None and (not self.pp_layers or min(self.pp_layers) < 1):
+            raise ValueError(f"--pp-layers must list each stage's layers, each >= 1, "
+                             f"got {self.pp_layers}")
         if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:
             raise ValueError(f"--micro-batch-sizes must be >= 1, got {self.micro_batch_sizes}")
         if self.precision not in BYTES:
@@ -69,39 +82,89 @@ class Entry:
 
 
 def divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending, by trial up to sqrt(n)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def rules(gpt, cluster, space):
+    """[(the rule, the sizes it leaves)] in the order the search applies them, each
+    narrowing the last: what "no layout" reports, naming the first that leaves none."""
+    G, world, B = cluster.gpus_per_node, cluster.world, gpt.global_batch
+    tps = divisors(G)
+    steps = [(f"tp divides a node's {G} GPUs", tps)]
+    tps = [t for t in tps if gpt.heads % t == 0 and gpt.kv_heads % t == 0]
+    steps.append((f"tp divides the heads ({gpt.heads}) and the key-value heads "
+                  f"({gpt.kv_heads})", tps))
+    if space.tp_sizes:
+        tps = [t for t in tps if t in space.tp_sizes]
+        steps.append((f"--tp-sizes {','.join(map(str, space.tp_sizes))}", tps))
+    pairs = [(t, dp) for t in tps for dp in divisors(math.gcd(B, world // t))]
+    steps.append((f"dp divides the global batch ({B})", pairs))
+    pairs = [(t, dp) for t, dp in pairs if world // (t * dp) <= min(gpt.layers, MAX_STAGES)]
+    steps.append((f"pp = {world} GPUs / (tp dp) is at most the layers ({gpt.layers}) and "
+                  f"{MAX_STAGES}", pairs))
+    if space.pp_sizes:
+        pairs = [(t, dp) for t, dp in pairs if world // (t * dp) in space.pp_sizes]
+        steps.append((f"--pp-sizes {','.join(map(str, space.pp_sizes))}", pairs))
+    if space.pp_layers:
+        pp = len(space.pp_layers)
+        pairs = [(t, dp) for t, dp in pairs if world // (t * dp) == pp]
+        steps.append((f"--pp-layers gives {pp} stages", pairs))
+    pairs = [(t, dp) for t, dp in pairs
+             if any((B // dp) % b == 0 for b in space.micro_batch_sizes)]
+    steps.append((f"a micro-batch size ({','.join(map(str, space.micro_batch_sizes))}) "
+                  f"divides a replica's share of the batch", pairs))
+    return steps
+
+
+def no_layout(gpt, cluster, space):
+    """Why the model has no layout: the first rule that leaves no size, what it was
+    given, and where the user's own --tp-sizes were ruled out before it."""
+    steps = rules(gpt, cluster, space)
+    for i, (rule, left) in enumerate(steps):
+        if not left:
+            before = steps[i - 1][1] if i else []
+            if before and isinstance(before[0], tuple):        # (tp, dp): say the pp left
+                pps = sorted({cluster.world // (t * dp) for t, dp in before})
+                kept = f" (of pp {','.join(map(str, pps[:12]))}{',...' * (len(pps) > 12)})"
+            else:
+                kept = f" (of tp {','.join(map(str, before))})" if before else ""
+            dropped = [(t, next(r for r, sizes in steps if t not in sizes))
+                       for t in (space.tp_sizes or ()) if rule.startswith("--tp-sizes")]
+            why = "".join(f"; tp {t} is out once {r}" for t, r in dropped)
+            return (f"no layout of this model on {cluster.world} GPUs: none is left once "
+                    f"{rule}{kept}{why}")
+    return f"no layout of this model on {cluster.world} GPUs"
 
 
 def layouts(gpt, cluster, space):
     """Every Layout of `gpt` on `cluster` within `space` (the module's rules)."""
-    G, world = cluster.gpus_per_node, cluster.world
-    for tp in divisors(G):
-        if gpt.heads % tp or world % tp or (space.tp_sizes and tp not in space.tp_sizes):
-            continue
-        for pp in divisors(world // tp):
-            if gpt.layers % pp or (space.pp_sizes and pp not in space.pp_sizes):
+    world, B = cluster.world, gpt.global_batch
+    for tp, dp in rules(gpt, cluster, space)[-1][1]:
+        pp = world // (tp * dp)
+        eps = [e for e in divisors(dp) if gpt.experts % e == 0] if gpt.experts else [1]
+        for b in space.micro_batch_sizes:
+            if (B // dp) % b:
                 continue
-            dp = world // (tp * pp)
-            if gpt.global_batch % dp:
-                continue
-            eps = [e for e in divisors(dp) if gpt.experts % e == 0] if gpt.experts else [1]
-            for b in space.micro_batch_sizes:
-                if (gpt.global_batch // dp) % b:
-                    continue
-                m = gpt.global_batch // (dp * b)
+            m = B // (dp * b)
+            for recompute in space.recompute:
+                base = Layout(dp, pp, tp, 1, space.zero[0], m, b, "1f1b", 1, recompute,
+                              space.precision, space.sequence_parallel and tp > 1,
+                              space.whole_head and tp > 1)
+                stages = balanced_stages(gpt, base, cluster, space.pp_layers)
                 schedules = [("1f1b", 1)] + [
                     ("interleaved", v) for v in range(2, space.max_virtual_stages + 1)
-                    if pp > 1 and (gpt.layers // pp) % v == 0 and m % pp == 0]
+                    if pp > 1 and all(n % v == 0 for n in stages) and m % pp == 0]
                 for schedule, v in schedules:
                     if schedule not in space.schedules:
                         continue
                     for ep in eps:
                         # ZeRO shards over dp: with one replica every stage is stage 0's
                         for zero in (space.zero if dp > 1 else space.zero[:1]):
-                            for recompute in space.recompute:
-                                yield Layout(dp, pp, tp, ep, zero, m, b, schedule, v, recompute,
-                                             space.precision, space.sequence_parallel and tp > 1,
-                                             space.whole_head and tp > 1)
+                            yield Layout(dp, pp, tp, ep, zero, m, b, schedule, v, recompute,
+                                         space.precision, space.sequence_parallel and tp > 1,
+                                         space.whole_head and tp > 1, stages)
 
 
 def why_out(prediction, cluster):
@@ -109,8 +172,8 @@ def why_out(prediction, cluster):
     if prediction.mem_bytes <= cluster.memory_bytes:
         return ""
     part = max(prediction.memory, key=prediction.memory.get)
-    return (f"needs {prediction.mem_bytes / GIB:.1f} GiB a rank (most of it {part}: "
-            f"{prediction.memory[part] / GIB:.1f} GiB), {cluster.memory_bytes / GIB:.1f} "
+    return (f"needs {prediction.mem_bytes / GIB:.3g} GiB a rank (most of it {part}: "
+            f"{prediction.memory[part] / GIB:.3g} GiB), {cluster.memory_bytes / GIB:.3g} "
             f"GiB usable")
 
 
@@ -123,14 +186,28 @@ def plan(gpt, cluster, space=Space()):
         why = why_out(p, cluster)
         entries.append(Entry(p, not why, why))
     if not entries:
-        raise ValueError(f"no layout of this model on {cluster.world} GPUs: dp x pp x tp must "
-                         f"use them all with tp dividing {cluster.gpus_per_node} and the heads "
-                         f"({gpt.heads}), pp the layers ({gpt.layers}) and dp the global batch "
-                         f"({gpt.global_batch})")
+        raise ValueError(no_layout(gpt, cluster, space))
     # ties in time go to the layout with less memory a rank
     entries.sort(key=lambda e: (not e.fits, e.prediction.step_s if e.fits else 0,
                                 e.prediction.mem_bytes))
     return entries
+
+
+def distinct(entries, within=1e-3):
+    """The entries without near-duplicates: a layout that differs from one listed before
+    it only in its ZeRO stage and is within `within` of its step time (ZeRO 1 and 2
+    often tie: both reduce-scatter, and the gradients' memory is all they differ in;
+    the one listed first, with less memory, stands for both)."""
+    kept, seen = [], {}
+    for e in entries:
+        lo = e.prediction.layout
+        key = (e.fits, lo.dp, lo.pp, lo.tp, lo.ep, lo.micro_batch_size, lo.schedule,
+               lo.virtual_stages, lo.recompute, lo.stages)
+        if any(abs(e.prediction.step_s / s - 1) <= within for s in seen.get(key, ())):
+            continue
+        seen.setdefault(key, []).append(e.prediction.step_s)
+        kept.append(e)
+    return kept
 
 
 def pareto(items, step=lambda e: e.prediction.step_s, memory=lambda e: e.prediction.mem_bytes):

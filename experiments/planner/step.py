@@ -11,14 +11,19 @@ group is inside a node (the planner never puts it across); a pp or dp group
 whose members lie stride apart spans nodes once stride x size > G, and then the
 groups of its axis that cross a node's link at once share it (placement()).
 
-A micro-batch of b sequences on one stage (layers / pp of them, the last stage
-with the logit layer too, the slower of the two pacing the pipeline) takes
+A stage holds the layers stages.stage_layers gives it (Layout.stages), the first
+stage the embedding too and the last the logit layer; the slowest stage paces
+the pipeline.  A micro-batch of b sequences on one stage takes
 
-    forward    its FLOPs / tp at the cluster's rate            (transformer.py;
-                 the logit layer's whole on every tp rank with Layout.whole_head)
+    forward    its kernels on a tp rank's share               (kernels.py: GEMMs by
+                 their shape, the rest by the memory's bandwidth; with --efficiency
+                 or a rate measured here, its FLOPs / tp at that flat rate; the
+                 logit layer's whole on every tp rank with Layout.whole_head)
                + 2 all-reduces of b s h values a layer on tp   (Megatron's f and g;
                  with sequence parallelism 2 all-gathers and 2 reduce-scatters, the
-                 same bytes; the worker's own list: block_collectives)
+                 same bytes; the worker's own list: block_collectives; the same with
+                 GQA, any MLP width or gating: they carry the layer's h-wide input
+                 and output, never its keys, values or MLP activations)
                + 2 all-to-alls a MoE layer on ep               (dispatch, combine)
     backward   twice the forward's FLOPs, recomputation's on top, the same communication
                (with sequence parallelism an all-gather more for each column-parallel
@@ -51,9 +56,15 @@ stage are left out.
 
 Memory: model states are strategies/runtime/memory.py's zero_memory for the parameters
 a rank holds, activations Korthikanti et al.'s per layer (transformer.py) times
-the layers of a stage times the micro-batches it holds at once
+the layers of its stage times the micro-batches it holds at once
 (bubble.activations_in_flight); under full recomputation one layer's whole
 activations on top, while its backward replays it; the last stage's logits.
+Each kind of stage is priced (the first, the last, the fullest between them,
+which holds the most micro-batches of the most layers) and the fullest rank's
+memory is the layout's.
+
+FLOPs: the model's (MFU's numerator, no recomputation) and the hardware's
+(HFU's: with recomputation, what Narayanan et al.'s TFLOP/s a GPU counts).
 """
 import math
 from dataclasses import asdict, dataclass
@@ -64,9 +75,11 @@ from strategies.parallel.bubble import activations_in_flight, bubble_fraction
 from strategies.parallel.sequence_parallel import block_collectives, edge_collectives
 from strategies.runtime.memory import zero_memory
 
-from .transformer import (expert_parameters, layer_activation_bytes, layer_forward_flops,
-                          logit_flops, logits_bytes, parameters, recompute_flops,
-                          step_flops)
+from . import kernels
+from .stages import stage_layers
+from .transformer import (embedding_parameters, expert_parameters, layer_activation_bytes,
+                          layer_forward_flops, logit_flops, logits_bytes, parameters,
+                          recompute_flops, step_flops)
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # The trainer's gradient buckets (ZeRO 0-2: strategies/sync/zero.py), at its default.
@@ -91,14 +104,23 @@ class Layout:
     # the logit layer whole on every tp rank, as strategies.train keeps it, where
     # Megatron splits it over the vocabulary (Narayanan et al.'s layouts, the presets)
     whole_head: bool = False
+    stages: tuple = None         # layers of each stage (None: stage_layers's even split)
 
     @property
     def world(self):
         return self.dp * self.pp * self.tp
 
     def label(self):
-        """'dp8 pp2 tp4 z1 b2 full' (and the schedule where interleaved)."""
-        text = f"dp{self.dp} pp{self.pp} tp{self.tp}"
+        """'dp8 pp2 tp4 z1 b2 full' (and the schedule where interleaved, the stages'
+        layers where uneven: 'pp12:5-6-5' for 5, 6 x 10, 5)."""
+        text = f"dp{self.dp} pp{self.pp}"
+        if self.stages and len(set(self.stages)) > 1:
+            inner = self.stages[1:-1]
+            middle = f"{min(inner)}" if inner and min(inner) == max(inner) else \
+                f"{min(inner)}..{max(inner)}" if inner else ""
+            text += ":" + "-".join(str(n) for n in (self.stages[0], middle, self.stages[-1])
+                                   if n != "")
+        text += f" tp{self.tp}"
         text += f" ep{self.ep}" if self.ep > 1 else ""
         text += f" z{self.zero} b{self.micro_batch_size}"
         text += f" v{self.virtual_stages}" if self.schedule == "interleaved" else ""
@@ -112,15 +134,24 @@ class Prediction:
     split: dict                  # PARTS -> seconds
     mem_bytes: float             # the fullest rank
     memory: dict                 # params, grads, optimizer, activations of that rank
-    flops: float                 # of the whole step, recomputation included
+    flops: float                 # of the whole step, recomputation included (HFU's)
+    model_flops: float = None    # of the whole step without recomputation (MFU's)
+
+    def utilisation(self, cluster):
+        """(MFU, HFU): the model's and the hardware's FLOPs a second a GPU over its peak."""
+        peak = self.step_s * self.layout.world * cluster.gpu_tflops * 1e12
+        return self.model_flops / peak, self.flops / peak
 
     def record(self, cluster, fits, why=""):
-        """The JSONL record of this layout (the planner writes one per layout)."""
-        tflops = self.flops / (self.step_s * self.layout.world) / 1e12
+        """The JSONL record of this layout (the planner writes one per layout):
+        tflops_per_gpu counts the model's FLOPs, hardware_tflops_per_gpu recomputation's too."""
+        seconds = self.step_s * self.layout.world * 1e12
+        mfu, hfu = self.utilisation(cluster)
         return {"kind": "plan", **asdict(self.layout), "fits": fits, "why_out": why,
                 "mem_bytes": round(self.mem_bytes), "memory": {k: round(v) for k, v in
                                                                self.memory.items()},
-                "step_s": self.step_s, "tflops_per_gpu": tflops,
+                "step_s": self.step_s, "tflops_per_gpu": self.model_flops / seconds,
+                "hardware_tflops_per_gpu": self.flops / seconds, "mfu": mfu, "hfu": hfu,
                 **{f"{part}_s": t for part, t in self.split.items()},
                 "cluster": cluster.name, "world": cluster.world}
 
@@ -196,28 +227,44 @@ def bucketed(total, beside, buckets):
     return max(total / buckets, total - beside * (buckets - 1) / buckets)
 
 
-def rank_parameters(gpt, lo):
-    """(dense, expert) parameters on the first and the last stage's ranks (the fullest):
-    its layers' share over tp, the embeddings (word and position) on the first, the
-    output layer's copy of the word embedding on the last; experts also over ep."""
-    experts = expert_parameters(gpt) / (lo.pp * lo.tp * lo.ep)
-    layers = (parameters(gpt) - expert_parameters(gpt) - (gpt.vocab + gpt.seq_len) *
-              gpt.d_model) / (lo.pp * lo.tp)
-    first = layers + (gpt.vocab + gpt.seq_len) * gpt.d_model / lo.tp
-    last = layers + (gpt.vocab * gpt.d_model / lo.tp if lo.pp > 1 else 0)
-    return (first, experts), (last, experts)
+def stages_of(gpt, lo):
+    """The layers of each of the layout's stages: its own, else the even split."""
+    return list(lo.stages) if lo.stages else stage_layers(gpt.layers, lo.pp)
+
+
+def kinds_of_stage(stages):
+    """The stages worth pricing: the first, the last, and between them the earliest of
+    the fullest (it holds the most micro-batches of the most layers)."""
+    inner = range(1, len(stages) - 1)
+    fullest = [max(inner, key=lambda i: (stages[i], -i))] if len(stages) > 2 else []
+    return sorted({0, len(stages) - 1, *fullest})
+
+
+def rank_parameters(gpt, lo, stage=0):
+    """(dense, expert) parameters on a rank of `stage`: its layers' share over tp, the
+    embeddings (word and position) on the first, the output layer's copy of the word
+    embedding on the last; experts also over ep."""
+    n = stages_of(gpt, lo)[stage]
+    experts = expert_parameters(gpt) / gpt.layers * n / (lo.tp * lo.ep)
+    layers = (parameters(gpt) - expert_parameters(gpt) - embedding_parameters(gpt)) \
+        / gpt.layers * n / lo.tp
+    if stage == 0:
+        layers += embedding_parameters(gpt) / lo.tp
+    if stage == lo.pp - 1 and lo.pp > 1:
+        layers += gpt.vocab * gpt.d_model / lo.tp
+    return layers, experts
 
 
 def memory_of(gpt, lo, stage):
-    """{params, grads, optimizer, activations} in bytes on a rank of `stage` (0 or pp - 1)."""
-    dense, experts = rank_parameters(gpt, lo)[0 if stage == 0 else 1]
+    """{params, grads, optimizer, activations} in bytes on a rank of `stage`."""
+    dense, experts = rank_parameters(gpt, lo, stage)
     states = zero_memory(dense, lo.dp, lo.zero, lo.precision)
     for part, b in zero_memory(experts, lo.dp // lo.ep, lo.zero, lo.precision).items():
         states[part] += b
     e, b = BYTES[lo.precision], lo.micro_batch_size
     layer = layer_activation_bytes(gpt, b, lo.tp, lo.sequence_parallel, lo.recompute, e)
     held = activations_in_flight(lo.pp, lo.micro_batches, lo.schedule, stage, lo.virtual_stages)
-    acts = held * gpt.layers / lo.pp * layer
+    acts = held * stages_of(gpt, lo)[stage] * layer
     if lo.recompute == "full":                  # the layer whose backward replays it
         acts += layer_activation_bytes(gpt, b, lo.tp, lo.sequence_parallel, "none", e)
     if stage == lo.pp - 1:
@@ -225,32 +272,80 @@ def memory_of(gpt, lo, stage):
     return {**states, "activations": acts}
 
 
+def compute_seconds(gpt, lo, cluster):
+    """Seconds of a micro-batch's compute on one tp rank: {"layer": (forward, backward),
+    "head": (...), "embedding": (...)}, the backward with recomputation's share.  By
+    kernels (kernels.py), or where the cluster has a flat rate (--efficiency, or a rate
+    measured here), the FLOPs at that rate."""
+    e, b = BYTES[lo.precision], lo.micro_batch_size
+    head_tp = 1 if lo.whole_head else lo.tp
+    if not cluster.flat:
+        layer = kernels.layer_seconds(gpt, b, lo.tp, lo.sequence_parallel, cluster, e)
+        extra = {"none": 0.0, "selective": layer["selective"], "full": layer["forward"]}
+        return {"layer": (layer["forward"], layer["backward"] + extra[lo.recompute]),
+                "head": kernels.head_seconds(gpt, b, head_tp, cluster, e),
+                "embedding": kernels.embedding_seconds(gpt, b, cluster, e)}
+    rate = cluster.flops_per_s(b)
+    block_rate = cluster.flops_per_s(b, lo.tp)        # a layer split over tp ranks
+    replay_rate = cluster.flops_per_s(b, lo.tp, replay=lo.recompute == "full")
+    head = logit_flops(gpt, b) / 3 / rate / head_tp
+    forward = layer_forward_flops(gpt, b) / block_rate / lo.tp
+    backward = (2 * layer_forward_flops(gpt, b) / block_rate +
+                recompute_flops(gpt, b, lo.recompute) / replay_rate) / lo.tp
+    return {"layer": (forward, backward), "head": (head, 2 * head), "embedding": (0.0, 0.0)}
+
+
+def balanced_stages(gpt, lo, cluster, given=None):
+    """The layout's stages: `given`, or stage_layers's balanced split with the embedding's
+    and the head's time counted in layers' worth (a layer's compute and tp collectives)."""
+    if given is not None or lo.pp == 1:
+        return tuple(stage_layers(gpt.layers, lo.pp, given=given))
+    e, b = BYTES[lo.precision], lo.micro_batch_size
+    times = compute_seconds(gpt, lo, cluster)
+    layer = sum(times["layer"]) + sum(tp_layer(gpt, lo, b, e, cluster))
+    if layer <= 0:                        # nothing to weigh the ends against: even
+        return tuple(stage_layers(gpt.layers, lo.pp))
+    return tuple(stage_layers(gpt.layers, lo.pp, sum(times["embedding"]) / layer,
+                              sum(times["head"]) / layer))
+
+
 def predict(gpt, cluster, lo):
     """The Prediction of layout `lo` (a Layout) for model `gpt` on `cluster`."""
     e, b, G = BYTES[lo.precision], lo.micro_batch_size, cluster.gpus_per_node
-    L, rate = gpt.layers / lo.pp, cluster.flops_per_s(b)
-    block_rate = cluster.flops_per_s(b, lo.tp)        # a layer split over tp ranks
-    replay_rate = cluster.flops_per_s(b, lo.tp, replay=lo.recompute == "full")
-    # 1. one micro-batch on the slowest stage: compute, then tp's and ep's collectives
-    last = lo.pp - 1
-    head = logit_flops(gpt, b) / 3 / rate / (1 if lo.whole_head else lo.tp)
-    compute_f = L * layer_forward_flops(gpt, b) / block_rate / lo.tp + head
-    compute_b = (L * (2 * layer_forward_flops(gpt, b) / block_rate +
-                      recompute_flops(gpt, b, lo.recompute) / replay_rate) / lo.tp + 2 * head)
+    stages = stages_of(gpt, lo)
+    # 1. one micro-batch on each kind of stage: compute, then tp's and ep's collectives
+    times = compute_seconds(gpt, lo, cluster)
     replays = 1 if lo.recompute == "full" else 0      # the forward's collectives again
     tp_layer_f, tp_layer_b = tp_layer(gpt, lo, b, e, cluster)
     tp_replay_f = tp_layer(gpt, lo, b, e, cluster, replay=True)[0] if replays else 0.0
     tp_edge_f, tp_edge_b = tp_edges(gpt, lo, b, e, cluster)
-    tp_f = L * tp_layer_f + tp_edge_f
-    tp_b = L * (tp_layer_b + tp_replay_f) + tp_edge_b
-    ep_f = ep_b = 0.0
+    ep_one = 0.0
     if gpt.experts and lo.ep > 1:
         tokens = b * gpt.seq_len * gpt.d_model * gpt.top_k * e
         tokens /= lo.tp if lo.sequence_parallel else 1
         ep_one = group_time("alltoall", tokens, lo.ep, lo.pp * lo.tp, cluster)
-        ep_f, ep_b = 2 * L * ep_one, 2 * L * ep_one * (1 + replays)
+
+    def stage_times(stage):
+        """{part: (forward, backward)} of one micro-batch on `stage`."""
+        L, last = stages[stage], stage == lo.pp - 1
+        compute_f, compute_b = (L * t for t in times["layer"])
+        if stage == 0:
+            compute_f, compute_b = (c + t for c, t in zip((compute_f, compute_b),
+                                                          times["embedding"]))
+        if last:
+            compute_f, compute_b = (c + t for c, t in zip((compute_f, compute_b),
+                                                          times["head"]))
+        tp_f = L * tp_layer_f + (tp_edge_f if last else 0.0)
+        tp_b = L * (tp_layer_b + tp_replay_f) + (tp_edge_b if last else 0.0)
+        return {"compute": (compute_f, compute_b), "tp": (tp_f, tp_b),
+                "ep": (2 * L * ep_one, 2 * L * ep_one * (1 + replays))}
+    priced = {stage: stage_times(stage) for stage in kinds_of_stage(stages)}
+    slowest = max(priced, key=lambda s: sum(sum(pair) for pair in priced[s].values()))
+    (compute_f, compute_b), (tp_f, tp_b), (ep_f, ep_b) = (
+        priced[slowest][part] for part in ("compute", "tp", "ep"))
     # 2. the data-parallel axis: gradients (and parameters) of the fullest rank
-    dense, experts = rank_parameters(gpt, lo)[0]
+    fullest = max(kinds_of_stage(stages), key=lambda s: sum(rank_parameters(gpt, lo, s)))
+    dense, experts = rank_parameters(gpt, lo, fullest)
 
     def dp_time(collective, on_one_node=False):
         t = group_time(collective, dense * e, lo.dp, lo.pp * lo.tp, cluster, on_one_node)
@@ -272,7 +367,7 @@ def predict(gpt, cluster, lo):
     if lo.zero == 3:                            # every micro-batch; the gathers in line
         dp_f = exposed(["allgather"], 0.0)
         dp_b = exposed(["allgather"], 0.0) + exposed(["reduce_scatter"], compute_b,
-                                                     max(1, math.ceil(L)))
+                                                     max(1, stages[fullest]))
     elif lo.dp > 1:
         buckets = max(1, math.ceil((dense + experts) * e / BUCKET_BYTES))
         reduce = exposed(["allreduce" if lo.zero == 0 else "reduce_scatter"], compute_b,
@@ -291,7 +386,7 @@ def predict(gpt, cluster, lo):
     split = {"compute": m * (compute_f + compute_b), "tp": m * (tp_f + tp_b),
              "pp": pipeline - m * (t_f + t_b) - bubble, "dp": m * (dp_f + dp_b) + dp_after,
              "ep": m * (ep_f + ep_b), "bubble": bubble}
-    memories = [memory_of(gpt, lo, stage) for stage in sorted({0, last})]
+    memories = [memory_of(gpt, lo, stage) for stage in kinds_of_stage(stages)]
     memory = max(memories, key=lambda parts: sum(parts.values()))
     return Prediction(lo, pipeline + dp_after, split, sum(memory.values()), memory,
-                      step_flops(gpt, lo.recompute))
+                      step_flops(gpt, lo.recompute), step_flops(gpt, "none"))

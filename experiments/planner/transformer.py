@@ -4,6 +4,7 @@
     parameters(gpt)                          # 1.7e9: Narayanan et al.'s count
     step_flops(gpt, "full")                  # 96 B s l h^2 (1 + s/6h + V/16lh)
     layer_activation_bytes(gpt, b=1, tp=8, sequence_parallel=True, recompute="selective")
+    GPT(126, 16384, 128, 8192, 128256, 2048, kv_heads=8, ffn_hidden=53248, gated_mlp=True)
 
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
 Using Megatron-LM" (SC21), Appendix: a transformer layer's forward on b
@@ -17,13 +18,28 @@ the 96 of their formula, with the logit layer's 6 b s h V (forward 2, backward
     F = 96 B s l h^2 (1 + s / 6h + V / 16 l h)       (full recomputation)
     F = 72 B s l h^2 (1 + s / 6h + V / 12 l h)       (none)
 
+Today's shapes generalise the three matrices (each term 2 b s x its weights):
+grouped-query attention (Ainslie et al. 2023) keeps kv_heads < heads heads of
+keys and values, so the QKV projection is h x (h + 2 h_kv), h_kv = kv_heads h /
+heads (multi-query attention: kv_heads = 1); the MLP has its own width f
+(--ffn-hidden; 4h in GPT-3); a gated MLP (SwiGLU, Shazeer 2020; LLaMA) has three
+f x h matrices, the gate's, the up projection's and the down projection's,
+where GPT's has two.  The forward of a layer is then
+
+    2 b s h (h + 2 h_kv)  +  2 b s h^2  +  2 b s h f (2, or 3 gated)  +  4 b s^2 h
+
+which is 24 b s h^2 + 4 b s^2 h again at h_kv = h, f = 4h, not gated.  The
+scores still take every query head: GQA shares keys, not queries.
+
 Selective recomputation (Korthikanti et al. 2022, section 5) runs only the
 attention core again: 4 b s^2 h more a layer.  In a mixture of experts each
-token passes through top_k experts' MLPs: the MLP's 16 b s h^2 counts top_k times.
+token passes through top_k experts' MLPs: the MLP's FLOPs count top_k times.
 
 Parameters (the same paper): 12 l h^2 (1 + 13/12h + (V + s)/12lh): the layers'
 weights 12 h^2 and biases and norms 13 h, and the word and position embeddings;
-an MoE layer holds its experts' MLPs, 8 h^2 + 5 h each, instead of one.
+in general a layer's attention holds h (h + 2 h_kv) + h^2 weights, (h + 2 h_kv)
++ h biases and two norms' 4 h, its MLP 2 or 3 h f weights and f (2 f gated) + h
+biases; an MoE layer holds its experts' MLPs instead of one.
 
 Activations: Korthikanti et al., "Reducing Activation Recomputation in Large
 Transformer Models" (2022), Table 2, bytes a layer holds for its backward with
@@ -34,12 +50,25 @@ Transformer Models" (2022), Table 2, bytes a layer holds for its backward with
     + selective recomputation           s b h (10 + 24/t)        or  s b h 34/t with SP
     full recomputation                  2 s b h (the layer's input)  or  2 s b h / t with SP
 
+The 24 split over t is their section 4.1's sum: Q, K, V and the output
+projection's input (2 + 2 + 2 + 2 s b h) and the MLP's two 4h-wide tensors (8 + 8);
+with GQA K and V are h_kv wide (4 h + 4 h_kv), with width f the MLP keeps 4 f
+(the first matrix's output and GeLU's), and a gated MLP 6 f (Megatron's fused
+SwiGLU keeps the gate's and the up projection's outputs, 4 f, and the down
+projection's input, 2 f).  The 10 (norms' inputs, dropout masks, the blocks'
+inputs) is unchanged.  A fused attention core (flash attention, Dao et al.
+2022) never stores the scores: the 5 a s / h t term goes, as under selective
+recomputation, and so does its traffic (kernels.py).
+
 t = 1 gives the unparallelised s b h (34 + 5 a s / h).  In fp32 every 16-bit
 activation doubles; we double the whole (the masks, 1 byte, are a small part).
 """
 from dataclasses import dataclass
 
 RECOMPUTE = ("none", "selective", "full")
+# Every count a GPT takes is a whole number of at most this: larger ones describe no
+# model ever trained, and their products stay exact in a float.
+MAX_COUNT = 2 ** 31 - 1
 
 
 @dataclass(frozen=True)
@@ -52,17 +81,43 @@ class GPT:
     global_batch: int
     experts: int = 0            # 0: dense; E: every layer's MLP is E experts
     top_k: int = 2              # experts per token (Switch 1, GShard 2)
+    kv_heads: int = None        # heads of keys and values (GQA; None: heads)
+    ffn_hidden: int = None      # the MLP's width f (None: 4 d_model)
+    gated_mlp: bool = False     # SwiGLU: three f x h matrices
+    flash_attention: bool = False   # the attention core fused: no scores stored
 
     def __post_init__(self):
-        for name in ("layers", "d_model", "heads", "seq_len", "vocab", "global_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
-                                 f"got {getattr(self, name)}")
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.ffn_hidden is None and isinstance(self.d_model, int):
+            object.__setattr__(self, "ffn_hidden", 4 * self.d_model)
+        for name in ("layers", "d_model", "heads", "seq_len", "vocab", "global_batch",
+                     "kv_heads", "ffn_hidden"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or \
+                    not 1 <= value <= MAX_COUNT:
+                unless = " (4 x --d-model unless given)" if name == "ffn_hidden" else ""
+                raise ValueError(f"--{name.replace('_', '-')}{unless} must be a whole number "
+                                 f"in 1..{MAX_COUNT}, got {value}")
         if self.d_model % self.heads:
             raise ValueError(f"--heads {self.heads} must divide --d-model {self.d_model}")
-        if self.experts < 0 or (self.experts and not 1 <= self.top_k <= min(2, self.experts)):
+        if self.heads % self.kv_heads:
+            raise ValueError(f"--kv-heads {self.kv_heads} must divide --heads {self.heads} "
+                             f"(each key-value head serves a group of query heads)")
+        if not isinstance(self.experts, int) or not isinstance(self.top_k, int) or \
+                not 0 <= self.experts <= MAX_COUNT or \
+                (self.experts and not 1 <= self.top_k <= min(2, self.experts)):
             raise ValueError(f"--experts must be >= 0 and top-k 1 or 2 (at most the experts), "
                              f"got {self.experts} experts, top-k {self.top_k}")
+
+    @property
+    def kv_width(self):
+        """h_kv: the width of the keys (and of the values), kv_heads heads of h / heads."""
+        return self.kv_heads * self.d_model // self.heads
+
+    @property
+    def mlp_matrices(self):
+        return 3 if self.gated_mlp else 2
 
 
 def mlp_copies(gpt):
@@ -70,23 +125,60 @@ def mlp_copies(gpt):
     return (gpt.experts, gpt.top_k) if gpt.experts else (1, 1)
 
 
+def mlp_parameters(gpt):
+    """One MLP's weights and biases: 2 (3 gated) h f, and f (2 f) + h."""
+    h, f = gpt.d_model, gpt.ffn_hidden
+    return gpt.mlp_matrices * h * f + (gpt.mlp_matrices - 1) * f + h
+
+
+def attention_parameters(gpt):
+    """One layer's attention and its two norms: h (h + 2 h_kv) + h^2 weights, biases, 4 h."""
+    h, kv = gpt.d_model, gpt.kv_width
+    return h * (h + 2 * kv) + h * h + (h + 2 * kv) + h + 4 * h
+
+
 def parameters(gpt):
     """Weights of the whole model (Narayanan et al.'s count; MoE: E MLPs a layer)."""
-    h, held = gpt.d_model, mlp_copies(gpt)[0]
-    attention, mlp = 4 * h * h + 8 * h, 8 * h * h + 5 * h    # 13 h: biases and 2 norms
-    return gpt.layers * (attention + held * mlp) + (gpt.vocab + gpt.seq_len) * h
+    held = mlp_copies(gpt)[0]
+    return gpt.layers * (attention_parameters(gpt) + held * mlp_parameters(gpt)) + \
+        embedding_parameters(gpt)
+
+
+def embedding_parameters(gpt):
+    """The word and position embeddings: (V + s) h."""
+    return (gpt.vocab + gpt.seq_len) * gpt.d_model
 
 
 def expert_parameters(gpt):
     """The experts' share of parameters() (0 for a dense model): what ep shards."""
-    h = gpt.d_model
-    return gpt.layers * gpt.experts * (8 * h * h + 5 * h)
+    return gpt.layers * gpt.experts * mlp_parameters(gpt)
+
+
+def layer_gemms(gpt, b):
+    """[(name, m, n, k, times)] of one layer's forward on b sequences on one rank: each
+    GEMM multiplies an m x k by a k x n matrix, `times` of them (the attention core:
+    one a head; the MLP: top_k experts a token).  Their FLOPs, 2 m n k each, add up
+    to layer_forward_flops."""
+    s, h, f, kv = gpt.seq_len, gpt.d_model, gpt.ffn_hidden, gpt.kv_width
+    tokens, head_dim, passes = b * s, h // gpt.heads, mlp_copies(gpt)[1]
+    mlp_in = ("mlp_in", tokens, (gpt.mlp_matrices - 1) * f, h, passes)
+    return [("qkv", tokens, h + 2 * kv, h, 1),
+            ("scores", s, s, head_dim, b * gpt.heads),          # Q K^T, a head at a time
+            ("context", s, head_dim, s, b * gpt.heads),         # softmax(.) V
+            ("attention_out", tokens, h, h, 1),
+            mlp_in,
+            ("mlp_out", tokens, h, f, passes)]
 
 
 def layer_forward_flops(gpt, b):
-    """One layer's forward on b sequences: 24 b s h^2 + 4 b s^2 h (MoE: the MLP top_k times)."""
-    s, h, passes = gpt.seq_len, gpt.d_model, mlp_copies(gpt)[1]
-    return b * s * h * (8 * h + 16 * h * passes + 4 * s)
+    """One layer's forward on b sequences: 24 b s h^2 + 4 b s^2 h for GPT-3's shape
+    (module docstring: GQA, the MLP's width, gating; MoE: the MLP top_k times)."""
+    return sum(2 * m * n * k * times for _, m, n, k, times in layer_gemms(gpt, b))
+
+
+def attention_core_flops(gpt, b):
+    """The scores and their weighted sum on b sequences: 4 b s^2 h."""
+    return 4 * b * gpt.seq_len ** 2 * gpt.d_model
 
 
 def recompute_flops(gpt, b, recompute):
@@ -95,7 +187,7 @@ def recompute_flops(gpt, b, recompute):
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
     if recompute == "full":
         return layer_forward_flops(gpt, b)
-    return 4 * b * gpt.seq_len ** 2 * gpt.d_model if recompute == "selective" else 0
+    return attention_core_flops(gpt, b) if recompute == "selective" else 0
 
 
 def logit_flops(gpt, b):
@@ -104,7 +196,8 @@ def logit_flops(gpt, b):
 
 
 def step_flops(gpt, recompute="none"):
-    """FLOPs of one step on the global batch, recomputation included (the paper's count)."""
+    """FLOPs of one step on the global batch, recomputation included (the paper's count;
+    recompute="none" gives the model's FLOPs, what MFU counts)."""
     B = gpt.global_batch
     per_layer = 3 * layer_forward_flops(gpt, B) + recompute_flops(gpt, B, recompute)
     return gpt.layers * per_layer + logit_flops(gpt, B)
@@ -112,17 +205,20 @@ def step_flops(gpt, recompute="none"):
 
 def layer_activation_bytes(gpt, b, tp=1, sequence_parallel=False, recompute="none",
                            bytes_per_value=2):
-    """Bytes one layer keeps for its backward on b sequences (Korthikanti et al., Table 2),
-    on one of tp tensor-parallel ranks; bytes_per_value 4 (fp32) doubles the 16-bit figure."""
+    """Bytes one layer keeps for its backward on b sequences (Korthikanti et al., Table 2,
+    with the module docstring's GQA, MLP width and gating), on one of tp tensor-parallel
+    ranks; bytes_per_value 4 (fp32) doubles the 16-bit figure."""
     s, h, a, t = gpt.seq_len, gpt.d_model, gpt.heads, tp
-    sbh = s * b * h
+    sb = s * b
     if recompute == "full":
-        held = 2 * sbh / (t if sequence_parallel else 1)
+        held = 2 * sb * h / (t if sequence_parallel else 1)
     else:
+        split = 4 * h + 4 * gpt.kv_width + (6 if gpt.gated_mlp else 4) * gpt.ffn_hidden * \
+            mlp_copies(gpt)[1]                       # 24 h for GPT-3's shape
         # without SP the norms' and dropouts' 10 s b h are whole on every tp rank
-        held = sbh * (34 / t if sequence_parallel else 10 + 24 / t)
-        if recompute == "none":
-            held += sbh * 5 * a * s / (h * t)             # the scores, softmax and its dropout
+        held = sb * (10 * h + split) / t if sequence_parallel else sb * (10 * h + split / t)
+        if recompute == "none" and not gpt.flash_attention:
+            held += sb * 5 * a * s / t                # the scores, softmax and its dropout
         elif recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, "
                              f"got {recompute!r}")

@@ -41,6 +41,7 @@ experts with micro-batches or pipeline stages: strategies/config/settings.py) is
 offered to --verify (runnable()).
 """
 import contextlib
+import json
 import math
 import os
 import statistics
@@ -49,7 +50,7 @@ import tempfile
 from dataclasses import replace
 
 from allreduce.costs import Machine
-from allreduce.records import checkout_pythonpath, read_calibration
+from allreduce.records import calibration_file, checkout_pythonpath
 
 from experiments import launchers
 from experiments.records import ROOT, read_jsonl, slowest_rank, train_runs
@@ -88,7 +89,7 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
             raise ValueError("--device cuda: torch sees no GPU on this machine")
     intra = Machine(5e-6, 1 / 10e9)
     if calibration:                   # read first: a wrong path fails before the timing
-        intra = Machine.from_calibration(read_calibration(calibration))
+        intra = Machine.from_calibration(calibration_of(calibration))
     # each rank gets the threads strategies.train gives it; several ranks are timed
     # together, sharing the cores (or the GPU) as in the run (shared_cores.py)
     threads, waits = max(1, cores // world), None
@@ -142,6 +143,58 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
     return cluster
 
 
+# calibration.json's fields the planner reads (experiments/calibrate.py writes them),
+# each with its least and its largest value: the link's latency, its seconds a byte
+# (the planner takes its rate, 8 / beta bit/s, within cluster.FIGURE_RANGE's Gbit/s)
+# and the reduction's; then curves of (bytes, value) pairs, each two arrays
+SCALARS = {"alpha_s": (0.0, 1.0), "beta_s_per_byte": (8e-18, 8e-3),
+           "gamma_s_per_byte": (0.0, 1.0)}
+CURVES = (("beta_bytes", "beta_s_per_byte_at"), ("beta_one_way_bytes",
+                                                  "beta_one_way_s_per_byte_at"),
+          ("gamma_bytes", "gamma_s_per_byte_at"), ("ps_bytes", "ps_s"),
+          ("ps_bytes", "ps_marginal_s"))
+
+
+def calibration_of(path):
+    """The calibration at `path` (a file, or a directory holding calibration.json), each
+    field the planner reads checked; ValueError naming the file and the key otherwise."""
+    file = calibration_file(path)
+    try:
+        with open(file) as f:
+            cal = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"--calibration {file}: not a JSON file ({e})") from None
+
+    def number(value):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+            math.isfinite(value)
+    if not isinstance(cal, dict):
+        raise ValueError(f"--calibration {file}: holds a JSON {type(cal).__name__}, not an "
+                         f"object of experiments.calibrate's fields")
+    for key, (least, most) in SCALARS.items():
+        value = cal.get(key)
+        if not number(value) or not least <= value <= most:
+            raise ValueError(f"--calibration {file}: key {key!r} must be a number from "
+                             f"{least:g} to {most:g}, got {value!r}")
+    if "cores" in cal and cal["cores"] is not None and (
+            not isinstance(cal["cores"], int) or isinstance(cal["cores"], bool) or
+            cal["cores"] < 1):
+        raise ValueError(f"--calibration {file}: key 'cores' must be a whole number >= 1, "
+                         f"got {cal['cores']!r}")
+    for sizes, values in CURVES:
+        if not cal.get(values):
+            continue
+        for key in (sizes, values):
+            if not isinstance(cal.get(key), list) or \
+                    not all(number(v) and v >= 0 for v in cal[key]):
+                raise ValueError(f"--calibration {file}: key {key!r} must be a list of "
+                                 f"finite numbers >= 0, got {cal.get(key)!r:.60}")
+        if len(cal[sizes]) != len(cal[values]):
+            raise ValueError(f"--calibration {file}: key {values!r} has {len(cal[values])} "
+                             f"values for {len(cal[sizes])} {sizes!r}")
+    return cal
+
+
 def tp_waits(gpt, cluster, found):
     """(waits, replay waits), each ((t, b, s), ...): what an exchange of a tp collective
     waits, from the probe's tp blocks (shared_cores.SizeProbe).  A block's time over
@@ -169,6 +222,11 @@ def tp_waits(gpt, cluster, found):
 
 def runnable(gpt, layout):
     """'' when strategies.train runs this layout, else why not."""
+    if (gpt.kv_heads, gpt.ffn_hidden, gpt.gated_mlp, gpt.flash_attention) != \
+            (gpt.heads, 4 * gpt.d_model, False, False):
+        return "the trainer builds GPT-3's shape (no GQA, MLP width, gating or fused attention)"
+    if layout.stages and len(set(layout.stages)) > 1:
+        return "the trainer splits the layers evenly over its stages"
     if layout.recompute == "selective":
         return "the trainer recomputes whole blocks (--recompute), not attention alone"
     if gpt.experts and (layout.pp > 1 or layout.tp > 1 or layout.zero or
