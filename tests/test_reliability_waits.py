@@ -1,4 +1,4 @@
-"""Tier (c): every wait of a training run is bounded by --timeout (runtime/waits.py).
+"""Tier (c): every wait of a training run is bounded by --timeout (strategies/runtime/waits.py).
 
 A rank stopped by SIGSTOP (a debugger, a frozen host) between two steps' collectives
 used to leave the others spinning for ever in the metrics flush's allgather.  Rank 1

@@ -18,8 +18,8 @@ Two layouts of the files:
 
     checkpoint.pt      plain data parallelism: every replica holds the same state,
                        so data-parallel rank 0 writes it and every rank reads it
-    step-S/rank-R.pt   a split model (--dp/--pp/--tp/--zero, --ep): each rank holds
-    step-S/manifest.json   a different share (a stage, a tp piece, a ZeRO shard, its
+    step-<S>/rank-R.pt   a split model (--dp/--pp/--tp/--zero, --ep): each rank holds
+    step-<S>/manifest.json   a different share (a stage, a tp piece, a ZeRO shard, its
                        experts), so each writes and reads its own; the set of step S
                        is a folder, and its manifest, written last, names every file
 
@@ -77,7 +77,7 @@ FILE = "checkpoint.pt"
 PS_FOLDER = "ps"                # under --checkpoint-dir: the servers' shards
 FORMAT = 4                      # 4: the file's identity and digest
 MANIFEST = "manifest.json"      # in a split run's set folder, written last
-SET_PREFIX = "step-"            # a split run's set of step S: DIR/step-S/
+SET_PREFIX = "step-"            # a split run's set of step S: DIR/step-<S>/
 # what a split run must share with the run it resumes: each rank's file holds its share
 LAYOUT = ("dp", "pp", "tp", "ep", "zero", "virtual_stages", "sequence_parallel")
 
