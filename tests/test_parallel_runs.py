@@ -154,6 +154,20 @@ def test_parameter_servers_on_the_grid_reproduce_one_process(tmp_path, reference
         assert_same_run(runs[name], reference["mlp_sgd" if "mlp" in name else "gpt"], 4)
 
 
+@pytest.mark.timeout(300)
+def test_parameter_servers_on_the_grid_resume_exactly(tmp_path):
+    """Stopped at step 4 (the servers' shards and the workers' set of step 4), resumed
+    to 6: the parameters of the run that never stopped, bit for bit."""
+    ps = GPT + SERVERS[0][1][len(GPT):] + ["--checkpoint-dir", str(tmp_path / "ckpt"),
+                                           "--checkpoint-every", "2"]
+    runs = launch(tmp_path, 5, [("whole", SERVERS[0][1] + ["--steps", "6"]),
+                                ("first", ps + ["--steps", "4"]),
+                                ("resumed", ps + ["--steps", "6", "--resume"])])
+    for name in runs["whole"][1]:
+        np.testing.assert_array_equal(runs["resumed"][1][name], runs["whole"][1][name],
+                                      err_msg=name)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_four_ranks_combinations_reproduce_one_process(tmp_path, reference):

@@ -304,12 +304,16 @@ def ps_set_to_resume(cfg):
     the note ("" if none) says which newer parts there are; ConfigError if no set is
     complete.  The workers' checkpoint.pt names the only step that can be."""
     from psrv.checkpoints import saved_steps        # here: psrv needs ZeroMQ
-    path = path_of(cfg)
     shards = saved_steps(ps_folder(cfg), cfg.servers)
     found = "; ".join(f"shard {i}: {', '.join(map(str, s)) or 'none'}"
                       for i, s in shards.items())
     try:
-        step = load(path)["step"]
+        if sharded(cfg):    # the grid's workers: the newest set with a manifest
+            step = set_to_resume(cfg)[0]
+            path = path_of(cfg, 0, step)
+        else:
+            path = path_of(cfg)
+            step = load(path)["step"]
     except ConfigError as e:
         raise ConfigError(f"{e}; the servers' parts of checkpoint sets in {ps_folder(cfg)} "
                           f"are of steps {found}", field="resume") from None
