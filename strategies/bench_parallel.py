@@ -195,20 +195,21 @@ GPT = ["--model", "gpt", "--layers", "4", "--d-model", "256", "--heads", "4", "-
        "--zero", "1", "--micro-batches", "2"]
 
 
-def overlap_part(comm, directory, rounds, n_steps):
-    if comm.size != 4:
-        raise SystemExit("--part overlap runs a dp2 x pp2 grid: launch it with mpiexec -n 4")
-    configs = {"in hook": ["--no-overlap"], "comm thread": []}
+def grid_rows(comm, directory, kind, configs, rounds, n_steps, baseline):
+    """Each configuration (name -> its full flags) trained in interleaved rounds; on rank
+    0 a row of each: the median step time (the slowest rank's, every step: every rank
+    waits for it at the next step's collectives), the exposed-communication fraction,
+    and the ratio to `baseline`'s step.  [] on the other ranks."""
     launches = dict.fromkeys(configs, 0)
+
+    def path_of(name, i):
+        return os.path.join(directory, f"{kind}_{name.replace(' ', '_')}_{i}.jsonl")
 
     def launch(name):
         i, launches[name] = launches[name], launches[name] + 1
-        path = os.path.join(directory, f"overlap_{name.replace(' ', '_')}_{i}.jsonl")
-        train(GPT + configs[name] + ["--steps", str(n_steps)], path)
-        # the slowest rank's step: every rank waits for it at the next step's collectives
-        records = steps(path) if comm.rank == 0 else []
+        train(configs[name] + ["--steps", str(n_steps)], path_of(name, i))
         by_step = {}
-        for r in records:
+        for r in (steps(path_of(name, i)) if comm.rank == 0 else []):
             by_step.setdefault(r["step"], []).append(r)
         return [max(rs, key=lambda r: r["step_time_s"]) for _, rs in sorted(by_step.items())]
 
@@ -217,18 +218,32 @@ def overlap_part(comm, directory, rounds, n_steps):
     if comm.rank:
         return []
     rows = []
-    print(f"dp2 x pp2 GPT, ZeRO-1, 2 micro-batches: the dp axis's collectives in the hooks "
-          f"or on the comm thread ({rounds} interleaved rounds of {n_steps} steps)")
-    print(f"{'dp collectives':>14} {'step ms':>8} {'exposed comm':>13} {'/ in hook':>9}")
     for name in configs:
-        records = [r for i in range(launches[name]) for r in steps(os.path.join(
-            directory, f"overlap_{name.replace(' ', '_')}_{i}.jsonl"))]
+        records = [r for i in range(launches[name]) for r in steps(path_of(name, i))]
         exposed = statistics.median(r["comm_time_s"] / r["step_time_s"] for r in records)
-        row = {"kind": "overlap", "config": name, "median_step_s": timed.median(name),
-               "exposed_fraction": exposed, "over_in_hook": timed.ratio(name, "in hook")}
-        rows.append(row)
-        print(f"{name:>14} {1000 * row['median_step_s']:>8.1f} {exposed:>13.1%} "
-              f"{row['over_in_hook']:>9.2f}")
+        rows.append({"kind": kind, "config": name, "median_step_s": timed.median(name),
+                     "exposed_fraction": exposed, "over_baseline": timed.ratio(name, baseline),
+                     "baseline": baseline})
+    return rows
+
+
+def print_rows(rows, label, width):
+    print(f"{label:>{width}} {'step ms':>8} {'exposed comm':>13} {'/ ' + rows[0]['baseline']:>12}")
+    for row in rows:
+        print(f"{row['config']:>{width}} {1000 * row['median_step_s']:>8.1f} "
+              f"{row['exposed_fraction']:>13.1%} {row['over_baseline']:>12.2f}")
+
+
+def overlap_part(comm, directory, rounds, n_steps):
+    if comm.size != 4:
+        raise SystemExit("--part overlap runs a dp2 x pp2 grid: launch it with mpiexec -n 4")
+    rows = grid_rows(comm, directory, "overlap", {"in hook": GPT + ["--no-overlap"],
+                                                  "comm thread": GPT},
+                     rounds, n_steps, "in hook")
+    if rows:
+        print(f"dp2 x pp2 GPT, ZeRO-1, 2 micro-batches: the dp axis's collectives in the "
+              f"hooks or on the comm thread ({rounds} interleaved rounds of {n_steps} steps)")
+        print_rows(rows, "dp collectives", 14)
     return rows
 
 
@@ -240,39 +255,14 @@ def servers_part(comm, directory, rounds, n_steps):
     if comm.size != 5:
         raise SystemExit("--part servers runs a dp2 x pp2 grid and a server: mpiexec -n 5")
     at = GPT.index("--zero")
-    base = GPT[:at] + GPT[at + 2:]
-    configs = {"ps": ["--sync", "ps", "--servers", "1"],
-               "hybrid": ["--sync", "hybrid", "--servers", "1", "--ranks-per-node", "2"]}
-    launches = dict.fromkeys(configs, 0)
-
-    def path_of(name, i):
-        return os.path.join(directory, f"servers_{name}_{i}.jsonl")
-
-    def launch(name):
-        i, launches[name] = launches[name], launches[name] + 1
-        train(base + configs[name] + ["--steps", str(n_steps)], path_of(name, i))
-        records = steps(path_of(name, i)) if comm.rank == 0 else []
-        by_step = {}
-        for r in records:
-            by_step.setdefault(r["step"], []).append(r)
-        return [max(rs, key=lambda r: r["step_time_s"]) for _, rs in sorted(by_step.items())]
-
-    timed = interleaved({n: (lambda n=n: [r["step_time_s"] for r in launch(n)])
-                         for n in configs}, rounds=rounds, warmup=0, own_clock=True)
-    if comm.rank:
-        return []
-    rows = []
-    print(f"dp2 x pp2 GPT, 2 micro-batches, through one server ({rounds} interleaved "
-          f"rounds of {n_steps} steps); the ring's row: --part overlap, 'comm thread'")
-    print(f"{'sync':>8} {'step ms':>8} {'exposed comm':>13} {'/ ps':>6}")
-    for name in configs:
-        records = [r for i in range(launches[name]) for r in steps(path_of(name, i))]
-        exposed = statistics.median(r["comm_time_s"] / r["step_time_s"] for r in records)
-        row = {"kind": "servers", "config": name, "median_step_s": timed.median(name),
-               "exposed_fraction": exposed, "over_ps": timed.ratio(name, "ps")}
-        rows.append(row)
-        print(f"{name:>8} {1000 * row['median_step_s']:>8.1f} {exposed:>13.1%} "
-              f"{row['over_ps']:>6.2f}")
+    base = GPT[:at] + GPT[at + 2:] + ["--servers", "1"]
+    rows = grid_rows(comm, directory, "servers", {
+        "ps": base + ["--sync", "ps"],
+        "hybrid": base + ["--sync", "hybrid", "--ranks-per-node", "2"]}, rounds, n_steps, "ps")
+    if rows:
+        print(f"dp2 x pp2 GPT, 2 micro-batches, through one server ({rounds} interleaved "
+              f"rounds of {n_steps} steps); the ring's row: --part overlap, 'comm thread'")
+        print_rows(rows, "sync", 8)
     return rows
 
 
