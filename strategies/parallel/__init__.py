@@ -10,5 +10,6 @@
 
 Each takes a model (model/) and the mesh's communicators (config/mesh.py) and changes
 the model in place or wraps it; the data parallelism over what is left, plain or
-sharded (ZeRO), is sync/'s; the step engines (engine/) drive the result.
+sharded (ZeRO) or through the parameter servers, is sync/'s; the one step engine
+(engine/loop.py) drives the result.
 """

@@ -81,7 +81,7 @@ class PSSync(GradientSync):
         super().setup(model)
         self.named = dict(model.named_parameters())
         # Host buffers the client reads gradients from and writes parameters into
-        # (pinned on a GPU; UNVERIFIED: no GPU here), with numpy views of them;
+        # (pinned on a GPU), with numpy views of them;
         # host_params: the servers' parameters for the next step, filled by
         # synchronize and put into the model by step.
         pin = self.device.type == "cuda"
