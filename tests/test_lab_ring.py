@@ -159,6 +159,20 @@ def test_each_cheat_that_passed_before_is_refused_at_p_2_3_4(name):
         assert CHEATS[name] in said, f"P={P}: {said}"
 
 
+def test_without_namespaces_the_audit_hook_alone_refuses_them(monkeypatch, tmp_path):
+    """Where unshare is not allowed (no root, no user namespaces) the check runs each
+    rank under the audit hook alone, and still refuses every way around t."""
+    monkeypatch.setattr(ring_network, "_namespaces", [])
+    assert "audit hook (this machine allows no namespaces)" in ring_network.sandbox_words()
+    for name, reason in {"ring_cheat_shm_files.py": "no file may be written ('/dev/shm/",
+                         "ring_cheat_proc_peek.py": "is not readable here",
+                         "ring_cheat_f2py_world.py": "has no mpi4py"}.items():
+        assert reason in check(fixture(name), 2), name
+    path = tmp_path / "my_ring.py"
+    path.write_text(answers.ring())
+    assert check(str(path), 3) == ""
+
+
 @pytest.mark.parametrize("name", sorted(OTHER_CHEATS))
 def test_other_ways_around_t_are_refused(name):
     said = check(fixture(name), 3)

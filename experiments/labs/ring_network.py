@@ -81,7 +81,7 @@ class Rank:
         prefix = namespaces()
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-               "PYTHONPATH": ROOT, "TOPOLAB_RING_NAMESPACES": "1" if prefix else "0"}
+               "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "TOPOLAB_RING_NAMESPACES": "1" if prefix else "0"}
         self.proc = subprocess.Popen(
             prefix + [sys.executable, "-E", "-s", "-m", "experiments.labs.ring_sandbox", str(rank),
                       str(size), str(to_rank), str(to_check), str(dump_w)],

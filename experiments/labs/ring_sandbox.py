@@ -35,17 +35,19 @@ WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 BLOCKED_IMPORTS = ("mpi4py", "ctypes", "_ctypes", "cffi", "_cffi_backend", "_posixshmem",
                    "multiprocessing", "_multiprocessing", "socket", "_socket", "mmap")
 BLOCKED_EVENTS = {
-    "socket.__new__": "a socket", "socket.bind": "a socket", "socket.connect": "a socket",
-    "os.system": "a shell", "os.exec": "exec", "os.posix_spawn": "a new process",
-    "os.spawn": "a new process", "os.fork": "fork", "os.forkpty": "fork",
-    "subprocess.Popen": "a subprocess", "os.kill": "a signal", "os.killpg": "a signal",
-    "signal.pthread_kill": "a signal", "mmap.__new__": "shared memory",
+    "socket.__new__": "sockets", "socket.bind": "sockets", "socket.connect": "sockets",
+    "os.system": "shell commands", "os.exec": "exec", "os.posix_spawn": "new processes",
+    "os.spawn": "new processes", "os.fork": "fork", "os.forkpty": "fork",
+    "subprocess.Popen": "subprocesses", "os.kill": "signals", "os.killpg": "signals",
+    "signal.pthread_kill": "signals", "mmap.__new__": "shared memory",
     "ctypes.dlopen": "ctypes", "ctypes.dlsym": "ctypes", "ctypes.call_function": "ctypes",
-    "ctypes.cdata": "ctypes", "gc.get_objects": "gc", "gc.get_referrers": "gc",
-    "gc.get_referents": "gc", "sys._current_frames": "other threads' frames",
-    "os.link": "a file", "os.symlink": "a file", "os.rename": "a file", "os.remove": "a file",
-    "os.mkdir": "a directory", "os.truncate": "a file", "os.utime": "a file's times",
-    "os.chmod": "a file's mode", "os.setxattr": "a file's attributes",
+    "ctypes.cdata": "ctypes", "gc.get_objects": "walks over the garbage collector's objects",
+    "gc.get_referrers": "walks over the garbage collector's objects",
+    "gc.get_referents": "walks over the garbage collector's objects",
+    "sys._current_frames": "other threads' frames", "os.link": "new files",
+    "os.symlink": "new files", "os.rename": "renamed files", "os.remove": "removed files",
+    "os.mkdir": "new directories", "os.truncate": "file changes", "os.utime": "file changes",
+    "os.chmod": "file changes", "os.setxattr": "file changes",
 }
 
 
@@ -97,7 +99,7 @@ def install_hook():
                 raise Refused(f"the lab's sandbox has no {name}: your ring may use numpy and "
                               f"t (t.rank, t.size, t.sendrecv), nothing else")
         elif event in events:
-            raise Refused(f"the lab's sandbox allows no {events[event]} ({event}): a ring moves "
+            raise Refused(f"the lab's sandbox refuses {events[event]} ({event}): a ring moves "
                           f"data only with t.sendrecv")
 
     sys.addaudithook(hook)
