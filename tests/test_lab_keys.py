@@ -228,3 +228,37 @@ def test_lab1_question_6_relation_holds_on_a_calibration(tmp_path):
     cal = json.load(open(tmp_path / "calibration.json"))
     assert cal["exchange_s"][0] / 3 <= cal["alpha_s"] <= 3 * cal["exchange_s"][0], cal
     assert "within a factor 3 of `exchange_s[0]`" in key(1)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("lab,precision", [(3, "fp32"), (7, "bf16")])
+def test_lab3_and_7_pen_and_paper_follow_costmodel(lab, precision):
+    """Every part of each stage's row, and its total, from costmodel.zero_memory at
+    the key's ψ = 10⁶, N = 4; lab 7's momentum row too."""
+    from experiments import costmodel
+    rows = table(key(lab), "stage | shards")
+    assert [row[0] for row in rows] == ["0", "1", "2", "3"]
+    for row in rows:
+        want = costmodel.zero_memory(1_000_000, 4, int(row[0]), precision)
+        got = [number(cell) for cell in row[2:6]]
+        assert got == [want["params"], want["grads"], want["optimizer"], sum(want.values())], row
+    if lab == 7:
+        momentum = costmodel.zero_memory(1_000_000, 4, 0, "bf16", "momentum")
+        assert f"**{round(sum(momentum.values())):,}**" in key(7)
+
+
+@pytest.mark.timeout(10)
+def test_lab5_per_axis_table_and_bubble_follow_the_formulas():
+    """The 1.3B GPT (24 layers, h = s = 2048, b = 1, 2 bytes) on tp 8, pp 2, dp 4:
+    tp's four all-reduces of b s h a layer, 12 layers a stage, a ring's 2(P-1)/P;
+    pp's one activation; dp's ring over psi/(tp pp); question 3's bubble."""
+    from experiments import costmodel
+    act = 1 * 2048 * 2048 * 2
+    tp = 4 * 12 * 2 * 7 / 8 * act
+    dp = 2 * 3 / 4 * 1.3e9 / 16 * 2
+    rows = {row[0]: row[2] for row in table(key(5), "axis | what")}
+    assert number(rows["tp = 8"].split("≈")[1]) == pytest.approx(tp / 1e6, rel=0.005)
+    assert number(rows["pp = 2"].split("≈")[1]) == pytest.approx(act / 1e6, rel=0.005)
+    assert number(rows["dp = 4"].split("≈")[1]) == pytest.approx(dp / 1e6, rel=0.005)
+    assert costmodel.bubble_fraction(2, 4) == pytest.approx(0.2)
+    assert "(p − 1)/(m + p − 1) = 1/5 = 20 %" in key(5)
