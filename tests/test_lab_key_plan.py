@@ -135,3 +135,30 @@ def test_lab9_pen_and_paper_follows_the_planner(planned):
     winner = ranked(planned["2021 space"])[0]
     assert winner["cluster_figures"]["efficiency"] == 0.48 and "48 %" in open(SHEET).read()
     assert seconds == pytest.approx(winner["compute_s"], rel=0.03)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(400)
+def test_lab9_question_5_relation_holds_on_this_machine(tmp_path):
+    """The sheet's small GPT on this machine's calibration: pure data parallelism wins at
+    1 Gbit/s; at 0.1 Gbit/s the winner has pp >= 2, a longer step and a larger exposed
+    share of communication."""
+    import sys
+    from conftest import mpi_env, run
+    cal = tmp_path / "cal"
+    result = run([sys.executable, "-m", "experiments.calibrate", "--no-ps", "--reps", "3",
+                  "--verify", "", "--out", str(cal)], 280, mpi_env(TOPOLAB_CHECK="0"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    small = ["--layers", "4", "--d-model", "128", "--heads", "4", "--seq-len", "64",
+             "--vocab", "256", "--global-batch", "32", "--calibration", str(cal),
+             "--nodes", "2", "--gpus-per-node", "2", "--top", "1"]
+    best = {}
+    for gbps in ("1", "0.1"):
+        best[gbps] = ranked(records(small + ["--inter-gbps", gbps], tmp_path, gbps))[0]
+    fast, slow = best["1"], best["0.1"]
+    assert (fast["dp"], fast["pp"], fast["tp"]) == (4, 1, 1), fast["label"]
+    assert slow["pp"] >= 2 and slow["step_s"] > fast["step_s"], slow["label"]
+    exposed = {k: (r["dp_s"] + r["pp_s"]) / r["step_s"] for k, r in best.items()}
+    assert exposed["0.1"] > exposed["1"], exposed
+    assert "every layout's first row\n   has pp ≥ 2" in KEY
