@@ -123,6 +123,20 @@ def test_the_answer_key_passes_at_p_2_3_4(tmp_path):
         assert check(str(path), P) == "", P
 
 
+def test_the_teachers_key_passes_at_p_2_3_4(tmp_path):
+    """The five TODOs as the teacher's key writes them, filled into the skeleton."""
+    key = open(os.path.join(ROOT, "experiments", "labs", "teacher", "01_answers.md")).read()
+    block = key[key.index("## The five TODOs"):].split("```python\n")[1].split("```")[0]
+    lines = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+    assert len(lines) == len(answers.RING_TODOS) == 5
+    path = tmp_path / "teacher_ring.py"
+    filled = {todo: line + "\n" * todo.endswith("\n") for todo, line in zip(answers.RING_TODOS,
+                                                                             lines)}
+    path.write_text(answers.ring(filled))
+    for P in (2, 3, 4):
+        assert check(str(path), P) == "", P
+
+
 def test_a_ring_with_its_own_chunks_numbering_and_segments_passes():
     for P in (2, 3, 4):
         assert check(fixture("ring_segmented_rotated.py"), P) == "", P
