@@ -290,9 +290,9 @@ def where_is(rank, state):
     return f"runs its own code after sendrecv call {call}"
 
 
-def one_length(ranks, P, n, rng, lines):
-    """Run one all-reduce of n elements; raises Failed, or returns (lines) of nothing."""
-    events = ranks[0].events
+def one_length(ranks, events, P, n, rng, lines):
+    """Run one all-reduce of n elements on `ranks` (whose messages come on `events`,
+    and `lines` of the student's file for a hang's report); raises Failed if wrong."""
     c = Contents(P, n, rng)
     for r, rank in enumerate(ranks):
         rank.send(Op.INPUT, c.x[r])
@@ -447,7 +447,6 @@ def check(path, P, out=sys.stdout, sizes=None):
     events = queue.Queue()
     ranks = [Rank(r, P, events, out) for r in range(P)]
     for rank in ranks:
-        rank.events = events
         rank.send(Op.SOURCE, where + source, recv_count=len(where))
     try:
         loaded, deadline = 0, time.monotonic() + LOAD_S
@@ -466,7 +465,7 @@ def check(path, P, out=sys.stdout, sizes=None):
             loaded += 1
         for n in sizes or lengths(P):
             try:
-                one_length(ranks, P, n, rng, (where, source.splitlines()))
+                one_length(ranks, events, P, n, rng, (where, source.splitlines()))
             except Failed as failed:
                 failed.lines = [line if line.startswith(("rank ", "every")) and "n=" in line
                                 else f"n={n}: {line}" for line in failed.lines]
