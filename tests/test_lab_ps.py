@@ -97,6 +97,8 @@ def test_the_lab_sweep_on_one_core_passes_and_keeps_the_keys_relations(tmp_path,
     straggling, _, free = check_ps.runs(load(str(out)))
     fast = {mode: check_ps.own_step([s for s in steps if s["rank"] != 1])
             for (mode, _), steps in straggling.items()}
-    assert abs(fast["ssp"] - fast["bsp"]) <= 0.1 * fast["bsp"], fast
+    assert fast["ssp"] >= 0.9 * fast["bsp"], fast          # question 1: no faster than BSP
+    assert "no faster than BSP's, allowing 10 % for noise" in open(
+        os.path.join(ROOT, "experiments", "labs", "teacher", "02_answers.md")).read()
     assert fast["asp"] < 0.5 * fast["bsp"], fast
     assert fast["asp"] <= check_ps.ASP_PACE * check_ps.own_step(free), fast
