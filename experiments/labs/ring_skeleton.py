@@ -2,10 +2,10 @@
 
     .venv/bin/python -m experiments.labs.check_ring my_ring.py
 
-The check runs your ring under mpiexec at 2, 3 and 4 ranks on awkward lengths,
-compares every element with the true sum, counts the bytes each rank sends
-(a ring sends 2(P-1)/P n), and times it at 16 MiB against the cost model's
-prediction.
+The check runs each of your ranks in a sandbox whose only channel is t, at 2, 3
+and 4 ranks on awkward lengths with random inputs, reads every message you send
+(a partial sum of the chunk, or a finished chunk), compares every element with
+the true sum, and times your ring at 16 MiB against the cost model's prediction.
 
           rank 0 ───▶ rank 1            each rank sends only to its right
             ▲            │              neighbour and receives only from

@@ -1,98 +1,146 @@
-"""What lab 1's check gives a student's ring, and what it watches while the ring runs.
+"""The wire between lab 1's check and a student's rank, and `t`, the only door a
+ring gets.
 
-  LabTransport   t.rank, t.size, t.sendrecv: the only door a ring needs.  It counts
-                 the bytes each rank sends, and records (without stopping, so that
-                 both sides of every exchange stay in step) the first exchange that
-                 is not a ring's: a peer that is not the right or left neighbour, a
-                 message longer than a chunk, a send that does not fit its receive.
-  WatchedWorld   MPI.COMM_WORLD as the student's module sees it: the real one, but
-                 each call that could move data is noted, so a sum that went around
-                 t (an MPI_Allreduce, then zeros sent round the ring to make up a
-                 ring's byte count) is named for what it is.
-  Alarm          a rank whose ring raised tells the others at once, so that they
-                 stop waiting for it (within milliseconds, not the timeout).
+Each rank runs in a process of its own (experiments/labs/ring_sandbox.py) that
+reaches nothing but the check, over two pipes.  `t.sendrecv` does not talk to
+the neighbour: it hands the chunk to the check, which is the network.  The check
+routes each message to the rank it names, refuses any but the right neighbour,
+and reads what the message holds before it delivers it
+(experiments/labs/ring_network.py).
+
+A message is a fixed header and raw float64 bytes; nothing is pickled, so a
+student's process cannot make the check run code of its own.
+
+    header   magic b"RING", version, op, call, dest, source, count, recv_count
+    payload  count float64 values (INPUT, SENDRECV, DELIVER, RESULT), or
+             count bytes of UTF-8 text (SOURCE, RAISED, REFUSED)
 """
+import enum
 import os
-import time
+import struct
 
 import numpy as np
 
-from allreduce.nap import may_nap
-
-TIMEOUT_S = 10.0        # a wrong ring may wait forever; a right one needs milliseconds
-DATA, LENGTH, ALARM = 0, 1, 2     # message tags
-# MPI calls that only ask who is who: a ring may make them, nothing moves.
-HARMLESS = {"Get_rank", "Get_size", "Get_name", "Is_inter", "Is_intra", "Get_topology"}
+MAGIC, VERSION = b"RING", 1
+HEADER = struct.Struct("<4sBBxxiiiqq")
+MAX_ELEMENTS = 1 << 24           # no message of the check is longer (128 MiB)
+MAX_TEXT = 1 << 20
 
 
-class PeerFailed(Exception):
-    """Another rank's ring raised: this rank stops waiting for it."""
+class Op(enum.IntEnum):
+    # check -> rank
+    SOURCE = 1        # the student's file, as text, and its path (recv_count: path length)
+    INPUT = 2         # this rank's vector for one all-reduce
+    DELIVER = 3       # what arrived from the left, for the pending sendrecv
+    QUIT = 4
+    # rank -> check
+    LOADED = 10       # the file loaded; count: 1 if it defines ring_allreduce
+    SENDRECV = 11     # call, dest, source, count (sent), recv_count; the sent values
+    RESULT = 12       # what ring_allreduce returned
+    RAISED = 13       # the ring (or the file's loading) raised: the student's traceback
+    REFUSED = 14      # the sandbox refused something: what, in words
 
 
-class Alarm:
-    """One small message from a failing rank to each of the others, on a
-    communicator of its own: `ring()` sends it, `heard()` tests for it."""
-
-    def __init__(self, comm):
-        from mpi4py import MPI
-        self._comm, self._flag = comm, np.zeros(1, np.int64)
-        self._incoming = comm.Irecv(self._flag, MPI.ANY_SOURCE, ALARM)
-        self._sent = []
-
-    def heard(self):
-        return self._incoming.Test()
-
-    def close(self):
-        """No alarm came: take back the receive posted for it, before MPI_Finalize."""
-        if not self._incoming.Test():
-            self._incoming.Cancel()
-            self._incoming.Wait()
-
-    def ring(self):
-        me = self._comm.Get_rank()
-        self._sent = [self._comm.Isend(np.ones(1, np.int64), peer, ALARM)
-                      for peer in range(self._comm.Get_size()) if peer != me]
+class CheckQuit(BaseException):
+    """The check has its verdict and stops this rank (not an error of the ring's)."""
 
 
-class WatchedWorld:
-    """Stands in for MPI.COMM_WORLD in the student's module; forwards everything to
-    the real one and notes, in `calls`, the name of each method that may move data."""
+class WireError(Exception):
+    """Bytes on a pipe that are not a message of this wire."""
 
-    def __init__(self, world):
-        self._world, self.calls = world, []
 
-    def __getattr__(self, name):
-        attribute = getattr(self._world, name)
-        if not callable(attribute) or name in HARMLESS:
-            return attribute
+class Message:
+    """One decoded message: op, call, dest, source, recv_count, and its payload
+    (float64 array or text)."""
+    __slots__ = ("op", "call", "dest", "source", "recv_count", "payload")
 
-        def noted(*args, **kwargs):
-            self.calls.append(name)
-            return attribute(*args, **kwargs)
-        return noted
+    def __init__(self, op, call=0, dest=-1, source=-1, recv_count=0, payload=None):
+        self.op, self.call, self.dest, self.source = op, call, dest, source
+        self.recv_count, self.payload = recv_count, payload
+
+    def __repr__(self):
+        size = len(self.payload) if self.payload is not None else 0
+        return (f"<{self.op.name} call={self.call} dest={self.dest} source={self.source} "
+                f"payload={size} recv_count={self.recv_count}>")
+
+
+TEXT_OPS = {Op.SOURCE, Op.RAISED, Op.REFUSED}
+
+
+def encode(op, payload=None, call=0, dest=-1, source=-1, recv_count=0):
+    """Header and payload bytes (payload: a float64 array, text or None)."""
+    if payload is None:
+        data, count = b"", 0
+    elif isinstance(payload, str):
+        data = payload.encode("utf-8", "replace")
+        count = len(data)
+    else:
+        data = memoryview(np.ascontiguousarray(payload, dtype=np.float64)).cast("B")
+        count = len(data) // 8
+    return HEADER.pack(MAGIC, VERSION, op, call, dest, source, count, recv_count), data
+
+
+def write(fd, op, payload=None, **fields):
+    head, data = encode(op, payload, **fields)
+    _write_all(fd, head)
+    _write_all(fd, data)
+
+
+def _write_all(fd, data):
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def read_exact(fd, size, into=None):
+    """`size` bytes from fd (into the writable buffer `into` if given); None at EOF."""
+    buf = memoryview(into).cast("B") if into is not None else memoryview(bytearray(size))
+    got = 0
+    while got < size:
+        n = os.readv(fd, [buf[got:size]])
+        if n == 0:
+            return None
+        got += n
+    return buf
+
+
+def read(fd, into=None):
+    """The next Message on fd, None at EOF.  A float64 payload lands in `into`
+    when given (it must be exactly as long), else in a new array."""
+    head = read_exact(fd, HEADER.size)
+    if head is None:
+        return None
+    magic, version, op, call, dest, source, count, recv_count = HEADER.unpack(head)
+    if magic != MAGIC or version != VERSION:
+        raise WireError(f"bytes that are not a lab message (they start {bytes(head[:8])!r})")
+    try:
+        op = Op(op)
+    except ValueError:
+        raise WireError(f"a message with an unknown op {op}") from None
+    limit = MAX_TEXT if op in TEXT_OPS else MAX_ELEMENTS
+    if not 0 <= count <= limit or not 0 <= recv_count <= max(MAX_ELEMENTS, MAX_TEXT):
+        raise WireError(f"a {op.name} message of {count} items, more than the wire allows")
+    if op in TEXT_OPS:
+        data = read_exact(fd, count)
+        payload = None if data is None else bytes(data).decode("utf-8", "replace")
+    else:
+        if into is not None and len(into) != count:
+            raise WireError(f"{count} values for a buffer of {len(into)}")
+        array = into if into is not None else np.empty(count, np.float64)
+        payload = array if read_exact(fd, count * 8, array) is not None else None
+    if payload is None and count:
+        return None
+    return Message(op, call, dest, source, recv_count, payload)
 
 
 class LabTransport:
-    """What a student's ring gets: rank, size and sendrecv, nothing else.
+    """t: rank, size and sendrecv, nothing else.  Each sendrecv goes to the check,
+    which delivers the message to `dest` and sends back what `source` sent."""
 
-    Not allreduce.MPITransport: that one imports torch (seconds per rank on a
-    laptop) and offers more than the lab allows.  With check=True it sends each
-    message's length first, so the receiver can compare it with its buffer: on a
-    mismatch it records what differs and receives into scratch, so both sides
-    carry on in step (instead of an MPI truncation error on one rank and a wait
-    for it on the others)."""
-
-    def __init__(self, comm, check=True, timeout=TIMEOUT_S, alarm=None):
-        self._comm, self._check, self._timeout, self._alarm = comm, check, timeout, alarm
-        self._nap = may_nap()
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.reset(1)
-
-    def reset(self, n):
-        """Before an all-reduce of n elements: counts to zero, and the longest
-        message a ring sends, one chunk (np.array_split's largest)."""
-        self.bytes_sent, self.calls, self.mismatch, self.not_a_ring = 0, 0, None, None
-        self._chunk = -(-n // self.size)
+    def __init__(self, rank, size, to_check, from_check, on_call=None):
+        self.rank, self.size = rank, size
+        self._to, self._from, self._on_call = to_check, from_check, on_call
+        self.calls = 0
 
     def sendrecv(self, sendbuf, dest, recvbuf, source):
         """Send sendbuf to rank dest while receiving recvbuf from rank source."""
@@ -102,59 +150,21 @@ class LabTransport:
                     and buf.dtype == np.float64):
                 raise TypeError(f"t.sendrecv: {name} must be a 1-D float64 numpy array such as "
                                 f"x[a:b], got {type(buf).__name__} {getattr(buf, 'dtype', '')}")
+        if not recvbuf.flags.writeable:
+            raise ValueError("t.sendrecv: recvbuf is read-only")
         for name, peer in (("dest", dest), ("source", source)):
             if not (isinstance(peer, (int, np.integer)) and 0 <= peer < self.size):
                 raise ValueError(f"t.sendrecv: {name}={peer!r} is not a rank (0..{self.size - 1})")
-        if self._check:
-            self._watch(sendbuf.size, dest, source)
-            mine, theirs = np.array([sendbuf.size], np.int64), np.empty(1, np.int64)
-            self._wait([self._comm.Irecv(theirs, source, LENGTH),
-                        self._comm.Isend(mine, dest, LENGTH)], dest, source)
-            if theirs[0] != recvbuf.size:
-                if self.mismatch is None:
-                    self.mismatch = (
-                        f"sendrecv call {self.calls}: rank {source} sent {theirs[0]} elements "
-                        f"into a receive buffer of {recvbuf.size}: the send and receive chunk "
-                        f"sizes differ (the chunk a rank sends right must be the chunk its "
-                        f"right neighbour receives, and receive buffers must be sliced to it)")
-                recvbuf = np.empty(int(theirs[0]))
-        self.bytes_sent += sendbuf.nbytes
-        self._wait([self._comm.Irecv(recvbuf, source, DATA),
-                    self._comm.Isend(sendbuf, dest, DATA)], dest, source)
+        if self._on_call:
+            self._on_call(True)
+        write(self._to, Op.SENDRECV, sendbuf, call=self.calls, dest=int(dest),
+              source=int(source), recv_count=recvbuf.size)
+        reply = read(self._from, into=recvbuf)
+        if reply is None or reply.op == Op.QUIT:
+            raise CheckQuit()
+        if self._on_call:
+            self._on_call(False)
 
     def __getattr__(self, name):
         raise AttributeError(f"the lab's transport has no {name!r}: a ring needs only "
                              f"t.rank, t.size and t.sendrecv")
-
-    def _watch(self, elements, dest, source):
-        """Note the first exchange a ring would not make."""
-        if self.not_a_ring is not None:
-            return
-        right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
-        if (dest, source) != (right, left):
-            self.not_a_ring = (
-                f"sendrecv call {self.calls} sends to rank {dest} and receives from rank "
-                f"{source}; in a ring rank {self.rank} sends only to its right neighbour "
-                f"(rank {right}) and receives only from its left one (rank {left})")
-        elif elements > self._chunk:
-            self.not_a_ring = (
-                f"sendrecv call {self.calls} sends {elements} elements, more than a chunk "
-                f"(at most ceil(n/P) = {self._chunk}): a ring passes chunks of about n/P, "
-                f"never whole vectors")
-
-    def _wait(self, requests, dest, source):
-        from mpi4py import MPI
-        deadline = time.monotonic() + self._timeout
-        polls = 0
-        while not MPI.Request.Testall(requests):
-            polls += 1
-            if self._alarm is not None and self._alarm.heard():
-                raise PeerFailed(f"sendrecv call {self.calls} stopped: another rank failed")
-            if polls > 100:        # then leave the core to a rank that may need it
-                time.sleep(50e-6) if self._nap else os.sched_yield()
-            if polls % 1000 == 0 and time.monotonic() > deadline:
-                for request in requests:
-                    request.Cancel()
-                raise TimeoutError(
-                    f"sendrecv call {self.calls} (to rank {dest}, from rank {source}) found "
-                    f"no partner in {self._timeout:g} s")

@@ -1,5 +1,5 @@
 """A wrong lab 1 ring: right sums, but through MPI_Allreduce, around the lab's
-transport.  check_ring must refuse it: no byte goes through t."""
+transport.  check_ring must refuse it: the sandbox has no MPI."""
 from mpi4py import MPI
 
 

@@ -1,7 +1,6 @@
 """A wrong lab 1 ring: MPI_Allreduce does the sum, then zeros go round the ring in
 chunks of n/P, so that t counts a ring's bytes.  check_ring must refuse it: the
-call on MPI.COMM_WORLD during the ring is named, even under another name taken
-when the module loads."""
+sandbox has no MPI (and zeros would be no ring's message)."""
 import numpy as np
 from mpi4py import MPI
 from mpi4py.MPI import COMM_WORLD as WORLD

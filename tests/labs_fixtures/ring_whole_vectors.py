@@ -1,6 +1,7 @@
 """A wrong lab 1 ring: right sums, but every rank passes its whole vector round
 the ring, (P - 1) n elements per rank instead of 2 (P - 1)/P n.  check_ring must
-refuse it (it cannot tell at P = 2, where the two counts are equal)."""
+refuse it at every P, P = 2 too, where the two byte counts are equal: each
+element goes by as its sender's own value more than once."""
 import numpy as np
 
 
