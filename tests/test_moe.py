@@ -126,7 +126,9 @@ MOE = dict(model="moe", sync="ring", experts=4)
     (dict(MOE, ep=2, sync="torch"), 2, "not --sync torch"),
     (dict(MOE, ep=2, model="gpt"), 2, "not of --model gpt"),
     (dict(MOE, tp=2), 2, "--model moe with --tp 2 is not supported"),
-    (dict(MOE, zero=3), 2, "--model moe with --zero 3 is not supported"),
+    (dict(MOE, pp=2, zero=1), 2, "--model moe with --pp 2 and --ep 1 --zero 1 is not "
+                                 "supported"),
+    (dict(MOE, pp=2, micro_batches=2), 2, "--micro-batches 2 without --moe-group"),
     (dict(MOE, top_k=3), 2, "--top-k 3 must be 1 or 2"),
     (dict(MOE, capacity_factor=0.0), 2, "--capacity-factor must be > 0"),
     (dict(MOE, ep=2, global_batch=6), 3, "world 3 is not a multiple of ep(2)"),
@@ -213,6 +215,23 @@ def test_expert_parallel_over_torch_distributed_reproduces_one_process(tmp_path)
     reference = launch(tmp_path, 1, [("top2", TOP2 + LOCAL)])
     assert_reproduce(launch(tmp_path, 2, [("ep2torch_top2", TOP2 + [
         "--sync", "torch", "--ep", "2", "--no-overlap"])]), reference)
+
+
+@pytest.mark.timeout(400)
+def test_the_mixture_of_experts_under_every_split_reproduces_one_process(tmp_path):
+    """The MoE on a pipeline (each stage carries its blocks' balance loss, the last adds
+    the stages' values into the step's loss: parallel/pipeline.py), under ZeRO-3 with
+    its experts (each gathered over its replicas by its own forward's hook, beside the
+    all-to-alls on the expert group), under gradient accumulation and recompute.  The
+    gating groups are fixed by --moe-group, so micro-batches route as the batch does."""
+    reference = launch(tmp_path, 1, [("top2", TOP2 + LOCAL),
+                                     ("top2g2", TOP2 + ["--sync", "local", "--moe-group", "2"])])
+    assert_reproduce(launch(tmp_path, 2, [
+        ("pp2_top2", TOP2 + ["--sync", "ring", "--moe-group", "4", "--pp", "2",
+                             "--micro-batches", "2"]),
+        ("ep2zero3_top2", TOP2 + EP2 + ["--zero", "3"]),
+        ("accum_top2g2", TOP2 + ["--sync", "ring", "--moe-group", "2", "--grad-accum", "2"]),
+        ("ep2recompute_top2", TOP2 + EP2 + ["--recompute"])]), reference)
 
 
 @pytest.mark.timeout(300)

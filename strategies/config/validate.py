@@ -188,22 +188,23 @@ def check_flags(cfg):
 
 def check_moe(cfg):
     """The mixture of experts against the other techniques; check_world adds the world's."""
-    if cfg.model == "moe" and cfg.grad_accum > 1:
+    if cfg.model == "moe" and cfg.grad_accum > 1 and not cfg.moe_group:
         raise ConfigError(f"--model moe with --grad-accum {cfg.grad_accum} is not "
-                          "supported: micro-steps would change the gating groups and "
-                          "each expert's capacity", field="model")
-    if cfg.model == "moe" and cfg.recompute:
-        raise ConfigError("--model moe with --recompute is not supported: it checkpoints "
-                          "the blocks of --model mlp and gpt", field="model")
+                          "supported without --moe-group: micro-steps would change the "
+                          "gating groups and each expert's capacity; fix the groups with "
+                          "--moe-group N (sequences a group)", field="model")
     if cfg.model == "moe":
         for what, refused, why in (
-                (f"--pp {cfg.pp}", cfg.pp > 1, "the last stage's loss adds every block's "
-                                               "balance loss, and a stage holds its own only"),
+                (f"--pp {cfg.pp} and --ep {cfg.ep} --zero {cfg.zero}",
+                 cfg.pp > 1 and (cfg.ep > 1 or cfg.zero > 0),
+                 "the experts' own data parallelism keeps the model whole, not cut into "
+                 "stages; a pipeline runs them replicated over dp"),
                 (f"--tp {cfg.tp}", cfg.tp > 1, "its experts are split over --ep ranks, not tp"),
-                (f"--micro-batches {cfg.micro_batches}", cfg.micro_batches > 1,
-                 "micro-batches would change the gating groups"),
-                ("--zero 3", cfg.zero == 3, "ZeRO-3 would gather each expert inside the "
-                                            "all-to-alls; stages 1 and 2 shard it")):
+                (f"--micro-batches {cfg.micro_batches} without --moe-group",
+                 cfg.micro_batches > 1 and not cfg.moe_group,
+                 "the gating groups would be the micro-batches, not the batch: fix them with "
+                 "--moe-group N (sequences a group), which each micro-batch holds whole"),
+):
             if refused:
                 raise ConfigError(f"--model moe with {what} is not supported: {why}",
                                   field="model")
@@ -298,9 +299,10 @@ def check_world(cfg, world_size):
         check_grid(cfg, dp)
     if cfg.model == "moe":
         Mesh(world_size, cfg.dp, cfg.pp, cfg.tp, cfg.ep)      # ep divides dp
-        if cfg.moe_group and local % cfg.moe_group:
-            raise ConfigError(f"--moe-group {cfg.moe_group} does not divide the local batch: "
-                              f"global batch {cfg.global_batch} / dp({dp}) = {local} sequences",
+        if cfg.moe_group and local % (cfg.moe_group * k):
+            raise ConfigError(f"--moe-group {cfg.moe_group} does not divide each of the {k} "
+                              f"micro-batch(es) of the local batch into whole groups: global "
+                              f"batch {cfg.global_batch} / dp({dp}) = {local} sequences",
                               field="moe_group")
     return dp
 

@@ -154,7 +154,8 @@ def parallelize(model, ctx, cfg, device, tracer):
         whole_data_parallel(plan, ctx, cfg)
     # 6. the schedule of one step's micro-batches
     if grid:
-        pipeline(plan, comms, cfg, device, stages, tracer, model.criterion)
+        pipeline(plan, comms, cfg, device, stages, tracer,
+                 getattr(model, "token_loss", model.criterion))
     else:
         plan.schedule = Accumulation(model, model, cfg.micro_batches, plan.sync, device, tracer,
                                      plan.recompute, plan.precision)
@@ -232,7 +233,7 @@ def pipeline(plan, comms, cfg, device, stages, tracer, criterion):
                                  [plan.sync] if cfg.zero == 3 else [])
     p2p = for_device(make_transport("mpi", comms.pp, cfg.timeout), device)
     feature = (positions_per_rank(cfg, comms.tp_size), cfg.d_model) \
-        if cfg.model == "gpt" else (cfg.width,)
+        if cfg.model in ("gpt", "moe") else (cfg.width,)
     kind = InterleavedPipeline if cfg.schedule == "interleaved" else Pipeline
     plan.schedule = kind(stages, criterion, p2p, comms.pp_rank, comms.pp_size,
                          cfg.micro_batches, cfg.schedule, lambda n: (n, *feature), tracer,

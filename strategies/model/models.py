@@ -112,6 +112,11 @@ class MoEGPT(GPT):
     def criterion(self, logits, y):
         return super().criterion(logits, y) + sum(b.mlp.balance_loss for b in self.blocks)
 
+    def token_loss(self, logits, y):
+        """The cross-entropy alone: a pipeline's stages add their balance losses
+        themselves (parallel/pipeline.py's Stage.balance_loss), each its own blocks'."""
+        return super().criterion(logits, y)
+
 
 def build_model(cfg, spec, device="cpu"):
     """The model of cfg, sized by the data's spec; every rank builds the same one

@@ -43,6 +43,7 @@ from allreduce.staging import HostStagedTransport
 from allreduce.transport import MPITransport
 
 from ..model.models import GPT, MLP
+from ..model.moe import MoE
 from ..runtime.precision import MixedPrecision, as_wire
 
 SPINS = 200_000        # polls (~0.1 s) before falling back to the transport's yielding wait
@@ -104,6 +105,13 @@ class Stage(nn.Module):
             x = layer(x)
         return x
 
+    def balance_loss(self):
+        """The load-balancing losses of this stage's mixture-of-experts layers, of its
+        last forward (model/moe.py); 0.0 where it holds none.  Each stage carries its
+        own: its backward starts from it beside the gradient of its output, and the
+        last stage adds the stages' values into the step's loss (Pipeline.run)."""
+        return sum((m.balance_loss for m in self.modules() if isinstance(m, MoE)), 0.0)
+
 
 class Pipeline:
     """Runs one step's micro-batches through this rank's stage (or its v chunks).
@@ -161,6 +169,7 @@ class Pipeline:
         self.x, self.y, self.n = x, y, n
         self.device = x.device          # where the stages compute: messages land there
         self.saved, self.sends, self.loss = {}, [], 0.0
+        self.balance = 0.0              # the balance losses of this rank's other stages
         self.in_flight = 0
         self.micro_batch_bytes = 0
         for op, chunk, i in self.ops():
@@ -168,7 +177,28 @@ class Pipeline:
         with self.tracer.span("wait for sends", "comm"):
             self.transport.wait_all([h for h, _ in self.sends])
         self.sends = []
+        if self.has_experts:            # every stage's balance loss into the step's loss
+            self.loss += self.balance_of_other_stages()
         return self.loss if self.last else None
+
+    @property
+    def has_experts(self):
+        return any(isinstance(m, MoE) for c in self.chunks for m in c.modules())
+
+    def balance_of_other_stages(self):
+        """The last rank: the sum of the other chunks' balance losses (every rank sends
+        its own, one float64, after the step's messages); elsewhere 0 after sending."""
+        tag = 2 * self.global_stages * self.m        # above every micro-batch's tag
+        mine = torch.tensor([self.balance], dtype=torch.float64)
+        if not self.last:
+            self.transport.isend(mine, self.stages - 1, tag=tag).wait()
+            return 0.0
+        total = self.balance
+        for peer in range(self.stages - 1):
+            theirs = torch.empty(1, dtype=torch.float64)
+            self.transport.irecv(theirs, peer, tag).wait()
+            total += float(theirs[0])
+        return total
 
     # The global stage g = chunk * stages + stage: its input comes from g - 1 on the rank
     # before (the last rank's for chunk > 0 of rank 0), its output goes to g + 1.  A
@@ -209,25 +239,31 @@ class Pipeline:
                 inp = inp.to(self.precision.half)
             inp.requires_grad_()
         before = self.meter.live_bytes
+        share = (stop - start) / self.n
         with self.tracer.span(f"forward {self._name(i, chunk)}", "forward"), self.meter, \
                 self.precision.autocast():
             out = self.chunks[chunk](inp)
+            # a mixture of experts: this micro-batch's balance loss of the chunk's layers,
+            # a share of the step's as its cross-entropy is
+            balance = self.chunks[chunk].balance_loss() * share
             if last:
-                out = self.criterion(out, self.y[start:stop]) * ((stop - start) / self.n)
+                out = self.criterion(out, self.y[start:stop]) * share + balance
                 self.loss += out.item()
+            elif torch.is_tensor(balance):
+                self.balance += balance.item()
         if i == 0:                      # what one micro-batch's saved activations cost
             self.micro_batch_bytes += self.meter.live_bytes - before
         if not last:
             buf = as_wire(out.detach())                 # fp32, as received
             self.sends.append((self.transport.isend(buf, (self.stage + 1) % self.stages,
                                                     tag=self.tag(g, i, 0)), buf))
-        self.saved[chunk, i] = (inp, out)
+        self.saved[chunk, i] = (inp, out, None if last else balance)
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
 
     def backward(self, i, chunk=0):
         g = self.global_stage(chunk)
-        inp, out = self.saved.pop((chunk, i))
+        inp, out, balance = self.saved.pop((chunk, i))
         name = self._name(i, chunk)
         if g == self.global_stages - 1:
             with self.tracer.span(f"backward {name}", "backward"), self.replaying():
@@ -237,7 +273,10 @@ class Pipeline:
             with self.tracer.span(f"wait gradient {name}", "idle"):
                 self.receive(grad, (self.stage + 1) % self.stages, self.tag(g + 1, i, 1))
             with self.tracer.span(f"backward {name}", "backward"), self.replaying():
-                out.backward(grad.to(out.dtype))      # bf16 under --precision bf16
+                if torch.is_tensor(balance):          # the stage's own loss term too,
+                    self.precision.backward(balance, out, grad.to(out.dtype))   # scaled
+                else:
+                    out.backward(grad.to(out.dtype))      # bf16 under --precision bf16
         del out
         if g > 0:
             g_in = as_wire(inp.grad)

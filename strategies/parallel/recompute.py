@@ -75,7 +75,7 @@ class Recompute:
         self.tracer, self.replays, self.in_backward = tracer, 0, False
         if model is None:
             return                                 # blocks come through wrap (of_blocks)
-        if type(model) is GPT:
+        if isinstance(model, GPT):                 # the GPT, and its mixture of experts
             for i, block in enumerate(model.blocks):
                 self._wrap(block, f"block {i}")
         elif type(model) is MLP:

@@ -86,12 +86,16 @@ class MixedPrecision:
             return nullcontext()
         return torch.autocast(self.device_type, dtype=self.half)
 
-    def backward(self, loss):
-        """Step 2: backward of S x loss (fp16), of the loss itself otherwise."""
-        if self.scaler is None:
-            loss.backward()
-        else:
-            (loss * self.scaler.multiplier).backward()
+    def backward(self, loss, *outputs_and_grads):
+        """Step 2: backward of S x loss (fp16), of the loss itself otherwise.  A pipeline
+        stage's own loss term (a mixture of experts' balance loss) goes with its output
+        and that output's gradient, received already scaled: (output, gradient)."""
+        scaled = loss if self.scaler is None else loss * self.scaler.multiplier
+        if not outputs_and_grads:
+            scaled.backward()
+            return
+        out, grad = outputs_and_grads
+        torch.autograd.backward([out, scaled], [grad, torch.ones_like(scaled)])
 
     def step(self, grads, update, agree=None):
         """Steps 4-5 on the synchronised `grads`: skip (fp16 overflow) or unscale them
