@@ -144,7 +144,7 @@ def test_lab2_figures_clock_is_each_workers_wall_clock(results):
 
 @pytest.mark.timeout(10)
 def test_the_figures_clock_keeps_a_wait_between_steps():
-    """A wait between steps (a metrics flush) is in ended_s, not in any step time."""
+    """A wait between steps (a checkpoint) is in ended_s, not in any step time."""
     steps = [{"rank": 0, "step": i, "step_time_s": 0.004,
               "ended_s": 0.004 * (i + 1) + (0.5 if i >= 10 else 0.0)} for i in range(20)]
     assert training_plots.step_ends(steps)[(0, 19)] == pytest.approx(0.58)

@@ -31,8 +31,11 @@ the gradients after backward's kernels (CUDA events: StepClock, below).
 `bytes_*` are this step's traffic of this rank.
 
 `ended_s` is when this rank ended the step, in seconds from the run's start on its
-own clock: every wait (for a server, a peer, a metrics flush) included, which the
-step times leave out where the wait falls between steps.
+own clock: every wait (for a server, a peer, a checkpoint) included, which the step
+times leave out where the wait falls between steps, but not the metrics' own flushes.
+Those come every step where the run is synchronous and only at checkpoints under
+SSP and ASP, so counting them would slow BSP's clock against the others by the
+records' own cost, not by its consistency (lab 2 compares the three on this clock).
 
 Records are gathered to every training rank with one small collective, which
 every worker waits in, at most --timeout seconds (waits.py: the rank that never
@@ -69,6 +72,7 @@ class Metrics:
         # step) and at the end; 0: at the end only
         self.flush_every = 1 if cfg.synchronous else cfg.checkpoint_every
         self._start = time.perf_counter()          # the ranks just met (the run id)
+        self._flushed = 0.0                        # seconds spent in flush() so far
         self.pending, self.steps = [], []
         self.wire = []                             # per step: (wire, dense) bytes, all ranks
         self.overflow_skips = None                 # fp16: steps skipped so far (precision.py)
@@ -89,7 +93,8 @@ class Metrics:
         """This rank's step: its local loss (None where it computes none) and the
         engine's fields (times, staleness, memory, ...); ended: its time.perf_counter()
         at the step's end, where the loop waited for the others since (default: now)."""
-        ended_s = (time.perf_counter() if ended is None else ended) - self._start
+        ended_s = (time.perf_counter() if ended is None else ended) - self._start - \
+            self._flushed
         sent, received = self.traffic()
         self.pending.append({
             "kind": "step", "run_id": self.run_id, "step": step, "rank": self.rank,
@@ -103,6 +108,13 @@ class Metrics:
             self.flush()
 
     def flush(self):
+        began = time.perf_counter()
+        try:
+            self._write()
+        finally:                        # kept out of every later record's ended_s
+            self._flushed += time.perf_counter() - began
+
+    def _write(self):
         # at most --timeout where the control is waits.Bounded (strategies.train's)
         gathered = waits.allgather(self.control, self.pending, "the metrics flush")
         self.pending = []
