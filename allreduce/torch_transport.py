@@ -14,7 +14,9 @@ every rank of the world, for every group, in the same order, members or not.
 So making the transport of a communicator is collective over the whole launch,
 as the communicators of a split are made together: every rank gathers every
 rank's member list over the world (gloo) and makes each distinct group, sorted,
-keeping it by its member tuple.  (`new_group(use_local_synchronization=True)`,
+keeping it by its member tuple and its channel: two communicators of the same ranks
+get two groups (channel_of), as MPI keeps their messages apart, so a comm thread
+on a duplicate never meets the main thread in one group.  (`new_group(use_local_synchronization=True)`,
 entered by the members only, names a group after its ranks and the number of
 groups the process already has, which differs from member to member when they
 belong to different earlier groups: its rendezvous then never meets.)
@@ -49,16 +51,17 @@ SPLIT_TAG = 7927     # the colours of a split and a split's barrier (allreduce.c
 _groups = {}
 
 
-def make_groups(members, timeout=None):
-    """The process group of `members` (global ranks; group rank i is members[i]),
-    None for the whole world in order.  Collective over the world: every rank
+def make_groups(members, timeout=None, channel=0):
+    """The process group of `members` (global ranks; group rank i is members[i]) on
+    `channel` (the how-manieth communicator of these ranks it is: channel_of); None for
+    the whole world in order on channel 0.  Collective over the world: every rank
     passes its own group's list, and every distinct group is made."""
     world, me = dist.get_world_size(), dist.get_rank()
     seconds = default_timeout() if timeout is None else float(timeout)
     members = [int(r) for r in members]
-    row = torch.full((world + 1,), -1, dtype=torch.int64)    # [count, ranks..., -1 ...]
-    row[0] = len(members)
-    row[1:1 + min(len(members), world)] = torch.tensor(members[:world], dtype=torch.int64)
+    row = torch.full((world + 2,), -1, dtype=torch.int64)    # [count, channel, ranks..., -1]
+    row[0], row[1] = len(members), int(channel)
+    row[2:2 + min(len(members), world)] = torch.tensor(members[:world], dtype=torch.int64)
     rows = [torch.empty_like(row) for _ in range(world)]
     try:
         dist.all_gather(rows, row, async_op=True).wait(timeout=timedelta(seconds=seconds))
@@ -66,15 +69,15 @@ def make_groups(members, timeout=None):
         raise TransportError(
             f"rank {me}: a torch transport over part of the world is made by all {world} "
             f"ranks of the launch together; not all came within {seconds:g} s ({e})") from None
-    lists = [tuple(row[1:1 + int(row[0])].tolist()) for row in rows]
-    for rank, (ranks, row) in enumerate(zip(lists, rows)):    # the same answer on every rank
+    lists = [(tuple(row[2:2 + int(row[0])].tolist()), int(row[1])) for row in rows]
+    for rank, ((ranks, _), row) in enumerate(zip(lists, rows)):  # the same answer everywhere
         if int(row[0]) > world or rank not in ranks or len(set(ranks)) != len(ranks) or \
                 not all(0 <= r < world for r in ranks):
             raise TransportError(f"rank {rank} asked for a torch group of ranks {list(ranks)}: "
                                   f"a group is distinct ranks of the world (0..{world - 1}), "
                                   f"its own among them")
-    for ranks in sorted(set(lists) - {tuple(range(world))}):
-        if ranks not in _groups:
+    for ranks, chan in sorted(set(lists) - {(tuple(range(world)), 0)}):
+        if (ranks, chan) not in _groups:
             options = {}
             if list(ranks) != sorted(ranks):        # keep the communicator's rank order
                 if "sort_ranks" not in inspect.signature(dist.new_group).parameters:
@@ -82,9 +85,32 @@ def make_groups(members, timeout=None):
                         f"ranks {list(ranks)} are not in world order, and this torch "
                         f"({torch.__version__}) sorts a group's ranks: split with key=world rank")
                 options["sort_ranks"] = False
-            _groups[ranks] = dist.new_group(list(ranks), timeout=timedelta(seconds=seconds),
-                                            **options)
+            _groups[ranks, chan] = dist.new_group(list(ranks), timeout=timedelta(seconds=seconds),
+                                                  **options)
     return _groups.get(lists[me])
+
+
+_made = {}           # member tuple -> how many communicators of those ranks have a channel
+_keyval = []         # the MPI attribute that caches a communicator's channel on it
+
+
+def channel_of(comm, members):
+    """The channel of an mpi4py communicator: 0 for the first communicator of these
+    ranks, 1 for the next (a Dup for the comm thread, or another axis of the same
+    ranks), ...  MPI keeps two communicators' messages apart; so does this, with a
+    torch group each, where one group would have two threads' collectives meet in it
+    out of order.  Cached on the communicator (an MPI attribute, which a Dup does not
+    copy), so one communicator always gets the same group.  Every member counts alike:
+    a communicator is made by all its members together, and so is its transport."""
+    from mpi4py import MPI
+    if not _keyval:
+        _keyval.append(MPI.Comm.Create_keyval())
+    channel = comm.Get_attr(_keyval[0])
+    if channel is None:
+        channel = _made.get(members, 0)
+        _made[members] = channel + 1
+        comm.Set_attr(_keyval[0], channel)
+    return channel
 
 
 def group_for(where=None, timeout=None):
@@ -99,9 +125,9 @@ def group_for(where=None, timeout=None):
         raise TransportError(f"a torch transport runs over None, an mpi4py communicator, a "
                               f"list of ranks or a ProcessGroup, not {type(where).__name__}")
     # The communicator's ranks in COMM_WORLD (= torch's ranks), in its own rank order.
-    members = MPI.Group.Translate_ranks(where.Get_group(), list(range(where.size)),
-                                        MPI.COMM_WORLD.Get_group())
-    return make_groups(members, timeout)
+    members = tuple(MPI.Group.Translate_ranks(where.Get_group(), list(range(where.size)),
+                                              MPI.COMM_WORLD.Get_group()))
+    return make_groups(members, timeout, channel_of(where, members))
 
 
 def _as_tensor(buf):

@@ -123,7 +123,6 @@ MOE = dict(model="moe", sync="ring", experts=4)
     (dict(MOE, ep=3), 3, "--experts 4 is not divisible by ep(3)"),
     (dict(MOE, ep=2, sync="local"), 1, "needs an all-reduce --sync"),
     (dict(MOE, ep=2, sync="ps"), 3, "not --sync ps"),
-    (dict(MOE, ep=2, sync="torch"), 2, "not --sync torch"),
     (dict(MOE, ep=2, model="gpt"), 2, "not of --model gpt"),
     (dict(MOE, tp=2), 2, "--model moe with --tp 2 is not supported"),
     (dict(MOE, pp=2, zero=1), 2, "--model moe with --pp 2 and --ep 1 --zero 1 is not "
@@ -211,10 +210,13 @@ def assert_reproduce(runs, reference):
 @pytest.mark.timeout(300)
 def test_expert_parallel_over_torch_distributed_reproduces_one_process(tmp_path):
     """The experts' all-to-alls over torch.distributed's (gloo) all_to_all_single, the
-    dense layers' all-reduces over its all_reduce, one thread (--no-overlap)."""
+    dense layers' all-reduces over its all_reduce, on the main thread (--no-overlap) or
+    on the comm thread, each communicator on a torch group of its own."""
     reference = launch(tmp_path, 1, [("top2", TOP2 + LOCAL)])
-    assert_reproduce(launch(tmp_path, 2, [("ep2torch_top2", TOP2 + [
-        "--sync", "torch", "--ep", "2", "--no-overlap"])]), reference)
+    assert_reproduce(launch(tmp_path, 2, [
+        ("ep2torch_top2", TOP2 + ["--sync", "torch", "--ep", "2"]),
+        ("ep2torchhook_top2", TOP2 + ["--sync", "torch", "--ep", "2", "--no-overlap"])]),
+        reference)
 
 
 @pytest.mark.timeout(400)

@@ -219,12 +219,6 @@ def check_moe(cfg):
     if cfg.sync not in ALLREDUCE_SYNCS:
         raise ConfigError(f"--ep {cfg.ep} needs an all-reduce --sync (ring, tree, ..., "
                           f"torch), not --sync {cfg.sync}", field="ep")
-    if cfg.sync == "torch" and cfg.overlap:
-        raise ConfigError(f"--ep {cfg.ep} needs --no-overlap with --sync torch, not "
-                          f"--sync torch alone: torch.distributed keeps one gloo group per "
-                          f"set of ranks (allreduce/torch_transport.py), which the comm "
-                          f"thread's all-reduces and the experts' all-to-alls would share "
-                          f"from two threads", field="ep")
 
 
 # ------------------------------------------------------------------ against the world
