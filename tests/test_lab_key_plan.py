@@ -184,9 +184,10 @@ def test_lab9_pen_and_paper_follows_the_planner(planned):
 @pytest.mark.mpi
 @pytest.mark.timeout(400)
 def test_lab9_question_5_relation_holds_on_this_machine(tmp_path):
-    """The sheet's small GPT on this machine's calibration: pure data parallelism wins at
-    1 Gbit/s; at 0.1 Gbit/s the winner has pp >= 2, a longer step and a larger exposed
-    share of communication."""
+    """The sheet's small GPT on this machine's calibration: at 1 Gbit/s the winner leans
+    on data parallelism (no more stages than at 0.1 Gbit/s; pure dp on most calibrations,
+    dp2 pp2 on a slow one, as CI's once gave); at 0.1 Gbit/s the winner has pp >= 2, a
+    longer step and a larger exposed share of communication."""
     import sys
     from conftest import mpi_env, run
     cal = tmp_path / "cal"
@@ -200,7 +201,7 @@ def test_lab9_question_5_relation_holds_on_this_machine(tmp_path):
     for gbps in ("1", "0.1"):
         best[gbps] = ranked(records(small + ["--inter-gbps", gbps], tmp_path, gbps))[0]
     fast, slow = best["1"], best["0.1"]
-    assert (fast["dp"], fast["pp"], fast["tp"]) == (4, 1, 1), fast["label"]
+    assert fast["dp"] >= 2 and fast["tp"] == 1 and fast["pp"] <= slow["pp"], fast["label"]
     assert slow["pp"] >= 2 and slow["step_s"] > fast["step_s"], slow["label"]
     exposed = {k: (r["dp_s"] + r["pp_s"]) / r["step_s"] for k, r in best.items()}
     assert exposed["0.1"] > exposed["1"], exposed
