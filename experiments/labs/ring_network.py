@@ -249,9 +249,9 @@ class Contents:
                     "and new each run): padding, sent to make up a ring's bytes?")
         first = self.describe(values[0])
         if first.startswith("a value"):
-            return (f"element 0 of the message is not any element of the inputs summed over "
-                    f"ranks (inputs are random each run, and only t.sendrecv carries them): "
-                    f"padding, or values made up?")
+            return ("element 0 of the message is not any element of the inputs summed over "
+                    "ranks (inputs are random each run, and only t.sendrecv carries them): "
+                    "padding, or values made up?")
         if "over ranks" in first and str(sender) not in first.split("[")[1]:
             return (f"element 0 holds {first}, without rank {sender}'s own value: a ring adds "
                     f"what arrives from the left (rank {left}) to its own before it passes it on")

@@ -119,11 +119,10 @@ class ServerBuckets(ZeRO):
     def _reduce_bucket(self, bucket, flat):
         """On the comm thread: the bucket's gradient to the servers, its values back.
         Returns the bytes this rank sent."""
-        unit, key = self.units[bucket.index], self.keys[bucket.index]
-        node = self.node if self.node is not None and self.node.size > 1 else None
         sent = 0
-        if node:                    # through the compressor, as every all-reduce sync
-            with span(self.tracer, f"all-reduce grads {unit.name} (node)", self.category):
+        if self.node_ring:          # through the compressor, as every all-reduce sync
+            name = self.units[bucket.index].name
+            with span(self.tracer, f"all-reduce grads {name} (node)", self.category):
                 sent += self._allreduce_avg(bucket, flat)
         if self.deferred:           # fp16: pushed by step, after the vote
             self.pending[bucket.index] = flat
@@ -132,18 +131,21 @@ class ServerBuckets(ZeRO):
 
     def _push(self, index, flat):
         """One bucket's round trip (the leader's) and its values to the node; its bytes."""
-        unit, key = self.units[index], self.keys[index]
-        node = self.node if self.node is not None and self.node.size > 1 else None
-        sent = 0
+        key, sent = self.keys[index], 0
         if self.leads:
             grad = flat.detach().cpu().float().numpy()
             with span(self.tracer, f"push/pull {key}", self.category):
                 self.client.push_pull({key: grad}, {key: self.host[key].numpy()},
                                       self.next_step).wait()
             sent += grad.nbytes // (2 if self.client.wire else 1)   # 16-bit frames
-        if node:
-            node.thread_coll.broadcast(self.host[key], root=0)
+        if self.node_ring:
+            self.node.thread_coll.broadcast(self.host[key], root=0)
         return sent
+
+    @property
+    def node_ring(self):
+        """Whether a node of several replicas reduces before the push (hybrid)."""
+        return self.node is not None and self.node.size > 1
 
     def synchronize(self, step):
         super().synchronize(step)
