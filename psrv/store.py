@@ -55,6 +55,7 @@ import numpy as np
 
 from . import optim
 from .config import Consistency, OptimizerConfig
+from .protocol import WIRE_DTYPES
 
 MAX_KEY_WORKERS = 1 << 24        # keys x W of one shard: per-worker state is lazy, but bounded
 
@@ -116,9 +117,10 @@ class Shard:
         group adds its own keys to the shard, declared alike by all its members."""
         if group is not None and (max(group) >= num_workers):
             raise ValueError(f"INIT's group {list(group)[:8]} names a worker id >= W={num_workers}")
-        if num_workers * (len(entries) + len(self.keys)) > MAX_KEY_WORKERS:
-            raise ValueError(f"INIT declares {len(entries)} keys x W={num_workers} = "
-                             f"{num_workers * len(entries)} key-worker pairs on shard "
+        keys = len(self.keys) + sum(e.key not in self.keys for e in entries)  # after it
+        if num_workers * keys > MAX_KEY_WORKERS:
+            raise ValueError(f"INIT brings the shard to {keys} keys x W={num_workers} = "
+                             f"{num_workers * keys} key-worker pairs on shard "
                              f"{self.shard_id}, above the limit {MAX_KEY_WORKERS}")
         if self.configured:
             mine = (self.opt, self.consistency, self.num_workers)
@@ -184,9 +186,9 @@ class Shard:
                 raise ValueError(f"key {e.key}: dtype code {e.dtype}, servers hold float32 "
                                  f"(code 0)")
             return
-        if e.dtype not in (0, 2, 6):
+        if e.dtype not in WIRE_DTYPES.values():
             raise ValueError(f"key {e.key}: a gradient of dtype code {e.dtype}; pushes carry "
-                             f"float32 (0), float16 (2) or bfloat16 (6)")
+                             f"{', '.join(f'{n} ({c})' for n, c in WIRE_DTYPES.items())}")
         if not self.pushes(k, worker):
             raise ValueError(f"key {e.key} ({k.name}) is pushed by workers "
                              f"{sorted(k.workers)[:8]}, not by worker {worker}")
