@@ -49,8 +49,8 @@ from .runtime.waits import bounded
 
 
 def prepare(argv=None):
-    """Everything that can fail on bad input, with no collective but the context's.
-    Returns (cfg, ctx, device, data, model, resume_state); every rank exits with the
+    """Everything that can fail on bad input, with no collective but the settings'
+    check and the context's.  Returns (cfg, ctx, device, data, model, resume_state); every rank exits with the
     same error if any rank found one."""
     cfg = ctx = problem = None
     device = data = model = state = None
@@ -68,6 +68,8 @@ def prepare(argv=None):
             problem = same_config_problem(everyone, cfg)
         report(world, problem)
     try:
+        if cfg is None:                        # torchrun: a bad flag, reported below
+            raise ConfigError(problem)
         ctx = RunContext.create(cfg)           # ps, hybrid: psrv.launch says who serves
         if under_torchrun():                   # its world exists from here on
             check_same_config(ctx.control.allgather(cfg), cfg)
