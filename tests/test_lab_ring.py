@@ -266,7 +266,9 @@ def test_a_rank_that_hangs_is_named_with_its_line_within_30_s_at_p_2():
     said = check(fixture("ring_hangs.py"), 2)
     elapsed = time.monotonic() - start
     assert "rank 1 has run its own code for 10 s before its first sendrecv call" in said, said
-    assert "line 8 of your file (in ring_allreduce): `while r == 1:`" in said, said
+    # the loop is two lines, and the sample catches it at either
+    assert "line 8 of your file (in ring_allreduce): `while r == 1:`" in said or \
+        "line 9 of your file (in ring_allreduce): `pass`" in said, said
     assert "rank 0 waits in sendrecv call 1 for a message from rank 1" in said, said
     assert elapsed < 30, elapsed
 
