@@ -125,12 +125,8 @@ def make_method(method, base, ctx, data, device):
                             make_optimizer(cfg, model.parameters()), MixedPrecision(),
                             counters=[sync])
         return StepEngine(cfg, ctx, device, data, model, plan)
-    # The trainer's own engine: parallelize.py has DistributedOptimizer build the sync.
-    # "local" at P > 1 trains each rank's shard with no communication at all: the
-    # optimizer's world is the rank itself.
-    if name == "local":
-        from mpi4py import MPI
-        ctx = dataclasses.replace(ctx, dp_comm=MPI.COMM_SELF)
+    # The trainer's own engine (parallelize.py builds the sync).  "local" at P > 1 trains
+    # each rank's shard with no communication at all.
     return StepEngine(cfg, ctx, device, data, model)
 
 

@@ -38,7 +38,7 @@ from allreduce.torch_world import under_torchrun
 
 from .config.choices import ConfigError
 from .config.optimizer_checks import check_same_config
-from .config.settings import check_memory, check_outputs, parse_args
+from .config.settings import check_memory, check_outputs, parse_args, world_of
 from .engine import loop
 from .engine.loop import StepEngine
 from .model.data import load_data
@@ -74,7 +74,7 @@ def prepare(argv=None):
         if under_torchrun():                   # its world exists from here on
             check_same_config(ctx.control.allgather(cfg), cfg)
         check_outputs(cfg, writer=ctx.rank == 0)   # before any work, not after it
-        check_memory(cfg, ctx.dp_size, ctx.local_size)   # the sizes against free memory
+        check_memory(cfg, world_of(cfg, ctx.world_size)[0], ctx.local_size)  # vs free memory
         ctx.set_threads(cfg)
         device = ctx.device(cfg)
         if not ctx.is_server:

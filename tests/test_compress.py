@@ -177,23 +177,26 @@ def test_topk_sends_the_kept_ratio_of_its_step():
 
 
 class OneRankCollective(OneRank):
-    """OneRank with the broadcast an AllReduceSync's setup makes."""
+    """OneRank with the broadcast a data-parallel sync's setup makes."""
 
     def broadcast(self, t, root=0):
         pass
 
 
 def test_the_sync_tells_the_step_and_a_resumed_run_goes_on_from_it():
-    """AllReduceSync.synchronize(s) readies step s + 1's ratio (its buckets may leave
-    during its backward); its state_dict carries that step, so a resumed run picks up
-    the warm-up where the checkpoint was written.  Without warm-up the state is {}."""
-    from strategies.sync.zero import AllReduceSync
+    """The data-parallel sync's synchronize(s) readies step s + 1's ratio (its buckets
+    may leave during its backward); its state_dict carries that step, so a resumed run
+    picks up the warm-up where the checkpoint was written.  Without warm-up the state
+    is {}."""
+    from strategies.sync.data_parallel import data_parallel, parameter_units
 
     def sync_of(warmup):
         options = TrainConfig(sync="ring", compress="topk:0.01", overlap=False,
                               sparsity_warmup=warmup)
-        sync = AllReduceSync(options, None, torch.device("cpu"), OneRankCollective())
-        sync.setup(torch.nn.Linear(100, 10))
+        model = torch.nn.Linear(100, 10)
+        sync = data_parallel(parameter_units(model), None, options,
+                             device=torch.device("cpu"), coll=OneRankCollective())
+        sync.setup(model)
         return sync
 
     def train(sync, steps):

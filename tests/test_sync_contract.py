@@ -18,11 +18,10 @@ import pytest
 import torch
 
 import psrv.launch
-from strategies.runtime.context import MPIControl, RunContext
-from strategies.sync.ps_sync import HybridSync, PSSync
+from strategies.config.mesh import Mesh
 from strategies.config.settings import TrainConfig
+from strategies.sync.data_parallel import data_parallel, parameter_units
 from strategies.sync.gradient_sync import GradientSync, LocalSync, collective_for
-from strategies.sync.zero import AllReduceSync
 
 RTOL, ATOL = 1e-6, 1e-7
 LR, MOMENTUM = 0.1, 0.9
@@ -39,17 +38,17 @@ def loss_of(model, x, y):
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-def one_worker_context(role=None):
+def one_worker_mesh():
     from mpi4py import MPI
-    comm = MPI.COMM_SELF
-    return RunContext(0, 1, 0, 1, 0, 1, False, comm, comm, MPIControl(comm),
-                      MPIControl(comm), role=role, host=socket.gethostname())
+    return Mesh(1).split(MPI.COMM_SELF)
 
 
-def assert_contract(sync, steps=2):
-    """`steps` steps through the contract against torch's own SGD on a copy."""
+def assert_contract(make_sync, steps=2):
+    """`steps` steps through the contract against torch's own SGD on a copy; the sync is
+    make_sync(units) of the model's parameter units (data_parallel's)."""
     model, x, y = model_and_batch()
     reference = copy.deepcopy(model)
+    sync = make_sync(parameter_units(model))
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
     sync.setup(model)
     optimizer = sync.make_optimizer(model)
@@ -81,14 +80,15 @@ def test_base_class_defaults_are_one_process_alone():
     sync = GradientSync(OPTIONS, None, torch.device("cpu"))
     assert (sync.start_step, sync.staleness, sync.bytes_sent) == (0, None, 0)
     assert sync.state_dict() == {} and sync.load_state_dict({}) is None
-    assert_contract(LocalSync(OPTIONS, None, torch.device("cpu")))
+    assert_contract(lambda units: LocalSync(OPTIONS, None, torch.device("cpu")))
 
 
 @pytest.mark.timeout(60)
 def test_all_reduce_sync_updates_in_step_only():
-    ctx = one_worker_context()
-    coll = collective_for("ring", OPTIONS, ctx.dp_comm)
-    assert_contract(AllReduceSync(OPTIONS, ctx, torch.device("cpu"), coll))
+    comms = one_worker_mesh()
+    coll = collective_for("ring", OPTIONS, comms.dp)
+    assert_contract(lambda units: data_parallel(units, comms, OPTIONS, device=torch.device("cpu"),
+                                                coll=coll))
 
 
 @pytest.mark.timeout(120)
@@ -98,9 +98,14 @@ def test_parameter_server_syncs_update_in_step_only(kind, tmp_path):
     with psrv.launch.start_local_servers(1, worker_timeout=30,
                                          checkpoint_dir=str(tmp_path)) as servers:
         role = psrv.launch.Role(False, servers.endpoints, 1, worker_id=0)
-        ctx = one_worker_context(role)
-        sync = (PSSync if kind == "ps" else HybridSync)(options, ctx, torch.device("cpu"))
-        assert_contract(sync)
+        comms, made = one_worker_mesh(), []
+
+        def make_sync(units):
+            made.append(data_parallel(units, comms, options, device=torch.device("cpu"),
+                                      role=role, host=socket.gethostname()))
+            return made[0]
+        assert_contract(make_sync)
+        sync = made[0]
         with pytest.raises(RuntimeError, match="the servers resumed at step 0, the worker "
                                                "checkpoint is at step 3"):
             sync.load_state_dict({"servers_step": 3})

@@ -212,9 +212,8 @@ def test_sync_torch_with_more_ranks_than_gpus_is_refused_before_training(monkeyp
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     cfg = parse_args(["--sync", sync, "--device", "cuda"])
-    ctx = RunContext(rank=3, world_size=4, local_rank=3, local_size=4, dp_rank=3, dp_size=4,
-                     is_server=False, comm=None, dp_comm=None, control=None, host="h0",
-                     host_visible_gpus=[None] * 4)
+    ctx = RunContext(rank=3, world_size=4, local_rank=3, local_size=4, is_server=False,
+                     comm=None, control=None, host="h0", host_visible_gpus=[None] * 4)
     if sync == "ring":
         assert ctx.device(cfg) == torch.device("cuda", 1)
         return

@@ -31,7 +31,7 @@ class Compressor:
                                  # an all-reduce, not a reduce-scatter (zero.py)
 
     def set_step(self, step):
-        """The sync says which step's buckets come next (AllReduceSync.synchronize); only
+        """The sync says which step's buckets come next (ZeRO.synchronize); only
         top-k's warm-up reads it (topk.py), the others keep no schedule."""
         self.step = step
 

@@ -32,6 +32,7 @@ import signal
 import sys
 import time
 import uuid
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -93,11 +94,14 @@ class StepEngine:
         t1 = clock.mark()
         sync.synchronize(step)
         t2 = clock.mark()
-        if p.scales_in_sync:                       # ZeRO's 16-bit buffers: it skips itself
-            with span(self.tracer, f"optimizer {step}", "optimizer"):
+        # a pipeline's times are its spans'; the trivial schedule's are clocked_times'
+        with span(self.tracer, f"optimizer {step}", "optimizer") if p.pipelined \
+                else nullcontext():
+            if sync.scales_itself:   # 16-bit buffers, the servers: fp16's skip is its own
                 sync.step(self.optimizer)
-        else:       # every rank holds the same averaged gradients, or `agree` votes
-            self.precision.step(sync.gradients(), lambda: sync.step(self.optimizer), p.agree)
+            else:   # every rank holds the same averaged gradients, or `agree` votes
+                self.precision.step(sync.gradients(), lambda: sync.step(self.optimizer),
+                                    sync.agree)
         # the loss and fp16's scale, copied to the host behind the update: one wait a step
         read = clock.read(loss, *self.precision.scalars())
         t3 = clock.mark()

@@ -10,10 +10,11 @@
     opt.close()                        # or: with strategies.DistributedOptimizer(...) as opt:
 
 The seam is the optimizer, as in Horovod (Sergeev & Del Balso, 2018) and
-BytePS: the loop keeps its four lines.  Underneath is a sync of the contract
-in sync/gradient_sync.py, the one strategies.train drives too: `setup` broadcasts rank 0's
-parameters and buffers and attaches the bucket hooks, `zero_grad` is its
-before_backward, `step` its synchronize and step.  Each rank's loss is the mean over its shard and the
+BytePS: the loop keeps its four lines.  Underneath is the one data-parallel call of
+strategies.train (sync/data_parallel.py) over the model's parameters, a sync of the
+contract in sync/gradient_sync.py: rank 0's parameters and buffers win and the bucket
+hooks attach at construction, `zero_grad` is its before_backward, `step` its
+synchronize and step.  Each rank's loss is the mean over its shard and the
 gradients are averaged over the communicator, so with equal shards every rank
 takes the step of the mean loss over the global batch.
 
@@ -76,16 +77,17 @@ import torch
 import allreduce
 
 from ..config.choices import PS_SYNCS, ConfigError
+from ..config.mesh import Mesh
 from ..config.optimizer_checks import (check_comm, check_model, check_same_everywhere,
                                        described_optimizer, gathered, keyword_help, sections_of,
                                        transport_for)
 from ..config.settings import TrainConfig
 from ..config.validate import check_sync_combinations, check_sync_world
-from ..runtime.context import MPIControl, RunContext, ps_role
+from ..runtime.context import ps_role
 from ..runtime.precision import of_config
-from ..sync.gradient_sync import LocalSync, broadcast_tensor, collective_for, without_momentum
-from ..sync.zero import AllReduceSync
-from ..sync.ps_sync import HybridSync, PSSync
+from ..sync.data_parallel import data_parallel, parameter_units
+from ..sync.gradient_sync import (broadcast_buffers, collective_for, for_device,
+                                  without_momentum)
 
 
 def ps_roles(servers=1, comm=None):
@@ -131,50 +133,48 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # what the syncs read: a TrainConfig of these sections, the same object as the trainer's
         self.config = TrainConfig.of(*self.sections)
         self.precision = of_config(self.config, device.type)
+        # the one data-parallel call of strategies.train too (sync/data_parallel.py), over
+        # the model's parameters one by one, as DDP buckets them
+        units = parameter_units(model)
         if name in PS_SYNCS:
-            self.sync = self._parameter_server_sync(role, self.config, device, params)
+            comms, coll = self._workers_mesh(role, params), None
+            self.rank, self.size = comms.rank, comms.world.size
         elif name == "local":              # one process: the reference the others reproduce
             check_comm(comm, "mpi")
             check_sync_world(options, 1 if comm is None else comm.Get_size(), cli=False)
-            self.rank, self.size = 0, 1
-            self.sync = LocalSync(self.config, None, device)
+            self.rank, self.size, comms = 0, 1, None
         else:
             if coll is None:
                 transport = transport_for(name, transport)
                 check_comm(comm, transport)
                 coll = collective_for(name, self.config, comm, transport, device)
-            self.rank, self.size = coll.rank, coll.size
+            else:                          # a user's collective, staged as ours are
+                coll = for_device(coll, device)
+            self.rank, self.size, comms = coll.rank, coll.size, None
             check_same_everywhere(lambda mine: gathered(coll, mine), params, self.sections)
-            self.sync = AllReduceSync(self.config, None, device, coll)
-        self.sync.setup(model)             # rank 0's weights win; the bucket hooks attach
+        self.sync = data_parallel(units, comms, self.config, device=device, coll=coll,
+                                  precision=self.precision if name in PS_SYNCS else None,
+                                  role=role, host=socket.gethostname())
+        if name != "local":                # rank 0's buffers win, as its parameters did
+            broadcast_buffers(coll or collective_for("mpi", self.config, comms.world), model)
+        self.sync.setup(model)             # the bucket hooks are attached
         self._step = self.sync.start_step  # > 0 where parameter servers resumed a run
         self._synchronized, self._closed = False, False
 
-    def _parameter_server_sync(self, role, config, device, params):
+    def _workers_mesh(self, role, params):
+        """ps / hybrid: the workers as a mesh of data parallelism alone (the servers are
+        a role beside it, as in strategies.train)."""
         if role is None:
-            raise ConfigError(f"sync={config.sync!r} needs role=strategies.ps_roles(servers=S), "
-                              "made on every rank before the optimizer (the server ranks serve "
-                              "instead), or run `python -m strategies.train --sync ps`",
-                              field="sync")
+            raise ConfigError(f"sync={self.options.sync!r} needs role=strategies.ps_roles("
+                              "servers=S), made on every rank before the optimizer (the "
+                              "server ranks serve instead), or run `python -m "
+                              "strategies.train --sync ps`", field="sync")
         if role.is_server:
             raise ConfigError("this rank is a server (role.is_server): call role.serve() "
                               "instead of building an optimizer")
-        from mpi4py import MPI
         workers = role.worker_comm
-        self.rank, self.size = workers.rank, workers.size
         check_same_everywhere(workers.allgather, params, self.sections)
-        local = workers.Split_type(MPI.COMM_TYPE_SHARED, key=workers.rank)
-        # The workers' view of the run: the servers are not part of the optimizer's world.
-        ctx = RunContext(workers.rank, workers.size, local.rank, local.size, workers.rank,
-                         workers.size, False, workers, workers, MPIControl(workers), role=role,
-                         host=socket.gethostname())
-        local.Free()
-        sync = (PSSync if config.sync == "ps" else HybridSync)(config, ctx, device)
-        # The servers hand out worker 0's parameters; the buffers are not theirs to keep.
-        coll = collective_for("mpi", config, workers)
-        for b in self.model.buffers():
-            broadcast_tensor(coll, b.data)
-        return sync
+        return Mesh(workers.size).split(workers)
 
     # -------------------------------------------------------- the wrapped optimizer
     @property
@@ -240,8 +240,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.synchronize()
         # every rank holds the same averaged gradients, or (ps) the workers vote: all
         # skip the same fp16 steps
-        self.precision.step([p.grad for p in self.model.parameters()],
-                            lambda: self.sync.step(self.optimizer), self.sync.agree)
+        if self.sync.scales_itself:     # the servers' pushes wait for fp16's vote
+            self.sync.step(self.optimizer)
+        else:
+            self.precision.step(self.sync.gradients(), lambda: self.sync.step(self.optimizer),
+                                self.sync.agree)
         self._synchronized = False
         self._step += 1
         return loss

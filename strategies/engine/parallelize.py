@@ -16,9 +16,11 @@ parallelism, activation checkpointing, then data parallelism; picotron: TP, PP, 
     3. pipeline        the kept layers as Stage modules, v of them where interleaved
     4. experts         this rank's experts kept, tokens moved by all-to-alls
                        (expert_parallel.py); the dense layers stay whole
-    5. data parallel   over what is left: ZeRO's layers (sync/zero.py, stage 0 is plain
-                       data parallelism) where the model is split into layers, else
-                       DistributedOptimizer's sync (buckets, ps, hybrid, local)
+    5. data parallel   over what is left, one call for every run and every --sync
+                       (sync/data_parallel.py): the bucket engine over this rank's units
+                       (its layers, its experts, or the whole model's parameters), whose
+                       bucket reduction is an all-reduce, a reduce-scatter (--zero) or a
+                       push and pull to the parameter servers (ps, hybrid)
     6. the schedule    Pipeline (GPipe, 1F1B, interleaved) over the stages, or the trivial
                        schedule of one stage (accumulation.py) over the whole model
 
@@ -33,10 +35,10 @@ which a later split would break.  The schedule after it: the pipeline's activati
 meter leaves ZeRO's parameter storages out, and the trivial schedule asks the sync for
 no_sync (communication once per step).
 
-Three shapes of run go through these steps, decided by the flags (config/mesh.py):
-the grid (--dp/--pp/--tp/--zero: steps 0-3, 5 with ZeRO, 6 a Pipeline), the experts
-(--model moe with --ep or --zero: steps 4, 5 with ZeRO, 6 trivial) and the whole model
-(steps 2, 5 with DistributedOptimizer, 6 trivial).
+Every run is a mesh run (config/mesh.py: plain data parallelism is dp = the workers)
+and takes the steps its flags enable: a model cut into layers (--dp/--pp/--tp/--zero:
+steps 0-3, 5, 6 a Pipeline), the experts apart (--model moe with --ep or --zero:
+steps 4, 5, 6 trivial), or whole on every worker (steps 2, 5, 6 trivial).
 """
 from dataclasses import dataclass, field
 
@@ -45,7 +47,6 @@ import torch.nn as nn
 from allreduce import make_transport
 
 from ..config.choices import ALLREDUCE_SYNCS, PS_SYNCS
-from ..config.sections import PrecisionOptions, SyncOptions
 from ..model.moe import MoE
 from ..parallel.expert_parallel import AllToAllExperts, ExpertPlacement, shard_experts, units_of
 from ..parallel.interleaved import InterleavedPipeline, chunk_layers
@@ -55,11 +56,10 @@ from ..parallel.sequence_parallel import positions_per_rank, split_sequence
 from ..parallel.tensor_parallel import TensorParallel, parallelize_blocks
 from ..runtime.memory import ActivationMeter
 from ..runtime.precision import any_rank_of, of_config
-from ..sync.gradient_sync import build_compressor, collective_for, for_device, torch_optimizer
-from ..sync.server_buckets import ServerBuckets
-from ..sync.zero import ZeRO, Replicas
+from ..sync.buckets import Replicas
+from ..sync.data_parallel import data_parallel, parameter_units
+from ..sync.gradient_sync import collective_for, for_device
 from .accumulation import Accumulation
-from .optimizer import DistributedOptimizer
 
 
 @dataclass
@@ -70,9 +70,7 @@ class Parallelized:
     sync: object                # a GradientSync (sync/gradient_sync.py)
     optimizer: object
     precision: object           # the run's MixedPrecision (runtime/precision.py)
-    scales_in_sync: bool = False  # ZeRO keeps 16-bit buffers: it unscales and skips itself
     recompute: object = None    # --recompute: a Recompute over the kept blocks
-    agree: object = None        # fp16's overflow vote where ranks hold different gradients
     pipelined: bool = False     # the schedule is a Pipeline: its times are read off spans
     reports: bool = True        # this rank's loss is one of the step's (last stage, tp 0)
     meter: object = None        # the pipeline's ActivationMeter
@@ -147,11 +145,8 @@ def parallelize(model, ctx, cfg, device, tracer):
                                         plan.placement, tracer)
         plan.expert_params = shard_experts(model, plan.placement, plan.exchange)
         plan.counters = [plan.exchange.coll]
-    # 5. data parallelism over what is left
-    if grid or experts:
-        zero_data_parallel(plan, ctx, cfg, device, tracer, layers if grid else None)
-    else:
-        whole_data_parallel(plan, ctx, cfg)
+    # 5. data parallelism over what is left: the one call, whatever the --sync
+    data_parallel_step(plan, ctx, cfg, device, tracer, layers if grid else None)
     # 6. the schedule of one step's micro-batches
     if grid:
         pipeline(plan, comms, cfg, device, stages, tracer,
@@ -162,67 +157,52 @@ def parallelize(model, ctx, cfg, device, tracer):
     return plan
 
 
-def zero_data_parallel(plan, ctx, cfg, device, tracer, layers):
-    """Step 5 where the model is split into layers: ZeRO over the dp axis (stage 0: plain
-    data parallelism), each layer's collective leaving on the comm thread as backward
-    finishes it.  layers: the grid's kept (name, module) layers; None: the experts' run,
-    whose experts are averaged over their replicas {0, 2}, {1, 3} (ep 2 of world 4; one
-    rank each where ep = world) and the dense layers over the world."""
+def data_parallel_step(plan, ctx, cfg, device, tracer, layers):
+    """Step 5: the one data-parallel call (sync/data_parallel.py) over this rank's units.
+    layers: the grid's kept (name, module) layers, whose buckets keep 16-bit values and
+    fp32 masters under --precision (ZeRO's setting) and vote on an fp16 overflow over
+    every rank where pp or tp split the model (a rank sees its stage's or its piece's
+    gradients only).  None: the experts' units, whose experts are averaged over their
+    replicas {0, 2}, {1, 3} (ep 2 of world 4; one rank each where ep = world), or a
+    whole model's parameters; both keep fp32 parameters under autocast, and the experts'
+    gradients differ from rank to rank of a group, so the workers vote (an inf in any
+    gradient skips the update: Micikevicius et al. 2018, section 3.2)."""
     comms = ctx.mesh
-
-    def over(comm):             # every collective of the step: staged on a GPU (for_device)
-        return collective_for(cfg.sync, cfg, comm, device=device)
-
-    if layers is None:
-        replica_comm = comms.ep_replicas
-        replicas = Replicas(over(replica_comm), over(replica_comm.Dup()) if cfg.overlap
-                            else None, scale=1.0 / cfg.ep)
-        units = units_of(plan.model, replicas)
-    else:
+    if layers is not None:
         units = [(name, module, list(module.parameters())) for name, module in layers]
-    if cfg.sync in PS_SYNCS:    # a bucket's reduction is a push and a pull to the servers
-        plan.sync = ServerBuckets(units, comms, ctx.role, cfg, cfg.micro_batches, tracer,
-                                  device, collective_for, ctx.host, plan.precision)
-        plan.sync.setup(plan.model)
-        plan.optimizer = plan.sync.make_optimizer()
-        plan.counters = plan.counters + [plan.sync]
-        plan.scales_in_sync = True        # the servers step: nothing to unscale here
-        return
-    # the comm thread's collective: its own communicator, beside the main thread's
-    thread_coll = over(comms.dp.Dup()) if cfg.overlap else None
-    compressor = build_compressor(cfg.compress, thread_coll, cfg.error_feedback,
-                                  cfg.compressor_momentum, cfg.sparsity_warmup)
-    # --precision: on the grid ZeRO keeps 16-bit buffers and fp32 master shards (the
-    # paper's setting) and votes on an fp16 overflow over every rank where pp or tp split
-    # the model (a rank sees its stage's or its piece's gradients only).  The experts'
-    # run keeps fp32 parameters under autocast, as plain data parallelism does; its
-    # experts' gradients differ from rank to rank of a group, so the whole launch votes
-    # (an inf in any gradient skips the update: Micikevicius et al. 2018, section 3.2)
-    split = layers is not None and (comms.mesh.pp_enabled or comms.mesh.tp_enabled)
-    plan.sync = ZeRO(cfg.zero, units, over(comms.dp), cfg,
-                     cfg.micro_batches, tracer, plan.precision if layers is not None else None,
-                     agree=any_rank_of(comms.world) if split else None,
-                     thread_coll=thread_coll, compressor=compressor, overlap=cfg.overlap,
-                     device=device)
+        split = comms.mesh.pp_enabled or comms.mesh.tp_enabled
+        precision, agree = plan.precision, any_rank_of(comms.world) if split else None
+    elif plan.placement is not None:
+        replica_comm = comms.ep_replicas
+        replicas = Replicas(collective_for(cfg.sync, cfg, replica_comm, device=device),
+                            collective_for(cfg.sync, cfg, replica_comm.Dup(), device=device)
+                            if cfg.overlap else None, scale=1.0 / cfg.ep)
+        units = units_of(plan.model, replicas)
+        precision = None
+        agree = any_rank_of(comms.world) if plan.precision.scaler else None
+    else:
+        units, precision, agree = parameter_units(plan.model), None, None
+    if cfg.sync in PS_SYNCS:      # the servers' fp16 vote: before the pushes, in step
+        precision = plan.precision
+    # a pipeline's micro-batches each fill the buckets; the trivial schedule's no_sync
+    # holds back all but the last backward
+    backwards = cfg.micro_batches if layers is not None else 1
+    # under torchrun there is no MPI mesh: the replicas are torch.distributed's world
+    torchrun = comms is None and cfg.sync != "local"
+    plan.sync = data_parallel(units, comms, cfg, device=device, tracer=tracer,
+                              precision=precision, agree=agree, backwards_per_step=backwards,
+                              role=ctx.role, host=ctx.host,
+                              coll=collective_for(cfg.sync, cfg, None, "torch", device)
+                              if torchrun else None)
     plan.sync.setup(plan.model)
-    plan.optimizer = plan.sync.make_optimizer()
-    # the transports' counts: a library's collective (--sync mpi) does not count its own
-    plan.counters = plan.counters + [c.transport for c in plan.sync.colls()]
-    plan.scales_in_sync = layers is not None
-    if layers is None and plan.precision.scaler:
-        plan.agree = any_rank_of(ctx.comm)
-
-
-def whole_data_parallel(plan, ctx, cfg):
-    """Step 5 for the whole model on every worker: DistributedOptimizer builds the sync
-    (the one place that knows every kind: local, the all-reduces, ps, hybrid).  The
-    model's fp32 parameters are the master weights; autocast casts them per matmul."""
-    settings = {**vars(cfg.section(SyncOptions)), **vars(cfg.section(PrecisionOptions))}
-    opt = DistributedOptimizer(torch_optimizer(cfg, plan.model.parameters()), plan.model,
-                               comm=ctx.dp_comm, role=ctx.role, **settings)
-    plan.sync, plan.optimizer = opt.sync, opt.optimizer
-    plan.counters = [opt.sync]
-    plan.agree = opt.sync.agree                # ps under fp16: the workers vote
+    whole = layers is None and plan.placement is None
+    plan.optimizer = plan.sync.make_optimizer(plan.model if whole else None)
+    # whose bytes are the rank's: the sync's own count for a whole model and the
+    # servers; the transports' where other collectives share them (a library's
+    # collective, --sync mpi, does not count its own)
+    plan.counters = plan.counters + (
+        [plan.sync] if whole or cfg.sync in PS_SYNCS
+        else [c.transport for c in plan.sync.colls()])
 
 
 def pipeline(plan, comms, cfg, device, stages, tracer, criterion):

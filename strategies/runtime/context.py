@@ -3,16 +3,17 @@
     ctx = RunContext.create(cfg)         # collective: every rank calls it
     ctx.rank, ctx.world_size              # in the whole launch
     ctx.is_server                         # ps / hybrid: a server, as psrv.launch decided
-    ctx.dp_rank, ctx.dp_size, ctx.dp_comm # the data-parallel workers (servers excluded)
+    ctx.mesh                              # mesh.MeshComms over the workers: a communicator
+                                          #   per axis of dp x pp x tp and ep; None on a
+                                          #   server and under torchrun
+    ctx.dp_rank, ctx.dp_size              # this worker's place on the mesh's dp axis
     ctx.workers                           # control over every rank that trains (records)
     ctx.control.allgather(obj)            # small control messages (errors, metrics)
-    ctx.mesh                              # mesh.MeshComms over the workers: a communicator
-                                          #   per axis of dp x pp x tp and ep (dp_comm is its
-                                          #   dp axis); None on a server and under torchrun
 
-There is no global state: two contexts could live in one test.  The pipeline
-and tensor axes live here too, as more (rank, size, comm) triples of a
-dp x pp x tp grid, while the gradient sync talks to `dp_comm` only.
+There is no global state: two contexts could live in one test.  Every worker's run is
+a mesh run, plain data parallelism included (dp = the workers); the servers of ps and
+hybrid are a role beside the mesh, not a kind of run.  The mesh is built once, here,
+and read everywhere: the context keeps no copy of its axes.
 
 Control messages (a preflight error, a step's loss, metric records) are small
 Python objects, so they go through mpi4py's pickling calls or, under torchrun,
@@ -74,11 +75,8 @@ class RunContext:
     world_size: int
     local_rank: int          # index among the ranks on this host (picks the GPU)
     local_size: int
-    dp_rank: int
-    dp_size: int
     is_server: bool
     comm: object             # mpi4py communicator of the whole launch (None under torchrun)
-    dp_comm: object          # mpi4py communicator of the data-parallel workers
     control: object          # control messages over the whole launch
     workers: object = None   # ... over the ranks that train (all but the servers)
     role: object = None      # psrv.launch's Role (ps, hybrid)
@@ -86,6 +84,16 @@ class RunContext:
     mesh: object = None      # mesh.MeshComms over the workers (None: a server, torchrun)
     host_visible_gpus: list = None   # --sync torch on CUDA: each local rank's
                                      #   CUDA_VISIBLE_DEVICES (None: unset), in local order
+
+    @property
+    def dp_rank(self):
+        """This worker's coordinate on the dp axis (torchrun, which builds no MPI mesh,
+        refuses every split: each of its ranks is a replica)."""
+        return self.mesh.dp_rank if self.mesh else self.rank
+
+    @property
+    def dp_size(self):
+        return self.mesh.dp_size if self.mesh else self.world_size
 
     @classmethod
     def create(cls, cfg):
@@ -96,7 +104,7 @@ class RunContext:
             return cls._from_torchrun(cfg, host)
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
-        dp = check_world(cfg, comm.size)
+        check_world(cfg, comm.size)
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
         local_rank, local_size = local.rank, local.size
         visible = local.allgather(os.environ.get("CUDA_VISIBLE_DEVICES")) \
@@ -108,15 +116,14 @@ class RunContext:
             role = ps_role(comm, cfg.servers, **ps_checkpoint_options(cfg, comm))
             workers = role.worker_comm            # None on a server
             if role.is_server:                    # a role beside the mesh's workers
-                return cls(comm.rank, comm.size, local_rank, local_size, -1,
-                           role.num_workers, True, comm, None, control, None, role=role,
-                           host=host, host_visible_gpus=visible)
+                return cls(comm.rank, comm.size, local_rank, local_size, True, comm,
+                           control, None, role=role, host=host, host_visible_gpus=visible)
         # every worker is on a mesh over the workers: plain data parallelism is dp = all
         mesh = Mesh(workers.size, cfg.dp if cfg.on_grid else 0, cfg.pp, cfg.tp,
                     cfg.ep).split(workers)
-        return cls(comm.rank, comm.size, local_rank, local_size, mesh.dp_rank, dp, False,
-                   comm, mesh.dp, control, MPIControl(workers) if role else control,
-                   role=role, host=host, mesh=mesh, host_visible_gpus=visible)
+        return cls(comm.rank, comm.size, local_rank, local_size, False, comm, control,
+                   MPIControl(workers) if role else control, role=role, host=host,
+                   mesh=mesh, host_visible_gpus=visible)
 
     @classmethod
     def _from_torchrun(cls, cfg, host):
@@ -124,11 +131,11 @@ class RunContext:
         import torch.distributed as dist
         init_torch_distributed()
         rank, world = dist.get_rank(), dist.get_world_size()
-        dp = check_world(cfg, world)
+        check_world(cfg, world)
         control = TorchControl()
         return cls(rank, world, int(os.environ.get("LOCAL_RANK", 0)),
-                   int(os.environ.get("LOCAL_WORLD_SIZE", 1)), rank, dp, False, None, None,
-                   control, control, host=host)
+                   int(os.environ.get("LOCAL_WORLD_SIZE", 1)), False, None, control, control,
+                   host=host)
 
     def set_threads(self, cfg):
         """torch's CPU threads: --threads, else this host's cores shared by its ranks."""

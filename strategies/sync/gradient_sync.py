@@ -15,23 +15,18 @@
     sync.close()
 
 The class docstring of GradientSync says what each call promises; its defaults
-are those of one process training alone.  Users of the contract: the loop of
-strategies.train (through DistributedOptimizer, which builds the syncs),
-DistributedOptimizer itself (optimizer.py), and the grid's data-parallel axis
-(ZeRO, zero.py).
-
-Implementations:
+are those of one process training alone.  Every run builds its sync through one
+call, data_parallel.py's data_parallel (strategies.train's parallelize for every
+split, DistributedOptimizer for a user's own loop), over the one bucket engine
+(buckets.py).  Implementations:
   LocalSync       one process, nothing to do: the reference the others must reproduce.
-  AllReduceSync   ring, tree, halving_doubling, hierarchical, mpi, torch, auto (allreduce/):
-                  ZeRO's stage 0 over the model's parameters (zero.py), on the one
-                  bucket engine (buckets.py): bucketed, overlapped with backward.
-  PSSync          parameter servers (psrv/): push gradients, pull parameters; the
-                  servers average the workers' gradients and run the optimizer.
-  HybridSync      all-reduce inside a node, then the node leaders talk to the
-                  servers and broadcast the new parameters inside their node.
-                  (both in ps_sync.py, which builds on this file)
-  ZeRO            stages 1-3: the same buckets reduce-scattered, the optimizer state,
-                  gradients and parameters sharded (zero.py)
+  ZeRO            ring, tree, halving_doubling, hierarchical, mpi, torch, auto
+                  (allreduce/): stage 0 all-reduces each bucket (plain data
+                  parallelism), stages 1-3 reduce-scatter it and shard the state (zero.py)
+  ServerBuckets   ps: each bucket pushed to the parameter servers (psrv/), which average
+                  the workers' gradients and run the optimizer, its new values pulled;
+                  hybrid: the ring inside a node first, then the node leader's push and
+                  pull, broadcast in the node (server_buckets.py)
 
 Every data-parallel rank computes the mean loss over its B/P samples, and the
 syncs average over P ranks, so the update is the one of the mean over all B
@@ -43,7 +38,6 @@ ZeRO and --ep alike; DistributedOptimizer makes one of its keywords' sections
 (TrainConfig.of), so a user's loop hands the syncs the same object.
 """
 from contextlib import contextmanager
-from itertools import chain
 
 import torch
 
@@ -157,6 +151,9 @@ class GradientSync:
     # ranks hold different gradients at the check (ps: each its own, pushed after it);
     # None where every rank holds the same averaged gradients
     agree = None
+    # whether step unscales fp16's gradients and skips an overflow itself (16-bit
+    # buffers, the servers' deferred pushes); else the loop does (precision.step)
+    scales_itself = False
 
     def __init__(self, cfg, ctx, device):
         self.cfg, self.ctx, self.device = cfg, ctx, device
@@ -255,8 +252,9 @@ def broadcast_tensor(coll, t):
     t.copy_(staged)
 
 
-def broadcast_module(coll, module):
-    """Rank 0's parameters and buffers on every rank (DDP does the same at construction)."""
+def broadcast_buffers(coll, module):
+    """Rank 0's buffers on every rank, as DDP does at construction (the bucket
+    engine broadcasts the parameters, a bucket at a time)."""
     with torch.no_grad():
-        for t in chain(module.parameters(), module.buffers()):
+        for t in module.buffers():
             broadcast_tensor(coll, t.data)

@@ -39,8 +39,20 @@ from ..runtime.context import require_psrv
 from ..runtime.precision import any_rank_of
 from ..runtime.trace import span
 from .gradient_sync import build_compressor, make_optimizer
-from .ps_sync import check_servers_step, wire_of
 from .zero import ZeRO
+
+
+def wire_of(cfg):
+    """What a push carries: --compress fp16 or bf16 halves it (the servers widen it to
+    float32 before they sum and step), else float32."""
+    return cfg.compress if cfg.compress in ("fp16", "bf16") else "fp32"
+
+
+def check_servers_step(start_step, state):
+    """On --resume: the servers' shards and the workers' checkpoint must be of one step."""
+    if state.get("servers_step") != start_step:
+        raise RuntimeError(f"--resume: the servers resumed at step {start_step}, "
+                           f"the worker checkpoint is at step {state.get('servers_step')}")
 
 
 class ServerBuckets(ZeRO):
@@ -159,6 +171,11 @@ class ServerBuckets(ZeRO):
     def gradients(self):
         return []                  # the servers updated: no gradient is left to check
 
+    @property
+    def scales_itself(self):
+        """The servers step: fp16's vote and unscaling come before the pushes, in step."""
+        return True
+
     def step(self, optimizer):
         """The pulled values into the buckets' flat parameters: the one change of the
         model in a step, as the contract says (gradient_sync.py).  fp16: first the vote
@@ -181,14 +198,28 @@ class ServerBuckets(ZeRO):
 
     # ------------------------------------------------------ what it holds
     @property
+    def comm_rounds(self):
+        """A bucket's round trip to the servers, and before it the node's all-reduce
+        where the node holds several replicas (hybrid)."""
+        return self.engine.reductions * (2 if self.node_ring else 1) if self.units else 0
+
+    def _node_transports(self):
+        """The node's collectives' transports (the main thread's and the comm thread's)."""
+        if self.node is None:
+            return []
+        colls = [self.node.coll] + ([self.node.thread_coll]
+                                    if self.node.thread_coll is not self.node.coll else [])
+        return [c.transport for c in colls]
+
+    @property
     def bytes_sent(self):
         return (self.client.bytes_sent if self.client else 0) + \
-            (self.node.coll.transport.bytes_sent if self.node else 0)
+            sum(t.bytes_sent for t in self._node_transports())
 
     @property
     def bytes_received(self):
         return (self.client.bytes_received if self.client else 0) + \
-            (self.node.coll.transport.bytes_received if self.node else 0)
+            sum(t.bytes_received for t in self._node_transports())
 
     @property
     def staleness(self):

@@ -16,8 +16,9 @@ blocks, an embedding, the linears of the MLP) of at most --bucket-mb, one layer
 at stage 3, whose parameters are one flat buffer, cut by `allreduce.shard_bounds`,
 the rule that reduce-scatter and all-gather use as well, so rank r's shard of
 parameters, gradients and optimizer state are the same elements.  Plain data
-parallelism is stage 0 over the same buckets (AllReduceSync, below): there is
-one implementation of data parallelism, and ZeRO is a choice of its collective.
+parallelism is stage 0 over the same buckets (data_parallel.py builds every run's):
+there is one implementation of data parallelism, and ZeRO is a choice of its
+collective.
 
 A step, per bucket, in the order backward finishes them:
 
@@ -73,10 +74,9 @@ from ..runtime.memory import optimizer_tensors, state_bytes
 from ..runtime.precision import MixedPrecision, any_rank
 from ..runtime.trace import span
 from .buckets import GradBuckets, Layer, Replicas
-from .gradient_sync import (GradientSync, broadcast_module, build_compressor, collective_for,
-                            for_device, make_optimizer, total)
+from .gradient_sync import GradientSync, make_optimizer, total
 
-__all__ = ["AllReduceSync", "Replicas", "ZeRO"]
+__all__ = ["Replicas", "ZeRO"]
 
 EMPTY = torch.empty(0)
 
@@ -84,7 +84,7 @@ EMPTY = torch.empty(0)
 class ZeroUnit:
     """One bucket's parameters as one flat buffer and this rank's shard of it."""
 
-    def __init__(self, bucket, zero, bind=True):
+    def __init__(self, bucket, zero):
         self.bucket, self.zero = bucket, zero
         self.index, self.name, self.params = bucket.index, bucket.name, bucket.params
         self.module = bucket.layers[0].module           # stage 3: one layer a bucket
@@ -94,8 +94,6 @@ class ZeroUnit:
         self.full = self.shard = self.master = None
         # stage 3's parameters between uses: empty, on their device (a GPU's stay there)
         self.empty = EMPTY.to(self.params[0].device)
-        if not bind:                     # plain data parallelism on the user's own tensors
-            return
         full = torch.cat([p.detach().reshape(-1) for p in self.params])
         if replicas.size > 1:            # rank 0's weights win, as in DDP
             replicas.coll.broadcast(full, root=0)
@@ -192,7 +190,7 @@ class ZeRO(GradientSync):
         if units is not None:
             self._build([Layer(*u) for u in units], Replicas(coll, thread_coll))
 
-    def _build(self, layers, replicas, bind=True):
+    def _build(self, layers, replicas):
         """The buckets of `layers` (stage 3: a layer each), and each one's parameter side."""
         cap = 0 if self.stage == 3 else int(self.cfg.bucket_mb * 2**20)
         self.engine = GradBuckets(layers, self._reduce_bucket, cap, self.compressor,
@@ -200,7 +198,7 @@ class ZeRO(GradientSync):
                                   backwards_per_step=self.backwards_per_step,
                                   after_backward=self._after_backward if self.stage == 3
                                   else None, name="zero-comm")
-        self.units = [ZeroUnit(b, self, bind) for b in self.engine.buckets]
+        self.units = [ZeroUnit(b, self) for b in self.engine.buckets]
         for unit in self.units if self.stage == 3 else ():
             self._hooks.append(unit.module.register_forward_pre_hook(
                 lambda m, args, unit=unit: unit.gather("forward")))
@@ -284,11 +282,14 @@ class ZeRO(GradientSync):
 
     # ------------------------------------------------------------ the step
     def make_optimizer(self, model=None):
-        """Over the fp32 masters (mixed) or the shards (stages 1-3), not the model's."""
+        """Over the fp32 masters (mixed) or the shards (stages 1-3); at stage 0 over the
+        parameters, in `model`'s order where it is given (a whole model's checkpoint
+        then holds the optimizer state of one process's)."""
         if self.precision.mixed:
             params = [u.master for u in self.units]
         elif self.stage == 0:
-            params = [p for u in self.units for p in u.params]
+            params = list(model.parameters()) if model is not None else \
+                [p for u in self.units for p in u.params]
         else:
             params = [u.shard for u in self.units]
         return make_optimizer(self.cfg, params)
@@ -312,6 +313,11 @@ class ZeRO(GradientSync):
 
     def gradients(self):
         return [u.gradient() for u in self.units]
+
+    @property
+    def scales_itself(self):
+        """16-bit buffers: step unscales and votes on an fp16 overflow itself."""
+        return self.precision.mixed
 
     def step(self, optimizer):
         if not self.precision.mixed:
@@ -384,22 +390,28 @@ class ZeRO(GradientSync):
         return total(c.bytes_received for c in self.colls())
 
     def state_dict(self):
-        """What the model's state_dict does not hold: stage 3's parameter shards (the
-        parameters are empty between uses), the fp32 masters of mixed precision, and
-        the step of top-k's --sparsity-warmup."""
-        return {"compressor_step": self.compressor.step,
-                "shards": [u.shard.detach().clone() for u in self.units] if self.stage == 3
-                else [],
-                "masters": [u.master.detach().clone() for u in self.units
-                            if u.master is not None]}
+        """What the model's state_dict does not hold, where there is any: stage 3's
+        parameter shards (the parameters are empty between uses), the fp32 masters of
+        mixed precision, and the step of top-k's --sparsity-warmup ({} for plain data
+        parallelism in fp32: the model and the optimizer are the whole state)."""
+        state = {}
+        if self.cfg.sparsity_warmup:
+            state["compressor_step"] = self.compressor.step
+        if self.stage == 3:
+            state["shards"] = [u.shard.detach().clone() for u in self.units]
+        masters = [u.master.detach().clone() for u in self.units if u.master is not None]
+        if masters:
+            state["masters"] = masters
+        return state
 
     def load_state_dict(self, state):
-        self.compressor.set_step(state["compressor_step"])
+        if "compressor_step" in state:
+            self.compressor.set_step(state["compressor_step"])
         with torch.no_grad():
-            for unit, shard in zip(self.units, state["shards"]):
+            for unit, shard in zip(self.units, state.get("shards", [])):
                 unit.shard.copy_(shard)
             for unit, master in zip([u for u in self.units if u.master is not None],
-                                    state["masters"]):
+                                    state.get("masters", [])):
                 unit.master.copy_(master)
 
     def close(self):
@@ -408,42 +420,3 @@ class ZeRO(GradientSync):
         self._hooks = []
         if self.units:
             self.engine.close()
-
-
-class AllReduceSync(ZeRO):
-    """Plain data parallelism of a whole model, for strategies.train's loop and a user's
-    own (DistributedOptimizer): stage 0 over the model's own parameters, each a layer of
-    its own, bucketed by --bucket-mb, through any all-reduce --sync and any compressor.
-    ctx is read only to make the collective (its dp_comm); with `coll` given it may be None."""
-
-    def __init__(self, cfg, ctx, device, coll=None):
-        # On a GPU every collective of this sync (the broadcast of setup, the
-        # buckets) goes through one staging: NCCL moves CUDA tensors itself, the
-        # MPI transports (not CUDA-aware) get them through pinned host memory.
-        coll = for_device(coll or collective_for(cfg.sync, cfg, ctx.dp_comm, device=device), device)
-        compressor = build_compressor(cfg.compress, coll, cfg.error_feedback,
-                                      cfg.compressor_momentum, cfg.sparsity_warmup)
-        # one collective for the thread and the main thread: a plain loop talks on
-        # neither meanwhile
-        super().__init__(0, None, coll, cfg, thread_coll=coll if cfg.overlap else None,
-                         compressor=compressor, overlap=cfg.overlap, device=device)
-        self.ctx, self.name = ctx, cfg.sync
-
-    def setup(self, model):
-        GradientSync.setup(self, model)
-        broadcast_module(self.coll, model)          # DDP does the same: rank 0's weights win
-        self._build(list(model.parameters()), Replicas(self.coll), bind=False)
-
-    def make_optimizer(self, model):
-        return GradientSync.make_optimizer(self, model)
-
-    def gradients(self):
-        return [p.grad for p in self.params]
-
-    def state_dict(self):
-        # --sparsity-warmup: a resumed run goes on at its step's top-k ratio
-        return {"compressor_step": self.compressor.step} if self.cfg.sparsity_warmup else {}
-
-    def load_state_dict(self, state):
-        if "compressor_step" in state:
-            self.compressor.set_step(state["compressor_step"])

@@ -88,7 +88,7 @@ if __name__ == "__main__":
     ops = {}
     for name, flags in runs:
         train(out, name, flags, "plain")
-        # every module that asks for_device: collective_for's, the pipeline's, AllReduceSync's
+        # every module that asks for_device: collective_for's, the pipeline's, data_parallel's
         for module in (gradient_sync, parallelize, zero):
             module.for_device = as_on_a_gpu
         STAGED.clear()
