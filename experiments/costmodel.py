@@ -53,8 +53,8 @@ Quick reference (n bytes, P ranks, lg = ceil(log2 P)):
                        all-gather halves, the pairwise all-to-all, on N hosts x R ranks
     context parallel   ring attention (3 cp - 2) alpha + 2 (3 cp - 2) m beta, m = b T/cp C bytes;
                        Ulysses 4 all-to-alls of 3m, m, m, 3m: 4 (cp-1) alpha + 8 (cp-1)/cp m beta
-                       (one layer, forward and backward; bytes from parallel/ring_attention.py
-                       and parallel/ulysses.py)
+                       (one layer, forward and backward; the bytes are those of
+                       strategies/parallel/ring_attention.py and strategies/parallel/ulysses.py)
 """
 import functools
 

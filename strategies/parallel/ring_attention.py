@@ -70,7 +70,10 @@ from allreduce.buffers import nbytes
 
 from ..runtime.trace import span
 
-KV_TAG, GRAD_TAG = 0, 1     # the k, v blocks and the dk, dv accumulators: two streams
+# The k, v blocks and the dk, dv accumulators: two streams that may be in flight at once,
+# told apart by tag.  Every message is waited for before the core returns, so the ring may
+# share its transport with collectives called in turn, not with another thread's.
+KV_TAG, GRAD_TAG = 0, 1
 
 
 def ring_bytes(batch, seq_len, d_model, cp, itemsize=4, backward=True):
