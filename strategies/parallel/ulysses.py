@@ -97,16 +97,19 @@ class Ulysses:
         self.seconds += time.perf_counter() - start
         return out
 
+    def exchange(self, what):
+        """The all-to-all that `to_heads` and `to_sequence` call, named for the trace."""
+        return lambda blocks: self.alltoall(blocks, what)
+
     def __call__(self, q, k, v, heads):
         cp = self.coll.size
         check_heads(heads, cp)
-        forward_in = lambda x: to_heads(x, cp, lambda b: self.alltoall(b, "q k v"))
-        back_in = lambda g: to_sequence(g, cp, lambda b: self.alltoall(b, "q k v backward"))
-        forward_out = lambda y: to_sequence(y, cp, lambda b: self.alltoall(b, "out"))
-        back_out = lambda g: to_heads(g, cp, lambda b: self.alltoall(b, "out backward"))
         # 1. sequence-sharded to head-sharded, q, k, v in one all-to-all
-        q, k, v = Conjugate.apply(torch.stack([q, k, v]), forward_in, back_in)
+        q, k, v = Conjugate.apply(
+            torch.stack([q, k, v]), lambda x: to_heads(x, cp, self.exchange("q k v")),
+            lambda g: to_sequence(g, cp, self.exchange("q k v backward")))
         # 2. attention over the whole sequence, heads / cp heads
         y = self.inner(q, k, v, heads // cp)
         # 3. back to this rank's positions, every head
-        return Conjugate.apply(y, forward_out, back_out)
+        return Conjugate.apply(y, lambda y: to_sequence(y, cp, self.exchange("out")),
+                               lambda g: to_heads(g, cp, self.exchange("out backward")))
