@@ -51,6 +51,10 @@ Quick reference (n bytes, P ranks, lg = ceil(log2 P)):
     psrv, one host     T1(n) + (W - 1) D(n)    (calibrated: W = 1 round trip, each further worker)
     on a cluster       cluster_collective_time: ring all-reduce, its reduce-scatter and
                        all-gather halves, the pairwise all-to-all, on N hosts x R ranks
+    context parallel   ring attention (3 cp - 2) alpha + 2 (3 cp - 2) m beta, m = b T/cp C bytes;
+                       Ulysses 4 all-to-alls of 3m, m, m, 3m: 4 (cp-1) alpha + 8 (cp-1)/cp m beta
+                       (one layer, forward and backward; the bytes are those of
+                       strategies/parallel/ring_attention.py and strategies/parallel/ulysses.py)
 """
 import functools
 
@@ -58,11 +62,13 @@ from allreduce.costs import (Machine, allreduce_time,  # noqa: F401 (re-exported
                              halving_doubling_allreduce, hierarchical_allreduce, interpolate,
                              lg, ring_allgather, ring_allreduce, ring_reduce_scatter,
                              tree_allreduce)
-from allreduce.theory import Step, zero_comm_bytes  # noqa: F401 (re-exported)
+from allreduce.alltoall import uses_bruck
+from allreduce.theory import Step, bytes_sent, zero_comm_bytes  # noqa: F401 (re-exported)
 from allreduce.twolevel import cluster_allreduce_time, profile, profile_time
 from strategies.parallel.bubble import (  # noqa: F401 (re-exported)
     activations_in_flight as pipeline_activations_in_flight, bubble_fraction)
 
+from strategies.parallel.ring_attention import ring_bytes
 from strategies.runtime.memory import zero_memory  # noqa: F401 (re-exported)
 
 
@@ -122,6 +128,34 @@ def pipeline_step_time(p, m, t_forward, t_backward, activation_bytes, link, v=1)
     sending an activation (forward) and its gradient (backward)."""
     send = link.alpha + activation_bytes * link.beta if p > 1 else 0.0
     return (v * m + p - 1) * ((t_forward + t_backward) / v + 2 * send)
+
+
+# ---------------------------------------------------------- context parallelism
+def context_parallel_time(kind, batch, seq_len, d_model, cp, m, itemsize=4):
+    """Seconds one rank spends sending one layer's context-parallel traffic in a training
+    step (forward and backward), none of it hidden behind attention: the upper bound
+    of what the overlap leaves exposed.
+
+    ring     the k, v message (2 blocks) cp - 1 times forward and again backward, the
+             dk, dv message (2 blocks) cp times: 3 cp - 2 messages (ring_attention.py)
+    ulysses  four all-to-alls (q k v packed, the output; their gradients), each the
+             pairwise exchange's cp - 1 steps, or Bruck's ceil(log2 cp) for small
+             blocks, as allreduce/alltoall.py picks (ulysses.py)
+    The bytes are the implementations' own formulas; every message is an exchange
+    (each rank sends and receives at once), so beta is read at its size (m.beta_at)."""
+    if cp == 1:
+        return 0.0
+    block = batch * (seq_len // cp) * d_model * itemsize
+    if kind == "ring":
+        messages = 3 * cp - 2
+        return messages * m.alpha + ring_bytes(batch, seq_len, d_model, cp, itemsize) * \
+            m.beta_at(2 * block)
+    if kind == "ulysses":
+        # ulysses_bytes is the sum of these four all-to-alls' bytes
+        return sum((lg(cp) if uses_bruck(n // cp, cp) else cp - 1) * m.alpha +
+                   bytes_sent("ring", "alltoall", n, cp) * m.beta_at(n // cp)
+                   for n in (3 * block, block, block, 3 * block))
+    raise ValueError(f"kind must be ring or ulysses, got {kind!r}")
 
 
 # ------------------------------------------------------- collectives on a cluster

@@ -206,3 +206,18 @@ def test_report_shows_the_machines_own_drift_from_the_calibration_rounds():
     text = " ".join(str(b[1]) for b in report.fidelity_blocks([cal]) if b[0] == "p")
     assert "1M 0.30-0.45 ms (slowest +50%)" in text and "over 3 rounds" in text
     assert fidelity.drift({"verify": [{"algo": "ring", "bytes": 1, "time_us": 1.0}]}) == []
+
+
+@pytest.mark.timeout(10)
+def test_context_parallel_by_hand():
+    # b 2, T 4096, C 64, cp 4, float32: a block (one of k, v, dk, dv) is 2 * 1024 * 64 * 4
+    block = 524288
+    # ring: 3 cp - 2 = 10 messages, 2 (cp-1) + 2 (cp-1) + 2 cp = 20 blocks
+    assert cm.context_parallel_time("ring", 2, 4096, 64, 4, M) == \
+        pytest.approx(10 * 1e-5 + 20 * block * 1e-9)
+    # Ulysses: 4 pairwise all-to-alls (3 steps each) of 3, 1, 1, 3 blocks, 3/4 of each sent
+    assert cm.context_parallel_time("ulysses", 2, 4096, 64, 4, M) == \
+        pytest.approx(12 * 1e-5 + 0.75 * 8 * block * 1e-9)
+    assert cm.context_parallel_time("ring", 2, 4096, 64, 1, M) == 0.0
+    with pytest.raises(ValueError, match="ring or ulysses"):
+        cm.context_parallel_time("zigzag", 2, 4096, 64, 2, M)

@@ -54,15 +54,20 @@ def causal_attention(q, k, v, heads):
 
 
 class CausalSelfAttention(nn.Module):
+    """`core(q, k, v, heads)` is the attention between the projections: causal_attention
+    here; context parallelism puts one that sees the other ranks' positions in its place
+    (parallel/ring_attention.py, parallel/ulysses.py)."""
+
     def __init__(self, d_model, heads):
         super().__init__()
         self.heads = heads
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
+        self.core = causal_attention
 
     def forward(self, x):
         q, k, v = self.qkv(x).chunk(3, dim=2)
-        return self.proj(causal_attention(q, k, v, self.heads))
+        return self.proj(self.core(q, k, v, self.heads))
 
 
 class Block(nn.Module):

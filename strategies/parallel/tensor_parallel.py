@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..model.models import Block, causal_attention
+from ..model.models import Block
 from ..runtime.precision import as_wire
 from ..runtime.trace import span
 
@@ -139,12 +139,13 @@ class TensorParallelAttention(nn.Module):
         self.qkv = ColumnParallelLinear(attn.qkv, tp, [(j * C + start, j * C + stop)
                                                        for j in range(3)])
         self.proj = RowParallelLinear(attn.proj, tp, (start, stop))
+        self.core = attn.core           # the attention between them (models.py)
 
     def forward(self, x):
         # the whole sequence even under sequence parallelism, where x holds T / tp
         # positions: qkv's entry gathers them (sequence_parallel.py)
         q, k, v = self.qkv(x).chunk(3, dim=2)
-        return self.proj(causal_attention(q, k, v, self.heads))
+        return self.proj(self.core(q, k, v, self.heads))
 
 
 def tensor_parallel_mlp(mlp, tp):
