@@ -48,6 +48,7 @@ TECHNIQUES = [
     ("--compress fp16", {"compress": "fp16"}),
     ("--compress topk:0.01", {"compress": "topk:0.01"}),
     ("--compress powersgd:2", {"compress": "powersgd:2"}),
+    ("--compress fp8", {"compress": "fp8"}),
     ("--checkpoint-dir", {"checkpoint_dir": "ckpt"}),
     ("--straggler 0:0.1", {"straggler": "0:0.1"}),
     ("--device cuda", {"device": "cuda"}),

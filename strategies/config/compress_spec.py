@@ -7,12 +7,14 @@
     spec        what travels                               file
     none        float32, all-reduced                       compression/casts.py
     fp16, bf16  a 16-bit cast, all-reduced                 compression/casts.py
+    fp8         e4m3 with a scale per bucket, all-gathered  fp8.py
+                and summed in float32
     topk:R      the largest R fraction of each bucket,     topk.py
                 (index, value) pairs all-gathered
     powersgd:K  rank-K factors P, Q of each matrix,        powersgd.py
                 all-reduced (vectors go dense)
 
-topk and powersgd drop most of the gradient on each step; error feedback
+topk, powersgd and fp8 drop part of the gradient on each step; error feedback
 (error_feedback.py, on unless --no-error-feedback) keeps what was dropped and
 adds it to the next step's gradient, so nothing is lost, only delayed.
 --sparsity-warmup STEPS lets top-k keep more in the first steps (kept_ratio_at).
@@ -28,24 +30,25 @@ from allreduce.theory import bytes_sent
 from .choices import COMPRESSIONS, ConfigError, flag_of, setting_of
 
 # the compressions that keep state between steps and need error feedback to converge
-LOSSY_KINDS = ("topk", "powersgd")
+LOSSY_KINDS = ("topk", "powersgd", "fp8")
 
 
 @dataclass(frozen=True)
 class CompressSpec:
-    kind: str = "none"            # none, fp16, bf16, topk, powersgd
+    kind: str = "none"            # none, fp16, bf16, fp8, topk, powersgd
     ratio: float = 1.0            # topk: the fraction of each bucket's entries sent
     rank: int = 0                 # powersgd: the rank of the factors
 
     @property
     def lossy(self):
-        """Whether the compression drops information each step (topk, powersgd): these
-        need the all-gather or factor exchange of an all-reduce sync, and error feedback."""
+        """Whether the compression drops information each step (topk, powersgd, fp8):
+        these need the all-gather or factor exchange of an all-reduce sync, and error
+        feedback."""
         return self.kind in LOSSY_KINDS
 
 
 def parse_compress(text, flag="compress"):
-    """'none' | 'fp16' | 'bf16' | 'topk:RATIO' (0 < RATIO <= 1) | 'powersgd:RANK' (>= 1)
+    """'none' | 'fp16' | 'bf16' | 'fp8' | 'topk:RATIO' (0 < RATIO <= 1) | 'powersgd:RANK' (>= 1)
     -> CompressSpec; ConfigError naming `flag` and the reason otherwise."""
     text = str(text)
     kind, sep, number = text.partition(":")
@@ -122,11 +125,11 @@ def check_compress(compress, sync, error_feedback=True, cli=True, sparsity_warmu
                           f"no wire, so there is nothing to compress", field="sync")
     if spec.lossy and sync in ("ps", "hybrid"):
         raise ConfigError(f"{what} with {setting_of('sync', sync, cli)} is not supported: "
-                          f"psrv's pushes are dense (float32, fp16 or bf16 frames), so a "
-                          f"sparse or low-rank gradient would travel whole; --compress fp16 "
-                          f"and bf16 halve a push", field="sync")
+                          f"psrv's pushes are float32, fp16 or bf16 frames, with none yet "
+                          f"for top-k's pairs, PowerSGD's factors or fp8's scaled bytes; "
+                          f"--compress fp16 and bf16 halve a push", field="sync")
     if not error_feedback and not spec.lossy:
         raise ConfigError(f"{'--no-error-feedback' if cli else 'error_feedback=False'} "
-                          f"switches off the residuals of topk:RATIO and powersgd:RANK, "
+                          f"switches off the residuals of topk:RATIO, powersgd:RANK and fp8, "
                           f"not of {what}", field="error_feedback")
     return spec

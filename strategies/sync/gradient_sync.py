@@ -45,6 +45,7 @@ import allreduce
 from allreduce.buffers import TORCH_DTYPES
 
 from ..compression.casts import make_compressor
+from ..compression.fp8 import Fp8Compressor
 from ..compression.powersgd import PowerSGDCompressor
 from ..compression.topk import TopKCompressor
 from ..config.choices import EMULATED_SYNCS
@@ -52,7 +53,8 @@ from ..config.compress_spec import parse_compress
 
 
 def build_compressor(compress, coll=None, error_feedback=True, momentum=0.0, warmup=0):
-    """The compressor of a --compress spec: compression/casts.py's casts, topk.py, powersgd.py.
+    """The compressor of a --compress spec: compression/casts.py's casts, topk.py,
+    powersgd.py, fp8.py.
     `coll`: the collective top-k all-gathers over; `momentum`: top-k's momentum
     correction (0: none); `warmup`: top-k's --sparsity-warmup steps (0: none)."""
     spec = parse_compress(compress)
@@ -60,6 +62,8 @@ def build_compressor(compress, coll=None, error_feedback=True, momentum=0.0, war
         return TopKCompressor(spec.ratio, coll, error_feedback, momentum, warmup)
     if spec.kind == "powersgd":
         return PowerSGDCompressor(spec.rank, error_feedback)
+    if spec.kind == "fp8":
+        return Fp8Compressor(coll, error_feedback)
     return make_compressor(spec.kind)
 
 
