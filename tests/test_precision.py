@@ -185,6 +185,31 @@ def test_two_ranks_bf16_ring_and_zero_memory_per_rank_match_the_formula(tmp_path
     assert 0 < max(max(seen) for seen in skips.values()) < N_STEPS
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(200)
+def test_reduce_precision_fp32_widens_the_grids_16_bit_buckets(tmp_path):
+    """P = 2, dp 2 with ZeRO-1 under bf16: --reduce-precision param reduces the 16-bit
+    buckets as they are, fp32 widens them, so its gradient bytes are twice param's
+    (the records' wire_bytes, every step and rank); both train within LOSS_RTOL of the
+    fp32 run after N steps.  A whole model's buckets are fp32 already: fp32 changes
+    nothing there (its bytes equal param's)."""
+    grid = MLP + ["--sync", "ring", "--zero", "1", "--dp", "2", "--precision", "bf16"]
+    whole = MLP + ["--sync", "ring", "--precision", "bf16"]
+    runs = launch(tmp_path, 2, [
+        ("fp32", MLP + ["--sync", "ring", "--zero", "1", "--dp", "2"]),
+        ("param", grid), ("wide", grid + ["--reduce-precision", "fp32"]),
+        ("whole_param", whole), ("whole_wide", whole + ["--reduce-precision", "fp32"])])
+
+    def wire(name):
+        return [r["wire_bytes"] for r in runs[name] if r["kind"] == "step"]
+    assert wire("wide") == [2 * b for b in wire("param")]
+    assert wire("whole_wide") == wire("whole_param")
+    for name in ("param", "wide"):
+        assert final_loss(runs[name]) == pytest.approx(final_loss(runs["fp32"]), rel=LOSS_RTOL)
+    config = [r for r in runs["wide"] if r["kind"] == "config"][0]
+    assert config["reduce_precision"] == "fp32"
+
+
 # a tiny mixture of experts, its 4 experts split over 2 ranks (expert_parallel.py)
 EP_MOE = ["--model", "moe", "--layers", "2", "--d-model", "16", "--heads", "2", "--vocab", "12",
           "--seq-len", "8", "--dataset-size", "120", "--global-batch", "8", "--experts", "4",

@@ -23,6 +23,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ZERO_STAGES = (0, 1, 2, 3)
 # compute under autocast, fp32 master weights (precision.py)
 PRECISIONS = ("fp32", "bf16", "fp16")
+# the dtype a gradient bucket is reduced in: its own (param) or widened to fp32
+REDUCE_PRECISIONS = ("param", "fp32")
 # the least value of each parallel degree (dp 0: what is left), for flags and Mesh alike
 DEGREES = ((1, ("pp", "tp", "ep")), (0, ("dp",)))
 

@@ -52,6 +52,12 @@ class PrecisionOptions:
     loss_scale: float = 65536.0   # fp16: the initial loss scale (halved on inf/NaN, the step
                                   # skipped; doubled after --loss-scale-window clean steps)
     loss_scale_window: int = 1000  # fp16: clean steps in a row before the scale doubles
+    reduce_precision: str = "param"  # what a gradient bucket is reduced in: param,
+                                     # the dtype its gradients are held in (16-bit on
+                                     # a split model under --precision, fp32 where the
+                                     # parameters stay fp32 under autocast), or fp32:
+                                     # 16-bit buckets widened for their reduction
+                                     # (Megatron-LM's grad_reduce_in_fp32)
 
     def __post_init__(self):
         check_section(self, precision_rules)

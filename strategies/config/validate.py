@@ -15,8 +15,8 @@ A section (sections.py) checks its own fields on construction (`*_rules`, keywor
 names); TrainConfig checks the same rules with flag names, then the combinations.
 """
 from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, DEGREES, DEVICES, EMULATED_SYNCS, MODELS,
-                      OPTIMIZERS, PRECISIONS, PS_SYNCS, SCHEDULES, SYNCS, ZERO_STAGES, ConfigError,
-                      check_types, check_values, flag_of, setting_of)
+                      OPTIMIZERS, PRECISIONS, PS_SYNCS, REDUCE_PRECISIONS, SCHEDULES, SYNCS,
+                      ZERO_STAGES, ConfigError, check_types, check_values, flag_of, setting_of)
 from .compress_spec import check_compress, parse_compress
 from .mesh import Mesh
 
@@ -49,7 +49,9 @@ def sync_rules(cfg, cli=True):
 
 
 def precision_rules(cfg, cli=True):
-    check_values(cfg, cli, choices=(("precision", PRECISIONS),), positive=("loss_scale",),
+    check_values(cfg, cli, choices=(("precision", PRECISIONS),
+                                    ("reduce_precision", REDUCE_PRECISIONS)),
+                 positive=("loss_scale",),
                  at_least=((1, ("loss_scale_window",)),))
 
 

@@ -47,9 +47,11 @@ Mixed precision (--precision bf16/fp16, precision.py) is the paper's own setting
 the flat parameter and gradient buffers (and stage 3's parameter shards) are
 16-bit, and each rank keeps an fp32 master copy of its shard (of everything
 at stage 0) for the optimizer: 2Ψ + 2Ψ + 12Ψ with Adam, sharded as the table
-says (memory.zero_memory).  The gradients are reduced in 16 bit; the optimizer
-reads them as fp32, unscaled, for its step only, and the updated master shard
-is cast back into the 16-bit buffer before the all-gather.
+says (memory.zero_memory).  The gradients are reduced in 16 bit (--reduce-precision
+fp32 widens each bucket for its reduction instead, as Megatron-LM's
+grad_reduce_in_fp32 does: twice the bytes, no rounding to 16 bits in the sum); the
+optimizer reads them as fp32, unscaled, for its step only, and the updated master
+shard is cast back into the 16-bit buffer before the all-gather.
 
 The gradient collectives of stages 0-2 (and stage 3's reduce-scatters) run on
 the communication thread (comm_thread.py), through the bucket engine: a bucket's
@@ -183,6 +185,9 @@ class ZeRO(GradientSync):
         self.peak_gathered_bytes = 0
         self.thread_coll = thread_coll or coll
         self.compressor = compressor or Compressor()
+        # --reduce-precision fp32: 16-bit buckets are reduced as fp32 (Megatron-LM's
+        # grad_reduce_in_fp32): twice the bytes, no 16-bit rounding in the sum
+        self.reduce_fp32 = cfg.reduce_precision == "fp32"
         self.overlap = overlap and thread_coll is not None
         # a collective on the thread overlaps backward: its own track in the trace
         self.category = "dp-comm" if self.overlap else "comm"
@@ -225,8 +230,8 @@ class ZeRO(GradientSync):
         """flat := its mean over the replicas, through the compressor.  A compressor other
         than float32's reads fp32: 16-bit buffers go through a copy."""
         replicas = bucket.replicas
-        work = flat if flat.dtype == torch.float32 or type(self.compressor) is Compressor \
-            else flat.float()
+        work = flat if flat.dtype == torch.float32 or \
+            (type(self.compressor) is Compressor and not self.reduce_fp32) else flat.float()
         # one replica too: --compress means what the gradient goes through, wherever it goes
         sent = self.compressor.reduce_bucket(
             bucket.index, work, bucket.wire if work is flat else None, bucket.shapes,
@@ -245,9 +250,12 @@ class ZeRO(GradientSync):
         if self.compressor.lossy or replicas.size == 1:
             sent = self._allreduce_avg(bucket, flat)
             return flat[bucket.start:bucket.stop].clone(), sent
-        # float32's identity sends the buffer as it is (16-bit under --precision)
-        wire = flat if type(self.compressor) is Compressor else \
-            flat.to(self.compressor.wire_dtype)
+        # float32's identity sends the buffer as it is (16-bit under --precision, unless
+        # --reduce-precision fp32 widens it), a cast its own dtype
+        if type(self.compressor) is not Compressor:
+            wire = flat.to(self.compressor.wire_dtype)
+        else:
+            wire = flat.float() if self.reduce_fp32 else flat
         shard = replicas.thread_coll.reduce_scatter(wire, op="avg").to(flat.dtype)
         if replicas.scale != 1.0:
             shard.mul_(replicas.scale)
