@@ -284,7 +284,7 @@ def test_any_run_can_be_traced_even_through_parameter_servers(tmp_path):
 def test_bad_input_stops_every_rank_before_training(tmp_path):
     bad = {
         "dp(3) x pp(2) x tp(1) = 6 != world size 4": ["--dp", "3", "--pp", "2"],
-        "--layers 2 is not divisible by pp(4)": ["--pp", "4"],
+        "--layers 2 is fewer than pp(4) stages": ["--pp", "4"],
         "--heads 2 is not divisible by tp(4)": ["--tp", "4"],
         "--zero 2 needs an all-reduce --sync": ["--zero", "2", "--sync", "ps"],
         "--micro-batches 5 is more than the 4 samples": ["--dp", "2", "--pp", "2",

@@ -10,7 +10,7 @@ from experiments import plan as plan_cli
 from experiments.planner import kernels
 from experiments.planner.cluster import Cluster, preset
 from experiments.planner.search import Space, distinct, divisors, layouts, plan
-from experiments.planner.stages import stage_layers
+from strategies.parallel.stages import stage_layers
 from experiments.planner.step import Layout, memory_of, predict
 from experiments.planner.transformer import (GPT, layer_activation_bytes, layer_forward_flops,
                                              parameters, step_flops)
