@@ -1,5 +1,6 @@
 """Today's GPT shapes in the trainer (strategies/model/models.py) and their tp split
-(strategies/parallel/tensor_parallel.py); the pipeline's uneven stages (parallel/pipeline.py).
+(strategies/parallel/tensor_parallel.py); the pipeline's uneven stages
+(strategies/parallel/pipeline.py).
 
 Tier (a): parameter shapes, the flags' errors, the stages' split.  Tier (b): each
 shape against an independent reference: grouped-query attention equals multi-head
