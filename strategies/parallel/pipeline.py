@@ -6,10 +6,11 @@ of p owns n_s consecutive blocks; stage 0 also the embedding, stage p-1 the head
 and the loss.  The n_s are stages.py's balanced split, any p <= L, with the
 embedding and the head weighed in blocks' worth by their forward FLOPs a token
 (`token_flops`): 7 GPT blocks on 3 stages are 2, 3, 2 (the ends carry a little
-more than their blocks), 8 on 4 are 2 each; --pp-layers 2,3,2 sets them by hand.  Activations go forward and their gradients backward through the
-point-to-point transport of allreduce/ (the pp communicator: rank i is stage
-i); both sides know every message's shape from the config and the micro-batch
-bounds, so only raw float32 bytes travel.  A message is received on the device
+more than their blocks), 8 on 4 are 2 each; --pp-layers 2,3,2 sets them by hand.
+Activations go forward and their gradients backward through the point-to-point
+transport of allreduce/ (the pp communicator: rank i is stage i); both sides know
+every message's shape from the config and the micro-batch bounds, so only raw
+float32 bytes travel.  A message is received on the device
 the stage computes on (the batch's); on a GPU whose MPI reads host memory only,
 the transport stages it through pinned host memory (allreduce.host_staged).
 
