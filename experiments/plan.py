@@ -13,9 +13,9 @@ MODEL is a GPT's shape (--experts E: a mixture of experts in every layer;
 Llama 3 405B: --layers 126 --d-model 16384 --heads 128 --kv-heads 8 --ffn-hidden
 53248 --gated-mlp --flash-attention --seq-len 8192 --vocab 128256).  Any pipeline
 size up to the layers is searched: each stage holds the layers of the balanced
-split (experiments/planner/stages.py: the embedding and the head counted as the
-work they are on the first and last stage), or --pp-layers 5,6,...,6,5 sets
-them by hand (their count is then the pipeline size).
+split (strategies/parallel/stages.py, the trainer's rule too: the embedding and
+the head counted as the work they are on the first and last stage), or
+--pp-layers 5,6,...,6,5 sets them by hand (their count is then the pipeline size).
 CLUSTER is --preset NAME (and --nodes), or the figures themselves, or
 --calibration FILE|DIR: the machine at hand, its links from experiments.calibrate's
 calibration.json and its compute rate timed here (experiments/planner/verify.py).

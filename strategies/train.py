@@ -40,6 +40,7 @@ from .config.choices import ConfigError
 from .config.optimizer_checks import check_same_config
 from .config.settings import check_memory, check_outputs, parse_args, world_of
 from .engine import loop
+from .engine.grid import with_stage_split
 from .engine.loop import StepEngine
 from .model.data import load_data
 from .model.models import build_model
@@ -80,6 +81,7 @@ def prepare(argv=None):
         if not ctx.is_server:
             data = load_data(cfg)
             model = build_model(cfg, data.spec, device)
+            cfg = with_stage_split(cfg, model)     # the pipeline's split, in the records
             state = checkpoint.read(cfg, ctx, model) if cfg.resume else None
     except ConfigError as e:
         problem = str(e)

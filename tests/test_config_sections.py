@@ -166,7 +166,7 @@ def test_the_mesh_and_the_flags_share_the_degree_rule():
     (dict(sync="ps", servers=2), 2, "world_size", "no worker left"),
     (dict(sync="ring", straggler="3:0.1"), 2, "straggler", "--straggler rank 3 is not a rank"),
     (dict(sync="ring", dp=2, pp=2), 6, "world_size", "dp(2) x pp(2) x tp(1) = 4 != world size 6"),
-    (dict(sync="ring", model="gpt", layers=3, pp=2), 2, "layers", "--layers 3 is not divisible"),
+    (dict(sync="ring", model="gpt", layers=3, pp=4), 4, "layers", "--layers 3 is fewer than pp(4)"),
     (dict(sync="ring", model="moe", ep=2, global_batch=48), 3, "ep",
      "is not a multiple of ep(2)"),
     (dict(sync="ring", model="moe", moe_group=3), 2, "moe_group", "--moe-group 3 does not"),

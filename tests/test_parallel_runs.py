@@ -168,6 +168,47 @@ def test_parameter_servers_on_the_grid_resume_exactly(tmp_path):
                                       err_msg=name)
 
 
+# Today's shapes on an uneven pipeline: 7 blocks on 3 stages (the balanced split is
+# 2, 3, 2: the embedding and the head weigh on the ends), grouped-query attention (4
+# query heads over 2 key-value heads) and a SwiGLU MLP of its own width.
+UNEVEN = ["--model", "gpt", "--layers", "7", "--d-model", "16", "--heads", "4",
+          "--kv-heads", "2", "--ffn-hidden", "24", "--gated-mlp", "--vocab", "12",
+          "--seq-len", "8", "--dataset-size", "120", "--global-batch", "8", "--lr", "0.05",
+          "--momentum", "0.9"]
+UNEVEN_RTOL = 1e-4     # 3 steps; seven blocks and SwiGLU's products add more reorderings
+
+
+@pytest.mark.timeout(400)
+def test_uneven_stages_with_today_shapes_reproduce_one_process_and_resume(tmp_path):
+    """dp2 x pp3 on 6 ranks against one process on the global batch, 3 steps, rtol 1e-4;
+    then stopped at step 2 and resumed to 3: the uninterrupted run's parameters, bit for
+    bit.  The first part runs the balanced split, the resumed part names it by hand
+    (--pp-layers 2,3,2): the same split, so the same layout."""
+    one = launch(tmp_path, 1, [("one", UNEVEN + ["--sync", "local"])])["one"]
+    grid = ["--dp", "2", "--pp", "3", "--micro-batches", "2"]
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
+    runs = launch(tmp_path, 6, [("whole", UNEVEN + grid),
+                                ("first", UNEVEN + grid + ckpt + ["--steps", "2"]),
+                                ("resumed", UNEVEN + grid + ckpt + ["--steps", "3", "--resume",
+                                                                    "--pp-layers", "2,3,2"])],
+                  timeout=300)
+    config = next(json.loads(line) for line in open(tmp_path / "whole.jsonl")
+                  if json.loads(line)["kind"] == "config")
+    assert config["pp_layers"] == "2,3,2"           # the balanced split, recorded
+    records, params = runs["whole"]
+    ref_records, ref_params = one
+    for rank in range(6):
+        losses = [r["loss"] for r in records if r["rank"] == rank]
+        np.testing.assert_allclose(losses, [r["loss"] for r in ref_records], rtol=UNEVEN_RTOL)
+    assert sorted(params) == sorted(ref_params)
+    for name in ref_params:
+        np.testing.assert_allclose(params[name], ref_params[name], rtol=UNEVEN_RTOL,
+                                   atol=1e-6, err_msg=name)
+    assert {r["step"] for r in runs["resumed"][0]} == {2}          # it went on from step 2
+    for name in params:
+        np.testing.assert_array_equal(runs["resumed"][1][name], params[name], err_msg=name)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_four_ranks_combinations_reproduce_one_process(tmp_path, reference):
@@ -284,7 +325,7 @@ def test_any_run_can_be_traced_even_through_parameter_servers(tmp_path):
 def test_bad_input_stops_every_rank_before_training(tmp_path):
     bad = {
         "dp(3) x pp(2) x tp(1) = 6 != world size 4": ["--dp", "3", "--pp", "2"],
-        "--layers 2 is not divisible by pp(4)": ["--pp", "4"],
+        "--layers 2 is fewer than pp(4) stages": ["--pp", "4"],
         "--heads 2 is not divisible by tp(4)": ["--tp", "4"],
         "--zero 2 needs an all-reduce --sync": ["--zero", "2", "--sync", "ps"],
         "--micro-batches 5 is more than the 4 samples": ["--dp", "2", "--pp", "2",

@@ -50,8 +50,8 @@ def cfg(**kw):
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("kw, world, message", [
-    (dict(pp=3), 3, r"--layers 4 is not divisible by pp\(3\)"),
-    (dict(model="mlp", depth=3, pp=2), 2, r"--depth 3 is not divisible by pp\(2\)"),
+    (dict(pp=5), 5, r"--layers 4 is fewer than pp\(5\) stages"),
+    (dict(model="mlp", depth=3, pp=4), 4, r"--depth 3 is fewer than pp\(4\) stages"),
     (dict(heads=2, d_model=16, tp=4), 4, r"--heads 2 is not divisible by tp\(4\)"),
     (dict(model="mlp", tp=2), 2, "tensor parallelism splits the GPT"),
     (dict(micro_batches=5), 2, r"--micro-batches 5 is more than the 4 samples"),

@@ -10,11 +10,11 @@ from experiments import plan as plan_cli
 from experiments.planner import kernels
 from experiments.planner.cluster import Cluster, preset
 from experiments.planner.search import Space, distinct, divisors, layouts, plan
-from experiments.planner.stages import stage_layers
 from experiments.planner.step import Layout, memory_of, predict
 from experiments.planner.transformer import (GPT, layer_activation_bytes, layer_forward_flops,
                                              parameters, step_flops)
 from experiments.planner.verify import runnable
+from strategies.parallel.stages import stage_layers
 
 SMALL = GPT(layers=8, d_model=512, heads=8, seq_len=256, vocab=1024, global_batch=32)
 NODE = Cluster("test", nodes=1, gpus_per_node=8, gpu_mem_gib=16, gpu_tflops=100,
@@ -133,13 +133,28 @@ def test_tp_divides_the_key_value_heads():
 
 
 def test_verify_offers_the_trainer_only_what_it_builds():
-    """strategies.train builds GPT-3's shape and splits its layers evenly (for now)."""
+    """strategies.train builds GQA, the MLP's width and SwiGLU, and any split of the
+    layers over 1f1b's stages; not fused attention, nor uneven interleaved chunks."""
     even = Layout(dp=2, pp=2, micro_batches=4, stages=(4, 4))
     assert runnable(SMALL, even) == ""
-    assert "evenly" in runnable(SMALL, replace(even, stages=(3, 5)))
-    for shape in (dict(kv_heads=2), dict(ffn_hidden=1024), dict(gated_mlp=True),
-                  dict(flash_attention=True)):
-        assert "GPT-3's shape" in runnable(replace(SMALL, **shape), even)
+    assert runnable(SMALL, replace(even, stages=(3, 5))) == ""
+    assert "evenly" in runnable(SMALL, replace(even, stages=(3, 5), schedule="interleaved",
+                                               virtual_stages=2))
+    for shape in (dict(kv_heads=2), dict(ffn_hidden=1024), dict(gated_mlp=True)):
+        assert runnable(replace(SMALL, **shape), even) == ""
+    assert "fused attention" in runnable(replace(SMALL, flash_attention=True), even)
+
+
+def test_verify_runs_the_shape_and_the_split_it_planned():
+    """layout_args: the planner's GPT and stages as the trainer's flags, which the
+    trainer's config takes as they are (its cut is then the planner's)."""
+    from experiments.planner.verify import layout_args
+    from strategies.config.settings import check_world, parse_args
+    gpt = replace(SMALL, kv_heads=2, ffn_hidden=1024, gated_mlp=True)
+    layout = Layout(dp=2, pp=2, micro_batches=4, stages=(3, 5))
+    cfg = parse_args(layout_args(gpt, layout, 3))
+    assert (cfg.kv_heads, cfg.ffn_hidden, cfg.gated_mlp) == (2, 1024, True)
+    assert cfg.stage_split == (3, 5) and check_world(cfg, 4) == 2
 
 
 # ------------------------------------------------------------- the compute model

@@ -3,7 +3,6 @@ on a cluster you do not have (python -m experiments.plan; docs/planner.md).
 
     transformer.py   the model's side: parameters, FLOPs, activation bytes (the papers' formulas;
                      GQA, the MLP's width, gating)
-    stages.py        how many layers each pipeline stage holds (balanced, or by hand)
     kernels.py       a layer's compute kernel by kernel: GEMMs by shape, the rest by bandwidth
     cluster.py       the machine's side: GPUs, memory, bandwidth, links; presets with sources
     step.py          one layout's predicted step: time split by cause, memory per rank
@@ -13,5 +12,6 @@ on a cluster you do not have (python -m experiments.plan; docs/planner.md).
     shared_cores.py  a rank's rate among ranks sharing cores, and an exchange's wait (verify's)
 
 It imports the cost model (experiments/costmodel.py), strategies/runtime/memory.py's
-zero_memory and strategies/parallel/bubble.py's formulas; nothing below experiments imports it.
+zero_memory, strategies/parallel/bubble.py's formulas and strategies/parallel/stages.py's
+split of the layers into stages (the trainer's own); nothing below experiments imports it.
 """

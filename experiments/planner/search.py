@@ -10,8 +10,9 @@ layout, and so never listed (rules(): the same list, each with its test):
         the key-value heads (each tp rank holds whole groups of query heads with
         their key-value head: Megatron-LM's rule; we never replicate a
         key-value head over tp ranks);
-    pp above the layers (every stage holds at least one; stages.stage_layers
-        says how many each, balanced or --pp-layers') or above stages.MAX_STAGES;
+    pp above the layers (every stage holds at least one; stage_layers of
+        strategies/parallel/stages.py says how many each, balanced or --pp-layers')
+        or above its MAX_STAGES;
     dp that does not divide the global batch, a micro-batch size b that does not
         divide a replica's share B / dp (m = B / (dp b) micro-batches);
     the interleaved schedule without a pipeline, with v chunks that do not divide
@@ -26,8 +27,9 @@ from dataclasses import dataclass
 
 import math
 
+from strategies.parallel.stages import MAX_STAGES
+
 from .cluster import GIB
-from .stages import MAX_STAGES
 from .step import BYTES, Layout, balanced_stages, predict
 from .transformer import RECOMPUTE
 

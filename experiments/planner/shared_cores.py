@@ -108,16 +108,24 @@ class Probed(NamedTuple):
     link: tuple = None  # (alpha s, beta s a byte) of the device path (--link), or None
 
 
-def block_seconds(d_model, heads, seq_len, batch, repeats=BLOCK_REPEATS, device="cpu"):
-    """The median forward and backward of one block on `batch`
-    sequences, in this process with its torch threads as they are, on `device` (a
-    GPU: waited for)."""
+def shape_of(gpt):
+    """The Block keywords of the planner's GPT beside d_model and heads: its key-value
+    heads, its MLP's width and gating (strategies/model/models.py), so that the probe
+    times the block the trainer will run."""
+    return {"kv_heads": gpt.kv_heads, "ffn_hidden": gpt.ffn_hidden, "gated_mlp": gpt.gated_mlp}
+
+
+def block_seconds(d_model, heads, seq_len, batch, repeats=BLOCK_REPEATS, device="cpu",
+                  shape=None):
+    """The median forward and backward of one block (of `shape`: shape_of's keywords) on
+    `batch` sequences, in this process with its torch threads as they are, on `device`
+    (a GPU: waited for)."""
     import torch
 
     from strategies.model.models import Block
     device = torch.device(device)
     torch.manual_seed(0)
-    block = Block(d_model, heads).to(device)
+    block = Block(d_model, heads, **(shape or {})).to(device)
     x = torch.randn(batch, seq_len, d_model, requires_grad=True, device=device)
     return statistics.median(timed_blocks(block, x, repeats, device))
 
@@ -161,14 +169,15 @@ class SizeProbe:
     rank's means."""
 
     def __init__(self, world, d_model, heads, seq_len, batch, device, pair=None, groups=None,
-                 replays=False):
+                 replays=False, shape=None):
         import numpy as np
         import torch
 
         from strategies.model.models import Block
         self.world, self.device, self.pair = world, torch.device(device), pair
         torch.manual_seed(0)
-        self.block = Block(d_model, heads).to(self.device)
+        shape = shape or {}
+        self.block = Block(d_model, heads, **shape).to(self.device)
         self.x = torch.randn(batch, seq_len, d_model, requires_grad=True, device=self.device)
         self.values = np.zeros(batch * seq_len * d_model, np.float32)
         if pair is not None and pair[1] is not None:
@@ -186,7 +195,7 @@ class SizeProbe:
         for t, (group, ring) in (groups or {}).items():
             colls = {"ring": ring, "local": LocalOnly(t)}
             blocks = {(name, replayed): self.tp_block(colls[name], group.rank, t, d_model,
-                                                      heads, replayed)
+                                                      heads, replayed, shape)
                       for name, replayed in self.tp_kinds}
             x = torch.randn(batch, seq_len // t, d_model, requires_grad=True)
             # each pass as long as the whole block's SHARED_S: t times the (smaller) blocks
@@ -195,7 +204,7 @@ class SizeProbe:
             self.times.update({(name, replayed, t): [] for name, replayed in self.tp_kinds})
 
     @staticmethod
-    def tp_block(coll, rank, t, d_model, heads, replayed=False):
+    def tp_block(coll, rank, t, d_model, heads, replayed=False, shape=None):
         """One Block split over t ranks with sequence parallelism, over `coll`; replayed:
         checkpointed as the trainer's --recompute checkpoints it."""
         import torch
@@ -206,7 +215,7 @@ class SizeProbe:
         from strategies.parallel.tensor_parallel import TensorParallel, parallelize_blocks
         torch.manual_seed(0)
         tp = TensorParallel(coll, rank, t)
-        block = Block(d_model, heads)
+        block = Block(d_model, heads, **(shape or {}))
         parallelize_blocks([block], tp)
         blocks = split_sequence([("blocks.0", block)], tp)
         if replayed:
@@ -303,7 +312,7 @@ def ring_groups(world, sizes):
 
 
 def probe(d_model, heads, seq_len, batches, threads, device="cpu", link=False, tp_max=None,
-          replays=False):
+          replays=False, shape=None):
     """On every rank of an MPI job on one host: Probed, the same on every rank.  On a
     GPU the ranks share it (strategies.train's --device cuda: local rank i on GPU
     i mod the GPUs) and wait for no core.  replays: the tp blocks recomputed too."""
@@ -316,12 +325,15 @@ def probe(d_model, heads, seq_len, batches, threads, device="cpu", link=False, t
         device = f"cuda:{local % torch.cuda.device_count()}"
     sharing = device == "cpu" and world.size > (os.cpu_count() or 1)   # ranks > cores
     pair = ring_groups(world, [2])[2] if sharing else None
+    shape = shape or {}
+    splits = (seq_len, heads, shape.get("kv_heads") or heads,
+              shape.get("ffn_hidden") or 4 * d_model)     # what tp cuts
     tp_sizes = [t for t in range(2, min(tp_max or 1, world.size) + 1)
-                if world.size % t == 0 and seq_len % t == 0 and heads % t == 0] \
+                if world.size % t == 0 and all(n % t == 0 for n in splits)] \
         if device == "cpu" else []
     groups = ring_groups(world, tp_sizes)
-    sizes = {b: SizeProbe(world, d_model, heads, seq_len, b, device, pair, groups, replays)
-             for b in batches}
+    sizes = {b: SizeProbe(world, d_model, heads, seq_len, b, device, pair, groups, replays,
+                          shape) for b in batches}
     # All compute at once, as in the run, for SHARED_S at least: a block of a small
     # micro-batch takes about a time slice, so a few of them are each timed either
     # on a core of its own or sharing one, and their median is one or the other (the
@@ -347,8 +359,10 @@ def measure(gpt, ranks, batches, threads, device="cpu", timeout=600, link=False,
     argv = [mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m",
             "experiments.planner.shared_cores", "--d-model", str(gpt.d_model), "--heads",
             str(gpt.heads), "--seq-len", str(gpt.seq_len),
+            "--kv-heads", str(gpt.kv_heads), "--ffn-hidden", str(gpt.ffn_hidden),
             "--batches", ",".join(str(b) for b in batches), "--threads", str(threads),
-            "--device", device] + (["--link"] if link else []) \
+            "--device", device] + (["--gated-mlp"] if gpt.gated_mlp else []) \
+        + (["--link"] if link else []) \
         + (["--tp-max", str(tp_max)] if tp_max else []) + (["--replays"] if replays else [])
     env = {**os.environ, "PYTHONPATH": checkout_pythonpath(), "OMP_NUM_THREADS": str(threads)}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
@@ -368,6 +382,9 @@ def main(argv=None):
                                  description=__doc__.split("\n")[0])
     for name in ("d-model", "heads", "seq-len"):
         ap.add_argument(f"--{name}", type=int, required=True, help=f"the model's {name}")
+    ap.add_argument("--kv-heads", type=int, help="key-value heads (default: the heads)")
+    ap.add_argument("--ffn-hidden", type=int, help="the MLP's width (default: 4 x d-model)")
+    ap.add_argument("--gated-mlp", action="store_true", help="a SwiGLU MLP")
     ap.add_argument("--batches", type=lambda text: [int(b) for b in text.split(",")],
                     required=True, help="micro-batch sizes, comma-separated: 1,2,4,8")
     ap.add_argument("--threads", type=int, default=1, help="torch threads a rank")
@@ -381,7 +398,8 @@ def main(argv=None):
                     help="also time the tp blocks recomputed (the trainer's --recompute)")
     a = ap.parse_args(argv)
     found = probe(a.d_model, a.heads, a.seq_len, a.batches, a.threads, a.device, a.link,
-                  a.tp_max, a.replays)
+                  a.tp_max, a.replays, {"kv_heads": a.kv_heads, "ffn_hidden": a.ffn_hidden,
+                                        "gated_mlp": a.gated_mlp})
     from mpi4py import MPI
     if MPI.COMM_WORLD.rank == 0:
         print(json.dumps({"sizes": {b: s._asdict() for b, s in found.sizes.items()},

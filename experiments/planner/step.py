@@ -11,9 +11,9 @@ group is inside a node (the planner never puts it across); a pp or dp group
 whose members lie stride apart spans nodes once stride x size > G, and then the
 groups of its axis that cross a node's link at once share it (placement()).
 
-A stage holds the layers stages.stage_layers gives it (Layout.stages), the first
-stage the embedding too and the last the logit layer; the slowest stage paces
-the pipeline.  A micro-batch of b sequences on one stage takes
+A stage holds the layers stage_layers (strategies/parallel/stages.py, the trainer's
+rule too) gives it (Layout.stages), the first stage the embedding too and the
+last the logit layer; the slowest stage paces the pipeline.  A micro-batch of b sequences on one stage takes
 
     forward    its kernels on a tp rank's share               (kernels.py: GEMMs by
                  their shape, the rest by the memory's bandwidth; with --efficiency
@@ -73,10 +73,10 @@ from experiments.costmodel import cluster_collective_time, pipeline_step_time
 from strategies.config.sections import SyncOptions
 from strategies.parallel.bubble import activations_in_flight, bubble_fraction
 from strategies.parallel.sequence_parallel import block_collectives, edge_collectives
+from strategies.parallel.stages import stage_layers
 from strategies.runtime.memory import zero_memory
 
 from . import kernels
-from .stages import stage_layers
 from .transformer import (embedding_parameters, expert_parameters, layer_activation_bytes,
                           layer_forward_flops, logit_flops, logits_bytes, parameters,
                           recompute_flops, step_flops)

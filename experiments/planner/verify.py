@@ -36,9 +36,12 @@ this host, or the emulated cluster), with the trainer's flags (layout_args), for
 enough steps to last MEASURED_S after the first two (steps_for); the measured step
 is the median over the steps after the first two of the slowest rank's
 step_time_s (experiments/records.py), from the trainer's JSONL.
-What the trainer cannot run yet (recomputation on the grid, a mixture of
-experts with micro-batches or pipeline stages: strategies/config/settings.py) is not
-offered to --verify (runnable()).
+The trainer runs the model's shape (GQA, the MLP's width, SwiGLU) and the
+planner's own split of the layers over the stages (--pp-layers), so a verified
+layout is the planned one.  What the trainer cannot run yet (selective
+recomputation, fused attention, uneven interleaved chunks, a mixture of experts with
+micro-batches or pipeline stages: strategies/config/settings.py) is not offered to
+--verify (runnable()).
 """
 import contextlib
 import json
@@ -58,7 +61,7 @@ from strategies.parallel.sequence_parallel import block_collectives
 
 from . import shared_cores
 from .cluster import GIB, Cluster
-from .step import Layout, exchanges, tp_layer
+from .step import Layout, exchanges, stages_of, tp_layer
 from .transformer import layer_forward_flops
 
 WARM_UP_STEPS = 2
@@ -97,7 +100,8 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
         import torch
         torch.set_num_threads(threads)
         seconds = {b: shared_cores.block_seconds(gpt.d_model, gpt.heads, gpt.seq_len, b,
-                                                 device=device) for b in sizes}
+                                                 device=device, shape=shared_cores.shape_of(gpt))
+                   for b in sizes}
     else:
         sharing = device == "cpu" and world > cores    # ranks outnumber the cores
         probed = shared_cores.measure(gpt, world, sizes, threads, device,  # tp in a node
@@ -222,11 +226,13 @@ def tp_waits(gpt, cluster, found):
 
 def runnable(gpt, layout):
     """'' when strategies.train runs this layout, else why not."""
-    if (gpt.kv_heads, gpt.ffn_hidden, gpt.gated_mlp, gpt.flash_attention) != \
-            (gpt.heads, 4 * gpt.d_model, False, False):
-        return "the trainer builds GPT-3's shape (no GQA, MLP width, gating or fused attention)"
-    if layout.stages and len(set(layout.stages)) > 1:
-        return "the trainer splits the layers evenly over its stages"
+    if gpt.flash_attention:
+        return "the trainer's attention stores its scores (no fused attention)"
+    if gpt.experts and (gpt.kv_heads, gpt.ffn_hidden, gpt.gated_mlp) != \
+            (gpt.heads, 4 * gpt.d_model, False):
+        return "the trainer's experts are GPT-3's MLPs (no GQA, MLP width or gating)"
+    if layout.schedule == "interleaved" and layout.stages and len(set(layout.stages)) > 1:
+        return "the trainer cuts interleaved chunks evenly"
     if layout.recompute == "selective":
         return "the trainer recomputes whole blocks (--recompute), not attention alone"
     if gpt.experts and (layout.pp > 1 or layout.tp > 1 or layout.zero or
@@ -245,9 +251,13 @@ def layout_args(gpt, layout, steps, device="cpu"):
     if gpt.experts:
         args += ["--experts", gpt.experts, "--top-k", gpt.top_k, "--ep", layout.ep]
     else:
+        args += ["--kv-heads", gpt.kv_heads, "--ffn-hidden", gpt.ffn_hidden]
+        args += ["--gated-mlp"] if gpt.gated_mlp else []
         args += ["--dp", layout.dp, "--pp", layout.pp, "--tp", layout.tp,
                  "--zero", layout.zero, "--micro-batches", layout.micro_batches,
                  "--schedule", layout.schedule, "--virtual-stages", layout.virtual_stages]
+        if layout.pp > 1 and layout.schedule != "interleaved":   # the planner's own split
+            args += ["--pp-layers", ",".join(map(str, stages_of(gpt, layout)))]
         args += ["--sequence-parallel"] if layout.sequence_parallel and layout.tp > 1 else []
     args += ["--recompute"] if layout.recompute != "none" else []
     return [str(a) for a in args]

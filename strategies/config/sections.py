@@ -81,6 +81,9 @@ class ParallelOptions:
                                   # --virtual-stages >= 2)
     virtual_stages: int = 1       # interleaved: model chunks per pipeline rank (Narayanan
                                   # et al. 2021); the model is cut into pp x v stages
+    pp_layers: str = ""           # each pipeline stage's blocks by hand, e.g. 2,3,2 (pp of
+                                  # them, each >= 1, adding up to the blocks); "" = the
+                                  # balanced split (parallel/stages.py)
     grad_accum: int = 1           # the other name of --micro-batches (gradient accumulation)
     recompute: bool = False       # keep only each block's input; re-run its forward in
                                   # backward (activation checkpointing, recompute.py)
@@ -98,6 +101,10 @@ class ModelOptions:
     layers: int = 2               # gpt blocks
     d_model: int = 64             # gpt embedding width
     heads: int = 4                # gpt attention heads (they divide --d-model)
+    kv_heads: int = 0             # gpt key-value heads, dividing --heads (grouped-query
+                                  # attention; 1: multi-query); 0 = --heads
+    ffn_hidden: int = 0           # gpt MLP width; 0 = 4 x --d-model
+    gated_mlp: bool = False       # gpt MLP as SwiGLU: silu(x W1) * (x W3), then W2
     vocab: int = 32               # gpt, synthetic data (byte-level text always uses 256)
     seq_len: int = 32             # gpt tokens per sample
 

@@ -23,7 +23,7 @@ from allreduce.cli import dataclass_flags, field_comments
 from .choices import ALLREDUCE_SYNCS, PS_SYNCS, SYNCS, ConfigError, flag_of
 from .mesh import needs_grid
 from .sections import SECTIONS
-from .validate import check_flags, check_world, parse_straggler, world_of
+from .validate import check_flags, check_world, parse_pp_layers, parse_straggler, world_of
 
 __all__ = ["ALLREDUCE_SYNCS", "PS_SYNCS", "SYNCS", "ConfigError", "TrainConfig",
            "check_checkpoint_dir", "check_memory", "check_outputs", "check_ranges",
@@ -73,6 +73,11 @@ class Settings:
     def on_grid(self):
         """Whether the model is cut over a dp x pp x tp grid (mesh.needs_grid), not kept whole."""
         return needs_grid(vars(self))
+
+    @property
+    def stage_split(self):
+        """--pp-layers as a tuple of blocks per stage, or None (the balanced split)."""
+        return parse_pp_layers(self.pp_layers) if self.pp_layers else None
 
     @property
     def blocks(self):
@@ -164,10 +169,12 @@ def parameter_count(cfg):
         dims = [cfg.in_dim] + [cfg.width] * cfg.depth + [cfg.classes]
         return sum(a * b + b for a, b in zip(dims, dims[1:]))
     d, vocab = cfg.d_model, cfg.vocab if not cfg.data else 256
-    mlp = 8 * d * d + 5 * d
+    kv = (cfg.kv_heads or cfg.heads) * (d // cfg.heads)     # keys' and values' width
+    f = cfg.ffn_hidden or 4 * d
+    mlp = (3 * d * f + 2 * f if cfg.gated_mlp else 2 * d * f + f) + d
     if cfg.model == "moe":
-        mlp = cfg.experts * mlp + d * cfg.experts
-    block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + mlp
+        mlp = cfg.experts * (8 * d * d + 5 * d) + d * cfg.experts
+    block = 4 * d + (d + 2 * kv) * (d + 1) + (d * d + d) + mlp
     return 2 * vocab * d + cfg.seq_len * d + cfg.layers * block + 2 * d
 
 

@@ -75,15 +75,42 @@ def parallel_rules(cfg, cli=True):
     if interleaved and cfg.pp < 2:
         raise ConfigError(f"--schedule interleaved --virtual-stages {cfg.virtual_stages} "
                           f"needs a pipeline: --pp >= 2, got --pp {cfg.pp}", field="schedule")
+    if cfg.pp_layers:
+        split = parse_pp_layers(cfg.pp_layers, cli)
+        if len(split) != cfg.pp or min(split) < 1:
+            raise ConfigError(f"{flag_of('pp_layers', cli)} {cfg.pp_layers}: needs {cfg.pp} "
+                              f"stages (pp({cfg.pp})) of at least one block each, got "
+                              f"{len(split)}", field="pp_layers")
+        if interleaved:
+            raise ConfigError(f"{flag_of('pp_layers', cli)} {cfg.pp_layers} with --schedule "
+                              f"interleaved is not supported: its pp x v chunks are cut "
+                              f"evenly; use --schedule 1f1b or gpipe", field="pp_layers")
+
+
+def parse_pp_layers(text, cli=True):
+    """'2,3,2' -> (2, 3, 2); ConfigError where it is not whole numbers between commas."""
+    try:
+        return tuple(int(part) for part in str(text).split(","))
+    except ValueError:
+        raise ConfigError(f"{flag_of('pp_layers', cli)} {text!r} is not blocks per stage "
+                          f"between commas (e.g. 2,3,2)", field="pp_layers") from None
 
 
 def model_rules(cfg, cli=True):
     check_values(cfg, cli, choices=(("model", MODELS),),
                  at_least=((1, ("width", "depth", "layers", "d_model", "heads", "vocab",
-                                "seq_len")),))
+                                "seq_len")), (0, ("kv_heads", "ffn_hidden"))))
     if cfg.model in ("gpt", "moe") and cfg.d_model % cfg.heads:
         raise ConfigError(f"--d-model {cfg.d_model} is not divisible by --heads {cfg.heads}",
                           field="d_model")
+    if cfg.model in ("gpt", "moe") and cfg.kv_heads and cfg.heads % cfg.kv_heads:
+        raise ConfigError(f"--kv-heads {cfg.kv_heads} does not divide --heads {cfg.heads}: "
+                          f"each key-value head serves heads / kv-heads query heads "
+                          f"({cfg.heads} % {cfg.kv_heads} = {cfg.heads % cfg.kv_heads})",
+                          field="kv_heads")
+    if cfg.model == "moe" and (cfg.ffn_hidden or cfg.gated_mlp):
+        raise ConfigError("--ffn-hidden and --gated-mlp shape the GPT's MLP; --model moe's "
+                          "experts are GPT-2's 4 x --d-model GELU MLPs", field="model")
 
 
 def moe_rules(cfg, cli=True):
@@ -171,6 +198,11 @@ def check_flags(cfg):
                           "and MLP; use --model gpt", field="tp")
     check_moe(cfg)
     check_sync_combinations(cfg, cfg, cfg)
+    blocks, what = cfg.blocks
+    if cfg.pp_layers and sum(parse_pp_layers(cfg.pp_layers)) != blocks:
+        split = parse_pp_layers(cfg.pp_layers)
+        raise ConfigError(f"--pp-layers {cfg.pp_layers} adds up to {sum(split)} blocks, "
+                          f"the model has {what} {blocks}", field="pp_layers")
     if cfg.sequence_parallel and cfg.seq_len % cfg.tp:
         raise ConfigError(f"--sequence-parallel: --seq-len {cfg.seq_len} is not divisible "
                           f"by tp({cfg.tp}): {cfg.seq_len} % {cfg.tp} = "
@@ -306,13 +338,14 @@ def check_world(cfg, world_size):
 def check_grid(cfg, dp):
     """The grid's flags against its sizes and the model's blocks (the mesh is checked)."""
     blocks, what = cfg.blocks
-    if blocks % cfg.pp:
-        raise ConfigError(f"{what} {blocks} is not divisible by pp({cfg.pp}): "
-                          f"{blocks} % {cfg.pp} = {blocks % cfg.pp}", field=what[2:])
+    if cfg.pp > blocks:             # any pp up to the blocks: the split need not be even
+        raise ConfigError(f"{what} {blocks} is fewer than pp({cfg.pp}) stages: every stage "
+                          f"holds at least one block", field=what[2:])
     v, m = cfg.virtual_stages, cfg.micro_batches
     if cfg.schedule == "interleaved" and blocks % (cfg.pp * v):
         raise ConfigError(f"--schedule interleaved: {what} {blocks} is not divisible by "
-                          f"pp({cfg.pp}) x virtual stages({v}) = {cfg.pp * v}", field="schedule")
+                          f"pp({cfg.pp}) x virtual stages({v}) = {cfg.pp * v}: its chunks "
+                          f"are cut evenly (1f1b and gpipe take any split)", field="schedule")
     if cfg.schedule == "interleaved" and m % cfg.pp:
         raise ConfigError(f"--schedule interleaved: --micro-batches {m} is not a multiple of "
                           f"pp({cfg.pp}): micro-batches go round the ranks in groups of pp",
@@ -324,4 +357,14 @@ def check_grid(cfg, dp):
         if cfg.d_model % cfg.tp:
             raise ConfigError(f"--d-model {cfg.d_model} is not divisible by tp({cfg.tp})",
                               field="d_model")
+        kv_heads, ffn = cfg.kv_heads or cfg.heads, cfg.ffn_hidden or 4 * cfg.d_model
+        if kv_heads % cfg.tp:       # Megatron-LM's num_query_groups % tp == 0
+            raise ConfigError(f"--kv-heads {kv_heads} is not divisible by tp({cfg.tp}): "
+                              f"each tp rank keeps whole key-value heads, kv-heads / tp of "
+                              f"them ({kv_heads} % {cfg.tp} = {kv_heads % cfg.tp})",
+                              field="kv_heads")
+        if ffn % cfg.tp:
+            raise ConfigError(f"--ffn-hidden {ffn} is not divisible by tp({cfg.tp}): each tp "
+                              f"rank keeps ffn-hidden / tp of the MLP's columns "
+                              f"({ffn} % {cfg.tp} = {ffn % cfg.tp})", field="ffn_hidden")
 

@@ -20,7 +20,9 @@ engine of the one training loop (loop.py) drives it:
     zero.step(optimizer)                                         (update; stages 1-2 all-gather)
     the step's fields: times, memory, bubble                     (memory.py, trace.py)
 
-Here: `assemble`, the whole model from every rank's pieces (--params-out).  The grid's
+Here: `with_stage_split`, the pipeline's split of the blocks written into the config
+(its records and its checkpoints' layout name it), and `assemble`, the whole model
+from every rank's pieces (--params-out).  The grid's
 flags against the world (layers per stage, heads per tp rank, micro-batches) are
 checked before any rank starts, by config/validate.py's check_world.
 
@@ -28,9 +30,24 @@ Reference semantics: every choice of dp, pp, tp, zero, micro-batches and schedul
 trains the same model on the same global batch as `--sync local` on one
 process; only the order of float additions differs.
 """
+import dataclasses
 import sys
 
 import numpy as np
+
+from ..parallel.pipeline import stage_sizes
+from .parallelize import cut_into_layers
+
+
+def with_stage_split(cfg, model):
+    """cfg with --pp-layers the blocks of each stage this run cuts (parallel/pipeline.py:
+    as given, or the balanced split of `model`): a checkpoint is one stage's blocks, so
+    its layout must name the split, and a resumed run cuts the same one.  Interleaved
+    chunks are cut evenly; no pipeline, no split."""
+    if not (cut_into_layers(cfg) and cfg.pp > 1 and cfg.virtual_stages == 1):
+        return cfg
+    sizes = stage_sizes(model, cfg.pp, cfg.stage_split)
+    return dataclasses.replace(cfg, pp_layers=",".join(map(str, sizes)))
 
 
 def assemble(pieces_per_rank):

@@ -112,7 +112,8 @@ def parallelize(model, ctx, cfg, device, tracer):
                         names={id(p): n for n, p in model.named_parameters()})
     # 0. the cut: v chunks of layers (interleaved.py), or the one stage of GPipe and 1F1B
     if grid:
-        chunks = chunk_layers(model, comms.pp_rank, comms.pp_size, cfg.virtual_stages)
+        chunks = chunk_layers(model, comms.pp_rank, comms.pp_size, cfg.virtual_stages,
+                              cfg.stage_split)
         layers = [layer for chunk in chunks for layer in chunk]
     # 1. tensor parallelism: Megatron's split of this stage's blocks
     if grid and comms.tp_size > 1:

@@ -16,6 +16,24 @@ token + position embeddings, pre-LayerNorm blocks of causal self-attention and
 a 4x GELU MLP, a final LayerNorm and an (untied) linear head.  No dropout, so a
 step is a deterministic function of parameters and batch: that is what lets
 P ranks reproduce one process exactly.
+
+Today's shapes, each a keyword whose default is GPT-2's (`--kv-heads`, `--ffn-hidden`,
+`--gated-mlp` on the command line):
+
+    kv_heads    grouped-query attention (Ainslie et al. 2023): the heads share kv_heads
+                heads of keys and values, query head i reading key-value head
+                i // (heads / kv_heads); qkv is d x (d + 2 d_kv), d_kv = kv_heads d / heads
+                (multi-query attention: kv_heads = 1; default: the heads)
+    ffn_hidden  the MLP's width f (default 4 d)
+    gated_mlp   SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"; LLaMA):
+                down(silu(x W1) * (x W3)) with three matrices W1, W3 (d -> f) and W2
+                (f -> d), where GPT's MLP has two.  W1 and W3 are stored stacked, one
+                (2f, d) matrix, as Megatron-LM's fc1 stores them: the MLP is then the
+                same column-parallel / row-parallel pair as GPT's (tensor_parallel.py),
+                only its activation differs (`SwiGLU`).
+
+    x --LN--> qkv: [q (d) | k (d_kv) | v (d_kv)] --> heads --> proj --> + x
+      --LN--> mlp.0: [x W1 (f) | x W3 (f)] --> silu(.) * (.) --> mlp.2 (W2) --> + ...
 """
 import torch
 import torch.nn as nn
@@ -44,40 +62,80 @@ class MLP(nn.Module):
         return F.mse_loss(out, y)
 
 
-def causal_attention(q, k, v, heads):
-    """Causal attention of q, k, v (B, T, C), each cut into `heads` heads: (B, T, C)."""
+def causal_attention(q, k, v, heads, kv_heads=None):
+    """Causal attention of q (B, T, C) cut into `heads` heads over k, v (B, T, C_kv) cut
+    into `kv_heads` heads of the same width (default: `heads`): (B, T, C).  Each key-value
+    head serves heads / kv_heads query heads in a row (grouped-query attention)."""
+    kv_heads = kv_heads or heads
     B, T, C = q.shape
-    # (B, T, C) -> (B, heads, T, C / heads)
-    q, k, v = (t.view(B, T, heads, C // heads).transpose(1, 2) for t in (q, k, v))
+    width = C // heads                                     # one head's features
+    # (B, T, n * width) -> (B, n, T, width)
+    q = q.view(B, T, heads, width).transpose(1, 2)
+    k, v = (t.view(B, T, kv_heads, width).transpose(1, 2) for t in (k, v))
+    if kv_heads != heads:   # query head i reads key-value head i // group, as Megatron-LM
+        group = heads // kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return y.transpose(1, 2).reshape(B, T, C)
 
 
 class CausalSelfAttention(nn.Module):
-    """`core(q, k, v, heads)` is the attention between the projections: causal_attention
-    here; context parallelism puts one that sees the other ranks' positions in its place
-    (parallel/ring_attention.py, parallel/ulysses.py)."""
+    """qkv, the heads, proj; `heads` query heads over `kv_heads` key-value heads.
+    `core(q, k, v, heads, kv_heads)` is the attention between the projections:
+    causal_attention here; context parallelism puts one that sees the other ranks'
+    positions in its place (parallel/ring_attention.py, parallel/ulysses.py)."""
 
-    def __init__(self, d_model, heads):
+    def __init__(self, d_model, heads, kv_heads=None):
         super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.heads, self.kv_heads = heads, kv_heads or heads
+        self.width = d_model // heads                      # one head's features
+        self.qkv = nn.Linear(d_model, d_model + 2 * self.kv_heads * self.width)
         self.proj = nn.Linear(d_model, d_model)
         self.core = causal_attention
 
     def forward(self, x):
-        q, k, v = self.qkv(x).chunk(3, dim=2)
-        return self.proj(self.core(q, k, v, self.heads))
+        # q, k, v are three row blocks of qkv: heads, kv_heads, kv_heads heads wide
+        q, k, v = self.qkv(x).split([self.heads * self.width] +
+                                    [self.kv_heads * self.width] * 2, dim=2)
+        return self.proj(self.core(q, k, v, self.heads, self.kv_heads))
+
+
+def repeat_kv(t, heads, kv_heads):
+    """k or v (B, T, kv_heads * width) as (B, T, heads * width): each key-value head
+    repeated for the heads / kv_heads query heads it serves (grouped-query attention's
+    reading, for attention cores that take as many key-value heads as query heads)."""
+    if kv_heads == heads:
+        return t
+    B, T, C_kv = t.shape
+    width = C_kv // kv_heads
+    return t.view(B, T, kv_heads, width).repeat_interleave(heads // kv_heads, dim=2) \
+        .reshape(B, T, heads * width)
+
+
+class SwiGLU(nn.Module):
+    """The gated MLP's activation: its input is [x W1 | x W3], its output silu(x W1) * (x W3)."""
+
+    def forward(self, x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def feed_forward(d_model, ffn_hidden=None, gated_mlp=False):
+    """The block's MLP, a Sequential: (in, activation, out), so that its parameters are
+    `mlp.0`, `mlp.2` in either form, and tensor parallelism cuts both alike."""
+    f = ffn_hidden or 4 * d_model
+    if gated_mlp:                  # W1 and W3 stacked: (2f, d), then W2
+        return nn.Sequential(nn.Linear(d_model, 2 * f), SwiGLU(), nn.Linear(f, d_model))
+    return nn.Sequential(nn.Linear(d_model, f), nn.GELU(), nn.Linear(f, d_model))
 
 
 class Block(nn.Module):
-    def __init__(self, d_model, heads):
+    def __init__(self, d_model, heads, kv_heads=None, ffn_hidden=None, gated_mlp=False):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, heads)
+        self.attn = CausalSelfAttention(d_model, heads, kv_heads)
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
-                                 nn.Linear(4 * d_model, d_model))
+        self.mlp = feed_forward(d_model, ffn_hidden, gated_mlp)
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -85,12 +143,14 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab, seq_len, layers, d_model, heads):
+    def __init__(self, vocab, seq_len, layers, d_model, heads, kv_heads=None,
+                 ffn_hidden=None, gated_mlp=False):
         super().__init__()
         self.seq_len = seq_len
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d_model, heads, kv_heads, ffn_hidden, gated_mlp)
+                                    for _ in range(layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
 
@@ -109,8 +169,8 @@ class MoEGPT(GPT):
     """The GPT, each block's MLP a mixture of experts (moe.py); its loss adds every
     block's load-balancing loss of the same forward."""
 
-    def __init__(self, vocab, seq_len, layers, d_model, heads, make_moe):
-        super().__init__(vocab, seq_len, layers, d_model, heads)
+    def __init__(self, vocab, seq_len, layers, d_model, heads, make_moe, kv_heads=None):
+        super().__init__(vocab, seq_len, layers, d_model, heads, kv_heads)
         for block in self.blocks:
             block.mlp = make_moe()
 
@@ -132,9 +192,10 @@ def build_model(cfg, spec, device="cpu"):
     elif cfg.model == "moe":
         model = MoEGPT(spec.vocab, cfg.seq_len, cfg.layers, cfg.d_model, cfg.heads,
                        lambda: MoE(cfg.d_model, cfg.experts, cfg.top_k, cfg.capacity_factor,
-                                   cfg.moe_group, cfg.balance_loss))
-    else:
-        model = GPT(spec.vocab, cfg.seq_len, cfg.layers, cfg.d_model, cfg.heads)
+                                   cfg.moe_group, cfg.balance_loss), cfg.kv_heads or None)
+    else:       # kv_heads, ffn_hidden: 0 = the default shape's
+        model = GPT(spec.vocab, cfg.seq_len, cfg.layers, cfg.d_model, cfg.heads,
+                    cfg.kv_heads or None, cfg.ffn_hidden or None, cfg.gated_mlp)
     return model.to(device)
 
 

@@ -2,6 +2,8 @@
 
     tensor_parallel.py    Megatron's f and g, column/row-parallel linears, split heads
     sequence_parallel.py  LayerNorms and residuals on T/tp positions (--sequence-parallel)
+    stages.py             how many blocks each pipeline stage holds: the balanced split, or by
+                          hand (--pp-layers); the planner's rule too
     pipeline.py           stages of blocks; GPipe and 1F1B over the point-to-point transport
     interleaved.py        interleaved 1F1B: v chunks of layers a rank (--virtual-stages)
     expert_parallel.py    experts over the ep ranks, tokens moved by all-to-alls

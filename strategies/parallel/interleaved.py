@@ -2,7 +2,8 @@
 
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
 Using Megatron-LM" (SC 2021), section 2.2.2.  With p ranks and v chunks the model
-is cut into p v global stages (pipeline.stage_layers with p v stages); chunk c
+is cut evenly into p v global stages (pipeline.stage_layers with p v stages, the
+chunks of equal length so that every slot below lasts as long); chunk c
 of rank s is global stage c p + s, so a micro-batch goes round the ranks v times:
 
     global stage:   0     1     2     3          (p = 2, v = 2)
@@ -39,7 +40,7 @@ whole stages (2 slots an op) needs (m + p - 1) x 2 x 2 = 20 slots, idle 4: 1/5.
 The messages and the stage modules are pipeline.py's (Pipeline with a list of v
 chunks): only the order of operations is this file's.
 """
-from .pipeline import Pipeline, stage_layers
+from .pipeline import Pipeline, layers_of, stage_layers, stage_sizes
 
 
 def forward_chunk(k, stages, chunks):
@@ -70,10 +71,16 @@ def interleaved_order(stage, stages, chunks, m):
     return ops + [bwd(k) for k in range(total - warmup, total)]      # 3. cool-down
 
 
-def chunk_layers(model, stage, stages, chunks):
+def chunk_layers(model, stage, stages, chunks, given=None):
     """[the (name, module) layers of each chunk of rank `stage`]: global stages
-    stage, stage + p, ..., of the model cut into p v stages."""
-    return [stage_layers(model, c * stages + stage, stages * chunks) for c in range(chunks)]
+    stage, stage + p, ..., of the model cut evenly into p v stages (the caller checked
+    p v divides the blocks).  One chunk (1F1B, GPipe): the stage of stage_sizes's
+    split, balanced or `given` (--pp-layers)."""
+    if chunks == 1:
+        return [stage_layers(model, stage, stages, stage_sizes(model, stages, given))]
+    even = [len(layers_of(model)[1]) // (stages * chunks)] * (stages * chunks)
+    return [stage_layers(model, c * stages + stage, stages * chunks, even)
+            for c in range(chunks)]
 
 
 class InterleavedPipeline(Pipeline):

@@ -1,12 +1,16 @@
 """Pipeline parallelism: the model's blocks cut into pp stages, micro-batches flowing through.
 
-The cut (`layers_of`, `stage_layers`): the GPT is embed, blocks 0..L-1, head;
-the MLP is its hidden layers 0..d-1 then the output layer.  Stage s of p owns
-blocks [s L/p, (s+1) L/p); stage 0 also the embedding, stage p-1 the head and
-the loss.  Activations go forward and their gradients backward through the
-point-to-point transport of allreduce/ (the pp communicator: rank i is stage
-i); both sides know every message's shape from the config and the micro-batch
-bounds, so only raw float32 bytes travel.  A message is received on the device
+The cut (`layers_of`, `stage_sizes`, `stage_layers`): the GPT is embed, blocks
+0..L-1, head; the MLP is its hidden layers 0..d-1 then the output layer.  Stage s
+of p owns n_s consecutive blocks; stage 0 also the embedding, stage p-1 the head
+and the loss.  The n_s are stages.py's balanced split, any p <= L, with the
+embedding and the head weighed in blocks' worth by their forward FLOPs a token
+(`token_flops`): 7 GPT blocks on 3 stages are 2, 3, 2 (the ends carry a little
+more than their blocks), 8 on 4 are 2 each; --pp-layers 2,3,2 sets them by hand.
+Activations go forward and their gradients backward through the point-to-point
+transport of allreduce/ (the pp communicator: rank i is stage i); both sides know
+every message's shape from the config and the micro-batch bounds, so only raw
+float32 bytes travel.  A message is received on the device
 the stage computes on (the batch's); on a GPU whose MPI reads host memory only,
 the transport stages it through pinned host memory (allreduce.host_staged).
 
@@ -42,9 +46,10 @@ from allreduce import shard_bounds
 from allreduce.staging import HostStagedTransport
 from allreduce.transport import MPITransport
 
-from ..model.models import GPT, MLP
+from ..model.models import GPT, MLP, CausalSelfAttention
 from ..model.moe import MoE
 from ..runtime.precision import MixedPrecision, as_wire
+from . import stages
 
 SPINS = 200_000        # polls (~0.1 s) before falling back to the transport's yielding wait
 
@@ -86,11 +91,47 @@ def layers_of(model):
     raise TypeError(f"no pipeline cut for {type(model).__name__}")
 
 
-def stage_layers(model, stage, pp):
-    """The (name, module) layers of `stage` of `pp`; the caller checked pp divides the blocks."""
+def token_flops(module, seq_len):
+    """The forward FLOPs one token costs in `module`: 2 a weight of each matrix it passes
+    (an MoE's experts: top_k of them), attention's scores and weighted sum 2 T a
+    query feature (4 T, halved by the causal mask), and an embedding's lookup and add
+    one a feature.  The backward is about twice the forward everywhere, so the forward's
+    ratios are the step's."""
+    if isinstance(module, MoE):
+        experts = sum(token_flops(e, seq_len) for e in module.experts.values())
+        return token_flops(module.gate, seq_len) + experts * module.top_k / module.num_experts
+    if isinstance(module, nn.Linear):
+        return 2 * module.weight.numel()
+    if isinstance(module, nn.Embedding):
+        return module.embedding_dim
+    scores = 2 * seq_len * module.proj.in_features \
+        if isinstance(module, CausalSelfAttention) else 0
+    return scores + sum(token_flops(child, seq_len) for child in module.children())
+
+
+def stage_sizes(model, pp, given=None):
+    """[blocks of stage 0, ..., of stage pp - 1]: `given` (--pp-layers) checked, or
+    stages.py's balanced split with the layers before the blocks (the embedding) and
+    after them (the head) counted in blocks' worth of FLOPs on the first and last stage."""
     before, blocks, after = layers_of(model)
-    per = len(blocks) // pp
-    mine = blocks[stage * per:(stage + 1) * per]
+    if given is not None:
+        return stages.stage_layers(len(blocks), pp, given=given)
+    seq_len = getattr(model, "seq_len", 1)
+
+    def work(layers):
+        return sum(token_flops(module, seq_len) for _, module in layers)
+
+    block = work(blocks) / len(blocks)
+    return stages.stage_layers(len(blocks), pp, work(before) / block, work(after) / block)
+
+
+def stage_layers(model, stage, pp, sizes=None):
+    """The (name, module) layers of `stage` of `pp`: its blocks of `sizes` (default
+    stage_sizes's balanced split), the embedding on stage 0, the head on the last."""
+    before, blocks, after = layers_of(model)
+    sizes = stage_sizes(model, pp) if sizes is None else sizes
+    start = sum(sizes[:stage])
+    mine = blocks[start:start + sizes[stage]]
     return (before if stage == 0 else []) + mine + (after if stage == pp - 1 else [])
 
 

@@ -68,6 +68,7 @@ import torch
 
 from allreduce.buffers import nbytes
 
+from ..model.models import repeat_kv
 from ..runtime.trace import span
 
 # The k, v blocks and the dk, dv accumulators: two streams that may be in flight at once,
@@ -220,7 +221,9 @@ class RingAttention:
     def seconds(self):
         return self.ring.seconds
 
-    def __call__(self, q, k, v, heads):
+    def __call__(self, q, k, v, heads, kv_heads=None):
+        # grouped-query attention travels as full heads: each key-value head repeated
+        k, v = (repeat_kv(x, heads, kv_heads or heads) for x in (k, v))
         B, t, C = q.shape
         q, k, v = (x.view(B, t, heads, C // heads).transpose(1, 2).contiguous()
                    for x in (q, k, v))

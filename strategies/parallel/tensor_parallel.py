@@ -19,6 +19,19 @@ the forward and two in the backward.
 
     x --f--> [qkv_r -> heads_r -> proj_r] --g--> + x --f--> [fc_r -> gelu -> out_r] --g--> +
 
+Today's shapes (model/models.py) split the same way, as Megatron-LM splits them:
+with grouped-query attention rank r keeps heads / tp query heads and kv_heads / tp
+key-value heads, the ones its query heads read (query head i reads key-value head
+i // (heads / kv_heads), so a rank's run of query heads reads its own run of
+key-value heads), hence tp must divide kv_heads (Megatron's num_query_groups);
+the MLP's width f (--ffn-hidden) is cut into f / tp columns; a gated MLP's W1 and
+W3, stacked in fc, are both column-split at the same columns, so that
+silu(x W1_r) * (x W3_r) is this rank's slice of the activation, and W2 is
+row-parallel as GPT's second matrix is.
+
+    qkv rows:   [ q_0 | q_1 ][ k_0 | k_1 ][ v_0 | v_1 ]     rank r keeps q_r, k_r, v_r
+    gated fc:   [ W1_0 | W1_1 ][ W3_0 | W3_1 ]              rank r keeps W1_r, W3_r
+
 Embeddings, LayerNorms and the head stay whole on every tp rank: they see the
 same inputs and (after f's backward all-reduce) the same output gradients, so
 their gradients are already equal and need no sync.  The TensorParallel object
@@ -30,7 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..model.models import Block
+from ..model.models import Block, SwiGLU
 from ..runtime.precision import as_wire
 from ..runtime.trace import span
 
@@ -128,32 +141,42 @@ class RowParallelLinear(nn.Module):
 
 
 class TensorParallelAttention(nn.Module):
-    """Causal self-attention with heads / tp heads on each rank (Megatron section 3, Fig. 3b)."""
+    """Causal self-attention with heads / tp query heads and kv_heads / tp key-value heads
+    on each rank (Megatron section 3, Fig. 3b)."""
 
     def __init__(self, attn, tp):
         super().__init__()
-        C = attn.qkv.in_features
-        self.heads = attn.heads // tp.size
-        start, stop = tp.slice_of(C)
-        # q, k and v are three C-wide row blocks of qkv: keep the same head columns of each
-        self.qkv = ColumnParallelLinear(attn.qkv, tp, [(j * C + start, j * C + stop)
-                                                       for j in range(3)])
-        self.proj = RowParallelLinear(attn.proj, tp, (start, stop))
+        C, width = attn.proj.in_features, attn.width
+        C_kv = attn.kv_heads * width                    # keys' (and values') features
+        self.heads, self.kv_heads, self.width = attn.heads // tp.size, \
+            attn.kv_heads // tp.size, width
+        q_start, q_stop = tp.slice_of(C)
+        kv_start, kv_stop = tp.slice_of(C_kv)
+        # q, k and v are row blocks of qkv (C, C_kv, C_kv rows): keep this rank's heads
+        # of each
+        self.qkv = ColumnParallelLinear(attn.qkv, tp, [
+            (q_start, q_stop), (C + kv_start, C + kv_stop),
+            (C + C_kv + kv_start, C + C_kv + kv_stop)])
+        self.proj = RowParallelLinear(attn.proj, tp, (q_start, q_stop))
         self.core = attn.core           # the attention between them (models.py)
 
     def forward(self, x):
         # the whole sequence even under sequence parallelism, where x holds T / tp
         # positions: qkv's entry gathers them (sequence_parallel.py)
-        q, k, v = self.qkv(x).chunk(3, dim=2)
-        return self.proj(self.core(q, k, v, self.heads))
+        q, k, v = self.qkv(x).split([self.heads * self.width] +
+                                    [self.kv_heads * self.width] * 2, dim=2)
+        return self.proj(self.core(q, k, v, self.heads, self.kv_heads))
 
 
 def tensor_parallel_mlp(mlp, tp):
-    """fc (column-parallel) -> GELU on each slice -> out (row-parallel); a Sequential with
-    the unsplit MLP's indices, so parameter names stay `mlp.0.weight`, `mlp.2.weight`."""
+    """fc (column-parallel) -> the activation on each slice -> out (row-parallel); a
+    Sequential with the unsplit MLP's indices, so parameter names stay `mlp.0.weight`,
+    `mlp.2.weight`.  A gated MLP's fc is W1 over W3 (2f rows): the same columns of each."""
     fc, act, out = mlp
-    cols = tp.slice_of(fc.out_features)
-    return nn.Sequential(ColumnParallelLinear(fc, tp, [cols]), act,
+    f = out.in_features
+    cols = tp.slice_of(f)
+    rows = [cols, (f + cols[0], f + cols[1])] if isinstance(act, SwiGLU) else [cols]
+    return nn.Sequential(ColumnParallelLinear(fc, tp, rows), act,
                          RowParallelLinear(out, tp, cols))
 
 

@@ -39,7 +39,7 @@ import torch
 from allreduce.theory import bytes_sent
 
 from ..config.choices import ConfigError
-from ..model.models import causal_attention
+from ..model.models import causal_attention, repeat_kv
 from ..runtime.trace import span
 from .tensor_parallel import Conjugate
 
@@ -101,9 +101,11 @@ class Ulysses:
         """The all-to-all that `to_heads` and `to_sequence` call, named for the trace."""
         return lambda blocks: self.alltoall(blocks, what)
 
-    def __call__(self, q, k, v, heads):
+    def __call__(self, q, k, v, heads, kv_heads=None):
         cp = self.coll.size
         check_heads(heads, cp)
+        # grouped-query attention travels as full heads: each key-value head repeated
+        k, v = (repeat_kv(x, heads, kv_heads or heads) for x in (k, v))
         # 1. sequence-sharded to head-sharded, q, k, v in one all-to-all
         q, k, v = Conjugate.apply(
             torch.stack([q, k, v]), lambda x: to_heads(x, cp, self.exchange("q k v")),

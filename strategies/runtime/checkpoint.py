@@ -31,7 +31,9 @@ itself, so several hosts need a shared file system for --resume.  No rank goes o
 past a checkpoint before all its files are written (save ends in a barrier,
 bounded by --timeout like every wait of the run: waits.py).
 
-A file knows itself: it carries the run's id and layout, the step, the writing
+A file knows itself: it carries the run's id and layout (the degrees, and the blocks
+of each pipeline stage: a stage's file numbers its layers from its own first, so a
+run cut 3, 2, 2 must not read a set cut 2, 3, 2), the step, the writing
 rank's coordinates (rank, dp, pp, tp, expert group and ep rank, ZeRO shard) and a
 sha256 of its contents (every tensor's bytes, dtype and shape and every other
 value, walked in one fixed order: `digest`).  A split run's set is complete once
@@ -79,7 +81,8 @@ FORMAT = 4                      # 4: the file's identity and digest
 MANIFEST = "manifest.json"      # in a split run's set folder, written last
 SET_PREFIX = "step-"            # a split run's set of step S: DIR/step-<S>/
 # what a split run must share with the run it resumes: each rank's file holds its share
-LAYOUT = ("dp", "pp", "tp", "ep", "zero", "virtual_stages", "sequence_parallel")
+# (pp_layers: the blocks of each stage, which the trainer writes into its config)
+LAYOUT = ("dp", "pp", "tp", "ep", "zero", "virtual_stages", "sequence_parallel", "pp_layers")
 
 
 def sharded(cfg):
@@ -353,8 +356,10 @@ def read(cfg, ctx, model):
                           field="resume")
     layout = layout_of(cfg)
     if sharded(cfg) and state["layout"] != layout:
-        theirs = ", ".join(f"{k} {v}" for k, v in state["layout"].items() if layout[k] != v)
-        ours = ", ".join(f"{k} {v}" for k, v in layout.items() if state["layout"][k] != v)
+        theirs = ", ".join(f"{k} {v}" for k, v in state["layout"].items()
+                           if layout.get(k) != v)
+        ours = ", ".join(f"{k} {v}" for k, v in layout.items()
+                         if state["layout"].get(k) != v)
         raise ConfigError(f"--resume: {path} holds one rank's share of a run of {theirs}; "
                           f"this run is {ours} (a split run resumes in its own layout)",
                           field="resume")

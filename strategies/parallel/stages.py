@@ -1,5 +1,5 @@
-"""How many transformer layers each pipeline stage holds: the one rule, for the planner
-and the trainer alike.
+"""How many transformer layers each pipeline stage holds: the one rule, for the trainer
+(pipeline.py's cut) and the planner (experiments/planner) alike.
 
     stage_layers(70, 12)                          # [6, ..., 6, 5, 5]: the layers alone
     stage_layers(70, 12, first=1, last=1)         # [5, 6, ..., 6, 5]: BLOOM-176B's split
@@ -8,7 +8,7 @@ and the trainer alike.
 A stage's work is its layers plus what sits on it besides: the embedding on the
 first stage, the logit layer (the head) and the loss on the last, each counted in
 layers' worth (`first`, `last`; the planner passes their predicted time over a
-layer's).  The pipeline runs at the pace of its slowest stage, so the balanced
+layer's, the trainer their FLOPs over a layer's: pipeline.py's `stage_sizes`).  The pipeline runs at the pace of its slowest stage, so the balanced
 split is the one whose heaviest stage is lightest:
 
     minimise  max_i (n_i + extra_i)   over n_i >= 1 whole layers, sum n_i = layers
@@ -68,7 +68,8 @@ def stage_layers(layers, pp, first=0.0, last=0.0, given=None):
     # 1. the least bound T whose capacity reaches the layers: a whole number plus an extra
     best = math.inf
     for e in set(extras):
-        lo, hi = 1, layers + 1                 # hi: every stage may take all, feasible
+        # hi: every stage may take all the layers, the heaviest end's besides: feasible
+        lo, hi = 1, layers + 1 + math.ceil(max(extras))
         while lo < hi:
             mid = (lo + hi) // 2
             took = _capacity(mid + e, extras)
