@@ -41,6 +41,7 @@ TECHNIQUES = [
     ("--tp 2", {"tp": 2}),
     ("--sequence-parallel", {"tp": 2, "sequence_parallel": True}),
     ("--ep 2", {"ep": 2}),
+    ("--cp 2", {"cp": 2}),
     ("--grad-accum 2", {"grad_accum": 2}),
     ("--recompute", {"recompute": True}),
     ("--precision bf16", {"precision": "bf16"}),

@@ -26,7 +26,10 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # the dtype a gradient bucket is reduced in: its own (param) or widened to fp32
 REDUCE_PRECISIONS = ("param", "fp32")
 # the least value of each parallel degree (dp 0: what is left), for flags and Mesh alike
-DEGREES = ((1, ("pp", "tp", "ep")), (0, ("dp",)))
+DEGREES = ((1, ("pp", "tp", "ep", "cp")), (0, ("dp",)))
+# context parallelism's attention cores: the keys and values round a ring
+# (parallel/ring_attention.py), or two all-to-alls from positions to heads (ulysses.py)
+CP_KINDS = ("ring", "ulysses")
 
 
 class ConfigError(ValueError):

@@ -5,6 +5,7 @@
     mesh.stage_of(5)       -> 0
     mesh.group_of(5, "dp") -> [1, 5]                 # ranks that differ only in dp
     comms = mesh.split(MPI.COMM_WORLD)               # MeshComms: a communicator per axis
+    comms.dp_cp                                      # the replicas: the gradients' axis
 
 The layout is one reshape, as in Megatron-LM and torchtitan's ParallelDims:
 
@@ -28,6 +29,26 @@ gradient is averaged).  World 4, dp 4, ep 2:
     expert group   0    0    1    1        axis "ep":          {0, 1}, {2, 3}
     ep rank        0    1    0    1        axis "ep_replicas": {0, 2}, {1, 3}
 
+Context parallelism borrows its ranks from dp too, as torchtitan's ParallelDims does
+(its dp_shard_cp): the first axis of the reshape holds the replicas of the parameters,
+dp x cp of them, cut into context groups of cp consecutive ones.  The ranks of a group
+see the same samples, each a contiguous slice of their positions, and hold the same
+parameters, so a gradient is averaged over all dp x cp replicas.  World 4, dp 2, cp 2:
+
+    replica          0    1    2    3
+    dp rank          0    0    1    1        axis "cp":    {0, 1}, {2, 3}
+    cp rank          0    1    0    1        axis "dp":    {0, 2}, {1, 3}
+                                             axis "dp_cp": {0, 1, 2, 3}  (the gradients)
+
+    ranks = arange(world).reshape(dp * cp, pp, tp)       replica = dp rank * cp + cp rank
+
+Why carved out of the replicas, not an axis of its own between pp and tp: the grid's
+reshape, every (dp, pp, tp) coordinate and every dp x pp x tp run stay as they are,
+and the replicas axis is at once ZeRO's and the gradients' group.  The price, stated:
+where pp x tp > 1 a context group's ranks are pp x tp apart, so on a hostfile of
+nodes tp's groups are filled first and cp's ring may cross nodes sooner than tp's.
+Context and expert parallelism are not carved out of the same replicas (refused).
+
 There is no global mesh: build one per test or per run and pass it around.
 """
 from dataclasses import dataclass
@@ -37,6 +58,7 @@ import numpy as np
 from .choices import DEGREES, ConfigError, check_values
 
 AXES = ("dp", "pp", "tp")
+CONTEXT_AXES = ("cp", "dp_cp")
 EXPERT_AXES = ("ep", "ep_replicas")
 
 
@@ -56,20 +78,26 @@ class Mesh:
     pp: int = 1
     tp: int = 1
     ep: int = 1          # expert groups of ep dp ranks (carved out of dp)
+    cp: int = 1          # context groups of cp replicas (carved out of dp x cp)
 
     def __post_init__(self):
         check_values(self, at_least=DEGREES)          # the flags' own rule
+        cp = f"cp({self.cp}) x " if self.cp > 1 else ""
         if self.dp == 0:
-            if self.world_size % (self.pp * self.tp):
+            rest = self.cp * self.pp * self.tp
+            if self.world_size % rest:
                 raise ConfigError(
-                    f"world size {self.world_size} is not divisible by pp({self.pp}) x "
-                    f"tp({self.tp}) = {self.pp * self.tp}: no whole dp size is left",
-                                  field="world_size")
-            object.__setattr__(self, "dp", self.world_size // (self.pp * self.tp))
-        if self.dp * self.pp * self.tp != self.world_size:
-            raise ConfigError(f"dp({self.dp}) x pp({self.pp}) x tp({self.tp}) = "
-                              f"{self.dp * self.pp * self.tp} != world size {self.world_size}",
-                              field="world_size")
+                    f"world size {self.world_size} is not divisible by {cp}pp({self.pp}) x "
+                    f"tp({self.tp}) = {rest}: no whole dp size is left", field="world_size")
+            object.__setattr__(self, "dp", self.world_size // rest)
+        if self.dp * self.cp * self.pp * self.tp != self.world_size:
+            raise ConfigError(f"dp({self.dp}) x {cp}pp({self.pp}) x tp({self.tp}) = "
+                              f"{self.dp * self.cp * self.pp * self.tp} != world size "
+                              f"{self.world_size}", field="world_size")
+        if self.cp > 1 and self.ep > 1:
+            raise ConfigError(f"ep({self.ep}) with cp({self.cp}) is not supported: both are "
+                              f"carved out of the replicas, and the experts' groups over "
+                              f"context groups are not built", field="cp")
         if self.dp % self.ep:
             raise ConfigError(f"world {self.world_size} is not a multiple of ep({self.ep}): "
                               f"the expert groups are cut out of dp({self.dp}), "
@@ -92,38 +120,62 @@ class Mesh:
         return self.ep > 1
 
     @property
+    def cp_enabled(self):
+        return self.cp > 1
+
+    @property
     def ranks(self):
-        return np.arange(self.world_size).reshape(self.dp, self.pp, self.tp)
+        """The grid, replicas first: ranks[replica, pp, tp] (replica = dp x cp + cp rank)."""
+        return np.arange(self.world_size).reshape(self.dp * self.cp, self.pp, self.tp)
+
+    def place_of(self, rank):
+        """(replica, pp, tp) of a rank: its index in `ranks`."""
+        return tuple(int(c) for c in
+                     np.unravel_index(rank, (self.dp * self.cp, self.pp, self.tp)))
 
     def coords_of(self, rank):
-        """(dp, pp, tp) coordinates of a rank."""
-        return tuple(int(c) for c in np.unravel_index(rank, (self.dp, self.pp, self.tp)))
+        """(dp, pp, tp) coordinates of a rank (the dp of its context group)."""
+        replica, p, t = self.place_of(rank)
+        return replica // self.cp, p, t
 
-    def rank_of(self, dp=0, pp=0, tp=0):
-        return int(self.ranks[dp, pp, tp])
+    def context_coords_of(self, rank):
+        """(dp rank, cp rank) of a rank: its replica cut into groups of cp."""
+        return divmod(self.place_of(rank)[0], self.cp)
+
+    def rank_of(self, dp=0, pp=0, tp=0, cp=0):
+        return int(self.ranks[dp * self.cp + cp, pp, tp])
 
     def stage_of(self, rank):
         return self.coords_of(rank)[1]
 
     def expert_coords_of(self, rank):
-        """(expert group, ep rank) of a rank: its dp coordinate cut into groups of ep."""
-        return divmod(self.coords_of(rank)[0], self.ep)
+        """(expert group, ep rank) of a rank: its replica (its dp coordinate: ep is not
+        taken with cp) cut into groups of ep."""
+        return divmod(self.place_of(rank)[0], self.ep)
 
     def group_of(self, rank, axis):
         """The ranks that share every coordinate with `rank` except `axis`, in axis order;
-        "ep": its expert group, "ep_replicas": the ranks holding its experts."""
-        d, p, t = self.coords_of(rank)
-        if axis in EXPERT_AXES:
-            group, place = divmod(d, self.ep)
-            dps = range(group * self.ep, (group + 1) * self.ep) if axis == "ep" else \
-                range(place, self.dp, self.ep)
-            return [int(self.ranks[e, p, t]) for e in dps]
-        index = {"dp": (slice(None), p, t), "pp": (d, slice(None), t), "tp": (d, p, slice(None))}
-        return [int(r) for r in self.ranks[index[axis]]]
+        "ep": its expert group, "ep_replicas": the ranks holding its experts; "cp": its
+        context group, "dp_cp": every replica of its parameters (dp x cp)."""
+        replica, p, t = self.place_of(rank)
+        d, c = self.context_coords_of(rank)
+        if axis in CONTEXT_AXES:
+            replicas = range(d * self.cp, (d + 1) * self.cp) if axis == "cp" else \
+                range(self.dp * self.cp)
+        elif axis in EXPERT_AXES:
+            group, place = divmod(replica, self.ep)
+            replicas = range(group * self.ep, (group + 1) * self.ep) if axis == "ep" else \
+                range(place, self.dp * self.cp, self.ep)
+        else:
+            index = {"dp": (slice(c, None, self.cp), p, t), "pp": (replica, slice(None), t),
+                     "tp": (replica, p, slice(None))}
+            return [int(r) for r in self.ranks[index[axis]]]
+        return [int(self.ranks[r, p, t]) for r in replicas]
 
     def describe(self):
         ep = f", ep({self.ep}) of dp" if self.ep_enabled else ""
-        return f"dp({self.dp}) x pp({self.pp}) x tp({self.tp}) = {self.world_size}{ep}"
+        cp = f" x cp({self.cp})" if self.cp_enabled else ""
+        return f"dp({self.dp}){cp} x pp({self.pp}) x tp({self.tp}) = {self.world_size}{ep}"
 
     def split(self, comm):
         """Sub-communicators of `comm` (collective: every rank calls it)."""
@@ -144,12 +196,13 @@ class MeshComms:
         self.rank = comm.rank
         self.dp_rank, self.pp_rank, self.tp_rank = mesh.coords_of(comm.rank)
         self.expert_group, self.ep_rank = mesh.expert_coords_of(comm.rank)
-        self.axes = AXES + EXPERT_AXES
+        self.cp_rank = mesh.context_coords_of(comm.rank)[1]
+        self.axes = AXES + CONTEXT_AXES + EXPERT_AXES
         for axis in self.axes:
             group = mesh.group_of(comm.rank, axis)
             setattr(self, axis, comm.Split(group[0], group.index(comm.rank)))
         self.dp_size, self.pp_size, self.tp_size = mesh.dp, mesh.pp, mesh.tp
-        self.ep_size = mesh.ep
+        self.ep_size, self.cp_size = mesh.ep, mesh.cp
 
     @property
     def is_last_stage(self):

@@ -65,12 +65,18 @@ class PrecisionOptions:
 
 @dataclass(frozen=True)
 class ParallelOptions:
-    """How the world is split: dp x pp x tp (ep cut out of dp), or workers and servers."""
+    """How the world is split: dp x cp x pp x tp (ep cut out of dp), or workers and servers."""
     servers: int = 1              # ps / hybrid: the last SERVERS ranks serve
-    dp: int = 0                   # data-parallel size; 0 = what is left, world / (pp * tp)
+    dp: int = 0                   # data-parallel size; 0 = what is left, world / (cp * pp * tp)
     pp: int = 1                   # pipeline stages
     tp: int = 1                   # tensor-parallel ranks (GPT)
     ep: int = 1                   # expert-parallel ranks: each holds experts / EP experts
+    cp: int = 1                   # context-parallel ranks (GPT): each holds 1/CP of every
+                                  # sequence's positions, the same samples and parameters
+    cp_kind: str = "ring"         # --cp's attention: ring (the keys and values go round
+                                  # the cp ranks) or ulysses (two all-to-alls swap the
+                                  # position split for a head split: heads a multiple
+                                  # of cp)
     sequence_parallel: bool = False  # with --tp: LayerNorms and residuals on 1/tp of
                                      # the sequence each (Korthikanti et al. 2023)
     zero: int = 0                 # ZeRO stage over the dp axis: 0 (plain DP), 1, 2, 3

@@ -14,7 +14,7 @@ wherever it is given.  `cli` names a field as a flag (`--link-gbps`) or as a key
 A section (sections.py) checks its own fields on construction (`*_rules`, keyword
 names); TrainConfig checks the same rules with flag names, then the combinations.
 """
-from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, DEGREES, DEVICES, EMULATED_SYNCS, MODELS,
+from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, CP_KINDS, DEGREES, DEVICES, EMULATED_SYNCS, MODELS,
                       OPTIMIZERS, PRECISIONS, PS_SYNCS, REDUCE_PRECISIONS, SCHEDULES, SYNCS,
                       ZERO_STAGES, ConfigError, check_types, check_values, flag_of, setting_of)
 from .compress_spec import check_compress, parse_compress
@@ -56,7 +56,8 @@ def precision_rules(cfg, cli=True):
 
 
 def parallel_rules(cfg, cli=True):
-    check_values(cfg, cli, choices=(("schedule", SCHEDULES), ("zero", ZERO_STAGES)),
+    check_values(cfg, cli, choices=(("schedule", SCHEDULES), ("zero", ZERO_STAGES),
+                                    ("cp_kind", CP_KINDS)),
                  at_least=DEGREES + ((1, ("servers", "micro_batches", "virtual_stages",
                                           "grad_accum")),))
     if cfg.sequence_parallel and cfg.tp < 2:
@@ -197,6 +198,7 @@ def check_flags(cfg):
         raise ConfigError(f"--tp {cfg.tp}: tensor parallelism splits the GPT's attention "
                           "and MLP; use --model gpt", field="tp")
     check_moe(cfg)
+    check_context(cfg)
     check_sync_combinations(cfg, cfg, cfg)
     blocks, what = cfg.blocks
     if cfg.pp_layers and sum(parse_pp_layers(cfg.pp_layers)) != blocks:
@@ -255,16 +257,57 @@ def check_moe(cfg):
                           f"torch), not --sync {cfg.sync}", field="ep")
 
 
+def check_context(cfg):
+    """Context parallelism (--cp) against the model and the other techniques: what is
+    built is the GPT's attention over a cp group of an all-reduce run (the whole model,
+    tp, ZeRO, micro-batches, recompute); the rest is refused with its reason."""
+    if cfg.cp == 1:
+        return
+    if cfg.model not in ("gpt", "moe"):
+        raise ConfigError(f"--cp {cfg.cp} splits the GPT's sequences over the cp ranks: it "
+                          f"needs --model gpt or moe, not --model {cfg.model}", field="cp")
+    if cfg.seq_len % cfg.cp:
+        raise ConfigError(f"--cp {cfg.cp}: --seq-len {cfg.seq_len} is not divisible by "
+                          f"cp({cfg.cp}): {cfg.seq_len} % {cfg.cp} = {cfg.seq_len % cfg.cp}; "
+                          f"each cp rank holds an equal slice of the positions", field="cp")
+    per_tp = cfg.heads // cfg.tp if cfg.heads % cfg.tp == 0 else cfg.heads
+    if cfg.cp_kind == "ulysses" and per_tp % cfg.cp:
+        tp = f" / tp({cfg.tp})" if cfg.tp > 1 else ""
+        raise ConfigError(f"--cp-kind ulysses splits each rank's heads over the cp ranks: "
+                          f"--heads {cfg.heads}{tp} = {per_tp} is not a multiple of "
+                          f"cp({cfg.cp}) ({per_tp} % {cfg.cp} = {per_tp % cfg.cp}); choose "
+                          f"--heads a multiple of --cp, or --cp-kind ring", field="heads")
+    for what, refused, why in (
+            ("--sync local", cfg.sync == "local", "it splits a sequence over ranks; --sync "
+             "local is one process"),
+            (f"--sync {cfg.sync}", cfg.sync in PS_SYNCS, "a context group's ranks push "
+             "partial gradients of the same parameters, and the servers average a key over "
+             "its dp replicas only: use an all-reduce --sync"),
+            (f"--pp {cfg.pp}", cfg.pp > 1, "the stages' messages and a schedule over "
+             "context groups are not built; use --tp or --dp with it"),
+            ("--sequence-parallel", cfg.sequence_parallel, "both split the positions, and "
+             "tp's shards of a cp slice are not built"),
+            (f"--ep {cfg.ep}", cfg.ep > 1, "both are carved out of the replicas, and "
+             "expert groups over context groups are not built"),
+            (f"--model moe --zero {cfg.zero}", cfg.model == "moe" and cfg.zero > 0,
+             "the experts' own replicas (sync over ep_replicas) are not built over dp x cp"),
+            ("--checkpoint-dir", bool(cfg.checkpoint_dir), "a checkpoint's files are named "
+             "by (dp, pp, tp), which the ranks of a context group share; not built")):
+        if refused:
+            raise ConfigError(f"--cp {cfg.cp} with {what} is not supported: {why}",
+                              field="cp")
+
+
 # ------------------------------------------------------------------ against the world
 def world_of(cfg, world_size):
     """(dp, how the world splits): `world 3 = dp(2) + servers(1)`, `dp(2) x pp(2) x tp(1) = 4`.
     The parameter servers' launcher (psrv.launch) decides which ranks serve; here only
     how many ranks are left to train."""
-    if cfg.on_grid:                        # world = dp x pp x tp (mesh.py names each factor)
+    if cfg.on_grid or cfg.cp > 1:          # world = dp x cp x pp x tp (mesh.py names each)
         servers = cfg.servers if cfg.sync in PS_SYNCS else 0
         if world_size - servers < 1:
             return 0, f"world {world_size} = servers({servers}) and no worker"
-        mesh = Mesh(world_size - servers, cfg.dp, cfg.pp, cfg.tp, cfg.ep)
+        mesh = Mesh(world_size - servers, cfg.dp, cfg.pp, cfg.tp, cfg.ep, cfg.cp)
         return mesh.dp, mesh.describe() + (f" + servers({servers})" if servers else "")
     if cfg.sync in PS_SYNCS:
         dp = world_size - cfg.servers
@@ -286,8 +329,8 @@ def check_launcher(cfg, torchrun):
     collectives over MPI need."""
     if not torchrun:
         return
-    if cfg.on_grid or cfg.ep > 1:
-        raise ConfigError("--dp/--pp/--tp/--zero/--ep run under mpiexec, not torchrun: "
+    if cfg.on_grid or cfg.ep > 1 or cfg.cp > 1:
+        raise ConfigError("--dp/--pp/--tp/--zero/--ep/--cp run under mpiexec, not torchrun: "
                           "their axes are MPI communicators (config/mesh.py)", field="dp")
     if cfg.sync != "torch":
         raise ConfigError(f"under torchrun only --sync torch works (got --sync {cfg.sync}); "
@@ -326,7 +369,7 @@ def check_world(cfg, world_size):
     if cfg.on_grid:
         check_grid(cfg, dp)
     if cfg.model == "moe":
-        Mesh(world_size, cfg.dp, cfg.pp, cfg.tp, cfg.ep)      # ep divides dp
+        Mesh(world_size, cfg.dp, cfg.pp, cfg.tp, cfg.ep, cfg.cp)      # ep divides dp
         if cfg.moe_group and local % (cfg.moe_group * k):
             raise ConfigError(f"--moe-group {cfg.moe_group} does not divide each of the {k} "
                               f"micro-batch(es) of the local batch into whole groups: global "

@@ -7,6 +7,7 @@ One step, on every rank of every run (Megatron-LM's forward_backward_func and
 torchtitan's train_step have the same shape):
 
     x, y = this dp replica's share of the global batch           (model/data.py)
+        and of its positions, this cp rank's slice               (context_parallel.py)
     sync.before_backward()                                       (the sync's contract)
     schedule.run(x, y): the micro-batches forward and backward   (a Pipeline of stages, or
         gradients accumulate; the sync's collectives leave        the trivial schedule of
@@ -42,6 +43,7 @@ from ..model.models import count_parameters, signature
 from ..runtime import checkpoint, waits
 from ..runtime.context import MPIControl
 from ..runtime.metrics import Metrics, StepClock
+from ..parallel.context_parallel import my_positions
 from ..runtime.trace import Tracer, busy_seconds, span, write_chrome_trace
 from .grid import assemble
 from .parallelize import cut_into_layers, dropped_fraction, parallelize
@@ -67,7 +69,8 @@ class StepEngine:
         mesh = ctx.mesh.mesh if ctx.mesh else None
         self.layout = {"world_size": ctx.world_size, "dp_size": ctx.dp_size,
                        "pp_size": mesh.pp if mesh else 1, "tp_size": mesh.tp if mesh else 1,
-                       **({"ep_size": cfg.ep} if p.placement else {})}
+                       **({"ep_size": cfg.ep} if p.placement else {}),
+                       **({"cp_size": cfg.cp} if p.context else {})}
         self._wire = (0, 0)                        # the sync's wire and dense bytes so far
         # the stages' meeting for the bubble's span, bounded by --timeout (collective)
         self.stages = waits.bounded(MPIControl(ctx.mesh.pp), cfg.timeout) \
@@ -79,8 +82,12 @@ class StepEngine:
         cfg, p, sync = self.cfg, self.plan, self.sync
         x, y = self.data.batch(step, self.ctx.dp_rank, self.ctx.dp_size, cfg.global_batch,
                                self.device)
+        if p.context:                              # the same samples, this cp rank's positions
+            comms = self.ctx.mesh
+            x, y = (my_positions(t, comms.cp_rank, comms.cp_size) for t in (x, y))
         rounds = sync.comm_rounds
         exchanged = (p.exchange.coll.bytes_sent, p.exchange.seconds) if p.exchange else None
+        attended = (p.context.bytes_sent, p.context.seconds) if p.context else None
         # host times where spans are drawn (--trace, a pipeline's), else one wait a step
         clock = StepClock(self.device, host_times=self.tracer is not None)
         start = clock.mark()
@@ -114,6 +121,8 @@ class StepEngine:
                   **self.wire_fields(), **self.precision.record(scalars)}
         if exchanged:                              # the experts' all-to-alls
             self.alltoall_fields(fields, *exchanged)
+        if attended:                               # the attention cores' traffic
+            self.context_fields(fields, *attended)
         return (loss if p.reports else None), fields
 
     def clocked_times(self, step, start, t1, t2, t3):
@@ -163,6 +172,22 @@ class StepEngine:
                       comm_time_s=fields["comm_time_s"] + seconds, alltoall_time_s=seconds,
                       alltoall_bytes=None if bytes_before is None else sent - bytes_before,
                       dropped_fraction=dropped_fraction(self.model))
+
+    def context_fields(self, fields, bytes_before, seconds_before):
+        """--cp: what the attention cores sent this step (`cp_bytes`: ring attention's
+        key-value blocks and their gradients, or Ulysses' all-to-alls; None where the
+        collective does not count) and the time they waited for it (`cp_time_s`).
+        That wait blocks the forward and backward: where no spans are read (the whole
+        model), it moves from the compute to the communication, as the experts' does;
+        a pipeline's times already read it off the cores' comm spans."""
+        core = self.plan.context
+        seconds = core.seconds - seconds_before
+        sent = None if bytes_before is None or core.bytes_sent is None \
+            else core.bytes_sent - bytes_before
+        fields.update(cp_bytes=sent, cp_time_s=seconds)
+        if not self.plan.pipelined:
+            fields.update(compute_time_s=fields["compute_time_s"] - seconds,
+                          comm_time_s=fields["comm_time_s"] + seconds)
 
     def wire_fields(self):
         """This step's gradient bytes handed to the collectives (`wire_bytes`) and what
@@ -215,7 +240,7 @@ class StepEngine:
         if not (p.pipelined or p.placement):
             return {n: t.detach().cpu().numpy() for n, t in self.model.named_parameters()}
         experts = {id(t) for t in p.expert_params}
-        first = self.ctx.mesh.dp_rank == 0
+        first = self.ctx.mesh.dp_rank == 0 and self.ctx.mesh.cp_rank == 0
         mine = [piece for piece in self.pieces()
                 if (first if piece[0] not in experts else p.placement.group == 0)]
         workers = self.ctx.mesh.world              # the servers hold no piece

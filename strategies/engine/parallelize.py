@@ -12,22 +12,31 @@ parallelism, activation checkpointing, then data parallelism; picotron: TP, PP, 
                        chunks of layers (interleaved.py); the whole model where pp = 1
     1. tensor          Megatron's split of the kept blocks over tp (tensor_parallel.py),
                        and with --sequence-parallel the LayerNorms on T/tp positions
-    2. recompute       each kept block checkpointed (recompute.py)
-    3. pipeline        the kept layers as Stage modules, v of them where interleaved
-    4. experts         this rank's experts kept, tokens moved by all-to-alls
+    2. context         each kept block's attention core replaced by ring attention or
+                       Ulysses over the cp axis, the positions embedded from this
+                       rank's slice on (context_parallel.py)
+    3. recompute       each kept block checkpointed (recompute.py)
+    4. pipeline        the kept layers as Stage modules, v of them where interleaved
+    5. experts         this rank's experts kept, tokens moved by all-to-alls
                        (expert_parallel.py); the dense layers stay whole
-    5. data parallel   over what is left, one call for every run and every --sync
+    6. data parallel   over what is left, one call for every run and every --sync
                        (sync/data_parallel.py): the bucket engine over this rank's units
                        (its layers, its experts, or the whole model's parameters), whose
                        bucket reduction is an all-reduce, a reduce-scatter (--zero) or a
-                       push and pull to the parameter servers (ps, hybrid)
-    6. the schedule    Pipeline (GPipe, 1F1B, interleaved) over the stages, or the trivial
+                       push and pull to the parameter servers (ps, hybrid), over the
+                       dp x cp replicas of the parameters
+    7. the schedule    Pipeline (GPipe, 1F1B, interleaved) over the stages, or the trivial
                        schedule of one stage (accumulation.py) over the whole model
 
-Why this order.  The cut comes first only as arithmetic (which layers), so that 1 and 2
+Why this order.  The cut comes first only as arithmetic (which layers), so that 1 to 3
 touch the kept layers only.  Tensor parallelism before recompute: the checkpoint wraps
 the split block, so a replay runs the block's tp collectives again, in the same order
-on every tp rank.  Recompute before the stages: a Stage holds the wrapped blocks.
+on every tp rank.  Context after tensor parallelism: the core is handed the heads this
+tp rank keeps (Ulysses splits them over cp again), whatever attention module holds it;
+before recompute for tp's reason: a replay passes the keys and values round the ring
+again, in the same order on every cp rank.  Context parallelism adds no parameter, so
+data parallelism needs only its axis (dp x cp), not its layers.  Recompute before the
+stages: a Stage holds the wrapped blocks.
 Experts before data parallelism: an expert's gradient is averaged over its replicas,
 not over dp, so data parallelism must know which parameters are experts.  Data
 parallelism last: ZeRO makes each layer's final parameters views of one flat buffer,
@@ -37,8 +46,9 @@ no_sync (communication once per step).
 
 Every run is a mesh run (config/mesh.py: plain data parallelism is dp = the workers)
 and takes the steps its flags enable: a model cut into layers (--dp/--pp/--tp/--zero:
-steps 0-3, 5, 6 a Pipeline), the experts apart (--model moe with --ep or --zero:
-steps 4, 5, 6 trivial), or whole on every worker (steps 2, 5, 6 trivial).
+steps 0-4, 6, 7 a Pipeline), the experts apart (--model moe with --ep or --zero:
+steps 5, 6, 7 trivial), or whole on every worker (steps 2, 3, 6, 7 trivial); step 2
+where --cp > 1.
 """
 from dataclasses import dataclass, field
 
@@ -48,12 +58,15 @@ from allreduce import make_transport
 
 from ..config.choices import ALLREDUCE_SYNCS, PS_SYNCS
 from ..model.moe import MoE
+from ..parallel.context_parallel import set_attention_core
 from ..parallel.expert_parallel import AllToAllExperts, ExpertPlacement, shard_experts, units_of
 from ..parallel.interleaved import InterleavedPipeline, chunk_layers
 from ..parallel.pipeline import Pipeline, Stage, layers_of
 from ..parallel.recompute import Recompute
+from ..parallel.ring_attention import RingAttention
 from ..parallel.sequence_parallel import positions_per_rank, split_sequence
 from ..parallel.tensor_parallel import TensorParallel, parallelize_blocks
+from ..parallel.ulysses import Ulysses
 from ..runtime.memory import ActivationMeter
 from ..runtime.precision import any_rank_of, of_config
 from ..sync.buckets import Replicas
@@ -75,6 +88,7 @@ class Parallelized:
     reports: bool = True        # this rank's loss is one of the step's (last stage, tp 0)
     meter: object = None        # the pipeline's ActivationMeter
     exchange: object = None     # the experts' AllToAllExperts
+    context: object = None      # --cp: the blocks' attention core (RingAttention, Ulysses)
     placement: object = None    # the experts' ExpertPlacement
     expert_params: list = field(default_factory=list)  # the experts this rank keeps
     counters: list = field(default_factory=list)  # whose bytes_sent/received are the rank's
@@ -90,7 +104,7 @@ def experts_apart(cfg):
 
 
 def cut_into_layers(cfg):
-    """Whether the model is cut into layers and stages over the grid (steps 0-3 and a
+    """Whether the model is cut into layers and stages over the grid (steps 0-4 and a
     Pipeline); the experts' run shards by --zero too, but keeps its model whole."""
     return cfg.on_grid and not experts_apart(cfg)
 
@@ -126,18 +140,23 @@ def parallelize(model, ctx, cfg, device, tracer):
         for name, block in layers:                 # the split layers' new parameters
             for local, p in block.named_parameters():
                 plan.names.setdefault(id(p), f"{name}.{local}")
-    # 2. recompute: the kept GPT blocks after their tp split; the whole model's blocks
+    # 2. context parallelism: every kept block's attention sees its cp group's positions
+    if cfg.cp > 1:
+        blocks = [b for name, b in layers if name.startswith("blocks.")] if grid \
+            else list(model.blocks)
+        context_parallel(plan, model, blocks, comms, cfg, device, tracer)
+    # 3. recompute: the kept GPT blocks after their tp split; the whole model's blocks
     if cfg.recompute:
         blocks = {name for name, _ in layers_of(model)[1]}   # GPT blocks, MLP hidden layers
         plan.recompute = Recompute.of_blocks(
             [(n, b) for n, b in layers if n in blocks], tracer) if grid \
             else Recompute(model, tracer)
-    # 3. the pipeline split: the kept layers, in order, re-cut into their chunks
+    # 4. the pipeline split: the kept layers, in order, re-cut into their chunks
     if grid:
         sizes = [len(chunk) for chunk in chunks]
         stages = [Stage(layers[sum(sizes[:c]):sum(sizes[:c + 1])]) for c in range(len(sizes))]
         plan.model = stages[0] if len(stages) == 1 else nn.ModuleList(stages)
-    # 4. expert parallelism: keep this rank's experts, route the tokens to them
+    # 5. expert parallelism: keep this rank's experts, route the tokens to them
     if experts:
         plan.placement = ExpertPlacement(comms.mesh, cfg.experts, ctx.rank)
         # the mesh's expert groups: the all-to-alls never meet the comm thread's collectives
@@ -146,9 +165,9 @@ def parallelize(model, ctx, cfg, device, tracer):
                                         plan.placement, tracer)
         plan.expert_params = shard_experts(model, plan.placement, plan.exchange)
         plan.counters = [plan.exchange.coll]
-    # 5. data parallelism over what is left: the one call, whatever the --sync
+    # 6. data parallelism over what is left: the one call, whatever the --sync
     data_parallel_step(plan, ctx, cfg, device, tracer, layers if grid else None)
-    # 6. the schedule of one step's micro-batches
+    # 7. the schedule of one step's micro-batches
     if grid:
         pipeline(plan, comms, cfg, device, stages, tracer,
                  getattr(model, "token_loss", model.criterion))
@@ -158,8 +177,23 @@ def parallelize(model, ctx, cfg, device, tracer):
     return plan
 
 
+def context_parallel(plan, model, blocks, comms, cfg, device, tracer):
+    """Step 2: the attention core of `blocks` over the cp axis, --cp-kind's: ring
+    attention over a point-to-point transport of its own (its messages are waited for
+    inside the core, so no other thread's calls meet them), or Ulysses over a
+    collective of the step's algorithm (axis_collective, as tp's and the experts')."""
+    if cfg.cp_kind == "ring":
+        transport = for_device(make_transport("mpi", comms.cp, cfg.timeout), device)
+        plan.context, counter = RingAttention(transport, tracer=tracer), transport
+    else:
+        coll = collective_for(axis_collective(cfg), cfg, comms.cp, device=device)
+        plan.context, counter = Ulysses(coll, tracer=tracer), coll
+    set_attention_core(model, blocks, plan.context, comms.cp_rank, comms.cp_size)
+    plan.counters = plan.counters + [counter]
+
+
 def data_parallel_step(plan, ctx, cfg, device, tracer, layers):
-    """Step 5: the one data-parallel call (sync/data_parallel.py) over this rank's units.
+    """Step 6: the one data-parallel call (sync/data_parallel.py) over this rank's units.
     layers: the grid's kept (name, module) layers, whose buckets keep 16-bit values and
     fp32 masters under --precision (ZeRO's setting) and vote on an fp16 overflow over
     every rank where pp or tp split the model (a rank sees its stage's or its piece's
@@ -207,13 +241,13 @@ def data_parallel_step(plan, ctx, cfg, device, tracer, layers):
 
 
 def pipeline(plan, comms, cfg, device, stages, tracer, criterion):
-    """Step 6 on the grid: this rank's stages under --schedule, their activations and
+    """Step 7 on the grid: this rank's stages under --schedule, their activations and
     gradients over the pp axis's point-to-point transport (on a GPU staged through
     pinned host memory where MPI is not CUDA-aware: for_device)."""
     plan.meter = ActivationMeter(plan.sync.param_storages,
                                  [plan.sync] if cfg.zero == 3 else [])
     p2p = for_device(make_transport("mpi", comms.pp, cfg.timeout), device)
-    feature = (positions_per_rank(cfg, comms.tp_size), cfg.d_model) \
+    feature = (positions_per_rank(cfg, comms.tp_size) // comms.cp_size, cfg.d_model) \
         if cfg.model in ("gpt", "moe") else (cfg.width,)
     kind = InterleavedPipeline if cfg.schedule == "interleaved" else Pipeline
     plan.schedule = kind(stages, criterion, p2p, comms.pp_rank, comms.pp_size,

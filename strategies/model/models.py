@@ -142,21 +142,31 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class PositionEmbedding(nn.Embedding):
+    """The learned position embeddings of the T positions; `first` is the global position
+    of the first token this rank holds: 0, or r T / cp where context parallelism gives
+    cp rank r a slice of every sequence (engine/parallelize.py), whose tokens must be
+    embedded at their own positions, not at 0 .. T / cp - 1."""
+    first = 0
+
+    def of_length(self, T, device):
+        return self(torch.arange(self.first, self.first + T, device=device))
+
+
 class GPT(nn.Module):
     def __init__(self, vocab, seq_len, layers, d_model, heads, kv_heads=None,
                  ffn_hidden=None, gated_mlp=False):
         super().__init__()
         self.seq_len = seq_len
         self.tok = nn.Embedding(vocab, d_model)
-        self.pos = nn.Embedding(seq_len, d_model)
+        self.pos = PositionEmbedding(seq_len, d_model)
         self.blocks = nn.ModuleList(Block(d_model, heads, kv_heads, ffn_hidden, gated_mlp)
                                     for _ in range(layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
 
     def forward(self, idx):
-        T = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
+        x = self.tok(idx) + self.pos.of_length(idx.shape[1], idx.device)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))

@@ -63,7 +63,7 @@ class GPTEmbed(nn.Module):
         self.tok, self.pos = gpt.tok, gpt.pos
 
     def forward(self, idx):
-        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        return self.tok(idx) + self.pos.of_length(idx.shape[1], idx.device)
 
 
 class GPTHead(nn.Module):

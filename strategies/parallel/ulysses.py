@@ -93,7 +93,9 @@ class Ulysses:
         start, sent = time.perf_counter(), self.coll.bytes_sent
         with span(self.tracer, f"ulysses all-to-all {what}", "comm"):
             out = self.coll.alltoall(x)
-        self.bytes_sent += self.coll.bytes_sent - sent
+        # a library's collective (--sync mpi) does not count its bytes: neither do we
+        self.bytes_sent = None if sent is None or self.bytes_sent is None else \
+            self.bytes_sent + self.coll.bytes_sent - sent
         self.seconds += time.perf_counter() - start
         return out
 

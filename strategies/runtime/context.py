@@ -4,7 +4,7 @@
     ctx.rank, ctx.world_size              # in the whole launch
     ctx.is_server                         # ps / hybrid: a server, as psrv.launch decided
     ctx.mesh                              # mesh.MeshComms over the workers: a communicator
-                                          #   per axis of dp x pp x tp and ep; None on a
+                                          #   per axis of dp x cp x pp x tp and ep; None on a
                                           #   server and under torchrun
     ctx.dp_rank, ctx.dp_size              # this worker's place on the mesh's dp axis
     ctx.workers                           # control over every rank that trains (records)
@@ -120,7 +120,7 @@ class RunContext:
                            control, None, role=role, host=host, host_visible_gpus=visible)
         # every worker is on a mesh over the workers: plain data parallelism is dp = all
         mesh = Mesh(workers.size, cfg.dp if cfg.on_grid else 0, cfg.pp, cfg.tp,
-                    cfg.ep).split(workers)
+                    cfg.ep, cfg.cp).split(workers)
         return cls(comm.rank, comm.size, local_rank, local_size, False, comm, control,
                    MPIControl(workers) if role else control, role=role, host=host,
                    mesh=mesh, host_visible_gpus=visible)

@@ -51,7 +51,7 @@ def data_parallel(units, comms, cfg, *, device, tracer=None, precision=None, agr
                   backwards_per_step=1, role=None, host="", coll=None):
     """This rank's sync of `units` (the module docstring).  Collective over comms.
 
-    comms: the run's mesh.MeshComms over the workers (the dp axis is the replicas);
+    comms: the run's mesh.MeshComms over the workers (its dp_cp axis is the replicas);
     None where `coll`, a collective over the replicas, is given instead (a user's loop:
     DistributedOptimizer; torchrun's world).  agree: fp16's overflow vote where the
     ranks hold different gradients at the check (a split model, the experts);
@@ -63,12 +63,15 @@ def data_parallel(units, comms, cfg, *, device, tracer=None, precision=None, agr
     if cfg.sync in PS_SYNCS:
         return ServerBuckets(units, comms, role, cfg, backwards_per_step, tracer, device,
                              collective_for, host, precision)
-    coll = coll or collective_for(cfg.sync, cfg, comms.dp, device=device)
-    # the comm thread's collective: over a duplicate of the dp communicator where the
-    # main thread talks on dp meanwhile (ZeRO-3's gathers, the grid); a user's loop
+    # over the replicas of the parameters: the dp axis, times cp where context
+    # parallelism cuts each replica's sequences (its ranks hold the same parameters)
+    coll = coll or collective_for(cfg.sync, cfg, comms.dp_cp, device=device)
+    # the comm thread's collective: over a duplicate of that communicator where the
+    # main thread talks on it meanwhile (ZeRO-3's gathers, the grid); a user's loop
     # talks on neither during backward, so its one collective serves both
     thread = None if not cfg.overlap else \
-        coll if comms is None else collective_for(cfg.sync, cfg, comms.dp.Dup(), device=device)
+        coll if comms is None else collective_for(cfg.sync, cfg, comms.dp_cp.Dup(),
+                                                  device=device)
     compressor = build_compressor(cfg.compress, thread or coll, cfg.error_feedback,
                                   cfg.compressor_momentum, cfg.sparsity_warmup)
     return ZeRO(cfg.zero, units, coll, cfg, backwards_per_step, tracer, precision,

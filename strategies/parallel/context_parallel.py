@@ -1,0 +1,64 @@
+"""Context parallelism in the trainer: a replica's sequences cut by position over cp ranks.
+
+    mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.train --sync ring --model gpt \\
+        --seq-len 64 --cp 2 --cp-kind ring                 # or --cp-kind ulysses
+    mpiexec -n 4 .venv/bin/python -m mpi4py -m strategies.train --sync ring --model gpt \\
+        --seq-len 64 --cp 2 --tp 2                         # --dp 2 --zero 1 composes too
+
+Llama 3's long-context training and torchtitan's context parallelism: the ranks of a
+context group (config/mesh.py's "cp" axis, carved out of the replicas) hold the same
+parameters and see the same samples, and cp rank r keeps the contiguous slice
+[r t, (r+1) t), t = T / cp, of every sequence's positions: its inputs, its targets,
+and the position embedding's offset r t (models.PositionEmbedding.first), so that a
+token is embedded at its global position.
+
+    sample b, T = 8, cp = 2        positions 0 1 2 3 | 4 5 6 7
+                                             cp rank 0 | cp rank 1
+
+Everything but attention works on each position alone (embeddings, LayerNorms, the
+MLP, the head, the loss), so it runs on the slice unchanged.  Attention is the one
+place where positions meet: each block's attention core (CausalSelfAttention.core)
+becomes one that sees the group's other positions:
+
+    ring      parallel/ring_attention.py: the keys and values go round the cp ring,
+              2 (cp - 1) blocks a layer forward, and back with their gradients
+    ulysses   parallel/ulysses.py: an all-to-all from positions to heads, attention
+              on whole sequences of heads / cp heads, an all-to-all back
+
+The loss and the gradients.  Each rank's loss is the mean over its own B_local x t
+tokens; the group's ranks hold equal shares, so the mean of their losses is the
+mean over the replica's tokens, and averaging the gradients over the dp x cp
+replicas (the mesh's "dp_cp" axis: sync/data_parallel.py's communicator) gives the
+gradient of the mean over the global batch, as on one process.  The reported loss
+is the mean of every rank's (runtime/metrics.py), the cp ranks' included.
+
+A mixture of experts gates each rank's own positions: its capacity and balance loss
+are the slice's, as under expert parallelism they are the dp rank's batch's.
+"""
+
+from .ring_attention import ring_bytes
+from .ulysses import ulysses_bytes
+
+SEQUENCE = 1                     # (B, T) tokens and targets: the axis the slices cut
+
+
+def my_positions(x, cp_rank, cp_size):
+    """This cp rank's contiguous slice of the positions of a (B, T, ...) batch."""
+    t = x.shape[SEQUENCE] // cp_size
+    return x.narrow(SEQUENCE, cp_rank * t, t).contiguous()
+
+
+def set_attention_core(model, blocks, core, cp_rank, cp_size):
+    """Every block's attention core replaced by `core`, and the model's position
+    embedding told where this rank's slice starts."""
+    model.pos.first = cp_rank * (model.seq_len // cp_size)
+    for block in blocks:
+        block.attn.core = core
+
+
+def context_bytes(kind, batch, seq_len, d_model, cp, layers, itemsize=4):
+    """Bytes one rank's attention cores send a step: `layers` blocks of a local batch
+    of `batch` sequences, `d_model` the features a rank's attention holds (d / tp)."""
+    per_layer = (ring_bytes if kind == "ring" else ulysses_bytes)(
+        batch, seq_len, d_model, cp, itemsize)
+    return layers * per_layer
