@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from conftest import check_ok, mpirun
+from strategies.parallel.context_parallel import context_bytes
 
 RTOL, ATOL = 1e-5, 1e-6
 COMMON = ["--steps", "3", "--threads", "1", "--no-progress", "--sync", "ring"]
@@ -233,6 +234,64 @@ def test_zero_on_three_ranks_uneven_shards(tmp_path, reference):
         assert_same_run(runs[f"sgd{s}"], reference["mlp_sgd"], 3)
         for name, value in runs["adam0"][1].items():
             np.testing.assert_array_equal(runs[f"adam{s}"][1][name], value, err_msg=name)
+
+
+# Context parallelism: a GPT at seq 64 (each cp rank holds 32 positions of every
+# sequence), fp32, 3 steps, against one process on the global batch.  Tolerance rtol
+# 1e-4: on top of the reorderings above, the ring's online softmax adds its blocks'
+# exponentials in another order than one softmax over the row, and Ulysses' and the
+# ring's attention is computed in pieces; measured differences are ~5e-8 on the loss
+# and ~5e-6 relative on the parameters, a real bug (a slice at the wrong position, a
+# block skipped, gradients averaged over dp only) moves them by O(lr * grad) ~ 1e-3.
+CP_RTOL = 1e-4
+CP_SEQ = 64
+CP_GPT = GPT[:GPT.index("--seq-len")] + ["--seq-len", str(CP_SEQ)] + \
+    GPT[GPT.index("--seq-len") + 2:]
+CP_TWO = [("cp2_ring", CP_GPT + ["--cp", "2", "--cp-kind", "ring"]),
+          ("cp2_ulysses", CP_GPT + ["--cp", "2", "--cp-kind", "ulysses"])]
+CP_FOUR = [("cp2_tp2", CP_GPT + ["--cp", "2", "--tp", "2"]),
+           ("cp2_dp2_zero1", CP_GPT + ["--cp", "2", "--dp", "2", "--zero", "1"])]
+
+
+@pytest.fixture(scope="module")
+def context_runs(tmp_path_factory):
+    """{name: (records, parameters)} of the one-process reference and the cp runs."""
+    folder = tmp_path_factory.mktemp("context")
+    return {**launch(folder, 1, [("one", CP_GPT + ["--sync", "local"])]),
+            **launch(folder, 2, CP_TWO), **launch(folder, 4, CP_FOUR, timeout=300)}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name, world", [(n, 2) for n, _ in CP_TWO] +
+                         [(n, 4) for n, _ in CP_FOUR])
+def test_cp_reproduces_one_process(context_runs, name, world):
+    (records, params), (ref_records, ref_params) = context_runs[name], context_runs["one"]
+    ref_loss = [r["loss"] for r in ref_records]
+    for rank in range(world):
+        mine = [r for r in records if r["rank"] == rank]
+        assert [r["step"] for r in mine] == list(range(3))
+        np.testing.assert_allclose([r["loss"] for r in mine], ref_loss, rtol=CP_RTOL)
+    assert sorted(params) == sorted(ref_params)
+    for key in ref_params:
+        np.testing.assert_allclose(params[key], ref_params[key], rtol=CP_RTOL, atol=1e-6,
+                                   err_msg=key)
+
+
+@pytest.mark.timeout(600)
+def test_cp_bytes_match_the_formulas(context_runs):
+    """What the attention cores send a step, on every rank, against ring_bytes (2 (cp-1)
+    key-value blocks a layer forward; again, and the gradients' 2 cp, backward) and
+    ulysses_bytes (the packed q k v all-to-all and the output's, forward and backward):
+    a local batch of 8 / dp sequences, d_model / tp features a rank's attention holds."""
+    layers, d_model, batch = 2, 16, 8
+    shapes = {"cp2_ring": ("ring", batch, d_model), "cp2_ulysses": ("ulysses", batch, d_model),
+              "cp2_tp2": ("ring", batch, d_model // 2),
+              "cp2_dp2_zero1": ("ring", batch // 2, d_model)}
+    for name, (kind, local, features) in shapes.items():
+        want = context_bytes(kind, local, CP_SEQ, features, 2, layers)
+        for r in context_runs[name][0]:
+            assert abs(r["cp_bytes"] - want) / want < 0.01, (name, r["rank"], r["cp_bytes"])
+            assert r["cp_time_s"] >= 0
 
 
 def psi_and_state(records):

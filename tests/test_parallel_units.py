@@ -129,6 +129,51 @@ def test_activation_meter_sees_saved_tensors_freed_by_backward():
 
 
 @pytest.mark.timeout(30)
+def test_mesh_carves_context_groups_out_of_the_replicas():
+    """cp borrows its ranks from the replicas (mesh.py's table): groups of cp consecutive
+    replicas see the same samples; the gradients are averaged over all dp x cp."""
+    mesh = Mesh(4, cp=2)
+    assert mesh.dp == 2 and mesh.ranks.tolist() == [[[0]], [[1]], [[2]], [[3]]]
+    assert [mesh.context_coords_of(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [mesh.coords_of(r)[0] for r in range(4)] == [0, 0, 1, 1]
+    assert mesh.group_of(1, "cp") == [0, 1] and mesh.group_of(1, "dp") == [1, 3]
+    assert mesh.group_of(1, "dp_cp") == [0, 1, 2, 3]
+    grid = Mesh(8, cp=2, tp=2)              # replicas of tp pairs: 0 1 | 2 3 | 4 5 | 6 7
+    assert grid.group_of(5, "cp") == [5, 7] and grid.group_of(5, "tp") == [4, 5]
+    assert grid.group_of(5, "dp") == [1, 5] and grid.group_of(5, "dp_cp") == [1, 3, 5, 7]
+    assert grid.rank_of(dp=1, cp=1, tp=1) == 7
+    assert grid.describe() == "dp(2) x cp(2) x pp(1) x tp(2) = 8"
+    with pytest.raises(ConfigError, match=r"dp\(2\) x cp\(2\) x pp\(1\) x tp\(1\) = 4 != world"):
+        Mesh(6, dp=2, cp=2)
+    with pytest.raises(ConfigError, match=r"ep\(2\) with cp\(2\) is not supported"):
+        Mesh(4, ep=2, cp=2)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kw, message", [
+    (dict(model="mlp", cp=2), "needs --model gpt or moe"),
+    (dict(cp=3), r"--seq-len 32 is not divisible by cp\(3\)"),
+    (dict(cp=2, heads=2, tp=2, cp_kind="ulysses"), r"--heads 2 / tp\(2\) = 1 is not a multiple"),
+    (dict(cp=2, pp=2, micro_batches=2), "--cp 2 with --pp 2 is not supported"),
+    (dict(cp=2, tp=2, sequence_parallel=True), "--cp 2 with --sequence-parallel"),
+    (dict(cp=2, sync="ps"), "--cp 2 with --sync ps is not supported"),
+])
+def test_context_parallelism_refuses_what_it_does_not_build(kw, message):
+    base = dict(model="gpt", sync="ring", seq_len=32, heads=4, d_model=16)
+    with pytest.raises(ConfigError, match=message) as e:
+        TrainConfig(**{**base, **kw})
+    assert e.value.field in ("cp", "heads")
+
+
+@pytest.mark.timeout(30)
+def test_context_parallelism_takes_dp_from_what_is_left():
+    cfg = TrainConfig(model="gpt", sync="ring", cp=2, global_batch=8)
+    assert check_world(cfg, 4) == 2                     # dp(2) x cp(2): 4 samples a replica
+    with pytest.raises(ConfigError, match=r"not divisible by cp\(2\) x pp\(1\) x tp\(1\)"):
+        check_world(cfg, 3)
+
+
+@pytest.mark.timeout(30)
 def test_mesh_carves_expert_groups_out_of_dp():
     """ep borrows its ranks from dp: groups of ep consecutive dp ranks, and an expert's
     replicas at the same place of every group (mesh.py's table)."""
