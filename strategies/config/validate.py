@@ -14,9 +14,10 @@ wherever it is given.  `cli` names a field as a flag (`--link-gbps`) or as a key
 A section (sections.py) checks its own fields on construction (`*_rules`, keyword
 names); TrainConfig checks the same rules with flag names, then the combinations.
 """
-from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, CP_KINDS, DEGREES, DEVICES, EMULATED_SYNCS, MODELS,
-                      OPTIMIZERS, PRECISIONS, PS_SYNCS, REDUCE_PRECISIONS, SCHEDULES, SYNCS,
-                      ZERO_STAGES, ConfigError, check_types, check_values, flag_of, setting_of)
+from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, CP_KINDS, DEGREES, DEVICES,
+                      EMULATED_SYNCS, MODELS, OPTIMIZERS, PRECISIONS, PS_SYNCS,
+                      REDUCE_PRECISIONS, SCHEDULES, SYNCS, ZERO_STAGES, ConfigError,
+                      check_types, check_values, flag_of, setting_of)
 from .compress_spec import check_compress, parse_compress
 from .mesh import Mesh
 
