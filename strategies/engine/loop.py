@@ -40,10 +40,10 @@ import torch
 
 from ..config.settings import world_of
 from ..model.models import count_parameters, signature
+from ..parallel.context_parallel import my_positions
 from ..runtime import checkpoint, waits
 from ..runtime.context import MPIControl
 from ..runtime.metrics import Metrics, StepClock
-from ..parallel.context_parallel import my_positions
 from ..runtime.trace import Tracer, busy_seconds, span, write_chrome_trace
 from .grid import assemble
 from .parallelize import cut_into_layers, dropped_fraction, parallelize
