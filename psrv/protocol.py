@@ -150,6 +150,15 @@ def chunks(flat, chunk_bytes=CHUNK_BYTES):
     return [flat[i:i + step] for i in range(0, len(flat), step)] or [flat[:0]]
 
 
+def most_frames(length, dtype=FLOAT32):
+    """The frames `chunks` cuts `length` elements of `dtype` into: the most a payload
+    entry of that slice may have.  A receiver that knows its keys (a configured shard)
+    refuses more: each frame costs libzmq a message of its own, so 4-byte frames
+    would make a 4 MiB key cost 64 MiB of bookkeeping."""
+    per_frame = max(1, CHUNK_BYTES // DTYPES[dtype].itemsize)
+    return max(1, -(-length // per_frame))
+
+
 def encode(op, sender, request, entries=(), extras=(), payload=(), flags=0):
     """-> list of frames.  Entries' nframes must already count their payload frames."""
     payload = list(payload)
