@@ -31,7 +31,11 @@ Nothing is pickled or evaluated.  `decode` checks every structural field and
 raises ProtocolError naming the first bad one; it never allocates from a number
 a header claims, only views the frames that actually arrived.  Whether a key
 exists and has that shape is the server's check (store.py).  No frame is larger
-than MAX_FRAME_BYTES (the servers set it as ZeroMQ's MAXMSGSIZE).
+than MAX_FRAME_BYTES (the servers set it as ZeroMQ's MAXMSGSIZE), and no payload
+entry has more frames than `most_frames` of its slice (the server's check, once it
+knows its keys).  Neither bounds a message before it has arrived: libzmq hands a
+multipart message over only once its last frame is in, and counts whole messages
+(RCVHWM) and single frames (MAXMSGSIZE), never a message's frames.
 
 Connections: a worker has two sockets to each server, whose ZeroMQ routing
 ids are twins: b"w" + 15 random bytes for its requests (fixed, so a reconnect
