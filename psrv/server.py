@@ -18,7 +18,8 @@ the servers.
 The loop, one message at a time (a single thread owns the sockets and the store):
 
     0. with keys: the CURVE handshake and ZAP allow-list (auth.py) run before any
-       message arrives; every message then carries its client key
+       message arrives; every message then carries its client key, and a key speaks
+       on at most auth.KEY_CONNECTIONS connections (a further one is cut)
     1. decode and validate the header (protocol.decode): bad -> ERROR reply, go on
     2. who is speaking (roster.py): a connection speaks for one worker id; with keys a
        worker id belongs to its own client key, without to the first connection using it
@@ -30,6 +31,8 @@ The loop, one message at a time (a single thread owns the sockets and the store)
        or crashed (ABORT) worker under BSP/SSP either fails the run (every waiting
        and later request gets an ERROR naming the worker) or the shard continues
        without it (on_worker_death); a BYE is a clean finish and never fails a run
+    6. TRIM_QUIET_S after the last refused message or departed worker: the heap's
+       free pages go back to the kernel (heap.trim), so a flood leaves nothing behind
 
 Pushed gradients are used where ZeroMQ received them (the optimizer reads the
 frames in place), and replies reference the stored arrays zero-copy
