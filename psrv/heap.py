@@ -39,13 +39,15 @@ the kernel, whatever the threshold says.  A shard calls it after a flood it refu
 or after workers left (server.py); it costs a few milliseconds, and the next step
 faults its pages in again, which is why an ordinary step never calls it.  One catch:
 libzmq's I/O thread allocates every received frame, and glibc gives a new thread an
-arena of its own, whose free top malloc_trim leaves alone (it shrinks only the main
-arena's top; a thread arena's top shrinks on a free, and only above the threshold).
-Measured: 9 refused messages of 32 MiB left a shard 60 MiB above its baseline after
-the trim, all of it in the I/O thread's arena.  So a shard calls `one_arena()` before
-its ZeroMQ context starts its I/O thread: every thread then allocates from the main
-arena (M_ARENA_MAX = 1), and the trim finds everything.  The cost is a lock shared by
-two threads that already share it, since the main thread frees the I/O thread's frames.
+arena of its own, which malloc_trim does not always empty (it shrinks the top of the
+main arena only).  Measured: 9 refused messages of 32 MiB left a shard 57-63 MiB
+above its baseline after the trim, in the 64 MiB heap of the I/O thread's arena
+(/proc/PID/smaps).  So a shard calls `one_arena()` before its ZeroMQ context starts
+its I/O thread: every thread then allocates from the main arena (M_ARENA_MAX = 1),
+and the same trim left -2 MiB.  The cost is a lock shared by two threads that
+already share it, since the main thread frees the I/O thread's frames; psrv.bench
+(64 MiB, 1 worker, 1 server) showed no difference beyond its noise (55-62 ms a
+round, 95 ms of CPU, 34 page faults either way).
 """
 import ctypes
 import ctypes.util
