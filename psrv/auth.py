@@ -37,6 +37,12 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_F
 # admitted key (a worker's request and heartbeat sockets) + SPARE_CONNECTIONS.
 HANDSHAKE_IVL_MS = 5000
 SPARE_CONNECTIONS = 16
+# Connections one admitted key may speak on: a worker's request and heartbeat sockets,
+# and one of each again while a reconnect's new connection speaks before the old one's
+# DISCONNECTED event has been read.  The total cap above counts connections of any key;
+# this one stops a single key from filling it (16 connections of one key, each with a
+# few messages queued, held +400 MiB in a shard before it).
+KEY_CONNECTIONS = 4
 LOG_EVERY_S = 10.0           # refusals: one line, then one summary line per period
 
 log = logging.getLogger("psrv.auth")
@@ -112,10 +118,36 @@ class Connections:
     buffer anything for it: shutdown(2) on a duplicate of the descriptor, which
     libzmq then sees as a peer that hung up.  (The descriptor is read from the
     event: if libzmq closed it and accepted another under the same number in the
-    moment between, that newer connection is the one cut, and it reconnects.)"""
+    moment between, that newer connection is the one cut, and it reconnects.)
 
-    def __init__(self, limit):
-        self.limit, self.open, self.cut = limit, set(), 0
+    Which key a connection belongs to is known only once it speaks: a message's
+    descriptor (SRCFD) and its User-Id.  A key that speaks on more than `per_key`
+    connections has the newest cut at its first message (speaks)."""
+
+    def __init__(self, limit, per_key=KEY_CONNECTIONS):
+        self.limit, self.per_key, self.open, self.cut = limit, per_key, set(), 0
+        self.key_of, self.fds_of = {}, {}      # descriptor -> key that spoke on it, and back
+
+    def speaks(self, fd, user):
+        """A message of key `user` arrived on descriptor fd (ZeroMQ's SRCFD): None, or,
+        when that key already speaks on per_key other connections, the text of the
+        refusal, after cutting this one (its message is dropped unread)."""
+        if self.key_of.get(fd) == user:
+            return None                        # the common case: a known connection
+        self.forget(fd)
+        fds = self.fds_of.setdefault(user, set())
+        if len(fds) < self.per_key:
+            self.key_of[fd] = user
+            fds.add(fd)
+            return None
+        self.shut(fd)
+        return (f"refused a connection: client key {user.decode()} already speaks on "
+                f"{len(fds)} connections, the limit is {self.per_key} per key")
+
+    def forget(self, fd):
+        user = self.key_of.pop(fd, None)
+        if user is not None:
+            self.fds_of[user].discard(fd)
 
     def events(self, batch):
         """Apply a batch of monitor events in order; -> the texts of the cut connections."""
@@ -126,6 +158,7 @@ class Connections:
         for i, e in enumerate(batch):
             fd = e["value"]
             if e["event"] == zmq.EVENT_ACCEPTED:
+                self.forget(fd)                    # a new connection under an old number
                 if len(self.open) < self.limit:
                     self.open.add(fd)
                 elif closes.get(fd, -1) < i:       # not already closed again: cut it
@@ -135,6 +168,7 @@ class Connections:
                                f"{SPARE_CONNECTIONS})")
             elif e["event"] & (zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED):
                 self.open.discard(fd)
+                self.forget(fd)
         return cut
 
     def shut(self, fd):

@@ -31,7 +31,11 @@ Nothing is pickled or evaluated.  `decode` checks every structural field and
 raises ProtocolError naming the first bad one; it never allocates from a number
 a header claims, only views the frames that actually arrived.  Whether a key
 exists and has that shape is the server's check (store.py).  No frame is larger
-than MAX_FRAME_BYTES (the servers set it as ZeroMQ's MAXMSGSIZE).
+than MAX_FRAME_BYTES (the servers set it as ZeroMQ's MAXMSGSIZE), and no payload
+entry has more frames than `most_frames` of its slice (the server's check, once it
+knows its keys).  Neither bounds a message before it has arrived: libzmq hands a
+multipart message over only once its last frame is in, and counts whole messages
+(RCVHWM) and single frames (MAXMSGSIZE), never a message's frames.
 
 Connections: a worker has two sockets to each server, whose ZeroMQ routing
 ids are twins: b"w" + 15 random bytes for its requests (fixed, so a reconnect
@@ -148,6 +152,15 @@ def chunks(flat, chunk_bytes=CHUNK_BYTES):
     """Split a 1-D array into views of about chunk_bytes (no copy)."""
     step = max(1, chunk_bytes // flat.itemsize)
     return [flat[i:i + step] for i in range(0, len(flat), step)] or [flat[:0]]
+
+
+def most_frames(length, dtype=FLOAT32):
+    """The frames `chunks` cuts `length` elements of `dtype` into: the most a payload
+    entry of that slice may have.  A receiver that knows its keys (a configured shard)
+    refuses more: each frame costs libzmq a message of its own, so 4-byte frames
+    would make a 4 MiB key cost 64 MiB of bookkeeping."""
+    per_frame = max(1, CHUNK_BYTES // DTYPES[dtype].itemsize)
+    return max(1, -(-length // per_frame))
 
 
 def encode(op, sender, request, entries=(), extras=(), payload=(), flags=0):

@@ -18,7 +18,8 @@ the servers.
 The loop, one message at a time (a single thread owns the sockets and the store):
 
     0. with keys: the CURVE handshake and ZAP allow-list (auth.py) run before any
-       message arrives; every message then carries its client key
+       message arrives; every message then carries its client key, and a key speaks
+       on at most auth.KEY_CONNECTIONS connections (a further one is cut)
     1. decode and validate the header (protocol.decode): bad -> ERROR reply, go on
     2. who is speaking (roster.py): a connection speaks for one worker id; with keys a
        worker id belongs to its own client key, without to the first connection using it
@@ -30,6 +31,8 @@ The loop, one message at a time (a single thread owns the sockets and the store)
        or crashed (ABORT) worker under BSP/SSP either fails the run (every waiting
        and later request gets an ERROR naming the worker) or the shard continues
        without it (on_worker_death); a BYE is a clean finish and never fails a run
+    6. TRIM_QUIET_S after the last refused message or departed worker: the heap's
+       free pages go back to the kernel (heap.trim), so a flood leaves nothing behind
 
 Pushed gradients are used where ZeroMQ received them (the optimizer reads the
 frames in place), and replies reference the stored arrays zero-copy
@@ -43,6 +46,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 
 import zmq
 
@@ -70,6 +74,10 @@ RECEIVE_HWM = 8
 # (its bytes on this shard) / message_bytes replies a step (a ROUTER drops replies beyond
 # it).  Their bytes are bounded by max_unread (replies.py), not by this count.
 SEND_HWM = 1000
+# After a refused message or a worker that left, the shard trims its heap once this long
+# has passed without another (trim_later): long enough that a flood is over, short enough
+# that its memory is back within a second or two of the last refusal.
+TRIM_QUIET_S = 1.0
 # A worker may leave this much more than two copies of the shard's values unread
 # (replies.py: a pull and a push_pull in flight) before the shard stops serving it.
 UNREAD_MARGIN = 64 << 20
@@ -94,6 +102,7 @@ class Server:
         self.checkpoints = ShardCheckpoints(checkpoint_dir, shard, num_shards, checkpoint_every,
                                             resume_step) if checkpoint_dir else None
         heap.tune()          # reuse freed 1 MiB frames instead of faulting in fresh pages
+        heap.one_arena()     # before ZeroMQ's I/O thread: its frames trimmable (heap.trim)
         self.store = Shard(shard)
         loaded = self.checkpoints.load(self.store) if resume and self.checkpoints else None
         if loaded:
@@ -103,6 +112,7 @@ class Server:
         self.roster = Roster(worker_timeout, join_timeout, keys and keys.clients)
         self.failure = None        # the error every request gets once a BSP run failed
         self.stop_signal, self.signals = None, 0      # the last signal, how many so far
+        self.trim_at = None        # when to give a flood's memory back (trim_later)
         self.listener = auth.Listener(bind, keys, f"shard {shard}", linger_ms,
                                       RECEIVE_HWM, SEND_HWM)
         self.sock, self.endpoint = self.listener.sock, self.listener.endpoint
@@ -125,6 +135,7 @@ class Server:
                     else:
                         self.listener.service(s)
                 self.check_workers()
+                self.trim_when_due()
         finally:
             restore()
         if self.stopping():
@@ -139,9 +150,31 @@ class Server:
         for _ in range(most):
             frames = self.sock.recv_multipart(copy=False)      # the poll said one is there
             user = frames[1].get("User-Id").encode() if self.keys and len(frames) > 1 else None
-            self.handle(frames[0].bytes, frames[1:], user)
+            if user is None or self.speaks(frames[1], user):
+                self.handle(frames[0].bytes, frames[1:], user)
             if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
+
+    def speaks(self, frame, user):
+        """Whether key `user` may speak on the connection this frame came on (auth's per-key
+        cap); if not, that connection is cut and its message dropped, a refused flood."""
+        refusal = self.listener.connections.speaks(frame.get(zmq.SRCFD), user)
+        if refusal:
+            self.listener.refusals.note("cap", refusal)
+            self.trim_later()
+        return refusal is None
+
+    def trim_later(self):
+        """A refused message (a flood's, perhaps) or a worker that left: trim the heap once
+        TRIM_QUIET_S have passed without another such event (trim_when_due)."""
+        self.trim_at = time.monotonic() + TRIM_QUIET_S
+
+    def trim_when_due(self):
+        """Memory back to the kernel: what a flood's frames held (heap.trim).  Never
+        after an ordinary step, which keeps its warm pages (heap.tune)."""
+        if self.trim_at is not None and time.monotonic() >= self.trim_at:
+            self.trim_at = None
+            heap.trim()
 
     def _catch_signals(self):
         """SIGINT/SIGTERM end the loop at its next turn (only the main thread may catch);
@@ -186,6 +219,7 @@ class Server:
                               s.num_workers if s.configured else MAX_WORKERS)
             self.dispatch(identity, msg)
         except (P.ProtocolError, ValueError) as e:
+            self.trim_later()             # a refused message may have been a flood's
             request = P.peek_request(frames)
             log.warning("shard %d: refused a message (request %d): %s", self.shard_id, request, e)
             self.outbox.error(identity, request, str(e))
@@ -212,6 +246,7 @@ class Server:
                 else:
                     s.drop_worker(w)      # a clean finish: BSP steps no longer wait for it
                     self.release()
+                self.trim_later()
             return self.outbox.send(identity, P.encode(P.Op.OK, self.shard_id, msg.request,
                                                        extras=[b"bye"]))
         if self.failure:
@@ -262,6 +297,9 @@ class Server:
         for e in msg.entries:
             if e.dtype != P.FLOAT32:
                 raise ValueError(f"key {e.key}: dtype code {e.dtype}, servers hold float32 (code 0)")
+            if e.nframes > P.most_frames(e.length):
+                raise ValueError(f"key {e.key}: {e.nframes} frames for {e.length} elements, "
+                                 f"at most {P.most_frames(e.length)} (protocol.most_frames)")
         group = P.group_of(msg)
         if group is not None and msg.sender not in group:
             raise ValueError(f"INIT from worker {msg.sender} for the keys of group "
@@ -314,6 +352,7 @@ class Server:
     def lose_worker(self, w, why):
         """A worker died or crashed: fail the run (BSP/SSP, policy 'fail') or go on without it."""
         s = self.store
+        self.trim_later()
         log.warning("shard %d: %s", self.shard_id, why)
         if self.on_worker_death == "fail" and s.consistency and s.consistency.mode != "asp":
             self.fail(f"{why}; shard {self.shard_id} fails the {s.consistency.mode} run "

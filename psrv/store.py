@@ -55,7 +55,7 @@ import numpy as np
 
 from . import optim
 from .config import Consistency, OptimizerConfig
-from .protocol import WIRE_DTYPES
+from .protocol import WIRE_DTYPES, most_frames
 
 MAX_KEY_WORKERS = 1 << 24        # keys x W of one shard: per-worker state is lazy, but bounded
 
@@ -181,6 +181,9 @@ class Shard:
         if (e.offset, e.length, e.shape) != (k.offset, k.length, k.shape):
             raise ValueError(f"key {e.key} is {k.describe()}, message says "
                              f"[{e.offset}:{e.offset + e.length}] of shape {e.shape}")
+        if e.nframes > most_frames(e.length, e.dtype):
+            raise ValueError(f"key {e.key}: {e.nframes} frames for {e.length} elements, "
+                             f"at most {most_frames(e.length, e.dtype)} (protocol.most_frames)")
         if not push:
             if e.dtype != 0:
                 raise ValueError(f"key {e.key}: dtype code {e.dtype}, servers hold float32 "

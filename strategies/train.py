@@ -46,6 +46,7 @@ from .model.data import load_data
 from .model.models import build_model
 from .runtime import checkpoint
 from .runtime.context import MPIControl, RunContext
+from .runtime.exits import AgreedExit, finish
 from .runtime.waits import bounded
 
 
@@ -114,7 +115,7 @@ def report(control, problem):
         sys.stderr.write(f"strategies.train rank {control.rank}: error: {mine}\n")
         sys.stderr.flush()
         control.barrier()                          # everyone has printed before anyone exits
-        sys.exit(2)
+        raise AgreedExit(2)                        # every rank: MPI finalized (exits.py)
 
 
 def train(argv=None):
@@ -137,13 +138,18 @@ def main(argv=None):
     """The command line (`topolab-train`): exit status 0 after a run.  Not the summary:
     a console script passes main's value to sys.exit, which prints a dict and exits 1.
     A peer that never came (a wait past --timeout) is one line and exit 1 on the rank
-    that waited; under `python -m mpi4py` the exit aborts the others."""
+    that waited; under `python -m mpi4py` the exit aborts the others.  An exit every
+    rank takes together (a refused flag, a signal's agreed stop) finalizes MPI instead,
+    which removes MPICH's shared-memory segments (runtime/exits.py)."""
     try:
         train(argv)
     except TimeoutError as e:                      # waits.WaitTimeout, CollectiveTimeout
         sys.stderr.write(f"strategies.train: error: {e}\n")
         sys.stderr.flush()
         raise SystemExit(1) from None
+    except AgreedExit as e:
+        finish()
+        raise SystemExit(e.code) from None
     return 0
 
 

@@ -43,6 +43,7 @@ from ..model.models import count_parameters, signature
 from ..parallel.context_parallel import my_positions
 from ..runtime import checkpoint, waits
 from ..runtime.context import MPIControl
+from ..runtime.exits import AgreedExit
 from ..runtime.metrics import Metrics, StepClock
 from ..runtime.trace import Tracer, busy_seconds, span, write_chrome_trace
 from .grid import assemble
@@ -317,7 +318,7 @@ def run(cfg, ctx, device, data, engine, state, started):
                                  f"; checkpoint of step {saved} in {cfg.checkpoint_dir} "
                                  f"(--resume goes on from it)" if cfg.checkpoint_dir else "")
                              + "\n")
-        raise SystemExit(128 + stop.signum)
+        raise AgreedExit(128 + stop.signum)      # every worker, at this step (exits.py)
     if cfg.params_out:
         params = engine.parameters_npz()
         if writer:

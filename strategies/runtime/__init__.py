@@ -8,6 +8,8 @@ what it records.
     metrics.py     JSON Lines records, progress bar, summary
     memory.py      params / grads / optimizer / saved-activation bytes, measured
     checkpoint.py  atomic per-rank checkpoints, --sync ps's sets of one step, --resume
+    waits.py       the control waits (records, barriers), each bounded by --timeout
+    exits.py       an exit every rank takes together finalizes MPI instead of aborting
 
 Above config/ and model/ (a checkpoint names the model it holds).
 """

@@ -71,6 +71,8 @@ wire carries what the compressor sends).
 import torch
 import torch.nn as nn
 
+from allreduce.torch_world import under_torchrun
+
 from ..compression.casts import Compressor
 from ..runtime.memory import optimizer_tensors, state_bytes
 from ..runtime.precision import MixedPrecision, any_rank
@@ -175,6 +177,10 @@ class ZeRO(GradientSync):
                  device=None):
         super().__init__(cfg, None, device or torch.device("cpu"))
         self.stage, self.coll, self.tracer = stage, coll, tracer
+        # a signal ends the run at a step the workers agree on (stopping.py): every wait
+        # of a step over MPI is a Python poll that runs its handler; torch.distributed's
+        # block in C++
+        self.signal_stop = cfg.sync != "torch" and not under_torchrun()
         self.precision = precision or MixedPrecision()
         # fp16: how the ranks agree on an overflow.  Over dp where each holds a shard
         # (stages 1-3); the grid passes a vote over every rank when pp or tp split the
