@@ -5,7 +5,7 @@
     python -m experiments.calibrate --out results           # results/calibration.json: α, β, γ
     python -m experiments.simulate                        # 8..4096 ranks, two-level cluster
     mpiexec -n 4 python -m mpi4py -m allreduce.bench --algos ring,tree --link-latency-us 100
-    experiments/labs/README.md                            # eight lab sheets and their checks
+    experiments/labs/README.md                            # ten lab sheets and their checks
 
 Modules: sweep (runner), sweepfile (the TOML and its checks), launchers and points
 (where and how a point runs), cluster/ (the emulated multi-host cluster), records

@@ -105,3 +105,23 @@ def test_check_ps_grades_the_predictions_without_giving_them_away(tmp_path, caps
     assert not figures(out) & {8e6, 1.0}, out
     status, out = check(answers.PS.replace("ring_rank = 5_333_333\n", ""))
     assert status == 1 and "WRONG bytes_per_step.ring_rank: yours missing" in out
+
+
+@pytest.mark.timeout(30)
+def test_check_answers_context_grades_ring_and_ulysses_without_giving_them_away(tmp_path,
+                                                                                 capsys):
+    def check(text):
+        return answer(tmp_path, capsys, check_answers.main, "context", text, "my_context.toml")
+    status, out = check(answers.CONTEXT)
+    assert status == 0 and out.count("ok ") == 6 and "PASS" in out
+    # the forward's blocks only (2 (cp-1) a layer, 262,144 at T = 64), and Ulysses' four
+    # buffers sent whole instead of (cp-1)/cp of each
+    wrong = (answers.CONTEXT.replace("cp2_seq64 = 1_048_576", "cp2_seq64 = 262_144")
+             .replace("cp2_seq512 = 4_194_304", "cp2_seq512 = 8_388_608"))
+    status, out = check(wrong)
+    assert status == 1 and "FAIL: 2 wrong" in out
+    assert "WRONG ring.cp2_seq64: yours 262144" in out
+    assert "WRONG ulysses.cp2_seq512: yours 8388608" in out and "ok    ring.cp2_seq512" in out
+    assert not figures(out) & {1_048_576, 4_194_304}, out
+    with pytest.raises(SystemExit, match="cpN_seqT"):
+        check(answers.CONTEXT.replace("cp8_seq4096", "cp8"))

@@ -1,8 +1,8 @@
 """The lab sheets' commands run as written, from the repository root, without
 activating the venv.
 
-Each fenced ```bash block of experiments/labs/0[1-57-9]_*.md (lab 6's, which needs
-root, in test_lab6.py) is cut into commands (a
+Each fenced ```bash block of experiments/labs/NN_*.md but lab 6's (which needs
+root: test_lab6.py) is cut into commands (a
 line continued by a backslash, a heredoc and a for-loop are one command each), and
 the commands of a sheet run in order with bash, in a scratch copy of the repository
 root (its entries linked, a `results/` of its own), with the venv's bin directory
@@ -15,14 +15,17 @@ after it (tests/labs_fixtures/sheets.py).
 Not run, by the comment a sheet puts on them (about 5 minutes on 2 cores in all):
   # [long: ...]   a minute or more on 2 shared cores: lab 1's calibration, lab 2's
                   sweep, lab 3's ZeRO bench and its four training runs, lab 4's
-                  pipeline bench, lab 5's 4-rank grid run, lab 8's six training runs
+                  pipeline bench, lab 5's 4-rank grid run, lab 8's six training runs,
+                  lab 10's sweep of eight
   # [after ...]   reads what a [long] command wrote (lab 1's check against the
                   calibration, lab 2's report and run check, lab 3's memory table,
-                  lab 8's table and figure)
-A command whose comment says `exits N` must exit with status N (lab 5's refusals).
+                  lab 8's and lab 10's tables and figures)
+A command whose comment says `exits N` must exit with status N (lab 5's refusals,
+lab 10's Ulysses on 3 heads).
 Those commands' tools are covered elsewhere: the sweep, report and check_ps on
 records by test_experiments_report.py, the benches and grid runs by
-test_parallel_runs.py.  Every command, run or not, is linted for the venv's tools.
+test_parallel_runs.py; lab 10's sweep and what reads it by
+tests/test_lab_key_context.py.  Every command, run or not, is linted for the venv's tools.
 """
 import glob
 import os
@@ -33,8 +36,8 @@ import pytest
 from conftest import ROOT
 from labs_fixtures.sheets import SKIP, code_of, commands, run_sheet, sheet_commands, student_shell
 
-SHEETS = sorted(glob.glob(os.path.join(ROOT, "experiments", "labs", "0[1-57-9]_*.md")))
-ALL_SHEETS = sorted(glob.glob(os.path.join(ROOT, "experiments", "labs", "0[1-9]_*.md")))
+ALL_SHEETS = sorted(glob.glob(os.path.join(ROOT, "experiments", "labs", "[0-9][0-9]_*.md")))
+SHEETS = [s for s in ALL_SHEETS if not os.path.basename(s).startswith("06_")]
 BARE = re.compile(r"(?<![\w/.-])(python3?|mpiexec|mpirun|pip|pytest)\s+-")
 
 

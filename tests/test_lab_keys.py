@@ -16,7 +16,8 @@ and compared with what the key prints.
   lab 5  question 2's ring ms over the slow link       the sheet's simulate command
   lab 1  question 6's relation (slow)                  a calibration made here
 Elsewhere: lab 2's relations (tests/test_lab_ps.py), labs 3 and 7's memory tables
-(tests/test_lab_key_memory.py), lab 9's planner answers (tests/test_lab_key_plan.py).
+(tests/test_lab_key_memory.py), lab 9's planner answers (tests/test_lab_key_plan.py), lab 10's bytes
+(tests/test_lab_key_context.py).
 
 Not regenerated: measured times, losses and bytes of benches and training runs
 (minutes each, and machine-dependent); the keys say which run they come from.
@@ -37,7 +38,7 @@ FIXTURES = os.path.join(ROOT, "tests", "labs_fixtures")
 
 
 def key(lab):
-    name = next(f for f in os.listdir(os.path.join(LABS, "teacher")) if f.startswith(f"0{lab}_"))
+    name = next(f for f in os.listdir(os.path.join(LABS, "teacher")) if f.startswith(f"{lab:02d}_"))
     return open(os.path.join(LABS, "teacher", name)).read()
 
 

@@ -1,10 +1,12 @@
-"""Self-check of the pen-and-paper parts of labs 3, 4, 5, 7 and 8: your numbers against the formulas.
+"""Self-check of the pen-and-paper parts of labs 3, 4, 5, 7, 8 and 10: your numbers
+against the formulas.
 
     .venv/bin/python -m experiments.labs.check_answers zero my_zero.toml
     .venv/bin/python -m experiments.labs.check_answers precision my_precision.toml
     .venv/bin/python -m experiments.labs.check_answers pipeline my_pipeline.toml
     .venv/bin/python -m experiments.labs.check_answers grid my_grid.py
     .venv/bin/python -m experiments.labs.check_answers compress my_compress.toml
+    .venv/bin/python -m experiments.labs.check_answers context my_context.toml
 
 Answer files (templates in the lab sheets):
 
@@ -42,13 +44,24 @@ Answer files (templates in the lab sheets):
     topk_bytes = ...          # the all-gather of int32 index + float32 value pairs
     break_even_ratio = ...    # the RATIO at which both send the same
 
+    # my_context.toml: bytes one rank's attention cores send a step (cp_bytes), float32
+    batch = 8                 # b: sequences a rank holds
+    d_model = 64              # C
+    layers = 2                # L
+    [ring]                    # cpN_seqT: N context-parallel ranks, sequences of T tokens
+    cp2_seq64 = ...
+    [ulysses]
+    cp2_seq64 = ...
+
 Each answer within 1 % of the formula (experiments/costmodel.py holds them;
-lab 8's is strategies/config/compress_spec.py's wire_bytes_sent)
+lab 8's is strategies/config/compress_spec.py's wire_bytes_sent, lab 10's
+strategies/parallel/context_parallel.py's context_bytes)
 is `ok`.  A wrong one is `WRONG` with your figure, never the expected one: the
 check says which answer (and which part of it) to rework, not what it should be.
 """
 import argparse
 import itertools
+import re
 import sys
 import tomllib
 
@@ -56,6 +69,7 @@ import numpy as np
 
 from experiments import costmodel
 from strategies.config.compress_spec import wire_bytes_sent
+from strategies.parallel.context_parallel import context_bytes
 
 from .grading import grade, load_student
 
@@ -86,6 +100,18 @@ def check_compress(a):
     yield "dense_bytes", a.get("dense_bytes"), dense
     yield "topk_bytes", a.get("topk_bytes"), topk
     yield "break_even_ratio", a.get("break_even_ratio"), 1 / P
+
+
+def check_context(a):
+    """Lab 10: what ring attention and Ulysses send a step, one rank, at each cp and T."""
+    for kind in ("ring", "ulysses"):
+        for key, got in a.get(kind, {}).items():
+            found = re.fullmatch(r"cp(\d+)_seq(\d+)", key)
+            if not found:
+                raise SystemExit(f"[{kind}] {key}: name an answer cpN_seqT, as cp2_seq64")
+            cp, seq = (int(n) for n in found.groups())
+            yield f"{kind}.{key}", got, context_bytes(kind, a["batch"], seq, a["d_model"], cp,
+                                                      a["layers"])
 
 
 def check_pipeline(a):
@@ -152,7 +178,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m experiments.labs.check_answers",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("lab", choices=("zero", "precision", "pipeline", "grid", "compress"))
+    ap.add_argument("lab", choices=("zero", "precision", "pipeline", "grid", "compress",
+                                           "context"))
     ap.add_argument("file")
     a = ap.parse_args(argv)
     if a.lab == "grid":
@@ -161,7 +188,8 @@ def main(argv=None):
         with open(a.file, "rb") as f:
             answers = tomllib.load(f)
         checks = {"zero": check_zero, "precision": check_precision,
-                  "pipeline": check_pipeline, "compress": check_compress}[a.lab](answers)
+                  "pipeline": check_pipeline, "compress": check_compress,
+                  "context": check_context}[a.lab](answers)
     # grid: hundreds of checks, so only the first few wrong ones are listed
     shown = 8 if a.lab == "grid" else None
     wrong, total = grade(checks, shown)

@@ -1,4 +1,4 @@
-"""Right answers to labs 1-5 and 7, for the tests only (the teacher's keys in
+"""Right answers to labs 1-8 and 10, for the tests only (the teacher's keys in
 experiments/labs/teacher/ explain them).  Students never need this file."""
 import os
 
@@ -122,4 +122,20 @@ halving_doubling = {1.5 * N:.0f}
 hierarchical = {1.5 * N:.0f}
 [4x1.link_ms]
 tree = {4 * MS:.1f}
+"""
+
+# Lab 10: b = 8, C = 64, L = 2, float32; a block b (T / cp) C 4 bytes.  Ring: 2 (cp - 1)
+# blocks a layer forward, 2 (cp - 1) + 2 cp backward; Ulysses: (cp - 1) / cp of 4 blocks
+# each way.  cp 2, T 64: a block 65,536 bytes, ring 8 and Ulysses 4 blocks a layer.
+CONTEXT = """batch = 8
+d_model = 64
+layers = 2
+[ring]
+cp2_seq64 = 1_048_576
+cp2_seq512 = 8_388_608
+cp8_seq4096 = 92_274_688
+[ulysses]
+cp2_seq64 = 524_288
+cp2_seq512 = 4_194_304
+cp8_seq4096 = 14_680_064
 """

@@ -2,7 +2,7 @@
 ```bash blocks, run one by one from a scratch copy of the repository root with the
 venv off PATH, the student's files replaced by right answers (answers.py).
 
-Used by tests/test_lab_commands.py (labs 1-5, 7, 8), tests/test_lab6.py (lab 6, as
+Used by tests/test_lab_commands.py (labs 1-5, 7-10), tests/test_lab6.py (lab 6, as
 root) and tests/test_lab_keys.py (the teacher's figures regenerated)."""
 import os
 import re
@@ -23,7 +23,8 @@ ASSIGNMENT = re.compile(r"^[A-Za-z_]\w*=")
 ANSWERS = {"my_ring.py": answers.ring(), "my_zero.toml": answers.ZERO,
            "my_pipeline.toml": answers.PIPELINE, "my_grid.py": answers.GRID,
            "my_ps.toml": answers.PS, "my_compress.toml": answers.COMPRESS,
-           "my_precision.toml": answers.PRECISION, "my_cluster.toml": answers.CLUSTER}
+           "my_precision.toml": answers.PRECISION, "my_cluster.toml": answers.CLUSTER,
+           "my_context.toml": answers.CONTEXT}
 VENV_BIN = os.path.dirname(sys.executable)
 
 
