@@ -52,7 +52,7 @@ def test_the_spec_parses(text, spec):
 @pytest.mark.parametrize("text, message", [
     ("topk:0", "0 < RATIO <= 1"), ("topk:1.5", "0 < RATIO <= 1"), ("topk:x", "0 < RATIO"),
     ("powersgd:0", "RANK >= 1"), ("powersgd:2.5", "RANK >= 1"), ("topk", "is not one of"),
-    ("int8", "is not one of none, fp16, bf16, topk:RATIO, powersgd:RANK")])
+    ("int8", "is not one of none, fp16, bf16, fp8, topk:RATIO, powersgd:RANK")])
 def test_a_bad_spec_names_the_flag(text, message):
     with pytest.raises(ConfigError, match="--compress") as error:
         TrainConfig(sync="ring", compress=text)
