@@ -1,5 +1,5 @@
-"""Plan a layout for a GPU cluster you do not have: every dp x pp x tp x ZeRO layout of a
-GPT predicted, checked against the memory and ranked by step time (docs/planner.md).
+"""Plan a layout for a GPU cluster you do not have: every dp x cp x pp x tp x ZeRO layout of
+a GPT predicted, checked against the memory and ranked by step time (docs/planner.md).
 
     python -m experiments.plan --layers 24 --d-model 2304 --heads 24 --seq-len 2048 \\
         --vocab 51200 --global-batch 512 --preset dgx-a100-80gb --nodes 4 --top 10
@@ -16,6 +16,8 @@ size up to the layers is searched: each stage holds the layers of the balanced
 split (strategies/parallel/stages.py, the trainer's rule too: the embedding and
 the head counted as the work they are on the first and last stage), or
 --pp-layers 5,6,...,6,5 sets them by hand (their count is then the pipeline size).
+Context parallelism (cp, carved out of the replicas; --cp-sizes, --cp-kinds
+ring,ulysses) splits each sequence's positions: at a long --seq-len it is what fits.
 CLUSTER is --preset NAME (and --nodes), or the figures themselves, or
 --calibration FILE|DIR: the machine at hand, its links from experiments.calibrate's
 calibration.json and its compute rate timed here (experiments/planner/verify.py).
@@ -23,7 +25,7 @@ calibration.json and its compute rate timed here (experiments/planner/verify.py)
 Prints the K fastest layouts that fit (near-duplicates, ZeRO stages with the
 same time, once), their MFU (the model's FLOPs a second over the peak) and HFU
 (recomputation's FLOPs counted too), the time split of each (compute, exposed
-tensor-, pipeline-, data- and expert-parallel communication, pipeline bubble)
+tensor-, context-, pipeline-, data- and expert-parallel communication, pipeline bubble)
 and why the rest are out; --jsonl appends one record a layout (kind "plan"),
 --out DIR draws plan_frontier.png.  --verify N runs the N best and the worst
 layouts that strategies.train can run on this machine (mpiexec, or the emulated
@@ -44,7 +46,7 @@ from .planner import cluster as clusters
 from .planner.figure import plan_frontier
 from .planner.search import Space, distinct, plan
 from .planner.step import PARTS
-from .planner.transformer import GPT, MAX_COUNT, RECOMPUTE
+from .planner.transformer import CONTEXT_KINDS, GPT, MAX_COUNT, RECOMPUTE
 from .planner.verify import (MEASURED_S, WARM_UP_STEPS, calibration_of, problems, runnable,
                              this_machine, verify)
 
@@ -140,6 +142,11 @@ def parser():
                    help="sequences a micro-batch")
     s.add_argument("--tp-sizes", type=listing(whole), help="tensor-parallel sizes (default all)")
     s.add_argument("--pp-sizes", type=listing(whole), help="pipeline sizes (default all)")
+    s.add_argument("--cp-sizes", type=listing(whole),
+                   help="context-parallel sizes (default all dividing the sequence; 1: none)")
+    s.add_argument("--cp-kinds", type=listing(str), default=CONTEXT_KINDS,
+                   help="ring (k, v passed along the cp ring, hidden behind attention), ulysses "
+                        "(all-to-alls to heads and back, exposed); default both")
     s.add_argument("--pp-layers", type=listing(whole), metavar="N,N,...",
                    help="each pipeline stage's layers by hand, first to last (e.g. BLOOM's "
                         "5,6,6,6,6,6,6,6,6,6,6,5); default: the balanced split of every pp")
@@ -190,12 +197,12 @@ def cluster_of(a, gpt):
 
 def table(rows, top):
     """The top K that fit, one line each."""
-    head = (f"{'#':>3} {'layout':<34} {'m':>4} {'GiB':>6} {'step s':>9} {'MFU':>6} "
+    head = (f"{'#':>3} {'layout':<42} {'m':>4} {'GiB':>6} {'step s':>9} {'MFU':>6} "
             f"{'HFU':>6}  " + " ".join(f"{p:>7}" for p in PARTS))
     lines = [head]
     for i, r in enumerate(rows[:top], 1):
         split = " ".join(f"{100 * r[f'{p}_s'] / r['step_s']:6.1f}%" for p in PARTS)
-        lines.append(f"{i:>3} {r['label']:<34} {r['micro_batches']:>4} "
+        lines.append(f"{i:>3} {r['label']:<42} {r['micro_batches']:>4} "
                      f"{r['mem_bytes'] / clusters.GIB:6.1f} {r['step_s']:9.4g} "
                      f"{100 * r['mfu']:5.1f}% {100 * r['hfu']:5.1f}%  {split}")
     return "\n".join(lines)
@@ -242,7 +249,8 @@ def main(argv=None):
                       precision=precision, sequence_parallel=not a.no_sequence_parallel,
                       # the machine at hand runs strategies.train, whose head is whole
                       whole_head=bool(a.calibration),
-                      tp_sizes=a.tp_sizes, pp_sizes=a.pp_sizes, pp_layers=a.pp_layers)
+                      tp_sizes=a.tp_sizes, pp_sizes=a.pp_sizes, pp_layers=a.pp_layers,
+                      cp_sizes=a.cp_sizes, cp_kinds=a.cp_kinds)
         if a.pp_layers and sum(a.pp_layers) != gpt.layers:
             raise ValueError(f"--pp-layers {','.join(map(str, a.pp_layers))}: adds up to "
                              f"{sum(a.pp_layers)} layers, the model has {gpt.layers}")

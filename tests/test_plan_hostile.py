@@ -91,6 +91,12 @@ HOSTILE = {                     # name: (argv, what the one line must say)
     "measure-s-inf": (MODEL + cluster() + ["--measure-s", "inf"], "--measure-s"),
     "zero-not-a-number": (MODEL + cluster() + ["--zero", "1,x"], "--zero"),
     "top-k-above-experts": (model(experts="1", top_k="2") + cluster(), "--experts"),
+    "cp-sizes-zero": (MODEL + cluster() + ["--cp-sizes", "0"], "--cp-sizes"),
+    "cp-sizes-not-a-number": (MODEL + cluster() + ["--cp-sizes", "2,x"], "--cp-sizes"),
+    "cp-not-dividing-the-sequence": (MODEL + cluster() + ["--cp-sizes", "3"], "--cp-sizes 3"),
+    "cp-kind-unknown": (MODEL + cluster() + ["--cp-kinds", "stripes"], "--cp-kinds"),
+    "ulysses-splitting-a-head": (model(heads="4") + cluster() +
+                                 ["--cp-kinds", "ulysses", "--cp-sizes", "8"], "Ulysses"),
     "calibration-nowhere": (MODEL + ["--calibration", "/nonexistent/cal.json"],
                             "does not exist"),
 }

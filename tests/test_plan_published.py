@@ -1,7 +1,8 @@
 """Tier (a): the planner against published trainings: Narayanan et al., "Efficient Large-Scale
 Language Model Training on GPU Clusters Using Megatron-LM" (SC21), Table 1; BLOOM-176B
 (uneven pipeline stages, A100s) and Llama 3 405B (grouped-query attention, a gated MLP,
-uneven stages, H100s), below the table.
+uneven stages, H100s), below the table; Llama 3 405B's long-context stage (context
+parallelism, 131,072 tokens) last.
 
 The table's weak-scaling runs: GPT models from 1.7 to 1008 billion parameters on
 32 to 3072 A100 80GB GPUs of NVIDIA's Selene (DGX A100 nodes: 8 GPUs joined by
@@ -43,7 +44,8 @@ TABLE_1 = [
     (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
-PAPERS_SPACE = Space(zero=(0,), recompute=("full",), sequence_parallel=False)
+# no context parallelism: the paper's code had none (cp 1, as every row before the long one)
+PAPERS_SPACE = Space(zero=(0,), recompute=("full",), sequence_parallel=False, cp_sizes=(1,))
 TOP, WITHIN, TFLOPS_WITHIN = 5, 0.10, 0.25
 
 
@@ -115,7 +117,8 @@ def test_the_models_size_is_the_papers(row):
 BLOOM = dict(gpt=GPT(70, 14336, 112, 2048, 250880, 2048),
              cluster=preset("dgx-a100-80gb", nodes=48, inter_gbps=4 * 100),
              tp=4, pp=12, stages=(5,) + (6,) * 10 + (5,), micro_batch_size=2,
-             space=Space(zero=(1,), recompute=("full",), sequence_parallel=False),
+             space=Space(zero=(1,), recompute=("full",), sequence_parallel=False,
+                         cp_sizes=(1,)),
              figure=150e12, counts="hfu")
 # Llama 3 405B: Llama Team, AI @ Meta, "The Llama 3 Herd of Models" (2024), Table 3:
 # 126 layers, model dimension 16,384, FFN 53,248, 128 heads and 8 key-value heads,
@@ -130,7 +133,7 @@ LLAMA3 = dict(gpt=GPT(126, 16384, 128, 8192, 128256, 2048, kv_heads=8, ffn_hidde
                       gated_mlp=True, flash_attention=True),
               cluster=preset("dgx-h100", nodes=1024),
               tp=8, pp=16, stages=(7,) + (8,) * 14 + (7,), micro_batch_size=1,
-              space=Space(zero=(1, 2, 3), recompute=RECOMPUTE),
+              space=Space(zero=(1, 2, 3), recompute=RECOMPUTE, cp_sizes=(1,)),     # CP 1
               figure=430e12, counts="mfu")
 RECENT = {"BLOOM-176B": BLOOM, "Llama-3-405B": LLAMA3}
 RECENT_WITHIN = 0.20
@@ -171,3 +174,66 @@ def test_the_recent_models_sizes_are_published():
     llama = LLAMA3["gpt"]
     untied = parameters(llama) + llama.vocab * llama.d_model - llama.seq_len * llama.d_model
     assert untied / 1e9 == pytest.approx(405.9, abs=0.5)
+
+
+# ------------------------------------------------- long context: context parallelism
+# Llama 3 405B's long-context stage: "The Llama 3 Herd of Models" (2024), Table 4, last
+# row: 16,384 H100s, TP 8, CP 16, PP 16, sequences of 131,072, 16M tokens a batch (128
+# sequences), 380 TFLOP/s a GPU, 38 % BF16 MFU.  The row prints DP 4, but 8 x 16 x 16 x 4
+# is 8,192 GPUs; with 16,384 GPUs and 16 sequences a data-parallel group (its "batch size
+# / DP") it is DP 8, which we take (the GPUs and the batch as published, dp what they
+# leave).  Their context parallelism all-gathers K and V (section 3.3.2: the ring's
+# bytes, not overlapped, "negligible" beside attention at this length); the ring is
+# pinned.  The rest as the 8K row: stages 7, 8 x 14, 7, micro-batches of one sequence,
+# ZeRO 1-3 and recomputation left free.  The target is 25 %.
+LLAMA3_LONG = dict(gpt=replace(LLAMA3["gpt"], seq_len=131072, global_batch=128),
+                   cluster=preset("dgx-h100", nodes=2048),
+                   tp=8, cp=16, pp=16, stages=(7,) + (8,) * 14 + (7,), micro_batch_size=1,
+                   space=Space(zero=(1, 2, 3), recompute=RECOMPUTE, cp_kinds=("ring",)),
+                   figure=380e12, counts="mfu")
+LONG_WITHIN = 0.25
+# Predicted 206 TFLOP/s a GPU, 0.54 of the published 380: 16 micro-batches on 16 uneven
+# stages leave a 48 % bubble under one-forward-one-backward (the uneven stages admit no
+# interleaved schedule under Megatron-LM's rule, where Meta ran one with flexible
+# micro-batch counts, section 3.3.2); compute is 49 % of the step, the ring's exposed
+# traffic under 0.1 %.  Not tuned to hit: on record as a strict expected failure.
+LONG_MISSED = "dp8 pp16 tp8 cp16-ring z2 b1 predicted 206 TFLOP/s a GPU, 0.54 of 380: " \
+    "a 48 % 1F1B bubble, no interleaving of uneven stages"
+
+
+def pinned_long(row):
+    """The fastest fitting Prediction of the row's published layout, and its figure."""
+    pinned = replace(row["space"], tp_sizes=(row["tp"],), pp_sizes=(row["pp"],),
+                     cp_sizes=(row["cp"],), pp_layers=row["stages"],
+                     micro_batch_sizes=(row["micro_batch_size"],))
+    fits = [e for e in plan(row["gpt"], row["cluster"], pinned) if e.fits]
+    assert fits, "the published long-context layout does not fit"
+    best = fits[0].prediction
+    mfu, hfu = best.utilisation(row["cluster"])
+    return best, (mfu if row["counts"] == "mfu" else hfu) * row["cluster"].gpu_tflops * 1e12
+
+
+def test_the_long_context_layout_is_the_published_one():
+    best, _ = pinned_long(LLAMA3_LONG)
+    lo = best.layout
+    assert (lo.tp, lo.cp, lo.pp, lo.dp, lo.cp_kind) == (8, 16, 16, 8, "ring")
+    assert lo.world == 16384 and lo.stages == LLAMA3_LONG["stages"]
+
+
+@pytest.mark.xfail(strict=True, reason=LONG_MISSED)
+def test_a_long_context_training_pinned_is_predicted_within_25_percent():
+    best, predicted = pinned_long(LLAMA3_LONG)
+    assert abs(predicted / LLAMA3_LONG["figure"] - 1) <= LONG_WITHIN, \
+        f"{best.layout.label()} predicted {predicted / 1e12:.0f} TFLOP/s a GPU (mfu), " \
+        f"published 380 ({predicted / LLAMA3_LONG['figure']:.2f})"
+
+
+def test_at_128k_tokens_no_layout_without_context_parallelism_comes_near():
+    """Left free, the planner's best at 131,072 tokens uses cp > 1, and the best without
+    it (one micro-batch a replica in a deep pipeline, all that fits) is far slower."""
+    row = LLAMA3_LONG
+    space = replace(row["space"], micro_batch_sizes=(1,), cp_kinds=("ring", "ulysses"))
+    best = next(e for e in plan(row["gpt"], row["cluster"], space) if e.fits).prediction
+    without = next(e for e in plan(row["gpt"], row["cluster"],
+                                   replace(space, cp_sizes=(1,))) if e.fits).prediction
+    assert best.layout.cp > 1 and without.step_s > 5 * best.step_s

@@ -79,46 +79,50 @@ def stream_seconds(n_bytes, cluster):
     return n_bytes / (cluster.hbm_bytes_per_s * STREAM_SHARE)
 
 
-def split_gemms(gpt, b, tp):
+def split_gemms(gpt, b, tp, cp=1, cp_kind="ring"):
     """layer_gemms on one of tp ranks: Megatron's column-parallel matrices (QKV, the MLP's
     first) split n, the row-parallel ones (attention's output, the MLP's last) split k,
-    and each rank computes heads / tp heads' attention core."""
+    and each rank computes heads / tp heads' attention core (of its cp-th of the
+    positions: layer_gemms)."""
     split = {"qkv": (tp, 1, 1), "mlp_in": (tp, 1, 1), "attention_out": (1, tp, 1),
              "mlp_out": (1, tp, 1), "scores": (1, 1, tp), "context": (1, 1, tp)}
-    for name, m, n, k, times in layer_gemms(gpt, b):
+    for name, m, n, k, times in layer_gemms(gpt, b, cp, cp_kind):
         over_n, over_k, over_times = split[name]
         yield name, m, max(1, n / over_n), max(1, k / over_k), max(1, times / over_times)
 
 
-def layer_seconds(gpt, b, tp, sequence_parallel, cluster, e=2):
+def layer_seconds(gpt, b, tp, sequence_parallel, cluster, e=2, cp=1, cp_kind="ring"):
     """{"forward", "backward", "selective"} seconds of one layer's compute on b sequences
-    on one of tp ranks: backward without recomputation; selective: what recomputing
-    the attention core adds to it (full recomputation adds "forward")."""
+    on one of tp ranks (and of cp context-parallel ones: s / cp positions): backward
+    without recomputation; selective: what recomputing the attention core adds to it
+    (full recomputation adds "forward"), which is also the core's forward alone."""
     s, h, f, a = gpt.seq_len, gpt.d_model, gpt.ffn_hidden, gpt.heads
     gemms = {name: gemm_seconds(m, n, k, cluster, e, times)
-             for name, m, n, k, times in split_gemms(gpt, b, tp)}
-    sbh = s * b * h / (tp if sequence_parallel else 1)
+             for name, m, n, k, times in split_gemms(gpt, b, tp, cp, cp_kind)}
+    sbh = s * b * h / cp / (tp if sequence_parallel else 1)
     passes = 3 if gpt.gated_mlp else 2     # GeLU: read, write; SwiGLU: gate and up read
     streamed = 2 * 2 * sbh * e + 2 * (3 * e + 1) * sbh + \
-        passes * s * b * f * e / tp * mlp_copies(gpt)[1]
-    scores = 0 if gpt.flash_attention else (3 * e + 1) * b * a * s * s / tp
+        passes * s * b * f * e / (tp * cp) * mlp_copies(gpt)[1]
+    scores = 0 if gpt.flash_attention else (3 * e + 1) * b * a * s * s / (tp * cp)
     core = gemms["scores"] + gemms["context"] + stream_seconds(scores, cluster)
     forward = sum(gemms.values()) + stream_seconds(streamed + scores, cluster)
     return {"forward": forward, "backward": 2 * forward, "selective": core}
 
 
-def head_seconds(gpt, b, tp, cluster, e=2):
+def head_seconds(gpt, b, tp, cluster, e=2, cp=1):
     """(forward, backward) of the logit layer on b sequences split over tp ranks (tp = 1:
     whole) and its loss: the h x V/tp GEMM, the final norm, and the fp32 logits'
-    softmax and cross-entropy (written, read, their gradient written)."""
-    s, h = gpt.seq_len, gpt.d_model
+    softmax and cross-entropy (written, read, their gradient written); s / cp
+    positions of each on one of cp context-parallel ranks."""
+    s, h = gpt.seq_len // cp, gpt.d_model
     gemm = gemm_seconds(b * s, max(1, gpt.vocab // tp), h, cluster, e)
     streamed = stream_seconds(2 * b * s * h * e + 3 * 4 * b * s * gpt.vocab / tp, cluster)
     return gemm + streamed, 2 * gemm + streamed
 
 
-def embedding_seconds(gpt, b, cluster, e=2):
-    """(forward, backward) of the word and position embeddings on b sequences: rows
-    read and written; the backward adds the gradients' rows into the table's."""
-    moved = stream_seconds(2 * 2 * b * gpt.seq_len * gpt.d_model * e, cluster)
+def embedding_seconds(gpt, b, cluster, e=2, cp=1):
+    """(forward, backward) of the word and position embeddings on b sequences (s / cp
+    positions of each with cp): rows read and written; the backward adds the
+    gradients' rows into the table's."""
+    moved = stream_seconds(2 * 2 * b * gpt.seq_len * gpt.d_model * e / cp, cluster)
     return moved, 2 * moved

@@ -4,8 +4,9 @@
     ranked = plan(gpt, cluster, space)                   # [Entry], the feasible first
     ranked[0].prediction.layout                          # the fastest layout that fits
 
-A layout uses every GPU: dp x pp x tp = nodes x GPUs a node.  What is never a
-layout, and so never listed (rules(): the same list, each with its test):
+A layout uses every GPU: dp x cp x pp x tp = nodes x GPUs a node, cp carved out
+of the replicas (step.py).  What is never a layout, and so never listed (rules():
+the same list, each with its test):
     tp that does not divide a node's GPUs (tp stays inside a node), the heads or
         the key-value heads (each tp rank holds whole groups of query heads with
         their key-value head: Megatron-LM's rule; we never replicate a
@@ -15,11 +16,18 @@ layout, and so never listed (rules(): the same list, each with its test):
         or above its MAX_STAGES;
     dp that does not divide the global batch, a micro-batch size b that does not
         divide a replica's share B / dp (m = B / (dp b) micro-batches);
+    cp that does not divide the sequence (each cp rank holds an equal slice of its
+        positions); Ulysses with cp not dividing a tp rank's heads (it splits
+        whole heads); cp beside ep (both are carved out of the replicas; the
+        trainer refuses it too);
     the interleaved schedule without a pipeline, with v chunks that do not divide
         every stage's layers, or with m not a multiple of pp (Megatron-LM's rule);
     ep that does not divide both dp and the experts.
-The sizes are found as divisors of gcd(B, world / tp) (dp) and by pp <= layers,
-never by counting up to the world: a million nodes are searched at once.
+The sizes are found as divisors of gcd(B, world / tp) (dp), of gcd(s, world / (tp
+dp)) (cp) and by pp <= layers, never by counting up to the world: a million nodes
+are searched at once.  Both kinds of context parallelism are searched unless
+Space.cp_kinds says one: the ring hides its transfers behind attention but moves
+every other rank's keys; Ulysses moves a cp-th of q, k, v and the output, exposed.
 What is a layout but does not fit: a rank needs more memory than the GPU's
 usable share (cluster.USABLE_MEMORY); its Entry says how much and which part.
 """
@@ -31,7 +39,7 @@ from strategies.parallel.stages import MAX_STAGES
 
 from .cluster import GIB
 from .step import BYTES, Layout, balanced_stages, predict
-from .transformer import RECOMPUTE
+from .transformer import CONTEXT_KINDS, RECOMPUTE
 
 SCHEDULES = ("1f1b", "interleaved")
 
@@ -50,16 +58,19 @@ class Space:
     tp_sizes: tuple = None               # the tensor- and pipeline-parallel sizes allowed
     pp_sizes: tuple = None               # (None: every one the rules allow)
     pp_layers: tuple = None              # each stage's layers by hand (its length is pp)
+    cp_sizes: tuple = None               # the context-parallel sizes allowed (None: every one)
+    cp_kinds: tuple = CONTEXT_KINDS      # ring, ulysses: both searched
 
     def __post_init__(self):
         checks = (("zero", self.zero, (0, 1, 2, 3)), ("recompute", self.recompute, RECOMPUTE),
-                  ("schedules", self.schedules, SCHEDULES))
+                  ("schedules", self.schedules, SCHEDULES),
+                  ("cp_kinds", self.cp_kinds, CONTEXT_KINDS))
         for name, values, allowed in checks:
             wrong = [v for v in values if v not in allowed] or ([] if values else ["nothing"])
             if wrong:
                 raise ValueError(f"--{name.replace('_', '-')}: {wrong[0]!r} is not one of "
                                  f"{', '.join(map(str, allowed))}")
-        for name in ("tp_sizes", "pp_sizes"):
+        for name in ("tp_sizes", "pp_sizes", "cp_sizes"):
             sizes = getattr(self, name)
             if sizes is not None and (not sizes or min(sizes) < 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {sizes}")
@@ -101,19 +112,30 @@ def rules(gpt, cluster, space):
     if space.tp_sizes:
         tps = [t for t in tps if t in space.tp_sizes]
         steps.append((f"--tp-sizes {','.join(map(str, space.tp_sizes))}", tps))
-    pairs = [(t, dp) for t in tps for dp in divisors(math.gcd(B, world // t))]
-    steps.append((f"dp divides the global batch ({B})", pairs))
-    pairs = [(t, dp) for t, dp in pairs if world // (t * dp) <= min(gpt.layers, MAX_STAGES)]
-    steps.append((f"pp = {world} GPUs / (tp dp) is at most the layers ({gpt.layers}) and "
-                  f"{MAX_STAGES}", pairs))
+    # (tp, dp, cp): cp divides the sequence and what tp and dp leave; pp the rest
+    pairs = [(t, dp, c) for t in tps for dp in divisors(math.gcd(B, world // t))
+             for c in divisors(math.gcd(gpt.seq_len, world // (t * dp)))
+             if c == 1 or not gpt.experts]
+    steps.append((f"dp divides the global batch ({B}), cp the sequence ({gpt.seq_len})",
+                  pairs))
+    if space.cp_sizes:
+        pairs = [(t, dp, c) for t, dp, c in pairs if c in space.cp_sizes]
+        steps.append((f"--cp-sizes {','.join(map(str, space.cp_sizes))}", pairs))
+    if "ring" not in space.cp_kinds:
+        pairs = [(t, dp, c) for t, dp, c in pairs if (gpt.heads // t) % c == 0]
+        steps.append((f"Ulysses' cp divides a tp rank's heads ({gpt.heads} / tp)", pairs))
+    pairs = [(t, dp, c) for t, dp, c in pairs
+             if world // (t * dp * c) <= min(gpt.layers, MAX_STAGES)]
+    steps.append((f"pp = {world} GPUs / (tp dp cp) is at most the layers ({gpt.layers}) "
+                  f"and {MAX_STAGES}", pairs))
     if space.pp_sizes:
-        pairs = [(t, dp) for t, dp in pairs if world // (t * dp) in space.pp_sizes]
+        pairs = [(t, dp, c) for t, dp, c in pairs if world // (t * dp * c) in space.pp_sizes]
         steps.append((f"--pp-sizes {','.join(map(str, space.pp_sizes))}", pairs))
     if space.pp_layers:
         pp = len(space.pp_layers)
-        pairs = [(t, dp) for t, dp in pairs if world // (t * dp) == pp]
+        pairs = [(t, dp, c) for t, dp, c in pairs if world // (t * dp * c) == pp]
         steps.append((f"--pp-layers gives {pp} stages", pairs))
-    pairs = [(t, dp) for t, dp in pairs
+    pairs = [(t, dp, c) for t, dp, c in pairs
              if any((B // dp) % b == 0 for b in space.micro_batch_sizes)]
     steps.append((f"a micro-batch size ({','.join(map(str, space.micro_batch_sizes))}) "
                   f"divides a replica's share of the batch", pairs))
@@ -127,8 +149,8 @@ def no_layout(gpt, cluster, space):
     for i, (rule, left) in enumerate(steps):
         if not left:
             before = steps[i - 1][1] if i else []
-            if before and isinstance(before[0], tuple):        # (tp, dp): say the pp left
-                pps = sorted({cluster.world // (t * dp) for t, dp in before})
+            if before and isinstance(before[0], tuple):    # (tp, dp, cp): say the pp left
+                pps = sorted({cluster.world // (t * dp * c) for t, dp, c in before})
                 kept = f" (of pp {','.join(map(str, pps[:12]))}{',...' * (len(pps) > 12)})"
             else:
                 kept = f" (of tp {','.join(map(str, before))})" if before else ""
@@ -143,9 +165,11 @@ def no_layout(gpt, cluster, space):
 def layouts(gpt, cluster, space):
     """Every Layout of `gpt` on `cluster` within `space` (the module's rules)."""
     world, B = cluster.world, gpt.global_batch
-    for tp, dp in rules(gpt, cluster, space)[-1][1]:
-        pp = world // (tp * dp)
+    for tp, dp, cp in rules(gpt, cluster, space)[-1][1]:
+        pp = world // (tp * dp * cp)
         eps = [e for e in divisors(dp) if gpt.experts % e == 0] if gpt.experts else [1]
+        kinds = [k for k in space.cp_kinds if k == "ring" or (gpt.heads // tp) % cp == 0] \
+            if cp > 1 else space.cp_kinds[:1]
         for b in space.micro_batch_sizes:
             if (B // dp) % b:
                 continue
@@ -153,7 +177,7 @@ def layouts(gpt, cluster, space):
             for recompute in space.recompute:
                 base = Layout(dp, pp, tp, 1, space.zero[0], m, b, "1f1b", 1, recompute,
                               space.precision, space.sequence_parallel and tp > 1,
-                              space.whole_head and tp > 1)
+                              space.whole_head and tp > 1, cp=cp, cp_kind=kinds[0])
                 stages = balanced_stages(gpt, base, cluster, space.pp_layers)
                 schedules = [("1f1b", 1)] + [
                     ("interleaved", v) for v in range(2, space.max_virtual_stages + 1)
@@ -161,12 +185,12 @@ def layouts(gpt, cluster, space):
                 for schedule, v in schedules:
                     if schedule not in space.schedules:
                         continue
-                    for ep in eps:
-                        # ZeRO shards over dp: with one replica every stage is stage 0's
-                        for zero in (space.zero if dp > 1 else space.zero[:1]):
+                    for ep, kind in ((ep, kind) for ep in eps for kind in kinds):
+                        # ZeRO shards over dp x cp: with one replica every stage is stage 0's
+                        for zero in (space.zero if dp * cp > 1 else space.zero[:1]):
                             yield Layout(dp, pp, tp, ep, zero, m, b, schedule, v, recompute,
                                          space.precision, space.sequence_parallel and tp > 1,
-                                         space.whole_head and tp > 1, stages)
+                                         space.whole_head and tp > 1, stages, cp, kind)
 
 
 def why_out(prediction, cluster):
@@ -203,8 +227,8 @@ def distinct(entries, within=1e-3):
     kept, seen = [], {}
     for e in entries:
         lo = e.prediction.layout
-        key = (e.fits, lo.dp, lo.pp, lo.tp, lo.ep, lo.micro_batch_size, lo.schedule,
-               lo.virtual_stages, lo.recompute, lo.stages)
+        key = (e.fits, lo.dp, lo.pp, lo.tp, lo.cp, lo.cp_kind, lo.ep, lo.micro_batch_size,
+               lo.schedule, lo.virtual_stages, lo.recompute, lo.stages)
         if any(abs(e.prediction.step_s / s - 1) <= within for s in seen.get(key, ())):
             continue
         seen.setdefault(key, []).append(e.prediction.step_s)

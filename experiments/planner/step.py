@@ -2,14 +2,19 @@
 
     layout = Layout(dp=4, pp=2, tp=4, micro_batches=8, micro_batch_size=1)
     p = predict(gpt, cluster, layout)
-    p.step_s, p.split          # {"compute", "tp", "pp", "dp", "ep", "bubble"}: seconds, sum step_s
+    p.step_s, p.split          # {"compute", "tp", "cp", "pp", "dp", "ep", "bubble"}: seconds,
+                               # their sum step_s
     p.mem_bytes, p.memory      # the fullest rank, and its parts
 
 Ranks are laid out as the trainer lays them (strategies/config/mesh.py): arange(world)
-reshaped (dp, pp, tp), tp fastest, and a node holds G consecutive ranks.  A tp
-group is inside a node (the planner never puts it across); a pp or dp group
+reshaped (dp cp, pp, tp), tp fastest, and a node holds G consecutive ranks.  A tp
+group is inside a node (the planner never puts it across); a pp, cp or dp group
 whose members lie stride apart spans nodes once stride x size > G, and then the
 groups of its axis that cross a node's link at once share it (placement()).
+Context parallelism is carved out of the replicas (torchtitan's dp_shard_cp): a
+context group is cp consecutive replicas, pp tp apart, which hold the same
+parameters and see the same sequences, s / cp positions each; the gradients are
+reduced, and ZeRO shards, over all dp cp replicas.
 
 A stage holds the layers stage_layers (strategies/parallel/stages.py, the trainer's
 rule too) gives it (Layout.stages), the first stage the embedding too and the
@@ -25,6 +30,9 @@ last the logit layer; the slowest stage paces the pipeline.  A micro-batch of b 
                  GQA, any MLP width or gating: they carry the layer's h-wide input
                  and output, never its keys, values or MLP activations)
                + 2 all-to-alls a MoE layer on ep               (dispatch, combine)
+               + with cp > 1, the context group's traffic a layer (cp_layer: the ring's
+                 k, v blocks overlapped with the attention of the block at hand, what
+                 outlasts it exposed; Ulysses' 2 all-to-alls, exposed)
     backward   twice the forward's FLOPs, recomputation's on top, the same communication
                (with sequence parallelism an all-gather more for each column-parallel
                layer, and 6 small all-reduces of replicated weights' gradients; full
@@ -77,14 +85,14 @@ from strategies.parallel.stages import stage_layers
 from strategies.runtime.memory import zero_memory
 
 from . import kernels
-from .transformer import (embedding_parameters, expert_parameters, layer_activation_bytes,
-                          layer_forward_flops, logit_flops, logits_bytes, parameters,
-                          recompute_flops, step_flops)
+from .transformer import (attention_core_flops, embedding_parameters, expert_parameters,
+                          layer_activation_bytes, layer_forward_flops, logit_flops,
+                          logits_bytes, parameters, recompute_flops, step_flops)
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # The trainer's gradient buckets (ZeRO 0-2: strategies/sync/zero.py), at its default.
 BUCKET_BYTES = SyncOptions.bucket_mb * 2**20
-PARTS = ("compute", "tp", "pp", "dp", "ep", "bubble")
+PARTS = ("compute", "tp", "cp", "pp", "dp", "ep", "bubble")
 
 
 @dataclass(frozen=True)
@@ -105,14 +113,21 @@ class Layout:
     # Megatron splits it over the vocabulary (Narayanan et al.'s layouts, the presets)
     whole_head: bool = False
     stages: tuple = None         # layers of each stage (None: stage_layers's even split)
+    cp: int = 1                  # carved out of the replicas: s / cp positions a rank
+    cp_kind: str = "ring"        # or "ulysses" (transformer.CONTEXT_KINDS)
 
     @property
     def world(self):
-        return self.dp * self.pp * self.tp
+        return self.dp * self.cp * self.pp * self.tp
+
+    @property
+    def replicas(self):
+        """The ranks holding the same parameters: the gradients' and ZeRO's group."""
+        return self.dp * self.cp
 
     def label(self):
         """'dp8 pp2 tp4 z1 b2 full' (and the schedule where interleaved, the stages'
-        layers where uneven: 'pp12:5-6-5' for 5, 6 x 10, 5)."""
+        layers where uneven: 'pp12:5-6-5' for 5, 6 x 10, 5; 'cp16-ring' where cp > 1)."""
         text = f"dp{self.dp} pp{self.pp}"
         if self.stages and len(set(self.stages)) > 1:
             inner = self.stages[1:-1]
@@ -121,6 +136,7 @@ class Layout:
             text += ":" + "-".join(str(n) for n in (self.stages[0], middle, self.stages[-1])
                                    if n != "")
         text += f" tp{self.tp}"
+        text += f" cp{self.cp}-{self.cp_kind}" if self.cp > 1 else ""
         text += f" ep{self.ep}" if self.ep > 1 else ""
         text += f" z{self.zero} b{self.micro_batch_size}"
         text += f" v{self.virtual_stages}" if self.schedule == "interleaved" else ""
@@ -187,7 +203,8 @@ def tp_seconds(gpt, lo, b, e, cluster, collectives, replay=False):
     their exchanges waits too (Cluster.tp_wait; replay: a recomputed forward's)."""
     if lo.tp == 1:
         return 0.0, 0.0
-    size = {"activation": b * gpt.seq_len * gpt.d_model * e, "replicated": gpt.d_model * e}
+    size = {"activation": b * gpt.seq_len * gpt.d_model * e / lo.cp,
+            "replicated": gpt.d_model * e}
     wait = cluster.tp_wait(lo.tp, b, replay)
 
     def seconds(listed):
@@ -216,6 +233,48 @@ def tp_edges(gpt, lo, b, e, cluster):
         return 0.0, 0.0
     return tp_seconds(gpt, lo, b, e, cluster,
                       edge_collectives(lo.sequence_parallel, lo.pp == 1, True))
+
+
+def cp_layer(gpt, lo, b, e, cluster, core):
+    """(forward, backward) exposed seconds of one layer's context-parallel traffic on a
+    micro-batch of b; core: (forward, backward) seconds of the layer's attention core
+    on this rank (compute_seconds), the work the ring's transfers hide behind.
+
+    A block is one of k, v (or their gradients) of a rank's s / cp positions, its tp
+    share of the key-value heads (grouped-query attention sends h_kv-wide keys, as
+    Llama 3's context parallelism does; the trainer repeats them to h: equal at
+    kv_heads = heads).
+      ring     strategies/parallel/ring_attention.py's schedule: forward, cp - 1 steps,
+               each sending 2 blocks to the right neighbour while the block at hand
+               (a cp-th of the core) is attended: only what outlasts it is exposed.
+               Backward, cp - 1 steps of k, v and the dk, dv accumulator (4 blocks)
+               beside a cp-th of the core's backward, and the accumulator's last
+               send home (2 blocks) after it, exposed.  A ring is as fast as its
+               slowest hop: a group that crosses nodes is paced by the link.
+      ulysses  strategies/parallel/ulysses.py: q, k, v to heads and the output back,
+               2 all-to-alls forward and 2 backward, none hidden (attention cannot
+               start before them).  The keys and values travel h_kv wide where cp
+               divides a tp rank's key-value heads, else repeated to h (as the
+               trainer does)."""
+    cp = lo.cp
+    if cp == 1:
+        return 0.0, 0.0
+    tokens = b * gpt.seq_len / cp
+    if lo.cp_kind == "ulysses":
+        kv = gpt.kv_width if (gpt.kv_heads // lo.tp) % cp == 0 else gpt.d_model
+        qkv, out = (tokens * width / lo.tp * e for width in (gpt.d_model + 2 * kv, gpt.d_model))
+        one = sum(group_time("alltoall", n, cp, lo.pp * lo.tp, cluster) for n in (qkv, out))
+        return one, one
+    block = tokens * gpt.kv_width / lo.tp * e
+    nodes, _, sharing = placement(cp, lo.pp * lo.tp, cluster.gpus_per_node)
+    link = cluster.link(sharing) if nodes > 1 else cluster.intra()
+
+    def send(blocks, messages):
+        return messages * link.alpha + blocks * block * link.beta
+    core_f, core_b = core
+    forward = (cp - 1) * max(0.0, send(2, 1) - core_f / cp)
+    backward = (cp - 1) * max(0.0, send(4, 2) - core_b / cp) + send(2, 1)
+    return forward, backward
 
 
 def bucketed(total, beside, buckets):
@@ -258,41 +317,51 @@ def rank_parameters(gpt, lo, stage=0):
 def memory_of(gpt, lo, stage):
     """{params, grads, optimizer, activations} in bytes on a rank of `stage`."""
     dense, experts = rank_parameters(gpt, lo, stage)
-    states = zero_memory(dense, lo.dp, lo.zero, lo.precision)
-    for part, b in zero_memory(experts, lo.dp // lo.ep, lo.zero, lo.precision).items():
+    states = zero_memory(dense, lo.replicas, lo.zero, lo.precision)
+    for part, b in zero_memory(experts, lo.replicas // lo.ep, lo.zero, lo.precision).items():
         states[part] += b
     e, b = BYTES[lo.precision], lo.micro_batch_size
-    layer = layer_activation_bytes(gpt, b, lo.tp, lo.sequence_parallel, lo.recompute, e)
+    layer = layer_activation_bytes(gpt, b, lo.tp, lo.sequence_parallel, lo.recompute, e,
+                                   lo.cp)
     held = activations_in_flight(lo.pp, lo.micro_batches, lo.schedule, stage, lo.virtual_stages)
     acts = held * stages_of(gpt, lo)[stage] * layer
     if lo.recompute == "full":                  # the layer whose backward replays it
-        acts += layer_activation_bytes(gpt, b, lo.tp, lo.sequence_parallel, "none", e)
+        acts += layer_activation_bytes(gpt, b, lo.tp, lo.sequence_parallel, "none", e,
+                                       lo.cp)
     if stage == lo.pp - 1:
-        acts += logits_bytes(gpt, b, 1 if lo.whole_head else lo.tp)
+        acts += logits_bytes(gpt, b, 1 if lo.whole_head else lo.tp, lo.cp)
     return {**states, "activations": acts}
 
 
 def compute_seconds(gpt, lo, cluster):
-    """Seconds of a micro-batch's compute on one tp rank: {"layer": (forward, backward),
-    "head": (...), "embedding": (...)}, the backward with recomputation's share.  By
-    kernels (kernels.py), or where the cluster has a flat rate (--efficiency, or a rate
-    measured here), the FLOPs at that rate."""
-    e, b = BYTES[lo.precision], lo.micro_batch_size
+    """Seconds of a micro-batch's compute on one tp rank (of its s / cp positions):
+    {"layer": (forward, backward), "head": (...), "embedding": (...), "core": (...)},
+    the backward with recomputation's share; "core" is a layer's attention core alone
+    (what the ring's transfers hide behind).  By kernels (kernels.py), or where the
+    cluster has a flat rate (--efficiency, or a rate measured here), the FLOPs at that
+    rate."""
+    e, b, cp = BYTES[lo.precision], lo.micro_batch_size, lo.cp
     head_tp = 1 if lo.whole_head else lo.tp
+    replayed_core = 1 if lo.recompute == "selective" else 0
     if not cluster.flat:
-        layer = kernels.layer_seconds(gpt, b, lo.tp, lo.sequence_parallel, cluster, e)
+        layer = kernels.layer_seconds(gpt, b, lo.tp, lo.sequence_parallel, cluster, e, cp,
+                                      lo.cp_kind)
         extra = {"none": 0.0, "selective": layer["selective"], "full": layer["forward"]}
+        core = layer["selective"]
         return {"layer": (layer["forward"], layer["backward"] + extra[lo.recompute]),
-                "head": kernels.head_seconds(gpt, b, head_tp, cluster, e),
-                "embedding": kernels.embedding_seconds(gpt, b, cluster, e)}
+                "head": kernels.head_seconds(gpt, b, head_tp, cluster, e, cp),
+                "embedding": kernels.embedding_seconds(gpt, b, cluster, e, cp),
+                "core": (core, (2 + replayed_core) * core)}
     rate = cluster.flops_per_s(b)
     block_rate = cluster.flops_per_s(b, lo.tp)        # a layer split over tp ranks
     replay_rate = cluster.flops_per_s(b, lo.tp, replay=lo.recompute == "full")
-    head = logit_flops(gpt, b) / 3 / rate / head_tp
-    forward = layer_forward_flops(gpt, b) / block_rate / lo.tp
+    head = logit_flops(gpt, b) / 3 / rate / head_tp / cp
+    forward = layer_forward_flops(gpt, b) / block_rate / lo.tp / cp
     backward = (2 * layer_forward_flops(gpt, b) / block_rate +
-                recompute_flops(gpt, b, lo.recompute) / replay_rate) / lo.tp
-    return {"layer": (forward, backward), "head": (head, 2 * head), "embedding": (0.0, 0.0)}
+                recompute_flops(gpt, b, lo.recompute) / replay_rate) / lo.tp / cp
+    core = attention_core_flops(gpt, b) / block_rate / lo.tp / cp
+    return {"layer": (forward, backward), "head": (head, 2 * head), "embedding": (0.0, 0.0),
+            "core": (core, (2 + replayed_core) * core)}
 
 
 def balanced_stages(gpt, lo, cluster, given=None):
@@ -302,7 +371,8 @@ def balanced_stages(gpt, lo, cluster, given=None):
         return tuple(stage_layers(gpt.layers, lo.pp, given=given))
     e, b = BYTES[lo.precision], lo.micro_batch_size
     times = compute_seconds(gpt, lo, cluster)
-    layer = sum(times["layer"]) + sum(tp_layer(gpt, lo, b, e, cluster))
+    layer = sum(times["layer"]) + sum(tp_layer(gpt, lo, b, e, cluster)) + \
+        sum(cp_layer(gpt, lo, b, e, cluster, times["core"]))
     if layer <= 0:                        # nothing to weigh the ends against: even
         return tuple(stage_layers(gpt.layers, lo.pp))
     return tuple(stage_layers(gpt.layers, lo.pp, sum(times["embedding"]) / layer,
@@ -319,9 +389,10 @@ def predict(gpt, cluster, lo):
     tp_layer_f, tp_layer_b = tp_layer(gpt, lo, b, e, cluster)
     tp_replay_f = tp_layer(gpt, lo, b, e, cluster, replay=True)[0] if replays else 0.0
     tp_edge_f, tp_edge_b = tp_edges(gpt, lo, b, e, cluster)
+    cp_layer_f, cp_layer_b = cp_layer(gpt, lo, b, e, cluster, times["core"])
     ep_one = 0.0
     if gpt.experts and lo.ep > 1:
-        tokens = b * gpt.seq_len * gpt.d_model * gpt.top_k * e
+        tokens = b * gpt.seq_len / lo.cp * gpt.d_model * gpt.top_k * e
         tokens /= lo.tp if lo.sequence_parallel else 1
         ep_one = group_time("alltoall", tokens, lo.ep, lo.pp * lo.tp, cluster)
 
@@ -338,20 +409,23 @@ def predict(gpt, cluster, lo):
         tp_f = L * tp_layer_f + (tp_edge_f if last else 0.0)
         tp_b = L * (tp_layer_b + tp_replay_f) + (tp_edge_b if last else 0.0)
         return {"compute": (compute_f, compute_b), "tp": (tp_f, tp_b),
+                "cp": (L * cp_layer_f, L * (cp_layer_b + replays * cp_layer_f)),
                 "ep": (2 * L * ep_one, 2 * L * ep_one * (1 + replays))}
     priced = {stage: stage_times(stage) for stage in kinds_of_stage(stages)}
     slowest = max(priced, key=lambda s: sum(sum(pair) for pair in priced[s].values()))
-    (compute_f, compute_b), (tp_f, tp_b), (ep_f, ep_b) = (
-        priced[slowest][part] for part in ("compute", "tp", "ep"))
-    # 2. the data-parallel axis: gradients (and parameters) of the fullest rank
+    (compute_f, compute_b), (tp_f, tp_b), (cp_f, cp_b), (ep_f, ep_b) = (
+        priced[slowest][part] for part in ("compute", "tp", "cp", "ep"))
+    # 2. the data-parallel axis (dp x cp replicas): gradients (and parameters) of the
+    #    fullest rank
     fullest = max(kinds_of_stage(stages), key=lambda s: sum(rank_parameters(gpt, lo, s)))
     dense, experts = rank_parameters(gpt, lo, fullest)
 
     def dp_time(collective, on_one_node=False):
-        t = group_time(collective, dense * e, lo.dp, lo.pp * lo.tp, cluster, on_one_node)
-        if experts and lo.dp // lo.ep > 1:
-            t += group_time(collective, experts * e, lo.dp // lo.ep, lo.pp * lo.tp * lo.ep,
-                            cluster, on_one_node)
+        t = group_time(collective, dense * e, lo.replicas, lo.pp * lo.tp, cluster,
+                       on_one_node)
+        if experts and lo.replicas // lo.ep > 1:
+            t += group_time(collective, experts * e, lo.replicas // lo.ep,
+                            lo.pp * lo.tp * lo.ep, cluster, on_one_node)
         return t
 
     def exposed(collectives, beside, buckets=None):   # what outlasts the compute beside it
@@ -368,22 +442,23 @@ def predict(gpt, cluster, lo):
         dp_f = exposed(["allgather"], 0.0)
         dp_b = exposed(["allgather"], 0.0) + exposed(["reduce_scatter"], compute_b,
                                                      max(1, stages[fullest]))
-    elif lo.dp > 1:
+    elif lo.replicas > 1:
         buckets = max(1, math.ceil((dense + experts) * e / BUCKET_BYTES))
         reduce = exposed(["allreduce" if lo.zero == 0 else "reduce_scatter"], compute_b,
                          buckets)
         dp_after = reduce + (dp_time("allgather") if lo.zero else 0.0)
-    if lo.dp > 1:       # shared cores: the step's last exchange, right after the backward,
-        dp_after += (lo.dp - 1) * cluster.core_wait(b)    # waits for its peers' turns
+    if lo.replicas > 1:  # shared cores: the step's last exchange, right after the backward,
+        dp_after += (lo.replicas - 1) * cluster.core_wait(b)    # waits for its peers' turns
     # 3. the pipeline: (v m + p - 1) slots, each sending an activation and its gradient
-    t_f, t_b = compute_f + tp_f + ep_f + dp_f, compute_b + tp_b + ep_b + dp_b
+    t_f, t_b = compute_f + tp_f + cp_f + ep_f + dp_f, compute_b + tp_b + cp_b + ep_b + dp_b
     nodes, _, _ = placement(lo.pp, lo.tp, G)
     p2p = cluster.link(min(G, lo.tp)) if nodes > 1 else cluster.intra()
-    sent = b * gpt.seq_len * gpt.d_model * e / lo.tp         # each tp rank its share
+    sent = b * gpt.seq_len * gpt.d_model * e / (lo.tp * lo.cp)   # each rank its share
     v, m = lo.virtual_stages, lo.micro_batches
     pipeline = pipeline_step_time(lo.pp, m, t_f, t_b, sent, p2p, v)
     bubble = bubble_fraction(lo.pp, m, v) * (v * m + lo.pp - 1) * (t_f + t_b) / v
     split = {"compute": m * (compute_f + compute_b), "tp": m * (tp_f + tp_b),
+             "cp": m * (cp_f + cp_b),
              "pp": pipeline - m * (t_f + t_b) - bubble, "dp": m * (dp_f + dp_b) + dp_after,
              "ep": m * (ep_f + ep_b), "bubble": bubble}
     memories = [memory_of(gpt, lo, stage) for stage in kinds_of_stage(stages)]

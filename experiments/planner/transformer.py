@@ -62,10 +62,15 @@ recomputation, and so does its traffic (kernels.py).
 
 t = 1 gives the unparallelised s b h (34 + 5 a s / h).  In fp32 every 16-bit
 activation doubles; we double the whole (the masks, 1 byte, are a small part).
+Context parallelism over cp ranks (each s / cp positions of every sequence) keeps
+a cp-th of each term: the scores too, s / cp queries against s keys (the ring) or
+s x s of heads / cp heads (Ulysses).
 """
 from dataclasses import dataclass
 
 RECOMPUTE = ("none", "selective", "full")
+# context parallelism's two kinds (strategies/parallel/ring_attention.py, ulysses.py)
+CONTEXT_KINDS = ("ring", "ulysses")
 # Every count a GPT takes is a whole number of at most this: larger ones describe no
 # model ever trained, and their products stay exact in a float.
 MAX_COUNT = 2 ** 31 - 1
@@ -154,17 +159,21 @@ def expert_parameters(gpt):
     return gpt.layers * gpt.experts * mlp_parameters(gpt)
 
 
-def layer_gemms(gpt, b):
+def layer_gemms(gpt, b, cp=1, cp_kind="ring"):
     """[(name, m, n, k, times)] of one layer's forward on b sequences on one rank: each
     GEMM multiplies an m x k by a k x n matrix, `times` of them (the attention core:
     one a head; the MLP: top_k experts a token).  Their FLOPs, 2 m n k each, add up
-    to layer_forward_flops."""
+    to layer_forward_flops.  On one of cp context-parallel ranks (CONTEXT_KINDS) a
+    rank holds s / cp positions: the ring's queries meet every key (s / cp x s scores a
+    head), Ulysses' whole sequences of heads / cp heads (s x s): a cp-th either way."""
     s, h, f, kv = gpt.seq_len, gpt.d_model, gpt.ffn_hidden, gpt.kv_width
-    tokens, head_dim, passes = b * s, h // gpt.heads, mlp_copies(gpt)[1]
+    tokens, head_dim, passes = b * s // cp, h // gpt.heads, mlp_copies(gpt)[1]
+    queries, heads = (s, b * gpt.heads // cp) if cp_kind == "ulysses" else \
+        (s // cp, b * gpt.heads)
     mlp_in = ("mlp_in", tokens, (gpt.mlp_matrices - 1) * f, h, passes)
     return [("qkv", tokens, h + 2 * kv, h, 1),
-            ("scores", s, s, head_dim, b * gpt.heads),          # Q K^T, a head at a time
-            ("context", s, head_dim, s, b * gpt.heads),         # softmax(.) V
+            ("scores", queries, s, head_dim, heads),            # Q K^T, a head at a time
+            ("context", queries, head_dim, s, heads),           # softmax(.) V
             ("attention_out", tokens, h, h, 1),
             mlp_in,
             ("mlp_out", tokens, h, f, passes)]
@@ -204,12 +213,13 @@ def step_flops(gpt, recompute="none"):
 
 
 def layer_activation_bytes(gpt, b, tp=1, sequence_parallel=False, recompute="none",
-                           bytes_per_value=2):
+                           bytes_per_value=2, cp=1):
     """Bytes one layer keeps for its backward on b sequences (Korthikanti et al., Table 2,
     with the module docstring's GQA, MLP width and gating), on one of tp tensor-parallel
-    ranks; bytes_per_value 4 (fp32) doubles the 16-bit figure."""
+    ranks and cp context-parallel ones (each keeps its s / cp positions' share of every
+    term, the scores' too); bytes_per_value 4 (fp32) doubles the 16-bit figure."""
     s, h, a, t = gpt.seq_len, gpt.d_model, gpt.heads, tp
-    sb = s * b
+    sb = s * b / cp
     if recompute == "full":
         held = 2 * sb * h / (t if sequence_parallel else 1)
     else:
@@ -225,6 +235,7 @@ def layer_activation_bytes(gpt, b, tp=1, sequence_parallel=False, recompute="non
     return held * bytes_per_value / 2
 
 
-def logits_bytes(gpt, b, tp=1):
-    """The last stage's logits for the loss, in fp32 and sharded over tp: 4 s b V / t."""
-    return 4 * gpt.seq_len * b * gpt.vocab / tp
+def logits_bytes(gpt, b, tp=1, cp=1):
+    """The last stage's logits for the loss, in fp32 and sharded over tp (and over cp by
+    position): 4 s b V / t cp."""
+    return 4 * gpt.seq_len * b * gpt.vocab / (tp * cp)

@@ -238,6 +238,9 @@ def runnable(gpt, layout):
     if gpt.experts and (layout.pp > 1 or layout.tp > 1 or layout.zero or
                         layout.micro_batches > 1 or layout.recompute != "none"):
         return "the trainer's mixture of experts runs on dp and ep only"
+    if layout.cp > 1 and (layout.pp > 1 or layout.sequence_parallel):
+        return "the trainer's context parallelism runs without a pipeline or sequence " \
+               "parallelism"
     return ""
 
 
@@ -259,6 +262,7 @@ def layout_args(gpt, layout, steps, device="cpu"):
         if layout.pp > 1 and layout.schedule != "interleaved":   # the planner's own split
             args += ["--pp-layers", ",".join(map(str, stages_of(gpt, layout)))]
         args += ["--sequence-parallel"] if layout.sequence_parallel and layout.tp > 1 else []
+        args += ["--cp", layout.cp, "--cp-kind", layout.cp_kind] if layout.cp > 1 else []
     args += ["--recompute"] if layout.recompute != "none" else []
     return [str(a) for a in args]
 
