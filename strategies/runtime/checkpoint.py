@@ -174,6 +174,13 @@ def layout_of(cfg):
     return {k: getattr(cfg, k) for k in LAYOUT}
 
 
+def differing(layout, other):
+    """`layout`'s settings that `other` does not share, in LAYOUT's order, for a message:
+    "pp 1, tp 2" (an unset one, such as a whole model's pp_layers, left out)."""
+    return ", ".join(f"{k} {layout[k]}" for k in LAYOUT
+                     if k in layout and layout[k] != other.get(k) and layout[k] != "")
+
+
 def _write(cfg, ctx, step, engine, run_id, sync_state):
     """This rank's file of step `step`; returns its manifest entry."""
     os.makedirs(cfg.checkpoint_dir, mode=0o700, exist_ok=True)   # the run's state: its owner's
@@ -356,10 +363,7 @@ def read(cfg, ctx, model):
                           field="resume")
     layout = layout_of(cfg)
     if sharded(cfg) and state["layout"] != layout:
-        theirs = ", ".join(f"{k} {v}" for k, v in state["layout"].items()
-                           if layout.get(k) != v)
-        ours = ", ".join(f"{k} {v}" for k, v in layout.items()
-                         if state["layout"].get(k) != v)
+        theirs, ours = differing(state["layout"], layout), differing(layout, state["layout"])
         raise ConfigError(f"--resume: {path} holds one rank's share of a run of {theirs}; "
                           f"this run is {ours} (a split run resumes in its own layout)",
                           field="resume")
@@ -417,10 +421,8 @@ def read_share(cfg, ctx):
     manifest = read_manifest(cfg, step)
     layout = layout_of(cfg)
     if manifest["layout"] != layout or manifest["world_size"] != ctx.world_size:
-        theirs = ", ".join(f"{k} {v}" for k, v in manifest["layout"].items()
-                           if layout.get(k) != v)
-        ours = ", ".join(f"{k} {v}" for k, v in layout.items()
-                         if manifest["layout"].get(k) != v)
+        theirs = differing(manifest["layout"], layout)
+        ours = differing(layout, manifest["layout"])
         raise ConfigError(f"--resume: {set_folder(cfg, step)} is a set of a run of world "
                           f"{manifest['world_size']}, {theirs or 'the same layout'}; this run "
                           f"is world {ctx.world_size}, {ours or 'the same layout'} (a split "
