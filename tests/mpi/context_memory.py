@@ -3,10 +3,10 @@
     mpiexec -n 2 python -m mpi4py tests/mpi/context_memory.py
 
 At seq 4096 every rank runs the GPT's attention core on the whole sequence (cp 1),
-then ring attention and Ulysses on its T/cp positions, and measures the bytes autograd
-saved for the backward (runtime/memory.py's ActivationMeter: q, k, v, the output and
-the softmax's log-sum-exp).  Printed per rank: the three peaks, for the test to compare
-(tests/test_context_parallel.py).
+then ring attention and Ulysses on its T/cp positions, and measures the bytes
+autograd saved for the backward (ActivationMeter, strategies/runtime/memory.py: q,
+k, v, the output and the softmax's log-sum-exp).  Printed per rank: the three peaks,
+for the test to compare (tests/test_context_parallel.py).
 """
 import json
 
