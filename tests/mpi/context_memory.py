@@ -5,8 +5,8 @@
 At seq 4096 every rank runs the GPT's attention core on the whole sequence (cp 1),
 then ring attention and Ulysses on its T/cp positions, and measures the bytes
 autograd saved for the backward (ActivationMeter, strategies/runtime/memory.py: q,
-k, v, the output and the softmax's log-sum-exp).  Printed per rank: the three peaks,
-for the test to compare (tests/test_context_parallel.py).
+k, v, the output and the softmax's log-sum-exp).  Printed by rank 0: every rank's
+three peaks, for the test to compare (tests/test_context_parallel.py).
 """
 import json
 
@@ -41,7 +41,9 @@ def main():
              "ring": saved_bytes(RingAttention(allreduce.make_transport("mpi", comm, 60)), mine),
              "ulysses": saved_bytes(Ulysses(allreduce.create("ring", comm=comm, timeout=60)),
                                     mine)}
-    print(json.dumps({"rank": rank, **peaks}), flush=True)
+    everyone = comm.gather({"rank": rank, **peaks}, root=0)
+    if rank == 0:                  # one line from one rank: the ranks' prints would interleave
+        print(json.dumps(everyone), flush=True)
 
 
 if __name__ == "__main__":
