@@ -140,7 +140,9 @@ def main(argv=None):
     A peer that never came (a wait past --timeout) is one line and exit 1 on the rank
     that waited; under `python -m mpi4py` the exit aborts the others.  An exit every
     rank takes together (a refused flag, a signal's agreed stop) finalizes MPI instead,
-    which removes MPICH's shared-memory segments (runtime/exits.py)."""
+    which removes MPICH's shared-memory segments (runtime/exits.py), where main reads
+    the command line (argv None): the process ends there.  Called with an argv from
+    Python, as several runs in one process are, it leaves MPI running for the next."""
     try:
         train(argv)
     except TimeoutError as e:                      # waits.WaitTimeout, CollectiveTimeout
@@ -148,7 +150,8 @@ def main(argv=None):
         sys.stderr.flush()
         raise SystemExit(1) from None
     except AgreedExit as e:
-        finish()
+        if argv is None:
+            finish()
         raise SystemExit(e.code) from None
     return 0
 

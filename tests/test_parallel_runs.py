@@ -375,8 +375,13 @@ def test_any_run_can_be_traced_even_through_parameter_servers(tmp_path):
     assert names == {0: "worker 0 (ps)", 1: "worker 1 (ps)"}          # the server has no steps
     for pid in (0, 1):
         spans = [e for e in events if e["ph"] == "X" and e["pid"] == pid]
-        assert {"forward", "backward", "comm", "optimizer"} == {e["cat"] for e in spans}
-        assert len(spans) == 4 * 3 and all(e["dur"] >= 0 for e in spans)
+        # the step's four phases, and the comm thread's push and pull of the MLP's one
+        # bucket (its own track: it overlaps backward)
+        assert {"forward", "backward", "comm", "optimizer", "dp-comm"} == \
+            {e["cat"] for e in spans}
+        assert [e["name"] for e in spans if e["cat"] == "dp-comm"] == \
+            ["push/pull pp0.tp0.b0"] * 3
+        assert len(spans) == 5 * 3 and all(e["dur"] >= 0 for e in spans)
 
 
 @pytest.mark.slow

@@ -100,7 +100,11 @@ class StepEngine:
         sync.before_backward()
         loss = p.schedule.run(x, y, step)
         t1 = clock.mark()
-        sync.synchronize(step)
+        # the exposed communication: a pipeline's spans are its times, so it is drawn
+        # here; the trivial schedule's clocked_times draws [t1, t2)
+        with span(self.tracer, f"wait for gradients {step}", "comm") if p.pipelined \
+                else nullcontext():
+            sync.synchronize(step)
         t2 = clock.mark()
         # a pipeline's times are its spans'; the trivial schedule's are clocked_times'
         with span(self.tracer, f"optimizer {step}", "optimizer") if p.pipelined \

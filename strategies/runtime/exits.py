@@ -15,7 +15,8 @@ after the ranks agreed on them:
 
 No peer is left waiting there, so the ranks may finalize: such an exit is an
 `AgreedExit`, and strategies.train's main finalizes MPI before it lets one go
-(`finish`).  mpi4py's abort at exit then does nothing, since it aborts only an MPI
+(`finish`), where it runs the command line: a Python caller that runs several
+trainings in one process (the tests do) keeps its MPI for the next.  mpi4py's abort at exit then does nothing, since it aborts only an MPI
 that is still running.  Whatever else ends a rank (an exception, a wait past
 --timeout, a second Ctrl-C) still aborts, as it must.
 

@@ -315,11 +315,8 @@ class ZeRO(GradientSync):
         return self.engine.accumulating()  # the hooks hand no bucket over
 
     def synchronize(self, step):
-        if self.overlap:
-            with span(self.tracer, f"wait for gradients {step}", "comm"):
-                self.engine.wait()      # the last buckets' collectives: the exposed part
-        else:
-            self.engine.wait()
+        self.engine.wait()      # the last buckets' collectives: the exposed part (the
+                                # step engine draws this wait: engine/loop.py)
         # The next step's buckets may leave during its backward, before its own
         # synchronize: the compressor learns that step here (top-k's warm-up, a
         # function of the step; the other compressions ignore it).
