@@ -21,7 +21,7 @@ import tomllib
 
 import pytest
 from conftest import ROOT
-from labs_fixtures.sheets import run_sheet, sheet_commands, student_shell
+from labs_fixtures.sheets import key_table, number, run_sheet, sheet_commands, student_shell
 
 from experiments.labs import check_answers
 from strategies.config.settings import TrainConfig
@@ -32,18 +32,8 @@ KEY = open(os.path.join(LABS, "teacher", "10_answers.md")).read()
 
 
 def table(first_cell):
-    """The rows (lists of cells) of the key's table whose header starts with `first_cell`."""
-    lines = KEY[KEY.index(f"| {first_cell} |"):].splitlines()
-    rows = []
-    for line in lines[2:]:
-        if not line.startswith("|"):
-            break
-        rows.append([cell.strip() for cell in line.strip("|").split("|")])
-    return rows
-
-
-def number(cell):
-    return int(re.search(r"\d[\d,]*", cell).group().replace(",", ""))
+    """The rows of the key's table whose header starts with `first_cell`."""
+    return key_table(KEY, first_cell)
 
 
 def template():

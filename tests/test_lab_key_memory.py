@@ -9,27 +9,13 @@ import sys
 
 import pytest
 from conftest import ROOT, mpi_env, run
-from labs_fixtures.sheets import sheet_commands
+from labs_fixtures.sheets import key_table as table, number, sheet_commands
 
 LABS = os.path.join(ROOT, "experiments", "labs")
 
 
 def key(name):
     return open(os.path.join(LABS, "teacher", name)).read()
-
-
-def table(text, first_cell):
-    lines = text[text.index(f"| {first_cell} |"):].splitlines()
-    rows = []
-    for line in lines[2:]:
-        if not line.startswith("|"):
-            break
-        rows.append([cell.strip() for cell in line.strip("|").split("|")])
-    return rows
-
-
-def number(cell):
-    return int(re.match(r"[\d,]+", cell).group().replace(",", ""))
 
 
 def train_loop(sheet, variable):

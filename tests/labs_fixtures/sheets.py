@@ -3,7 +3,8 @@
 venv off PATH, the student's files replaced by right answers (answers.py).
 
 Used by tests/test_lab_commands.py (labs 1-5, 7-10), tests/test_lab6.py (lab 6, as
-root) and tests/test_lab_keys.py (the teacher's figures regenerated)."""
+root) and tests/test_lab_keys.py (the teacher's figures regenerated); key_table and
+number read a teacher's key for the tests that regenerate its figures."""
 import os
 import re
 import sys
@@ -101,3 +102,20 @@ def run_sheet(commands_of_sheet, root, env, name, timeout=200):
                 (root / file_name).write_text(text)       # the student's answer, right
                 filled.add(file_name)
     return ran
+
+
+def key_table(text, first_cell):
+    """The rows (lists of cells) of the Markdown table in `text` (a teacher's key) whose
+    header starts with `first_cell`."""
+    lines = text[text.index(f"| {first_cell} |"):].splitlines()
+    rows = []
+    for line in lines[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def number(cell):
+    """The first whole number of a key's cell, its thousands' commas dropped."""
+    return int(re.search(r"\d[\d,]*", cell).group().replace(",", ""))
