@@ -246,6 +246,33 @@ def test_expert_parallel_under_zero1_reproduces_one_process(tmp_path):
                      reference)
 
 
+@pytest.mark.timeout(400)
+def test_the_experts_over_context_groups_match_the_same_cp_run(tmp_path):
+    """--cp 2: the experts' replicas are the dp x cp replicas (config/mesh.py), under
+    ZeRO-1 and ZeRO-3 (each expert sharded over both cp ranks) and --ep 2 (the expert
+    group is the context group: each rank's positions' tokens go to the other's
+    experts).  A MoE at cp > 1 gates each rank's own positions (parallel/
+    context_parallel.py), so it is not one process's; the reference is the same cp run
+    with the model whole on each rank.  Tolerance rtol 1e-4, atol 1e-6 (CP_RTOL of
+    test_parallel_runs.py); measured: ZeRO equal bit for bit, --ep 2 within 2.5e-6
+    relative (its experts' matmuls run on the group's rows at once); an expert averaged
+    over dp alone (one rank here) would differ by O(lr * grad) ~ 1e-3."""
+    cp = TOP2 + ["--sync", "ring", "--cp", "2"]
+    runs = launch(tmp_path, 2, [("cp2", cp), ("cp2zero1", cp + ["--zero", "1"]),
+                                ("cp2zero3", cp + ["--zero", "3"]), ("cp2ep2", cp + ["--ep", "2"])])
+    def losses(records):
+        return [r["loss"] for r in sorted(records, key=lambda r: (r["step"], r["rank"]))]
+    records, params, _ = runs["cp2"]
+    assert len(records) == 2 * 3
+    for name in ("cp2zero1", "cp2zero3", "cp2ep2"):
+        np.testing.assert_allclose(losses(runs[name][0]), losses(records), rtol=1e-4,
+                                   err_msg=name)
+        assert sorted(runs[name][1]) == sorted(params), name
+        for key, value in params.items():
+            np.testing.assert_allclose(runs[name][1][key], value, rtol=1e-4, atol=1e-6,
+                                       err_msg=f"{name}: {key}")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_expert_parallel_reproduces_one_process(tmp_path):

@@ -261,11 +261,9 @@ def context_runs(tmp_path_factory):
             **launch(folder, 2, CP_TWO), **launch(folder, 4, CP_FOUR, timeout=300)}
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("name, world", [(n, 2) for n, _ in CP_TWO] +
-                         [(n, 4) for n, _ in CP_FOUR])
-def test_cp_reproduces_one_process(context_runs, name, world):
-    (records, params), (ref_records, ref_params) = context_runs[name], context_runs["one"]
+def assert_same_as_one(run, one, world):
+    """A cp run's losses (every worker's) and parameters against one process, CP_RTOL."""
+    (records, params), (ref_records, ref_params) = run, one
     ref_loss = [r["loss"] for r in ref_records]
     for rank in range(world):
         mine = [r for r in records if r["rank"] == rank]
@@ -275,6 +273,70 @@ def test_cp_reproduces_one_process(context_runs, name, world):
     for key in ref_params:
         np.testing.assert_allclose(params[key], ref_params[key], rtol=CP_RTOL, atol=1e-6,
                                    err_msg=key)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name, world", [(n, 2) for n, _ in CP_TWO] +
+                         [(n, 4) for n, _ in CP_FOUR])
+def test_cp_reproduces_one_process(context_runs, name, world):
+    assert_same_as_one(context_runs[name], context_runs["one"], world)
+
+
+# Context parallelism through the parameter servers: a key's group is its dp x cp
+# replicas (sync/server_buckets.py), so BSP averages each bucket over both, and the
+# hybrid's nodes are made of those replicas (two nodes of a context group each
+# below).  2 workers + 1 server, then 4 + 1; the server's SGD is torch's, in float32.
+PS = ["--sync", "ps", "--servers", "1", "--consistency", "bsp"]
+CP_SERVERS_TWO = [("ps_cp2_ring", CP_GPT + PS + ["--cp", "2", "--cp-kind", "ring"]),
+                  ("ps_cp2_ulysses", CP_GPT + PS + ["--cp", "2", "--cp-kind", "ulysses"])]
+CP_SERVERS_FOUR = [("ps_cp2_dp2", CP_GPT + PS + ["--cp", "2", "--dp", "2"]),
+                   ("hybrid_cp2_dp2", CP_GPT + ["--sync", "hybrid", "--servers", "1",
+                                                "--ranks-per-node", "2", "--cp", "2",
+                                                "--dp", "2"])]
+
+
+@pytest.mark.timeout(600)
+def test_cp_through_the_parameter_servers_reproduces_one_process(context_runs, tmp_path):
+    runs = {**launch(tmp_path, 3, CP_SERVERS_TWO, timeout=240),
+            **launch(tmp_path, 5, CP_SERVERS_FOUR, timeout=300)}
+    for name, _ in CP_SERVERS_TWO:
+        assert_same_as_one(runs[name], context_runs["one"], 2)
+    for name, _ in CP_SERVERS_FOUR:
+        assert_same_as_one(runs[name], context_runs["one"], 4)
+
+
+def refused(common, flags):
+    """`then` code for launch: train `flags` once more on every rank, and print what
+    rank 0 wrote to stderr (a refusal's line) to stdout, for launch's `expect`."""
+    argv = [str(a) for a in common + flags]
+    return ("\nimport contextlib, io\nfrom mpi4py import MPI\nerr = io.StringIO()\n"
+            "with contextlib.redirect_stderr(err):\n    try:\n"
+            f"        main({argv!r})\n    except SystemExit:\n        pass\n"
+            "if MPI.COMM_WORLD.rank == 0:\n    print(err.getvalue())\n")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world, split, other, says", [
+    # the whole model: the first replica alone writes checkpoint.pt
+    (2, ["--cp", "2"], ["--dp", "2"],
+     "was written by world 2 = dp(1) x cp(2), this run is world 2 = dp(2)"),
+    # a set of rank files: each cp rank its own ZeRO shard, its coordinates its cp rank
+    (4, ["--cp", "2", "--dp", "2", "--zero", "1"], ["--dp", "4", "--zero", "1"],
+     "is a set of a run of world 4, dp 2, cp 2; this run is world 4, dp 4"),
+])
+def test_cp_resumes_exactly(tmp_path, world, split, other, says):
+    """Saved at step 2, resumed to step 4: the uninterrupted run's parameters, bit for
+    bit; the same checkpoint resumed in another layout is refused, naming both."""
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
+    runs = launch(tmp_path, world, [("whole", CP_GPT + split + ["--steps", "4"]),
+                                    ("first", CP_GPT + split + ckpt + ["--steps", "2"]),
+                                    ("resumed", CP_GPT + split + ckpt +
+                                     ["--steps", "4", "--resume"])],
+                  timeout=400, then=refused(COMMON, CP_GPT + other + ckpt +
+                                            ["--steps", "4", "--resume"]), expect=says)
+    assert {r["step"] for r in runs["resumed"][0]} == {2, 3}       # it went on from step 2
+    for name, value in runs["whole"][1].items():
+        np.testing.assert_array_equal(runs["resumed"][1][name], value, err_msg=name)
 
 
 @pytest.mark.timeout(600)

@@ -145,8 +145,14 @@ def test_mesh_carves_context_groups_out_of_the_replicas():
     assert grid.describe() == "dp(2) x cp(2) x pp(1) x tp(2) = 8"
     with pytest.raises(ConfigError, match=r"dp\(2\) x cp\(2\) x pp\(1\) x tp\(1\) = 4 != world"):
         Mesh(6, dp=2, cp=2)
-    with pytest.raises(ConfigError, match=r"ep\(2\) with cp\(2\) is not supported"):
-        Mesh(4, ep=2, cp=2)
+    # the expert groups are cut out of the same dp x cp replicas, an expert's replicas
+    # every ep-th one of them
+    experts = Mesh(8, cp=2, ep=2)
+    assert experts.group_of(5, "ep") == [4, 5]
+    assert experts.group_of(5, "ep_replicas") == [1, 3, 5, 7]
+    assert experts.describe() == "dp(4) x cp(2) x pp(1) x tp(1) = 8, ep(2) of dp x cp"
+    with pytest.raises(ConfigError, match=r"dp\(1\) x cp\(3\) = 3, 3 % 2 = 1"):
+        Mesh(3, cp=3, ep=2)
 
 
 @pytest.mark.timeout(30)
@@ -156,7 +162,6 @@ def test_mesh_carves_context_groups_out_of_the_replicas():
     (dict(cp=2, heads=2, tp=2, cp_kind="ulysses"), r"--heads 2 / tp\(2\) = 1 is not a multiple"),
     (dict(cp=2, pp=2, micro_batches=2), "--cp 2 with --pp 2 is not supported"),
     (dict(cp=2, tp=2, sequence_parallel=True), "--cp 2 with --sequence-parallel"),
-    (dict(cp=2, sync="ps"), "--cp 2 with --sync ps is not supported"),
 ])
 def test_context_parallelism_refuses_what_it_does_not_build(kw, message):
     base = dict(model="gpt", sync="ring", seq_len=32, heads=4, d_model=16)

@@ -47,7 +47,13 @@ reshape, every (dp, pp, tp) coordinate and every dp x pp x tp run stay as they a
 and the replicas axis is at once ZeRO's and the gradients' group.  The price, stated:
 where pp x tp > 1 a context group's ranks are pp x tp apart, so on a hostfile of
 nodes tp's groups are filled first and cp's ring may cross nodes sooner than tp's.
-Context and expert parallelism are not carved out of the same replicas (refused).
+
+With both, the expert groups are cut out of the same dp x cp replicas: ep consecutive
+replicas form a group, and an expert's replicas are every ep-th one (its gradient is
+averaged over dp x cp / ep of them).  World 4, cp 2, ep 2: the expert groups {0, 1},
+{2, 3} are the context groups, the experts' replicas {0, 2}, {1, 3}.  A rank gates and
+dispatches its own positions' tokens, so which replicas share a group is free; these
+are the consecutive ones, as without cp.
 
 There is no global mesh: build one per test or per run and pass it around.
 """
@@ -77,7 +83,7 @@ class Mesh:
     dp: int = 0          # 0: whatever is left, world / (pp * tp)
     pp: int = 1
     tp: int = 1
-    ep: int = 1          # expert groups of ep dp ranks (carved out of dp)
+    ep: int = 1          # expert groups of ep replicas (carved out of dp x cp)
     cp: int = 1          # context groups of cp replicas (carved out of dp x cp)
 
     def __post_init__(self):
@@ -94,14 +100,13 @@ class Mesh:
             raise ConfigError(f"dp({self.dp}) x {cp}pp({self.pp}) x tp({self.tp}) = "
                               f"{self.dp * self.cp * self.pp * self.tp} != world size "
                               f"{self.world_size}", field="world_size")
-        if self.cp > 1 and self.ep > 1:
-            raise ConfigError(f"ep({self.ep}) with cp({self.cp}) is not supported: both are "
-                              f"carved out of the replicas, and the experts' groups over "
-                              f"context groups are not built", field="cp")
-        if self.dp % self.ep:
+        replicas = self.dp * self.cp
+        if replicas % self.ep:
+            of = f"dp({self.dp}) x cp({self.cp}) = {replicas}" if self.cp > 1 else \
+                f"dp({self.dp})"
             raise ConfigError(f"world {self.world_size} is not a multiple of ep({self.ep}): "
-                              f"the expert groups are cut out of dp({self.dp}), "
-                              f"{self.dp} % {self.ep} = {self.dp % self.ep}", field="ep")
+                              f"the expert groups are cut out of {of}, "
+                              f"{replicas} % {self.ep} = {replicas % self.ep}", field="ep")
 
     @property
     def dp_enabled(self):
@@ -149,8 +154,8 @@ class Mesh:
         return self.coords_of(rank)[1]
 
     def expert_coords_of(self, rank):
-        """(expert group, ep rank) of a rank: its replica (its dp coordinate: ep is not
-        taken with cp) cut into groups of ep."""
+        """(expert group, ep rank) of a rank: its replica (dp rank x cp + cp rank) cut
+        into groups of ep."""
         return divmod(self.place_of(rank)[0], self.ep)
 
     def group_of(self, rank, axis):
@@ -173,7 +178,8 @@ class Mesh:
         return [int(self.ranks[r, p, t]) for r in replicas]
 
     def describe(self):
-        ep = f", ep({self.ep}) of dp" if self.ep_enabled else ""
+        ep = f", ep({self.ep}) of dp" + (" x cp" if self.cp_enabled else "") \
+            if self.ep_enabled else ""
         cp = f" x cp({self.cp})" if self.cp_enabled else ""
         return f"dp({self.dp}){cp} x pp({self.pp}) x tp({self.tp}) = {self.world_size}{ep}"
 

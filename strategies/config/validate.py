@@ -260,8 +260,10 @@ def check_moe(cfg):
 
 def check_context(cfg):
     """Context parallelism (--cp) against the model and the other techniques: what is
-    built is the GPT's attention over a cp group of an all-reduce run (the whole model,
-    tp, ZeRO, micro-batches, recompute); the rest is refused with its reason."""
+    built is the GPT's attention over a cp group (the whole model, tp, ZeRO,
+    micro-batches, recompute, the MoE's experts under --ep or --zero, checkpoints), its
+    gradients all-reduced or pushed to the parameter servers over the dp x cp replicas;
+    the rest is refused with its reason."""
     if cfg.cp == 1:
         return
     if cfg.model not in ("gpt", "moe"):
@@ -281,19 +283,10 @@ def check_context(cfg):
     for what, refused, why in (
             ("--sync local", cfg.sync == "local", "it splits a sequence over ranks; --sync "
              "local is one process"),
-            (f"--sync {cfg.sync}", cfg.sync in PS_SYNCS, "a context group's ranks push "
-             "partial gradients of the same parameters, and the servers average a key over "
-             "its dp replicas only: use an all-reduce --sync"),
             (f"--pp {cfg.pp}", cfg.pp > 1, "the stages' messages and a schedule over "
              "context groups are not built; use --tp or --dp with it"),
             ("--sequence-parallel", cfg.sequence_parallel, "both split the positions, and "
-             "tp's shards of a cp slice are not built"),
-            (f"--ep {cfg.ep}", cfg.ep > 1, "both are carved out of the replicas, and "
-             "expert groups over context groups are not built"),
-            (f"--model moe --zero {cfg.zero}", cfg.model == "moe" and cfg.zero > 0,
-             "the experts' own replicas (sync over ep_replicas) are not built over dp x cp"),
-            ("--checkpoint-dir", bool(cfg.checkpoint_dir), "a checkpoint's files are named "
-             "by (dp, pp, tp), which the ranks of a context group share; not built")):
+             "tp's shards of a cp slice are not built")):
         if refused:
             raise ConfigError(f"--cp {cfg.cp} with {what} is not supported: {why}",
                               field="cp")
@@ -364,13 +357,16 @@ def check_world(cfg, world_size):
         raise ConfigError(f"{flag} {k} does not divide the local batch: "
                           f"global batch {cfg.global_batch} / dp({dp}) = {local} samples, "
                           f"{local} % {k} = {local % k} ({where})", field="world_size")
-    if cfg.sync == "hybrid" and cfg.ranks_per_node and dp % cfg.ranks_per_node:
-        raise ConfigError(f"--ranks-per-node {cfg.ranks_per_node} does not divide dp({dp}) "
+    replicas = dp * cfg.cp                     # a hybrid node holds replicas: dp x cp
+    if cfg.sync == "hybrid" and cfg.ranks_per_node and replicas % cfg.ranks_per_node:
+        of = f"dp({dp}) x cp({cfg.cp}) = {replicas}" if cfg.cp > 1 else f"dp({dp})"
+        raise ConfigError(f"--ranks-per-node {cfg.ranks_per_node} does not divide {of} "
                           f"into whole nodes ({where})", field="world_size")
     if cfg.on_grid:
         check_grid(cfg, dp)
     if cfg.model == "moe":
-        Mesh(world_size, cfg.dp, cfg.pp, cfg.tp, cfg.ep, cfg.cp)      # ep divides dp
+        workers = world_size - (cfg.servers if cfg.sync in PS_SYNCS else 0)
+        Mesh(workers, cfg.dp, cfg.pp, cfg.tp, cfg.ep, cfg.cp)       # ep divides dp x cp
         if cfg.moe_group and local % (cfg.moe_group * k):
             raise ConfigError(f"--moe-group {cfg.moe_group} does not divide each of the {k} "
                               f"micro-batch(es) of the local batch into whole groups: global "

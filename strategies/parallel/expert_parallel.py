@@ -44,6 +44,9 @@ Gradient averaging.  The loss is the mean over the global batch: L = (1/world) s
                     ranks; averaging over the world/EP replicas of e and dividing by
                     EP gives (1/world) sum over all r: the same mean.
 With EP = world there is one replica and the sum is complete on its own rank.
+Under --cp the replicas are dp x cp (config/mesh.py): a rank's tokens are its slice
+of its context group's sequences, the loss is the mean over the replicas' equal
+slices, and the same argument holds with world = dp x cp.
 
 Both are ZeRO's layers (zero.py; `--zero 0` is plain data parallelism): the ep
 axis is carved out of the data-parallel one, as in torchtitan and Megatron-LM,
@@ -87,9 +90,9 @@ class ExpertPlacement:
 
     def __init__(self, mesh, experts, rank):
         self.ep, self.experts = mesh.ep, experts
-        # which expert group, and the place inside it (mesh.py cuts them out of dp)
+        # which expert group, and the place inside it (mesh.py cuts them out of dp x cp)
         self.group, self.ep_rank = mesh.expert_coords_of(rank)
-        self.replicas = mesh.dp // mesh.ep       # copies of each expert
+        self.replicas = mesh.dp * mesh.cp // mesh.ep       # copies of each expert
         self.per_rank = experts // mesh.ep
 
     @property

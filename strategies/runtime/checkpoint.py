@@ -1,6 +1,6 @@
 """Checkpoints: every K steps and at the end; --resume continues the same trajectory.
 
-    save(cfg, ctx, step, engine, run_id)       # data-parallel rank 0 writes, or every rank
+    save(cfg, ctx, step, engine, run_id)       # the first replica writes, or every rank
     state = read(cfg, ctx, model)              # every rank, before training; ConfigError
     step = restore(state, engine)              # if it belongs to another model or world
 
@@ -17,11 +17,21 @@ resumed run's records in --jsonl belong to the run they continue.
 Two layouts of the files:
 
     checkpoint.pt      plain data parallelism: every replica holds the same state,
-                       so data-parallel rank 0 writes it and every rank reads it
+                       so the first (dp rank 0, cp rank 0) writes it and every rank
+                       reads it
     step-<S>/rank-R.pt   a split model (--dp/--pp/--tp/--zero, --ep): each rank holds
     step-<S>/manifest.json   a different share (a stage, a tp piece, a ZeRO shard, its
                        experts), so each writes and reads its own; the set of step S
                        is a folder, and its manifest, written last, names every file
+
+Context parallelism (--cp) changes neither layout.  The ranks of a context group hold
+the same parameters, but not always the same state: ZeRO and the experts' replicas
+shard over all dp x cp replicas, so two ranks of one group hold different shards.
+So in a split run every rank writes its own file, as any rank of the grid does, and
+its coordinates name its cp rank (and its ZeRO shard its place among the dp x cp
+replicas); where the state is whole, the first replica writes checkpoint.pt alone.
+Writing one file per context group and having the others read it would save disk
+only where nothing is sharded, at the price of a second rule for who reads what.
 
 A file is written to a temporary file in the same folder, flushed to disk, then
 renamed over its name: rename is atomic, so a crash leaves the previous file or the
@@ -34,7 +44,7 @@ bounded by --timeout like every wait of the run: waits.py).
 A file knows itself: it carries the run's id and layout (the degrees, and the blocks
 of each pipeline stage: a stage's file numbers its layers from its own first, so a
 run cut 3, 2, 2 must not read a set cut 2, 3, 2), the step, the writing
-rank's coordinates (rank, dp, pp, tp, expert group and ep rank, ZeRO shard) and a
+rank's coordinates (rank, dp, pp, tp, cp, expert group and ep rank, ZeRO shard) and a
 sha256 of its contents (every tensor's bytes, dtype and shape and every other
 value, walked in one fixed order: `digest`).  A split run's set is complete once
 rank 0 has written the manifest (the run, the layout, the step, each file's rank,
@@ -82,7 +92,8 @@ MANIFEST = "manifest.json"      # in a split run's set folder, written last
 SET_PREFIX = "step-"            # a split run's set of step S: DIR/step-<S>/
 # what a split run must share with the run it resumes: each rank's file holds its share
 # (pp_layers: the blocks of each stage, which the trainer writes into its config)
-LAYOUT = ("dp", "pp", "tp", "ep", "zero", "virtual_stages", "sequence_parallel", "pp_layers")
+LAYOUT = ("dp", "pp", "tp", "ep", "zero", "virtual_stages", "sequence_parallel", "pp_layers",
+          "cp")
 
 
 def sharded(cfg):
@@ -112,11 +123,19 @@ def coordinates(cfg, ctx):
     mesh = ctx.mesh
     if mesh is not None:
         place.update(dp=mesh.dp_rank, pp=mesh.pp_rank, tp=mesh.tp_rank)
+        if cfg.cp > 1:
+            place["cp"] = mesh.cp_rank
         if cfg.ep > 1:
             place.update(expert_group=mesh.expert_group, ep=mesh.ep_rank)
         if cfg.zero:
-            place["zero_shard"] = mesh.dp_rank       # ZeRO shards over the dp axis
+            place["zero_shard"] = mesh.dp_cp.rank    # ZeRO shards over the dp x cp replicas
     return place
+
+
+def writes_whole(ctx):
+    """Whether this rank writes checkpoint.pt, the whole state that every replica
+    holds: the first replica (dp rank 0, cp rank 0), so that no two ranks write it."""
+    return ctx.dp_rank == 0 and (ctx.mesh is None or ctx.mesh.cp_rank == 0)
 
 
 def describe_place(place):
@@ -158,7 +177,7 @@ def save(cfg, ctx, step, engine, run_id):
     calls it at `step` (ps: the servers save their part of step `step` first)."""
     sync_state = engine.sync.state_dict()  # every rank: a sync's state_dict may be collective
     entry = None
-    if ctx.dp_rank == 0 or sharded(cfg):   # every data-parallel replica holds the same state
+    if writes_whole(ctx) or sharded(cfg):  # every replica holds the same state
         entry = _write(cfg, ctx, step, engine, run_id, sync_state)
     if sharded(cfg):                       # the manifest, last: the set is complete
         entries = waits.allgather(ctx.workers, entry, f"the checkpoint of step {step}")
@@ -171,7 +190,9 @@ def save(cfg, ctx, step, engine, run_id):
 
 
 def layout_of(cfg):
-    return {k: getattr(cfg, k) for k in LAYOUT}
+    """The settings a split run's shares depend on; cp only where it is set, so that a
+    set written before cp existed keeps its layout."""
+    return {k: getattr(cfg, k) for k in LAYOUT if k != "cp" or cfg.cp > 1}
 
 
 def differing(layout, other):
@@ -192,7 +213,7 @@ def _write(cfg, ctx, step, engine, run_id, sync_state):
     payload = {"format": FORMAT, "step": step, "run_id": run_id, "place": place,
                "sync": sync_state,
                "model_kind": cfg.model, "signature": engine.signature, "dp_size": ctx.dp_size,
-               "world_size": ctx.world_size, "config": cfg.as_dict(),
+               "cp_size": cfg.cp, "world_size": ctx.world_size, "config": cfg.as_dict(),
                "layout": layout_of(cfg), "precision": precision,
                "model": engine.model.state_dict(), "optimizer": engine.optimizer.state_dict()}
     payload = on_host(payload)
@@ -356,11 +377,13 @@ def read(cfg, ctx, model):
             f"{len(theirs)} tensors) than this run ({cfg.model}, {len(mine)} tensors)"
             + (f"; first difference: checkpoint {diff[1]} vs run {diff[0]}" if diff else ""),
                           field="resume")
-    if state["dp_size"] != ctx.dp_size or state["world_size"] != ctx.world_size:
+    theirs_cp = state.get("cp_size", 1)
+    if (state["dp_size"], theirs_cp, state["world_size"]) != \
+            (ctx.dp_size, cfg.cp, ctx.world_size):
         raise ConfigError(
             f"--resume: {path} was written by world {state['world_size']} = "
-            f"dp({state['dp_size']}), this run is world {ctx.world_size} = dp({ctx.dp_size})",
-                          field="resume")
+            f"{replicas_of(state['dp_size'], theirs_cp)}, this run is world "
+            f"{ctx.world_size} = {replicas_of(ctx.dp_size, cfg.cp)}", field="resume")
     layout = layout_of(cfg)
     if sharded(cfg) and state["layout"] != layout:
         theirs, ours = differing(state["layout"], layout), differing(layout, state["layout"])
@@ -371,6 +394,11 @@ def read(cfg, ctx, model):
         raise ConfigError(f"--resume: the checkpoint is at step {state['step']}, "
                           f"beyond --steps {cfg.steps}", field="resume")
     return state
+
+
+def replicas_of(dp, cp):
+    """"dp(2)", or "dp(1) x cp(2)" where context parallelism cuts the replicas."""
+    return f"dp({dp})" + (f" x cp({cp})" if cp > 1 else "")
 
 
 def set_to_resume(cfg):

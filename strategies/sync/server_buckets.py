@@ -13,8 +13,11 @@ Accelerating Distributed DNN Training in Heterogeneous GPU/CPU Clusters", OSDI 2
 
 A key names its pipeline stage, its tp rank and its bucket, so every stage's
 data-parallel replicas push their own layers and every tp rank its own piece: the
-key's group (psrv/store.py) is this rank's dp axis, and BSP waits for it alone, SSP
-and ASP count staleness per key, as with the whole model.  The servers hold the
+key's group (psrv/store.py) is this rank's replicas, the ranks that hold the same
+parameters (the mesh's dp_cp axis: dp, times cp where context parallelism cuts each
+replica's sequences, whose ranks push gradients of their own positions' share of the
+loss), and BSP waits for it alone, SSP and ASP count staleness per key, as with the
+whole model.  The servers hold the
 parameters and the optimizer state, so there is nothing to shard: ZeRO has no
 meaning here (config/validate.py says so).
 
@@ -26,7 +29,7 @@ ring), the node's leader alone talks to the servers, and broadcasts what it pull
     node 1: dp ranks 2 3 ──ring──▶ leader 2 ─┘
             then each leader broadcasts the key's new values inside its node
 
-so a key's group on the servers is its dp axis's leaders.  Nodes must hold equally
+so a key's group on the servers is its replicas' leaders.  Nodes must hold equally
 many replicas: the servers average over the leaders, the ring over the node, and
 the mean of equal-sized means is the mean.
 """
@@ -61,7 +64,7 @@ class ServerBuckets(ZeRO):
 
     units: [(name, module, [parameters])] of this rank's layers, in forward order;
     comms: the run's mesh.MeshComms (over the workers); role: psrv.launch's Role of
-    this worker; collective_for: gradient_sync's, for the dp axis or the hybrid's node;
+    this worker; collective_for: gradient_sync's, for the replicas or the hybrid's node;
     host: this rank's host name (the hybrid's nodes, without --ranks-per-node)."""
     signal_stop = True           # its waits are ZeroMQ polls and Python-polled MPI
 
@@ -70,10 +73,10 @@ class ServerBuckets(ZeRO):
         psrv = require_psrv()
         node = NodeOfReplicas(cfg, comms, host, collective_for, device) \
             if cfg.sync == "hybrid" else None
-        # the replicas start equal (ZeRO broadcasts each bucket over `coll`: the dp axis,
+        # the replicas start equal (ZeRO broadcasts each bucket over `coll`: the replicas,
         # or the hybrid's node), then take the servers' values.  fp32 parameters under
         # autocast, as the whole model's ps: the servers hold and update fp32
-        coll = node.coll if node else collective_for("ring", cfg, comms.dp, device=device)
+        coll = node.coll if node else collective_for("ring", cfg, comms.dp_cp, device=device)
         super().__init__(0, units, coll, cfg, backwards_per_step, tracer, None,
                          thread_coll=node.thread_coll if node else coll,
                          compressor=build_compressor(cfg.compress), overlap=cfg.overlap,
@@ -86,8 +89,8 @@ class ServerBuckets(ZeRO):
         self.agree = any_rank_of(comms.world) if self.deferred else None
         self.leads = node is None or node.rank == 0
         # every rank learns every group's keys (a control allgather over the workers),
-        # so that all number them alike; the group of this rank's keys is its dp axis
-        # (its leaders, under hybrid)
+        # so that all number them alike; the group of this rank's keys is its replicas,
+        # dp x cp (their leaders, under hybrid)
         prefix = f"pp{comms.pp_rank}.tp{comms.tp_rank}."
         self.keys = [f"{prefix}b{u.index}" for u in self.units]
         mine = {k: (u.numel,) for k, u in zip(self.keys, self.units)} if self.leads else {}
@@ -96,7 +99,7 @@ class ServerBuckets(ZeRO):
         # hybrid the node leaders, numbered in rank order
         leaders = [r for r, leads in enumerate(comms.world.allgather(self.leads)) if leads]
         worker_id = {r: i for i, r in enumerate(leaders)}
-        group = [worker_id[r] for r in comms.dp.allgather(comms.rank) if r in worker_id]
+        group = [worker_id[r] for r in comms.dp_cp.allgather(comms.rank) if r in worker_id]
         self.host = {k: u.full.detach().cpu().clone() for k, u in zip(self.keys, self.units)}
         self.client = None
         start = 0
@@ -247,16 +250,16 @@ class ServerBuckets(ZeRO):
 
 
 class NodeOfReplicas:
-    """The hybrid's node: this rank's dp replicas on its host (or --ranks-per-node of
-    them), a collective over them, and another for the comm thread."""
+    """The hybrid's node: this rank's replicas (dp x cp) on its host (or --ranks-per-node
+    of them), a collective over them, and another for the comm thread."""
 
     def __init__(self, cfg, comms, host, collective_for, device):
-        per, dp = cfg.ranks_per_node, comms.dp
-        node_id = dp.rank // per if per else zlib.crc32(host.encode())
-        comm = dp.Split(node_id % (2**31), dp.rank)
-        sizes = dp.allgather(comm.size)
+        per, replicas = cfg.ranks_per_node, comms.dp_cp
+        node_id = replicas.rank // per if per else zlib.crc32(host.encode())
+        comm = replicas.Split(node_id % (2**31), replicas.rank)
+        sizes = replicas.allgather(comm.size)
         if len(set(sizes)) != 1:
-            raise ConfigError(f"--sync hybrid needs equally many dp replicas per node, got "
+            raise ConfigError(f"--sync hybrid needs equally many replicas per node, got "
                               f"node sizes {sorted(set(sizes))} (use --ranks-per-node)",
                               field="sync")
         self.rank, self.size = comm.rank, comm.size
