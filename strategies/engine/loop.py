@@ -234,7 +234,8 @@ class StepEngine:
         mesh = self.ctx.mesh.mesh if self.ctx.mesh else None
         cp = f", cp {mesh.context_coords_of(rank)[1]}" if mesh and mesh.cp_enabled else ""
         if self.plan.placement:
-            return f"rank {rank} (expert group {rank // self.cfg.ep}, ep {rank % self.cfg.ep})"
+            return f"rank {rank} (expert group {rank // self.cfg.ep}, ep {rank % self.cfg.ep}" \
+                   f"{cp})"
         if self.plan.pipelined:
             d, p, t = mesh.coords_of(rank)
             return f"rank {rank} (dp {d}{cp}, pp {p}, tp {t})"
