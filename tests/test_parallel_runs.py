@@ -282,32 +282,36 @@ def test_cp_reproduces_one_process(context_runs, name, world):
 # groups (allreduce/torch_comm.py), the pipeline's activations and the cp ring's blocks
 # travel over gloo's point-to-point, the collectives are torch.distributed's (--sync
 # torch).  The same reorderings as under mpiexec, so the same tolerances: RTOL for the
-# GPT's splits, CP_RTOL for the ring's online softmax.
-TORCHRUN = [
+# GPT's splits, CP_RTOL for the ring's online softmax.  On 2 processes each split's axis
+# is the whole world; on 4, dp x pp cuts it into two groups an axis.
+TORCHRUN_TWO = [
     ("pp2", GPT + ["--pp", "2", "--micro-batches", "2"]),
     ("tp2", GPT + ["--tp", "2"]),
     ("dp2_zero1", GPT + ["--dp", "2", "--zero", "1"]),
     ("cp2_ring", CP_GPT + ["--cp", "2", "--cp-kind", "ring"]),
 ]
+TORCHRUN_FOUR = [("dp2_pp2", GPT + ["--dp", "2", "--pp", "2", "--micro-batches", "2"])]
 
 
 @pytest.fixture(scope="module")
 def torchrun_runs(tmp_path_factory):
-    """{name: (records, parameters)}: the one-process references, then TORCHRUN's runs
-    in one torchrun launch of 2 processes."""
+    """({name: (records, parameters)} of the one-process references, of the torchrun
+    runs): each list of runs in one torchrun launch."""
     folder = tmp_path_factory.mktemp("torchrun")
     one = launch(folder, 1, [("gpt", GPT + ["--sync", "local"]),
                              ("cp", CP_GPT + ["--sync", "local"])])
-    runs = launch(folder, 2, TORCHRUN, common=COMMON[:-2] + ["--sync", "torch"],
-                  launcher=torchrun)
+    torch_sync = COMMON[:-2] + ["--sync", "torch"]
+    runs = {**launch(folder, 2, TORCHRUN_TWO, common=torch_sync, launcher=torchrun),
+            **launch(folder, 4, TORCHRUN_FOUR, common=torch_sync, launcher=torchrun)}
     return one, runs
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", [n for n, _ in TORCHRUN])
-def test_splits_under_torchrun_reproduce_one_process(torchrun_runs, name):
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name, world", [(n, 2) for n, _ in TORCHRUN_TWO] +
+                         [(n, 4) for n, _ in TORCHRUN_FOUR])
+def test_splits_under_torchrun_reproduce_one_process(torchrun_runs, name, world):
     one, runs = torchrun_runs
-    assert_same_run(runs[name], one["cp" if name.startswith("cp") else "gpt"], 2,
+    assert_same_run(runs[name], one["cp" if name.startswith("cp") else "gpt"], world,
                     rtol=CP_RTOL if name.startswith("cp") else RTOL)
 
 
