@@ -296,19 +296,24 @@ def test_cp_bytes_match_the_formulas(context_runs):
     key-value blocks a layer forward; again, and the gradients' 2 cp, backward) and
     ulysses_bytes (the packed q k v all-to-all and the output's, forward and backward):
     a local batch of 8 / dp sequences, d_model / tp features a rank's attention holds,
-    the blocks of its pipeline stage (1 of 2; 2 of 4 interleaved)."""
+    the blocks of its pipeline stage (1 of 2; 2 of 4 interleaved).  Within 1 % a
+    micro-batch: the TOPOLAB_CHECK exchange that conftest switches on sends signatures
+    (48 bytes a rank, and the table back from the group's rank 0) before each of
+    Ulysses' all-to-alls, 0.3 to 0.6 % of a step here, and a pipeline makes those calls
+    once a micro-batch; the ring's point-to-point messages are not checked."""
     layers, d_model, batch = 2, 16, 8
-    shapes = {"cp2_ring": ("ring", batch, d_model, layers),
-              "cp2_ulysses": ("ulysses", batch, d_model, layers),
-              "cp2_tp2": ("ring", batch, d_model // 2, layers),
-              "cp2_dp2_zero1": ("ring", batch // 2, d_model, layers),
-              "cp2_pp2": ("ring", batch, d_model, 1),
-              "cp2_pp2_ulysses_interleaved": ("ulysses", batch, d_model, 2),
-              "cp2_tp2_sp": ("ring", batch, d_model // 2, layers)}
-    for name, (kind, local, features, blocks) in shapes.items():
+    shapes = {"cp2_ring": ("ring", batch, d_model, layers, 1),
+              "cp2_ulysses": ("ulysses", batch, d_model, layers, 1),
+              "cp2_tp2": ("ring", batch, d_model // 2, layers, 1),
+              "cp2_dp2_zero1": ("ring", batch // 2, d_model, layers, 1),
+              "cp2_pp2": ("ring", batch, d_model, 1, 2),
+              "cp2_pp2_ulysses_interleaved": ("ulysses", batch, d_model, 2, 2),
+              "cp2_tp2_sp": ("ring", batch, d_model // 2, layers, 1)}
+    for name, (kind, local, features, blocks, micro_batches) in shapes.items():
         want = context_bytes(kind, local, CP_SEQ, features, 2, blocks)
         for r in context_runs[name][0]:
-            assert abs(r["cp_bytes"] - want) / want < 0.01, (name, r["rank"], r["cp_bytes"])
+            assert abs(r["cp_bytes"] - want) / want < 0.01 * micro_batches, \
+                (name, r["rank"], r["cp_bytes"])
             assert r["cp_time_s"] >= 0
 
 
