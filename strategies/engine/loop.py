@@ -231,14 +231,16 @@ class StepEngine:
         return f", zero {cfg.zero}, {cfg.micro_batches} micro-batches ({cfg.schedule}{v})"
 
     def trace_label(self, rank):
+        """A rank's row in the trace, named by its coordinates; a context group's ranks
+        share (dp, pp, tp), so their cp rank tells them apart."""
+        mesh = self.ctx.mesh.mesh if self.ctx.mesh else None
+        cp = f", cp {mesh.context_coords_of(rank)[1]}" if mesh and mesh.cp_enabled else ""
         if self.plan.placement:
             return f"rank {rank} (expert group {rank // self.cfg.ep}, ep {rank % self.cfg.ep})"
         if self.plan.pipelined:
-            mesh = self.ctx.mesh.mesh
             d, p, t = mesh.coords_of(rank)
-            cp = f", cp {mesh.context_coords_of(rank)[1]}" if mesh.cp_enabled else ""
             return f"rank {rank} (dp {d}{cp}, pp {p}, tp {t})"
-        return f"worker {rank} ({self.cfg.sync})"
+        return f"worker {rank} ({self.cfg.sync}{cp})"
 
     def parameters_npz(self):
         """The whole model's parameters on the writer (collective), for --params-out: the
