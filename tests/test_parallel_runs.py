@@ -296,14 +296,15 @@ def test_cp_reproduces_one_process(context_runs, name, world):
 # travel over gloo's point-to-point, the collectives are torch.distributed's (--sync
 # torch).  The same reorderings as under mpiexec, so the same tolerances: RTOL for the
 # GPT's splits, CP_RTOL for the ring's online softmax.  On 2 processes each split's axis
-# is the whole world; on 4, dp x pp cuts it into two groups an axis.
+# is the whole world; on 4, dp x pp and cp x pp cut it into two groups an axis.
 TORCHRUN_TWO = [
     ("pp2", GPT + ["--pp", "2", "--micro-batches", "2"]),
     ("tp2", GPT + ["--tp", "2"]),
     ("dp2_zero1", GPT + ["--dp", "2", "--zero", "1"]),
     ("cp2_ring", CP_GPT + ["--cp", "2", "--cp-kind", "ring"]),
 ]
-TORCHRUN_FOUR = [("dp2_pp2", GPT + ["--dp", "2", "--pp", "2", "--micro-batches", "2"])]
+TORCHRUN_FOUR = [("dp2_pp2", GPT + ["--dp", "2", "--pp", "2", "--micro-batches", "2"]),
+                 ("cp2_pp2", CP_GPT + ["--cp", "2", "--pp", "2", "--micro-batches", "2"])]
 
 
 @pytest.fixture(scope="module")
