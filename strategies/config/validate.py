@@ -260,10 +260,10 @@ def check_moe(cfg):
 
 def check_context(cfg):
     """Context parallelism (--cp) against the model and the other techniques: what is
-    built is the GPT's attention over a cp group (the whole model, tp, ZeRO,
-    micro-batches, recompute, the MoE's experts under --ep or --zero, checkpoints), its
-    gradients all-reduced or pushed to the parameter servers over the dp x cp replicas;
-    the rest is refused with its reason."""
+    built is the GPT's attention over a cp group (the whole model, tp and its sequence
+    parallelism, pipelines, ZeRO, micro-batches, recompute, the MoE's experts under --ep
+    or --zero, checkpoints), its gradients all-reduced or pushed to the parameter servers
+    over the dp x cp replicas; the rest is refused with its reason."""
     if cfg.cp == 1:
         return
     if cfg.model not in ("gpt", "moe"):
@@ -280,16 +280,16 @@ def check_context(cfg):
                           f"--heads {cfg.heads}{tp} = {per_tp} is not a multiple of "
                           f"cp({cfg.cp}) ({per_tp} % {cfg.cp} = {per_tp % cfg.cp}); choose "
                           f"--heads a multiple of --cp, or --cp-kind ring", field="heads")
-    for what, refused, why in (
-            ("--sync local", cfg.sync == "local", "it splits a sequence over ranks; --sync "
-             "local is one process"),
-            (f"--pp {cfg.pp}", cfg.pp > 1, "the stages' messages and a schedule over "
-             "context groups are not built; use --tp or --dp with it"),
-            ("--sequence-parallel", cfg.sequence_parallel, "both split the positions, and "
-             "tp's shards of a cp slice are not built")):
-        if refused:
-            raise ConfigError(f"--cp {cfg.cp} with {what} is not supported: {why}",
-                              field="cp")
+    slices = cfg.cp * cfg.tp
+    if cfg.sequence_parallel and cfg.seq_len % slices:
+        # tp's sequence-parallel shards cut each cp rank's slice of the positions again
+        raise ConfigError(f"--cp {cfg.cp} with --sequence-parallel: --seq-len {cfg.seq_len} "
+                          f"is not divisible by cp({cfg.cp}) x tp({cfg.tp}) = {slices}: "
+                          f"{cfg.seq_len} % {slices} = {cfg.seq_len % slices}; tp's shards "
+                          f"cut each cp rank's slice of the positions", field="sequence_parallel")
+    if cfg.sync == "local":
+        raise ConfigError(f"--cp {cfg.cp} with --sync local is not supported: it splits a "
+                          f"sequence over ranks; --sync local is one process", field="cp")
 
 
 # ------------------------------------------------------------------ against the world
@@ -319,13 +319,11 @@ def check_sync_world(sync, world_size, cli=True):
 
 def check_launcher(cfg, torchrun):
     """The flags against the launcher: torchrun starts torch.distributed's world alone,
-    without MPI, which the grid's axes, the parameter servers and the textbook
-    collectives over MPI need."""
+    without MPI, which the parameter servers and the collectives of the other --syncs
+    need.  Every split runs under it: the mesh's axes are then torch process groups
+    (allreduce/torch_comm.py), not MPI communicators."""
     if not torchrun:
         return
-    if cfg.on_grid or cfg.ep > 1 or cfg.cp > 1:
-        raise ConfigError("--dp/--pp/--tp/--zero/--ep/--cp run under mpiexec, not torchrun: "
-                          "their axes are MPI communicators (config/mesh.py)", field="dp")
     if cfg.sync != "torch":
         raise ConfigError(f"under torchrun only --sync torch works (got --sync {cfg.sync}); "
                           "launch the others with mpiexec", field="sync")
