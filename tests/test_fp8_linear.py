@@ -155,3 +155,11 @@ def test_two_ranks_fp8_train_within_five_percent_of_fp32(tmp_path):
         assert final_loss(records[name]) == pytest.approx(fp32, rel=FINAL_RTOL), name
         config = [r for r in records[name] if r["kind"] == "config"][0]
         assert config["precision"] == "fp8", name
+
+
+def test_a_mixture_of_experts_keeps_its_router_wide():
+    from strategies.model.moe import MoE
+    layer = to_fp8(MoE(16, 4, top_k=2, capacity_factor=1.0, group_size=0, balance_coef=0.01))
+    assert type(layer.gate) is nn.Linear
+    assert all(type(m) is Fp8Linear for e in layer.experts.values()
+               for m in e.modules() if isinstance(m, nn.Linear))

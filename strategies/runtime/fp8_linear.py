@@ -31,7 +31,11 @@ fp32 masters beside its 16-bit buffers); the 8-bit copies live for one step only
 
 The swap: `to_fp8(model)` turns each nn.Linear into an Fp8Linear in place (the same
 parameters, names and state_dict); tensor parallelism's column- and row-parallel
-layers, built from an Fp8Linear, take its function (tensor_parallel.py).
+layers, built from an Fp8Linear, take its function (tensor_parallel.py).  A mixture
+of experts' router (its gate) stays bf16, as DeepSeek-V3's fp8 recipe keeps it
+(DeepSeek-AI, "DeepSeek-V3 Technical Report", 2024, section 3.3.1): its logits pick
+each token's experts, a discrete choice a rounding can flip, and it is a small
+matrix, d_model x experts, whose fp8 saves little.
 
 Where it runs: torch._scaled_mm on the CPU (any torch with float8 types), and on
 NVIDIA GPUs of compute capability 8.9 or later (Ada, Hopper), whose tensor cores
@@ -44,6 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config.choices import ConfigError
+from ..model.moe import MoE
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}   # 448, 57344
@@ -57,7 +62,8 @@ def quantize(t, fp8):
     amax = t.detach().abs().amax().float().clamp(min=1e-12)   # an all-zero t: any s works
     scale = FP8_MAX[fp8] / amax
     q = (t.float() * scale).clamp(-FP8_MAX[fp8], FP8_MAX[fp8]).to(fp8)
-    return q, scale.reciprocal()
+    # row-major whatever t's strides were (a transposed or broadcast gradient)
+    return q.contiguous(), scale.reciprocal()
 
 
 def _pad(t, rows, cols):
@@ -143,9 +149,11 @@ def linear_function(layer):
 
 def to_fp8(model):
     """Every nn.Linear of `model` an Fp8Linear, in place: the same module objects and
-    parameters (their names, the optimizer's references, the checkpoints stay)."""
+    parameters (their names, the optimizer's references, the checkpoints stay); a
+    mixture of experts' router excepted (the module docstring)."""
+    routers = {id(m.gate) for m in model.modules() if isinstance(m, MoE)}
     for module in model.modules():
-        if type(module) is nn.Linear:
+        if type(module) is nn.Linear and id(module) not in routers:
             module.__class__ = Fp8Linear
     return model
 
