@@ -10,9 +10,10 @@ same values alike (an amax is exact, the scale and the cast are the same
 arithmetic), only the matmuls' sums run in other orders and, on the tensor cores,
 with fewer accumulator bits; the bound allows an operand's whole fp8 step (2^-3
 relative for e4m3, 2^-2 where an e5m2 gradient is in it) of the product's sum of
-magnitudes, far more than that, and far less than a wrong scale or layout; two
-ranks sharing the GPU, --sync ring, the small GPT for 30 steps end within 5 % of fp32's final loss, and so does --tp 2.  On an older GPU the run
-is refused before training, in one line naming the GPU.
+magnitudes, far more than that, and far less than a wrong scale or layout.  Two
+ranks sharing the GPU, --sync ring, the small GPT for 30 steps end within 5 % of
+fp32's final loss, and so does --tp 2.  On an older GPU the run is refused before
+training, in one line naming the GPU.
 """
 import json
 
