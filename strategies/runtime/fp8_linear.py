@@ -37,7 +37,7 @@ of experts' router (its gate) stays bf16, as DeepSeek-V3's fp8 recipe keeps it
 each token's experts, a discrete choice a rounding can flip, and it is a small
 matrix, d_model x experts, whose fp8 saves little.
 
-Where it runs: torch._scaled_mm on the CPU (any torch with float8 types), and on
+Where it runs: torch._scaled_mm on the CPU (torch 2.13 has CPU kernels for it), and on
 NVIDIA GPUs of compute capability 8.9 or later (Ada, Hopper), whose tensor cores
 multiply fp8; `check_device` refuses an older GPU before training.  The GPU's
 cuBLASLt also wants the second operand column-major and the two matmul dimensions
