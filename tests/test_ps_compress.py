@@ -16,7 +16,9 @@ what they measured here:
                  sums them in float32, as the server does): rtol 1e-4 (measured 3e-7)
     topk:0.1     8 ceil(0.1 n) bytes a slice (the pairs); every loss equals top-k over the
                  ring's, rtol 1e-4 (the same pairs summed; measured equal), and after
-                 20 steps within 2 % of float32's (measured 0.8 %)
+                 20 steps within 2 % of float32's (measured 0.8 %); with
+                 --momentum-correction (the velocity on the worker, the servers' SGD
+                 without momentum) every loss equals the ring's too
     powersgd:2   4 r (rows + cols) bytes a slice of matrix_shape(n) (85 x 84 here:
                  1352 bytes, 4.8 % of float32's); after 20 steps within 12 % of float32's
                  loss (measured 9.8 %) and after 30 within 5 % (measured 3.0 %): a flat
@@ -182,10 +184,12 @@ def test_fp8_topk_and_powersgd_pushes_train_with_the_bytes_they_promise(tmp_path
     ps = runs(tmp_path, 3, {
         "none": PS, "fp8": PS + ["--compress", "fp8"], "topk": PS + ["--compress", "topk:0.1"],
         "powersgd": PS + ["--compress", "powersgd:2"],
+        "topk_dgc": PS + ["--compress", "topk:0.1", "--momentum-correction"],
         "hybrid": ["--sync", "hybrid", "--servers", "1", "--ranks-per-node", "2",
                    "--compress", "topk:0.1"]})
-    ring = runs(tmp_path, 2, {f"ring_{name}": ["--sync", "ring", "--compress", spec]
-                              for name, spec in (("fp8", "fp8"), ("topk", "topk:0.1"))})
+    ring = runs(tmp_path, 2, {f"ring_{name}": ["--sync", "ring"] + flags for name, flags in (
+        ("fp8", ["--compress", "fp8"]), ("topk", ["--compress", "topk:0.1"]),
+        ("topk_dgc", ["--compress", "topk:0.1", "--momentum-correction"]))})
     none = losses(ps["none"])
     assert len(none) == STEPS
     n = one_slice_a_step(ps["none"])
@@ -202,6 +206,8 @@ def test_fp8_topk_and_powersgd_pushes_train_with_the_bytes_they_promise(tmp_path
     assert {r["kept_ratio"] for r in topk} == {0.1}
     np.testing.assert_allclose(losses(topk), losses(ring["ring_topk"]), rtol=1e-4)
     assert abs(losses(topk)[19] - none[19]) <= 0.02 * none[19], (losses(topk)[19], none[19])
+    # DGC's momentum correction: the velocity on the worker, the servers' SGD without it
+    np.testing.assert_allclose(losses(ps["topk_dgc"]), losses(ring["ring_topk_dgc"]), rtol=1e-4)
     # PowerSGD: the factors of the slice's matrix
     powersgd = losses(ps["powersgd"])
     rows, cols = P.matrix_shape(n)
