@@ -231,20 +231,12 @@ def check_moe(cfg):
                           "gating groups and each expert's capacity; fix the groups with "
                           "--moe-group N (sequences a group)", field="model")
     if cfg.model == "moe":
-        for what, refused, why in (
-                (f"--pp {cfg.pp} and --ep {cfg.ep} --zero {cfg.zero}",
-                 cfg.pp > 1 and (cfg.ep > 1 or cfg.zero > 0),
-                 "the experts' own data parallelism keeps the model whole, not cut into "
-                 "stages; a pipeline runs them replicated over dp"),
-                (f"--tp {cfg.tp}", cfg.tp > 1, "its experts are split over --ep ranks, not tp"),
-                (f"--micro-batches {cfg.micro_batches} without --moe-group",
-                 cfg.micro_batches > 1 and not cfg.moe_group,
-                 "the gating groups would be the micro-batches, not the batch: fix them with "
-                 "--moe-group N (sequences a group), which each micro-batch holds whole"),
-):
-            if refused:
-                raise ConfigError(f"--model moe with {what} is not supported: {why}",
-                                  field="model")
+        if cfg.micro_batches > 1 and not cfg.moe_group:
+            raise ConfigError(f"--model moe with --micro-batches {cfg.micro_batches} without "
+                              f"--moe-group is not supported: the gating groups would be the "
+                              f"micro-batches, not the batch: fix them with --moe-group N "
+                              f"(sequences a group), which each micro-batch holds whole",
+                              field="model")
     if cfg.ep == 1:
         return
     if cfg.model != "moe":
