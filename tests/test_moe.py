@@ -124,9 +124,6 @@ MOE = dict(model="moe", sync="ring", experts=4)
     (dict(MOE, ep=2, sync="local"), 1, "needs an all-reduce --sync"),
     (dict(MOE, ep=2, sync="ps"), 3, "not --sync ps"),
     (dict(MOE, ep=2, model="gpt"), 2, "not of --model gpt"),
-    (dict(MOE, tp=2), 2, "--model moe with --tp 2 is not supported"),
-    (dict(MOE, pp=2, zero=1), 2, "--model moe with --pp 2 and --ep 1 --zero 1 is not "
-                                 "supported"),
     (dict(MOE, pp=2, micro_batches=2), 2, "--micro-batches 2 without --moe-group"),
     (dict(MOE, top_k=3), 2, "--top-k 3 must be 1 or 2"),
     (dict(MOE, capacity_factor=0.0), 2, "--capacity-factor must be > 0"),
@@ -191,13 +188,13 @@ LOCAL = ["--sync", "local", "--moe-group", "4"]
 EP2 = ["--sync", "ring", "--ep", "2"]
 
 
-def assert_reproduce(runs, reference):
-    """Each 2-rank run's losses and parameters equal the one-process run named by
-    its suffix (top1, top2)."""
+def assert_reproduce(runs, reference, ranks=2):
+    """Each run's losses (on each of its `ranks`) and parameters equal the one-process
+    run named by its suffix (top1, top2)."""
     for name, (records, params, _) in runs.items():
         ref_records, ref_params, _ = reference[name.split("_")[-1]]
         ref_loss = [r["loss"] for r in ref_records]
-        for rank in range(2):
+        for rank in range(ranks):
             mine = [r for r in records if r["rank"] == rank]
             np.testing.assert_allclose([r["loss"] for r in mine], ref_loss, rtol=RTOL,
                                        atol=ATOL, err_msg=name)
@@ -234,6 +231,30 @@ def test_the_mixture_of_experts_under_every_split_reproduces_one_process(tmp_pat
         ("ep2zero3_top2", TOP2 + EP2 + ["--zero", "3"]),
         ("accum_top2g2", TOP2 + ["--sync", "ring", "--moe-group", "2", "--grad-accum", "2"]),
         ("ep2recompute_top2", TOP2 + EP2 + ["--recompute"])]), reference)
+
+
+@pytest.mark.timeout(400)
+def test_the_mixture_of_experts_on_the_grid_reproduces_one_process(tmp_path):
+    """Four ranks.  Tensor parallelism: attention split over tp as the GPT's, the experts
+    replicated over the tp ranks (parallel/tensor_parallel.py), with and without
+    sequence parallelism (the MoE between an all-gather and a cut of the positions),
+    and with the experts over --ep 2 at each tp place.  A pipeline: each stage's
+    experts over --ep 2 of its stage's replicas, and ZeRO-1 over a stage's layers.
+    Each replica's local batch is 4 sequences: --moe-group 4 (one gating group), or
+    2 where two micro-batches each hold a group."""
+    reference = launch(tmp_path, 1, [("top2", TOP2 + LOCAL),
+                                     ("top2g2", TOP2 + ["--sync", "local", "--moe-group", "2"])])
+    grid = ["--sync", "ring", "--dp", "2"]
+    runs = launch(tmp_path, 4, [
+        ("tp2_top2", TOP2 + grid + ["--tp", "2"]),
+        ("tp2sp_top2", TOP2 + grid + ["--tp", "2", "--sequence-parallel"]),
+        ("tp2ep2_top2", TOP2 + grid + ["--tp", "2", "--ep", "2"]),
+        ("pp2ep2_top2g2", TOP2 + grid + ["--pp", "2", "--ep", "2", "--moe-group", "2",
+                                         "--micro-batches", "2"]),
+        ("pp2zero1_top2", TOP2 + grid + ["--pp", "2", "--zero", "1", "--moe-group", "4"])])
+    assert_reproduce(runs, reference, ranks=4)
+    for name in ("tp2ep2_top2", "pp2ep2_top2g2"):    # the tokens did cross the expert groups
+        assert all(r["alltoall_bytes"] > 0 for r in runs[name][0]), name
 
 
 @pytest.mark.timeout(300)
