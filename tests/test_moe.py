@@ -122,7 +122,7 @@ MOE = dict(model="moe", sync="ring", experts=4)
 @pytest.mark.parametrize("flags, world, message", [
     (dict(MOE, ep=3), 3, "--experts 4 is not divisible by ep(3)"),
     (dict(MOE, ep=2, sync="local"), 1, "needs an all-reduce --sync"),
-    (dict(MOE, ep=2, sync="ps"), 3, "not --sync ps"),
+    (dict(MOE, ep=2, sync="hybrid"), 3, "--ep 2 with --sync hybrid is not supported"),
     (dict(MOE, ep=2, model="gpt"), 2, "not of --model gpt"),
     (dict(MOE, pp=2, micro_batches=2), 2, "--micro-batches 2 without --moe-group"),
     (dict(MOE, top_k=3), 2, "--top-k 3 must be 1 or 2"),
@@ -254,6 +254,22 @@ def test_the_mixture_of_experts_on_the_grid_reproduces_one_process(tmp_path):
         ("pp2zero1_top2", TOP2 + grid + ["--pp", "2", "--zero", "1", "--moe-group", "4"])])
     assert_reproduce(runs, reference, ranks=4)
     for name in ("tp2ep2_top2", "pp2ep2_top2g2"):    # the tokens did cross the expert groups
+        assert all(r["alltoall_bytes"] > 0 for r in runs[name][0]), name
+
+
+@pytest.mark.timeout(400)
+def test_expert_parallel_over_the_parameter_servers_reproduces_one_process(tmp_path):
+    """--sync ps, 4 workers and a server: an expert's buckets are pushed under keys that
+    name its place in the expert group (pp0.tp0.ep1.b3), whose group on the servers is
+    the expert's replicas, two of them at --dp 4 --ep 2 and one at --dp 2 --tp 2 --ep 2,
+    the dense buckets under the keys of the dp axis; the tokens cross on the ring."""
+    reference = launch(tmp_path, 1, [("top2", TOP2 + LOCAL),
+                                     ("top2g2", TOP2 + ["--sync", "local", "--moe-group", "2"])])
+    ps = ["--sync", "ps", "--servers", "1", "--ep", "2"]
+    runs = launch(tmp_path, 5, [("psdp4_top2g2", TOP2 + ps + ["--dp", "4"]),
+                                ("pstp2_top2", TOP2 + ps + ["--dp", "2", "--tp", "2"])])
+    assert_reproduce(runs, reference, ranks=4)
+    for name in runs:
         assert all(r["alltoall_bytes"] > 0 for r in runs[name][0]), name
 
 

@@ -245,9 +245,14 @@ def check_moe(cfg):
     if cfg.experts % cfg.ep:
         raise ConfigError(f"--experts {cfg.experts} is not divisible by ep({cfg.ep}): "
                           f"{cfg.experts} % {cfg.ep} = {cfg.experts % cfg.ep}", field="experts")
-    if cfg.sync not in ALLREDUCE_SYNCS:
+    if cfg.sync == "hybrid":
+        raise ConfigError(f"--ep {cfg.ep} with --sync hybrid is not supported: the node's "
+                          f"ring before the leader's push runs over the dp replicas, and a "
+                          f"ring over an expert's replicas in the node is not built; use "
+                          f"--sync ps or an all-reduce --sync", field="ep")
+    if cfg.sync not in ALLREDUCE_SYNCS + ("ps",):
         raise ConfigError(f"--ep {cfg.ep} needs an all-reduce --sync (ring, tree, ..., "
-                          f"torch), not --sync {cfg.sync}", field="ep")
+                          f"torch) or --sync ps, not --sync {cfg.sync}", field="ep")
 
 
 def check_context(cfg):
@@ -362,7 +367,8 @@ def check_world(cfg, world_size):
     if cfg.on_grid:
         check_grid(cfg, dp)
     if cfg.model == "moe":
-        Mesh(world_size, cfg.dp, cfg.pp, cfg.tp, cfg.ep, cfg.cp)      # ep divides dp
+        servers = cfg.servers if cfg.sync in PS_SYNCS else 0
+        Mesh(world_size - servers, cfg.dp, cfg.pp, cfg.tp, cfg.ep, cfg.cp)   # ep divides dp
         if cfg.moe_group and local % (cfg.moe_group * k):
             raise ConfigError(f"--moe-group {cfg.moe_group} does not divide each of the {k} "
                               f"micro-batch(es) of the local batch into whole groups: global "

@@ -251,11 +251,12 @@ def expert_replicas(comms, cfg, device):
     """The ranks that hold this rank's experts (the mesh's ep_replicas: at this rank's
     stage and tp place), over which their gradients are averaged and scaled by 1 / ep
     (expert_parallel.py's docstring); a second collective on a duplicate for the comm
-    thread."""
-    replica_comm = comms.ep_replicas
-    return Replicas(collective_for(cfg.sync, cfg, replica_comm, device=device),
-                    collective_for(cfg.sync, cfg, replica_comm.Dup(), device=device)
-                    if cfg.overlap else None, scale=1.0 / cfg.ep)
+    thread.  Under ps the servers average them (their keys' group, server_buckets.py);
+    the collective, the ring, only starts the replicas equal."""
+    replica_comm, algorithm = comms.ep_replicas, axis_collective(cfg)
+    return Replicas(collective_for(algorithm, cfg, replica_comm, device=device),
+                    collective_for(algorithm, cfg, replica_comm.Dup(), device=device)
+                    if cfg.overlap else None, scale=1.0 / cfg.ep, place=f"ep{comms.ep_rank}")
 
 
 def pipeline(plan, comms, cfg, device, stages, tracer, criterion):
