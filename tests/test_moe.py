@@ -273,6 +273,28 @@ def test_expert_parallel_over_the_parameter_servers_reproduces_one_process(tmp_p
         assert all(r["alltoall_bytes"] > 0 for r in runs[name][0]), name
 
 
+@pytest.mark.timeout(400)
+def test_expert_parallel_with_lossy_compression_trains_as_float32(tmp_path):
+    """Four ranks, --ep 2: each expert's two replicas reduce its buckets through the same
+    compressor as the dense layers' (top-k and fp8 all-gather over the expert's
+    replicas, PowerSGD all-reduces its factors there), with error feedback per bucket.
+    Lossy, so not equal to float32: the final loss (step 8) within 10 % of the float32
+    run's, the compression tests' criterion (test_compress.py).  top-k keeping every
+    entry (topk:1) is exact, so it reproduces one process as float32 does: an expert's
+    buckets gathered over the wrong ranks would add other experts' gradients."""
+    reference = launch(tmp_path, 1, [("top2g2", TOP2 + ["--sync", "local", "--moe-group", "2"])])
+    ep = ["--sync", "ring", "--ep", "2"]
+    runs = launch(tmp_path, 4, [("topk1_top2g2", TOP2 + ep + ["--compress", "topk:1"])] +
+                  [(kind.replace(":", ""), TOP2 + ep + ["--steps", "8", "--compress", kind])
+                   for kind in ("none", "topk:0.3", "powersgd:2", "fp8")])
+    assert_reproduce({"topk1_top2g2": runs.pop("topk1_top2g2")}, reference, ranks=4)
+    final = {name: records[-1]["loss"] for name, (records, _, _) in runs.items()}
+    first = runs["none"][0][0]["loss"]
+    assert final["none"] < first                          # float32 trains
+    for name in ("topk0.3", "powersgd2", "fp8"):
+        assert abs(final[name] - final["none"]) <= 0.1 * final["none"], (name, final)
+
+
 @pytest.mark.timeout(300)
 def test_expert_parallel_under_zero1_reproduces_one_process(tmp_path):
     """ep carved out of dp: ZeRO-1 shards the dense layers over the world and each

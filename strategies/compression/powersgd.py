@@ -82,7 +82,7 @@ class PowerSGDCompressor(Compressor):
         generator = torch.Generator().manual_seed(self.seed + 100_003 * bucket + position)
         return torch.randn(m, self.rank, generator=generator)
 
-    def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg):
+    def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg, coll=None):
         acc = self.feedback.accumulate(key, flat)                   # 1.
         plan = self.plan(shapes)
         matrices = [(i, o, nm) for i, (o, numel, nm) in enumerate(plan) if nm is not None]

@@ -84,7 +84,8 @@ class TopKCompressor(Compressor):
         super().set_step(step)
         self.next_ratio = kept_ratio_at(self.ratio, self.warmup, step)   # DGC's warm-up
 
-    def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg):
+    def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg, coll=None):
+        coll = coll or self.coll                                  # the bucket's replicas
         # kept_ratio: what this step sends, for its record; next_ratio moves on in
         # set_step before the record of this step is written
         self.kept_ratio = self.next_ratio
@@ -93,12 +94,12 @@ class TopKCompressor(Compressor):
         k = topk_count(acc.numel(), self.kept_ratio)
         indices, values = select_topk(acc, k)                     # 2. the k largest
         message = pack(indices, values)                           # 3.
-        gathered = self.coll.allgather(message, n=message.numel() * self.coll.size)  # 4.
+        gathered = coll.allgather(message, n=message.numel() * coll.size)  # 4.
         if self.feedback.enabled:                                 # 5. e = acc - sent, without
             acc.index_fill_(0, indices, 0.0)                      #    a dense `sent`
         if self.momentum:                                         # DGC's momentum factor
             grad.index_fill_(0, indices, 0.0)                     # masking
-        unpack_sum(torch.as_tensor(gathered), k, self.coll.size, flat)   # 6.
+        unpack_sum(torch.as_tensor(gathered), k, coll.size, flat)         # 6.
         return message.numel() * message.element_size()
 
     def corrected(self, key, flat):

@@ -186,7 +186,7 @@ def check_flags(cfg):
     """Everything that needs the TrainConfig alone, each section then their combinations;
     the first problem is a ConfigError naming its flag."""
     check_types(cfg)
-    spec = sync_rules(cfg)
+    sync_rules(cfg)
     for rules in (precision_rules, parallel_rules, model_rules, moe_rules, data_rules,
                   optimizer_rules, run_rules, output_rules):
         rules(cfg)
@@ -218,9 +218,6 @@ def check_flags(cfg):
     if cfg.on_grid and cfg.sync == "local":
         raise ConfigError("--dp/--pp/--tp split a model over ranks; --sync local is one "
                           "process", field="sync")
-    if cfg.ep > 1 and spec.lossy:
-        raise ConfigError(f"--compress {cfg.compress} with --ep {cfg.ep} is not "
-                          f"supported; fp16 and bf16 are", field="compress")
 
 
 def check_moe(cfg):
