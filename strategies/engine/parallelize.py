@@ -46,9 +46,10 @@ no_sync (communication once per step).
 
 Every run is a mesh run (config/mesh.py: plain data parallelism is dp = the workers)
 and takes the steps its flags enable: a model cut into layers (--dp/--pp/--tp/--zero:
-steps 0-4, 6, 7 a Pipeline), the experts apart (--model moe with --ep or --zero:
-steps 5, 6, 7 trivial), or whole on every worker (steps 2, 3, 6, 7 trivial); step 2
-where --cp > 1.
+steps 0-4, 6, 7 a Pipeline; step 5 too for --model moe --ep, each stage's experts over
+the expert groups of its replicas), the experts apart on a whole model (--model moe
+with --ep or --zero, without --pp and --tp: steps 5, 6, 7 trivial), or whole on every
+worker (steps 2, 3, 6, 7 trivial); step 2 where --cp > 1.
 """
 from dataclasses import dataclass, field
 

@@ -51,6 +51,12 @@ so each expert's replicas are its data-parallel group, over which `--zero 1-2`
 shard its optimizer state, as the world shards the dense layers'.  Their
 collectives leave on the comm thread as backward finishes each layer.
 
+On the grid (--pp, --tp) the same holds per stage and tp place: the mesh's expert
+groups and replicas are cut out of the replicas of one (pp, tp) place, so a stage's
+experts are split over its own replicas and averaged over theirs.  Under tp every rank
+of a tp group holds the same experts and exchanges the same tokens with its peers at
+its tp place (tensor_parallel.py: the experts are replicated over tp).
+
 Equivalence: capacity is decided per group of tokens (moe.py), by default one
 rank's local batch; the one-process reference with --moe-group set to that
 many sequences gates, drops and combines the same tokens, so the runs agree up
