@@ -135,6 +135,11 @@ def test_config_errors(flags, world, message):
         check_world(TrainConfig(**flags), world)
 
 
+def test_a_pipeline_cuts_the_moe_by_its_layers():
+    assert TrainConfig(**dict(MOE, layers=4, depth=2)).blocks == (4, "--layers")
+    assert TrainConfig(**dict(MOE, pp=2, layers=4, pp_layers="1,3")).pp_layers == "1,3"
+
+
 def test_capacity_figure_reads_the_records(tmp_path):
     from experiments.moe_plots import capacity_runs, moe_capacity
     records = []
