@@ -26,7 +26,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import check_ok, mpirun
+from conftest import check_ok, mpirun, torchrun
 from strategies.parallel.context_parallel import context_bytes
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -46,15 +46,16 @@ SEVERAL = ["-c", "import json, sys\nfrom strategies.train import main\n"
                  "    except SystemExit as e:\n        sys.stdout.write(f'exit {e.code}\\n')"]
 
 
-def launch(tmp_path, nprocs, runs, timeout=200, then="", expect="", common=COMMON, **env):
+def launch(tmp_path, nprocs, runs, timeout=200, then="", expect="", common=COMMON,
+           launcher=mpirun, **env):
     """Train each (name, flags) in one launch; {name: (step records, parameters)}.
     `then`: Python run after the runs in the same launch; `expect`: text its output holds;
-    `common`: the flags every run shares."""
+    `common`: the flags every run shares; `launcher`: conftest's mpirun or torchrun."""
     argvs = [[str(a) for a in common + flags] + ["--jsonl", str(tmp_path / f"{name}.jsonl"),
                                                  "--params-out", str(tmp_path / f"{name}.npz")]
              for name, flags in runs]
     script = [SEVERAL[0], SEVERAL[1] + then]
-    result = check_ok(mpirun(nprocs, script + [json.dumps(argvs)], timeout=timeout, **env))
+    result = check_ok(launcher(nprocs, script + [json.dumps(argvs)], timeout=timeout, **env))
     assert expect in result.stdout, result.stdout[-2000:]
     out = {}
     for name, _ in runs:
@@ -71,16 +72,16 @@ def reference(tmp_path_factory):
                    ("mlp_sgd", MLP_SGD + ["--sync", "local"])])
 
 
-def assert_same_run(run, ref, world):
+def assert_same_run(run, ref, world, rtol=RTOL):
     (records, params), (ref_records, ref_params) = run, ref
     ref_loss = [r["loss"] for r in ref_records]
     for rank in range(world):
         mine = [r for r in records if r["rank"] == rank]
         assert [r["step"] for r in mine] == list(range(len(ref_loss)))
-        np.testing.assert_allclose([r["loss"] for r in mine], ref_loss, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose([r["loss"] for r in mine], ref_loss, rtol=rtol, atol=ATOL)
     assert sorted(params) == sorted(ref_params)
     for name in ref_params:
-        np.testing.assert_allclose(params[name], ref_params[name], rtol=RTOL, atol=ATOL,
+        np.testing.assert_allclose(params[name], ref_params[name], rtol=rtol, atol=ATOL,
                                    err_msg=name)
 
 
@@ -249,15 +250,27 @@ CP_GPT = GPT[:GPT.index("--seq-len")] + ["--seq-len", str(CP_SEQ)] + \
     GPT[GPT.index("--seq-len") + 2:]
 CP_TWO = [("cp2_ring", CP_GPT + ["--cp", "2", "--cp-kind", "ring"]),
           ("cp2_ulysses", CP_GPT + ["--cp", "2", "--cp-kind", "ulysses"])]
+# interleaved needs pp x virtual stages = 4 blocks, against a reference of its own
+CP_GPT4 = CP_GPT[:CP_GPT.index("--layers")] + ["--layers", "4"] + \
+    CP_GPT[CP_GPT.index("--layers") + 2:]
 CP_FOUR = [("cp2_tp2", CP_GPT + ["--cp", "2", "--tp", "2"]),
-           ("cp2_dp2_zero1", CP_GPT + ["--cp", "2", "--dp", "2", "--zero", "1"])]
+           ("cp2_dp2_zero1", CP_GPT + ["--cp", "2", "--dp", "2", "--zero", "1"]),
+           # each stage's rank sends the next stage its slice of the positions
+           ("cp2_pp2", CP_GPT + ["--cp", "2", "--pp", "2", "--micro-batches", "2",
+                                 "--schedule", "1f1b"]),
+           ("cp2_pp2_ulysses_interleaved", CP_GPT4 + [
+               "--cp", "2", "--cp-kind", "ulysses", "--pp", "2", "--micro-batches", "2",
+               "--schedule", "interleaved", "--virtual-stages", "2"]),
+           # tp's sequence-parallel shards cut each cp rank's slice: 16 positions a rank
+           ("cp2_tp2_sp", CP_GPT + ["--cp", "2", "--tp", "2", "--sequence-parallel"])]
 
 
 @pytest.fixture(scope="module")
 def context_runs(tmp_path_factory):
     """{name: (records, parameters)} of the one-process reference and the cp runs."""
     folder = tmp_path_factory.mktemp("context")
-    return {**launch(folder, 1, [("one", CP_GPT + ["--sync", "local"])]),
+    return {**launch(folder, 1, [("one", CP_GPT + ["--sync", "local"]),
+                                 ("one4", CP_GPT4 + ["--sync", "local"])]),
             **launch(folder, 2, CP_TWO), **launch(folder, 4, CP_FOUR, timeout=300)}
 
 
@@ -265,7 +278,8 @@ def context_runs(tmp_path_factory):
 @pytest.mark.parametrize("name, world", [(n, 2) for n, _ in CP_TWO] +
                          [(n, 4) for n, _ in CP_FOUR])
 def test_cp_reproduces_one_process(context_runs, name, world):
-    (records, params), (ref_records, ref_params) = context_runs[name], context_runs["one"]
+    reference = context_runs["one4" if "interleaved" in name else "one"]
+    (records, params), (ref_records, ref_params) = context_runs[name], reference
     ref_loss = [r["loss"] for r in ref_records]
     for rank in range(world):
         mine = [r for r in records if r["rank"] == rank]
@@ -277,20 +291,68 @@ def test_cp_reproduces_one_process(context_runs, name, world):
                                    err_msg=key)
 
 
+# The splits under torchrun, which starts no MPI: the mesh's axes are torch process
+# groups (allreduce/torch_comm.py), the pipeline's activations and the cp ring's blocks
+# travel over gloo's point-to-point, the collectives are torch.distributed's (--sync
+# torch).  The same reorderings as under mpiexec, so the same tolerances: RTOL for the
+# GPT's splits, CP_RTOL for the ring's online softmax.  On 2 processes each split's axis
+# is the whole world; on 4, dp x pp and cp x pp cut it into two groups an axis.
+TORCHRUN_TWO = [
+    ("pp2", GPT + ["--pp", "2", "--micro-batches", "2"]),
+    ("tp2", GPT + ["--tp", "2"]),
+    ("dp2_zero1", GPT + ["--dp", "2", "--zero", "1"]),
+    ("cp2_ring", CP_GPT + ["--cp", "2", "--cp-kind", "ring"]),
+]
+TORCHRUN_FOUR = [("dp2_pp2", GPT + ["--dp", "2", "--pp", "2", "--micro-batches", "2"]),
+                 ("cp2_pp2", CP_GPT + ["--cp", "2", "--pp", "2", "--micro-batches", "2"])]
+
+
+@pytest.fixture(scope="module")
+def torchrun_runs(tmp_path_factory):
+    """({name: (records, parameters)} of the one-process references, of the torchrun
+    runs): each list of runs in one torchrun launch."""
+    folder = tmp_path_factory.mktemp("torchrun")
+    one = launch(folder, 1, [("gpt", GPT + ["--sync", "local"]),
+                             ("cp", CP_GPT + ["--sync", "local"])])
+    torch_sync = COMMON[:-2] + ["--sync", "torch"]
+    runs = {**launch(folder, 2, TORCHRUN_TWO, common=torch_sync, launcher=torchrun),
+            **launch(folder, 4, TORCHRUN_FOUR, common=torch_sync, launcher=torchrun)}
+    return one, runs
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name, world", [(n, 2) for n, _ in TORCHRUN_TWO] +
+                         [(n, 4) for n, _ in TORCHRUN_FOUR])
+def test_splits_under_torchrun_reproduce_one_process(torchrun_runs, name, world):
+    one, runs = torchrun_runs
+    assert_same_run(runs[name], one["cp" if name.startswith("cp") else "gpt"], world,
+                    rtol=CP_RTOL if name.startswith("cp") else RTOL)
+
+
 @pytest.mark.timeout(600)
 def test_cp_bytes_match_the_formulas(context_runs):
     """What the attention cores send a step, on every rank, against ring_bytes (2 (cp-1)
     key-value blocks a layer forward; again, and the gradients' 2 cp, backward) and
     ulysses_bytes (the packed q k v all-to-all and the output's, forward and backward):
-    a local batch of 8 / dp sequences, d_model / tp features a rank's attention holds."""
+    a local batch of 8 / dp sequences, d_model / tp features a rank's attention holds,
+    the blocks of its pipeline stage (1 of 2; 2 of 4 interleaved).  Within 1 % a
+    micro-batch: the TOPOLAB_CHECK exchange that conftest switches on sends signatures
+    (48 bytes a rank, and the table back from the group's rank 0) before each of
+    Ulysses' all-to-alls, 0.3 to 0.6 % of a step here, and a pipeline makes those calls
+    once a micro-batch; the ring's point-to-point messages are not checked."""
     layers, d_model, batch = 2, 16, 8
-    shapes = {"cp2_ring": ("ring", batch, d_model), "cp2_ulysses": ("ulysses", batch, d_model),
-              "cp2_tp2": ("ring", batch, d_model // 2),
-              "cp2_dp2_zero1": ("ring", batch // 2, d_model)}
-    for name, (kind, local, features) in shapes.items():
-        want = context_bytes(kind, local, CP_SEQ, features, 2, layers)
+    shapes = {"cp2_ring": ("ring", batch, d_model, layers, 1),
+              "cp2_ulysses": ("ulysses", batch, d_model, layers, 1),
+              "cp2_tp2": ("ring", batch, d_model // 2, layers, 1),
+              "cp2_dp2_zero1": ("ring", batch // 2, d_model, layers, 1),
+              "cp2_pp2": ("ring", batch, d_model, 1, 2),
+              "cp2_pp2_ulysses_interleaved": ("ulysses", batch, d_model, 2, 2),
+              "cp2_tp2_sp": ("ring", batch, d_model // 2, layers, 1)}
+    for name, (kind, local, features, blocks, micro_batches) in shapes.items():
+        want = context_bytes(kind, local, CP_SEQ, features, 2, blocks)
         for r in context_runs[name][0]:
-            assert abs(r["cp_bytes"] - want) / want < 0.01, (name, r["rank"], r["cp_bytes"])
+            assert abs(r["cp_bytes"] - want) / want < 0.01 * micro_batches, \
+                (name, r["rank"], r["cp_bytes"])
             assert r["cp_time_s"] >= 0
 
 
