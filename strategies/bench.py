@@ -51,7 +51,8 @@ from .model.data import load_data
 from .model.models import build_model
 from .runtime.context import RunContext
 from .runtime.metrics import now
-from .runtime.precision import MixedPrecision
+from .runtime.fp8_linear import check_device, to_fp8
+from .runtime.precision import HALF_DTYPES, MixedPrecision
 from .sync.gradient_sync import GradientSync, make_optimizer, torch_optimizer
 
 
@@ -77,7 +78,10 @@ class BareLoop:
         self.model = build_model(cfg, data.spec, device)
         self.optimizer = torch_optimizer(cfg, self.model.parameters())
         self.parameters = sum(p.numel() for p in self.model.parameters())
-        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+        self.dtype = HALF_DTYPES.get(cfg.precision)   # fp8: bf16's autocast, and fp8's layers
+        if cfg.precision == "fp8":
+            check_device(device)
+            to_fp8(self.model)
         self.scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
         self.sync = self                           # the harness closes a method's sync
 

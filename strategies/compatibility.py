@@ -46,6 +46,7 @@ TECHNIQUES = [
     ("--recompute", {"recompute": True}),
     ("--precision bf16", {"precision": "bf16"}),
     ("--precision fp16", {"precision": "fp16"}),
+    ("--precision fp8", {"precision": "fp8"}),
     ("--reduce-precision fp32", {"reduce_precision": "fp32"}),
     ("--compress fp16", {"compress": "fp16"}),
     ("--compress topk:0.01", {"compress": "topk:0.01"}),

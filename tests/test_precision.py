@@ -78,7 +78,7 @@ def test_zero_memory_formula_fp32_and_mixed():
 
 
 @pytest.mark.parametrize("flags, message", [
-    ({"precision": "fp8"}, "--precision 'fp8' is not one of fp32, bf16, fp16"),
+    ({"precision": "fp4"}, "--precision 'fp4' is not one of fp32, bf16, fp16, fp8"),
     ({"precision": "fp16", "loss_scale": 0.0}, "--loss-scale must be > 0"),
 ])
 def test_unsupported_combinations_are_named(flags, message):

@@ -21,8 +21,9 @@ CONSISTENCIES = ("bsp", "ssp", "asp")
 DEVICES = ("cpu", "cuda")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ZERO_STAGES = (0, 1, 2, 3)
-# compute under autocast, fp32 master weights (precision.py)
-PRECISIONS = ("fp32", "bf16", "fp16")
+# compute under autocast, fp32 master weights (precision.py); fp8: the linear layers'
+# matmuls in 8 bits, the rest as bf16 (fp8_linear.py)
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 # the dtype a gradient bucket is reduced in: its own (param) or widened to fp32
 REDUCE_PRECISIONS = ("param", "fp32")
 # the least value of each parallel degree (dp 0: what is left), for flags and Mesh alike

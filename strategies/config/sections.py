@@ -48,7 +48,9 @@ class SyncOptions:
 class PrecisionOptions:
     """The arithmetic of forward and backward (runtime/precision.py)."""
     precision: str = "fp32"       # compute in fp32, or bf16 / fp16 under autocast with fp32
-                                  # master weights (Micikevicius et al. 2018)
+                                  # master weights (Micikevicius et al. 2018), or fp8: the
+                                  # linear layers' matmuls in e4m3 / e5m2, the rest as bf16
+                                  # (Micikevicius et al. 2022; runtime/fp8_linear.py)
     loss_scale: float = 65536.0   # fp16: the initial loss scale (halved on inf/NaN, the step
                                   # skipped; doubled after --loss-scale-window clean steps)
     loss_scale_window: int = 1000  # fp16: clean steps in a row before the scale doubles

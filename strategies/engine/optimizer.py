@@ -50,6 +50,9 @@ lines of the loop change:
     opt.step()                         # fp16: unscaled, or skipped on an inf / NaN
                                        # (opt.overflow_skips counts those)
 
+precision="fp8" is bf16's loop, and the model's nn.Linear layers are swapped in place
+for fp8's (runtime/fp8_linear.py) when the optimizer is built.
+
 Gradient clipping sees averaged gradients after `opt.synchronize()`; `step`
 then does not wait again.  Under torchrun there is no MPI: sync="torch", or a
 textbook algorithm over torch.distributed (the transport chosen for you).
@@ -84,6 +87,7 @@ from ..config.optimizer_checks import (check_comm, check_model, check_same_every
 from ..config.settings import TrainConfig
 from ..config.validate import check_sync_combinations, check_sync_world
 from ..runtime.context import ps_role
+from ..runtime.fp8_linear import check_device, to_fp8
 from ..runtime.precision import of_config
 from ..sync.data_parallel import data_parallel, parameter_units
 from ..sync.gradient_sync import (broadcast_buffers, collective_for, for_device,
@@ -133,6 +137,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # what the syncs read: a TrainConfig of these sections, the same object as the trainer's
         self.config = TrainConfig.of(*self.sections)
         self.precision = of_config(self.config, device.type)
+        if self.config.precision == "fp8":  # the user's nn.Linear layers, swapped in place
+            check_device(device)
+            to_fp8(model)
         # the one data-parallel call of strategies.train too (sync/data_parallel.py), over
         # the model's parameters one by one, as DDP buckets them
         units = parameter_units(model)

@@ -6,7 +6,10 @@
     plan.sync, plan.optimizer  the data parallelism over what is left (a GradientSync)
 
 The transforms, in the order they are applied (torchtitan's parallelize_llama: tensor
-parallelism, activation checkpointing, then data parallelism; picotron: TP, PP, DP):
+parallelism, activation checkpointing, then data parallelism; picotron: TP, PP, DP),
+after --precision fp8's swap of every nn.Linear for its fp8 form (fp8_linear.py), which
+goes first so that each split below inherits it (tp's layers take the function of the
+Linear they cut; a Stage, an expert or a bucket holds the swapped module):
 
     0. the cut         the layers this rank keeps: its pipeline stage (pipeline.py), or v
                        chunks of layers (interleaved.py); the whole model where pp = 1
@@ -70,6 +73,7 @@ from ..parallel.sequence_parallel import positions_per_rank, split_sequence
 from ..parallel.tensor_parallel import TensorParallel, parallelize_blocks
 from ..parallel.ulysses import Ulysses
 from ..runtime.memory import ActivationMeter
+from ..runtime.fp8_linear import check_device, to_fp8
 from ..runtime.precision import any_rank_of, of_config
 from ..sync.buckets import Replicas
 from ..sync.data_parallel import data_parallel, parameter_units
@@ -131,6 +135,9 @@ def parallelize(model, ctx, cfg, device, tracer):
     plan = Parallelized(model, None, None, None, of_config(cfg, device.type),
                         originals=list(model.parameters()),
                         names={id(p): n for n, p in model.named_parameters()})
+    if cfg.precision == "fp8":                     # before any split, so each inherits it
+        check_device(device)
+        to_fp8(model)
     # 0. the cut: v chunks of layers (interleaved.py), or the one stage of GPipe and 1F1B
     if grid:
         chunks = chunk_layers(model, comms.pp_rank, comms.pp_size, cfg.virtual_stages,

@@ -49,13 +49,17 @@ repeats their flops; --ep divides them.  The TensorParallel object
 remembers where every local parameter came from (`pieces[id(p)]`: full-matrix
 slices <- local slices, and the full shape), so the full model can be
 reassembled for checkpoints and tests.
+
+Under --precision fp8 the split layers multiply as the nn.Linear they were cut from
+did (runtime/fp8_linear.py): each rank scales its own piece of the weight by its own
+amax, so the 8-bit pieces are not slices of the whole matrix's 8-bit copy.
 """
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..model.models import Block, SwiGLU
 from ..model.moe import MoE
+from ..runtime.fp8_linear import linear_function
 from ..runtime.precision import as_wire
 from ..runtime.trace import span
 
@@ -129,12 +133,12 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, full: nn.Linear, tp, rows):
         super().__init__()
-        self.tp = tp
+        self.tp, self.linear = tp, linear_function(full)    # F.linear, or fp8's
         self.weight = _keep(full.weight, _row_pieces(rows, slice(None)), tp)
         self.bias = None if full.bias is None else _keep(full.bias, _row_pieces(rows), tp)
 
     def forward(self, x):
-        return F.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
+        return self.linear(copy_to_tp(x, self.tp), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -142,13 +146,13 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, full: nn.Linear, tp, cols):
         super().__init__()
-        self.tp = tp
+        self.tp, self.linear = tp, linear_function(full)    # F.linear, or fp8's
         whole, mine = slice(None), slice(*cols)
         self.weight = _keep(full.weight, [((whole, mine), (whole, whole))], tp)
         self.bias = full.bias          # whole on every tp rank
 
     def forward(self, x):
-        z = reduce_from_tp(F.linear(x, self.weight), self.tp)
+        z = reduce_from_tp(self.linear(x, self.weight), self.tp)
         return z if self.bias is None else z + self.bias
 
 

@@ -10,6 +10,10 @@ Kalamkar et al., "A Study of BFLOAT16 for Deep Learning Training" (2019).
     --precision fp16   the same in float16, whose 5 exponent bits flush small
                        gradients to zero: the loss is multiplied by a scale S before
                        backward, and the gradients divided by S before the update
+    --precision fp8    the linear layers' matmuls in 8-bit floats (fp8_linear.py:
+                       e4m3 forward, e5m2 gradients, a scale per tensor), everything
+                       else as bf16: this class is bf16's, the model's nn.Linear
+                       layers are swapped for fp8's (parallelize.py)
 
 One step (Micikevicius, Figure 1 and section 3.2), with a dynamic scale S:
 
@@ -54,13 +58,16 @@ import torch
 from ..config.choices import PRECISIONS, ConfigError
 from .loss_scaling import DeviceLossScaler, LossScaler, SkipWhereFound
 
-HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8 computes what is not a linear layer's matmul in bf16, and keeps bf16's
+# 16-bit buffers (ZeRO) and its wire: its MixedPrecision is bf16's
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 class MixedPrecision:
     """The precision of a run: its autocast, its scaled backward and its guarded update.
 
-    precision: fp32, bf16 or fp16; device_type: "cpu" or "cuda"; on_device: fp16's
+    precision: fp32, bf16, fp16 or fp8 (bf16's autocast; the swap of the linear
+    layers is fp8_linear.to_fp8's); device_type: "cpu" or "cuda"; on_device: fp16's
     scale kept as tensors on device_type (default: on a GPU, not on the CPU)."""
 
     def __init__(self, precision="fp32", device_type="cpu", loss_scale=2.0**16,
