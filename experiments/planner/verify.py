@@ -231,7 +231,9 @@ def runnable(gpt, layout):
     if gpt.experts and (gpt.kv_heads, gpt.ffn_hidden, gpt.gated_mlp) != \
             (gpt.heads, 4 * gpt.d_model, False):
         return "the trainer's experts are GPT-3's MLPs (no GQA, MLP width or gating)"
-    if layout.schedule == "interleaved" and layout.stages and len(set(layout.stages)) > 1:
+    if layout.schedule == "interleaved" and (
+            (layout.stages and len(set(layout.stages)) > 1) or
+            any(n % layout.virtual_stages for n in stages_of(gpt, layout))):
         return "the trainer cuts interleaved chunks evenly"
     if layout.recompute == "selective":
         return "the trainer recomputes whole blocks (--recompute), not attention alone"
