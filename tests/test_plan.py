@@ -159,6 +159,20 @@ def test_uneven_chunks_are_paced_by_the_heaviest():
     assert p.step_s > even.step_s * 0.9     # chunks of 2, 1, 1 layers pace as 2 of 4
 
 
+def test_measured_ends_replace_the_heads_flops():
+    """Where the model's ends were timed here (Cluster.measured_ends), the last stage's
+    head is that time, a third forward, at the nearest micro-batch size measured;
+    elsewhere the logit layer's FLOPs at the block's rate."""
+    lo = Layout(pp=2, micro_batches=2, micro_batch_size=4)
+    flat = compute_seconds(SMALL, lo, TWO_NODES)["head"]
+    measured = replace(TWO_NODES, measured_ends=((1, 0.9), (4, 0.03)))
+    assert compute_seconds(SMALL, lo, measured)["head"] == pytest.approx((0.01, 0.02))
+    assert compute_seconds(SMALL, replace(lo, micro_batch_size=2), measured)["head"] == \
+        pytest.approx((0.3, 0.6))                    # 1 is nearer 2 than 4 is
+    assert flat[0] == pytest.approx(6 * 4 * 256 * 512 * 1024 / 3 / 48e12)
+    assert predict(SMALL, measured, lo).step_s > predict(SMALL, TWO_NODES, lo).step_s
+
+
 def test_the_pipeline_part_is_the_cost_models():
     lo = Layout(dp=2, pp=4, tp=1, micro_batches=4, micro_batch_size=4)
     p = predict(SMALL, TWO_NODES, lo)
@@ -535,6 +549,7 @@ def test_the_shared_cores_probe_times_every_rank_at_once_and_pairs_them():
         assert all(s["block_s"] > 0 and s["wait_s"] >= 0 for s in found["sizes"].values())
     found = shared_cores.measure(GPT(2, 32, 2, 16, 64, 8), ranks=2, batches=(2,), threads=1)
     assert found.sizes[2].block_s > 0 and found.link is None and found.sizes[2].tp_blocks == ()
+    assert found.sizes[2].ends_s > 0                # the embeddings, head and loss too
     # a tp block in groups of 2, at each size: with the ring and alone
     probed = shared_cores.measure(GPT(2, 32, 2, 16, 64, 8), ranks=2, batches=(1, 2),
                                   threads=1, tp_max=2, replays=True)

@@ -44,9 +44,11 @@ last the logit layer; the slowest stage paces the pipeline.  A micro-batch of b 
 none of which overlaps the compute (Megatron runs them in line); on ranks that share
 CPU cores each tp all-reduce also waits for its peers' turns, and so does the
 data-parallel exchange right after the backward, once a step (shared_cores.py).  The pipeline
-runs (v m + p - 1) slots of a micro-batch's forward and backward on one chunk,
-each slot sending an activation and its gradient (costmodel.pipeline_step_time);
-the p - 1 idle slots are the bubble, strategies/parallel/bubble.py's fraction of them.
+runs (v m + p - 1) slots of a micro-batch's forward and backward on one chunk, the
+heaviest of the pipeline (chunk_share: a v-th of a stage cut evenly), each slot
+sending an activation and its gradient (costmodel.pipeline_step_time); the p - 1
+idle slots are the bubble, strategies/parallel/bubble.py's fraction of them, and so
+is what uneven chunks leave idle of the paced slots.
 Then the data-parallel axis, as the worker runs it (strategies/sync/buckets.py):
 ZeRO 0-2 reduce the gradients in buckets of the trainer's --bucket-mb during the
 last micro-batch's backward, each bucket once the backward has filled it, so only
@@ -370,7 +372,8 @@ def compute_seconds(gpt, lo, cluster):
     the backward with recomputation's share; "core" is a layer's attention core alone
     (what the ring's transfers hide behind).  By kernels (kernels.py), or where the
     cluster has a flat rate (--efficiency, or a rate measured here), the FLOPs at that
-    rate."""
+    rate, and the model's ends (embeddings, head, loss) as measured where they were
+    (Cluster.measured_ends), a third of them forward, on the last stage."""
     e, b, cp = BYTES[lo.precision], lo.micro_batch_size, lo.cp
     head_tp = 1 if lo.whole_head else lo.tp
     replayed_core = 1 if lo.recompute == "selective" else 0
@@ -387,6 +390,8 @@ def compute_seconds(gpt, lo, cluster):
     block_rate = cluster.flops_per_s(b, lo.tp)        # a layer split over tp ranks
     replay_rate = cluster.flops_per_s(b, lo.tp, replay=lo.recompute == "full")
     head = logit_flops(gpt, b) / 3 / rate / head_tp / cp
+    if cluster.ends_s(b) is not None:   # measured: the embeddings, the head and the loss
+        head = cluster.ends_s(b) / 3 / head_tp / cp       # (on the last stage, all of it)
     forward = layer_forward_flops(gpt, b) / block_rate / lo.tp / cp
     backward = (2 * layer_forward_flops(gpt, b) / block_rate +
                 recompute_flops(gpt, b, lo.recompute) / replay_rate) / lo.tp / cp
