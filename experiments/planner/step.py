@@ -96,7 +96,7 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 BUCKET_BYTES = SyncOptions.bucket_mb * 2**20
 # Megatron-LM's mixed-precision optimizer copies the 16-bit gradients into fp32 main
 # gradients for the update: 20 bytes a parameter with fp16 parameters and gradients,
-# not ZeRO's 16 (Megatron-LM, docs/source/distrib_optimizer.md, its table of bytes a
+# not ZeRO's 16 (Megatron-LM's guide to its distributed optimizer, its table of bytes a
 # parameter: 20 without the distributed optimizer, 4 + 16 / d with it, the copy
 # sharded with the optimizer's state).
 MAIN_GRAD_BYTES = 4
