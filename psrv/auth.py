@@ -194,8 +194,8 @@ class Listener:
             self.connections = Connections(2 * len(keys.clients) + SPARE_CONNECTIONS)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)   # libzmq drops larger frames
-        self.sock.setsockopt(zmq.RCVHWM, rcvhwm)    # set before bind: a connection keeps
-        self.sock.setsockopt(zmq.SNDHWM, sndhwm)    # the values it was made with
+        self.sock.setsockopt(zmq.RCVHWM, rcvhwm)    # set before bind: the first connections
+        self.sock.setsockopt(zmq.SNDHWM, sndhwm)    # are made with them
         self.sock.setsockopt(zmq.LINGER, linger_ms)               # let the last replies leave
         if keys is not None:
             make_server(self.sock, keys)
@@ -208,6 +208,12 @@ class Listener:
         else:
             self.sock.bind(bind)
         self.endpoint = bind
+
+    def set_receive_hwm(self, messages):
+        """Messages queued per connection before the shard reads them (RCVHWM).  libzmq
+        applies a new value to the connections already open too (socket_base_t::
+        update_pipe_options), so the bound follows the config an INIT brings."""
+        self.sock.setsockopt(zmq.RCVHWM, messages)
 
     def sockets(self):
         return [s for s in (self.sock, self.zap and self.zap.sock, self.monitor) if s is not None]
