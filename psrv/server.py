@@ -19,7 +19,9 @@ The loop, one message at a time (a single thread owns the sockets and the store)
 
     0. with keys: the CURVE handshake and ZAP allow-list (auth.py) run before any
        message arrives; every message then carries its client key, and a key speaks
-       on at most auth.KEY_CONNECTIONS connections (a further one is cut)
+       on at most auth.KEY_CONNECTIONS connections (a further one is cut).  With keys
+       or without, a connection above 2 per worker + auth.SPARE_CONNECTIONS is cut
+       when it is accepted (auth.Connections: W from the key set, or from the INIT)
     1. decode and validate the header (protocol.decode): bad -> ERROR reply, go on
     2. who is speaking (roster.py): a connection speaks for one worker id; with keys a
        worker id belongs to its own client key, without to the first connection using it
@@ -310,6 +312,7 @@ class Server:
                              f"{list(group)[:8]}, which it is not in")
         self.store.configure(opt, consistency, num_workers, msg.entries, names, group)
         self.roster.expect(num_workers)
+        self.listener.expect_workers(num_workers)
         self.listener.set_receive_hwm(step_messages(self.store))
         # the first worker of the keys' group (worker 0 of all W without one) brings
         # their initial values; the others' INITs wait for them (release)

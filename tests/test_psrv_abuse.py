@@ -300,6 +300,39 @@ def test_unauthenticated_connections_are_capped_in_number_time_and_log_lines(key
 
 
 @pytest.mark.timeout(60)
+def test_a_plain_servers_connections_are_capped_from_its_workers_count():
+    """Loopback, no keys: once worker 0's INIT names W=2, the shard holds at most
+    2 x 2 + 16 = 20 connections (the worker's two among them); 40 more that connect and
+    say nothing are cut above it, the refusal logged in a line or a few, not one per
+    connection; each held one lasts at most the handshake interval (5 s), and the
+    worker and a late worker 1 are served after."""
+    with psrv.launch.start_local_servers(1, worker_timeout=30, transport="tcp") as servers:
+        address = ("127.0.0.1", int(servers.endpoints[0].rsplit(":", 1)[1]))
+        asp = Consistency("asp")
+        first = psrv.Client(servers.endpoints, 0, 2, timeout=10, consistency=asp)
+        params = start_params()
+        first.init(params, SGD)
+        conns = [socket.create_connection(address, timeout=5) for _ in range(40)]
+        time.sleep(1.0)                                         # the server's loop cuts
+        held = sum(map(still_open, conns))
+        assert held <= 20 - 2, f"{held} connections held beside the worker's two"
+        end = time.monotonic() + 15                             # HANDSHAKE_IVL: 5 s
+        while any(still_open(c) for c in conns):
+            assert time.monotonic() < end, "a handshake was held for more than 15 s"
+        for c in conns:
+            c.close()
+        wait_for_log(servers, "connections open, the limit is 20 (2 per worker + 16)")
+        refusals = [line for line in servers.log(0).splitlines() if "refused" in line]
+        assert 1 <= len(refusals) <= 6, "\n".join(refusals)       # not one per connection
+        late = psrv.Client(servers.endpoints, 1, 2, timeout=10, consistency=asp)
+        late.init(start_params(), SGD)
+        first.push_pull(grads(0), params, 0).wait()
+        late.push_pull(grads(0, 1), start_params(), 0).wait()
+        first.close()
+        late.close()
+
+
+@pytest.mark.timeout(60)
 def test_a_client_without_keys_names_the_refused_handshake_at_once(keydir):
     with psrv.launch.start_local_servers(1, keys=keydir, worker_timeout=30) as servers:
         plain = psrv.Client(servers.endpoints, 0, 1, timeout=20)        # loopback: no keys needed
