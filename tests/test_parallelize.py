@@ -8,11 +8,14 @@ the same parameters from the same seed, up to the order of float additions
 missing 1/k moves them by ~1e-3).  The multi-rank equivalences are
 test_accumulation.py's, test_parallel_runs.py's and test_one_worker.py's.
 """
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 from strategies.config.choices import ConfigError
+from strategies.config.mesh import Mesh
 from strategies.config.settings import TrainConfig
 from strategies.config.validate import check_world
 from strategies.engine.accumulation import Accumulation
@@ -92,3 +95,21 @@ def test_one_step_over_either_schedule_trains_the_same_model():
     assert all({"coords", "bubble_fraction", "peak_in_flight", "memory", "wire_bytes"}
                <= set(fields) for _, fields in grid)
     assert all(fields["peak_in_flight"] == 1 for _, fields in grid)   # one stage: 1F1B
+
+
+def test_a_trace_names_each_rank_by_its_coordinates_cp_included():
+    """A context group's ranks share (dp, pp, tp): the trace's rows tell them apart by
+    their cp rank; without cp the labels are as before."""
+    def labels(mesh, pipelined, sync="ring"):
+        engine = SimpleNamespace(ctx=SimpleNamespace(mesh=SimpleNamespace(mesh=mesh)),
+                                 plan=SimpleNamespace(placement=None, pipelined=pipelined),
+                                 cfg=SimpleNamespace(sync=sync))
+        return [StepEngine.trace_label(engine, r) for r in range(mesh.world_size)]
+
+    assert labels(Mesh(4, 1, 1, 2, 1, 2), True) == [
+        "rank 0 (dp 0, cp 0, pp 0, tp 0)", "rank 1 (dp 0, cp 0, pp 0, tp 1)",
+        "rank 2 (dp 0, cp 1, pp 0, tp 0)", "rank 3 (dp 0, cp 1, pp 0, tp 1)"]
+    assert labels(Mesh(2, 1, 1, 1, 1, 2), False) == ["worker 0 (ring, cp 0)",
+                                                     "worker 1 (ring, cp 1)"]
+    assert labels(Mesh(2, 1, 2, 1, 1, 1), True) == ["rank 0 (dp 0, pp 0, tp 0)",
+                                                    "rank 1 (dp 0, pp 1, tp 0)"]

@@ -181,7 +181,8 @@ class StepEngine:
     def context_fields(self, fields, bytes_before, seconds_before):
         """--cp: what the attention cores sent this step (`cp_bytes`: ring attention's
         key-value blocks and their gradients, or Ulysses' all-to-alls; None where the
-        collective does not count) and the time they waited for it (`cp_time_s`).
+        collective does not count), the time they waited for it (`cp_time_s`) and whose
+        slice of the positions it is (`cp_rank`).
         That wait blocks the forward and backward: where no spans are read (the whole
         model), it moves from the compute to the communication, as the experts' does;
         a pipeline's times already read it off the cores' comm spans."""
@@ -189,7 +190,8 @@ class StepEngine:
         seconds = core.seconds - seconds_before
         sent = None if bytes_before is None or core.bytes_sent is None \
             else core.bytes_sent - bytes_before
-        fields.update(cp_bytes=sent, cp_time_s=seconds)
+        # the ranks of a context group share their (dp, pp, tp) coordinates
+        fields.update(cp_bytes=sent, cp_time_s=seconds, cp_rank=self.ctx.mesh.cp_rank)
         if not self.plan.pipelined:
             fields.update(compute_time_s=fields["compute_time_s"] - seconds,
                           comm_time_s=fields["comm_time_s"] + seconds)
@@ -229,12 +231,16 @@ class StepEngine:
         return f", zero {cfg.zero}, {cfg.micro_batches} micro-batches ({cfg.schedule}{v})"
 
     def trace_label(self, rank):
+        """A rank's row in the trace, named by its coordinates; a context group's ranks
+        share (dp, pp, tp), so their cp rank tells them apart."""
+        mesh = self.ctx.mesh.mesh if self.ctx.mesh else None
+        cp = f", cp {mesh.context_coords_of(rank)[1]}" if mesh and mesh.cp_enabled else ""
         if self.plan.placement:
             return f"rank {rank} (expert group {rank // self.cfg.ep}, ep {rank % self.cfg.ep})"
         if self.plan.pipelined:
-            d, p, t = self.ctx.mesh.mesh.coords_of(rank)
-            return f"rank {rank} (dp {d}, pp {p}, tp {t})"
-        return f"worker {rank} ({self.cfg.sync})"
+            d, p, t = mesh.coords_of(rank)
+            return f"rank {rank} (dp {d}{cp}, pp {p}, tp {t})"
+        return f"worker {rank} ({self.cfg.sync}{cp})"
 
     def parameters_npz(self):
         """The whole model's parameters on the writer (collective), for --params-out: the
