@@ -183,7 +183,7 @@ def context_parallel(plan, model, blocks, comms, cfg, device, tracer):
     inside the core, so no other thread's calls meet them), or Ulysses over a
     collective of the step's algorithm (axis_collective, as tp's and the experts')."""
     if cfg.cp_kind == "ring":
-        transport = for_device(make_transport("mpi", comms.cp, cfg.timeout), device)
+        transport = for_device(make_transport(comm=comms.cp, timeout=cfg.timeout), device)
         plan.context, counter = RingAttention(transport, tracer=tracer), transport
     else:
         coll = collective_for(axis_collective(cfg), cfg, comms.cp, device=device)
@@ -222,13 +222,9 @@ def data_parallel_step(plan, ctx, cfg, device, tracer, layers):
     # a pipeline's micro-batches each fill the buckets; the trivial schedule's no_sync
     # holds back all but the last backward
     backwards = cfg.micro_batches if layers is not None else 1
-    # under torchrun there is no MPI mesh: the replicas are torch.distributed's world
-    torchrun = comms is None and cfg.sync != "local"
     plan.sync = data_parallel(units, comms, cfg, device=device, tracer=tracer,
                               precision=precision, agree=agree, backwards_per_step=backwards,
-                              role=ctx.role, host=ctx.host,
-                              coll=collective_for(cfg.sync, cfg, None, "torch", device)
-                              if torchrun else None)
+                              role=ctx.role, host=ctx.host)
     plan.sync.setup(plan.model)
     whole = layers is None and plan.placement is None
     plan.optimizer = plan.sync.make_optimizer(plan.model if whole else None)
@@ -246,7 +242,7 @@ def pipeline(plan, comms, cfg, device, stages, tracer, criterion):
     pinned host memory where MPI is not CUDA-aware: for_device)."""
     plan.meter = ActivationMeter(plan.sync.param_storages,
                                  [plan.sync] if cfg.zero == 3 else [])
-    p2p = for_device(make_transport("mpi", comms.pp, cfg.timeout), device)
+    p2p = for_device(make_transport(comm=comms.pp, timeout=cfg.timeout), device)
     # a GPT's activation is this rank's positions: T, over tp's sequence-parallel
     # shards, over cp's slices; its peers on the pp axis share its (dp, cp, tp)
     feature = (positions_per_rank(cfg, comms.tp_size) // comms.cp_size, cfg.d_model) \
