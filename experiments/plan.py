@@ -154,6 +154,9 @@ def parser():
                                        "--calibration)")
     s.add_argument("--no-sequence-parallel", action="store_true",
                    help="keep norms and dropouts whole on every tp rank")
+    s.add_argument("--fp32-main-grads", action="store_true",
+                   help="the optimizer keeps fp32 copies of the gradients, as Megatron-LM's "
+                        "mixed-precision optimizer does: 4 bytes a parameter more")
     o = ap.add_argument_group("output")
     o.add_argument("--top", type=whole, default=10, metavar="K", help="layouts in the table")
     add_output_flags(o, out_what="plan_frontier.png (.svg, .json)")
@@ -250,7 +253,8 @@ def main(argv=None):
                       # the machine at hand runs strategies.train, whose head is whole
                       whole_head=bool(a.calibration),
                       tp_sizes=a.tp_sizes, pp_sizes=a.pp_sizes, pp_layers=a.pp_layers,
-                      cp_sizes=a.cp_sizes, cp_kinds=a.cp_kinds)
+                      cp_sizes=a.cp_sizes, cp_kinds=a.cp_kinds,
+                      fp32_main_grads=a.fp32_main_grads)
         if a.pp_layers and sum(a.pp_layers) != gpt.layers:
             raise ValueError(f"--pp-layers {','.join(map(str, a.pp_layers))}: adds up to "
                              f"{sum(a.pp_layers)} layers, the model has {gpt.layers}")

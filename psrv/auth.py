@@ -37,6 +37,13 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_F
 # admitted key (a worker's request and heartbeat sockets) + SPARE_CONNECTIONS.
 HANDSHAKE_IVL_MS = 5000
 SPARE_CONNECTIONS = 16
+# A plain server (loopback or a 0700 ipc directory: no keys) has the same cap, 2 per
+# worker + SPARE_CONNECTIONS, counted the same way; it learns W from the first INIT.
+# Until then it serves only workers of its own host, and takes at most JOIN_WORKERS of
+# them: a host with more has its extra connections cut before their handshake (no
+# message of theirs is lost: ZeroMQ keeps it queued and reconnects) until an INIT
+# raises the cap.
+JOIN_WORKERS = 256
 # Connections one admitted key may speak on: a worker's request and heartbeat sockets,
 # and one of each again while a reconnect's new connection speaks before the old one's
 # DISCONNECTED event has been read.  The total cap above counts connections of any key;
@@ -112,7 +119,7 @@ class RefusalLog:
 
 
 class Connections:
-    """The TCP connections a CURVE server holds, from its monitor's ACCEPTED and
+    """The connections a server holds, from its monitor's ACCEPTED and
     DISCONNECTED/CLOSED events (whose value is the file descriptor).  Above `limit`
     a new connection is shut down at once, before its handshake can make libzmq
     buffer anything for it: shutdown(2) on a duplicate of the descriptor, which
@@ -124,9 +131,15 @@ class Connections:
     descriptor (SRCFD) and its User-Id.  A key that speaks on more than `per_key`
     connections has the newest cut at its first message (speaks)."""
 
-    def __init__(self, limit, per_key=KEY_CONNECTIONS):
-        self.limit, self.per_key, self.open, self.cut = limit, per_key, set(), 0
+    def __init__(self, workers, per_key=KEY_CONNECTIONS, unit="worker key"):
+        self.per_key, self.unit, self.open, self.cut = per_key, unit, set(), 0
+        self.expect(workers)
         self.key_of, self.fds_of = {}, {}      # descriptor -> key that spoke on it, and back
+
+    def expect(self, workers):
+        """The cap for `workers` workers: their request and heartbeat sockets, and spares
+        (connections already open above a lowered cap stay; new ones are cut)."""
+        self.limit = 2 * workers + SPARE_CONNECTIONS
 
     def speaks(self, fd, user):
         """A message of key `user` arrived on descriptor fd (ZeroMQ's SRCFD): None, or,
@@ -164,7 +177,7 @@ class Connections:
                 elif closes.get(fd, -1) < i:       # not already closed again: cut it
                     self.shut(fd)
                     cut.append(f"refused a connection: {len(self.open)} connections open, "
-                               f"the limit is {self.limit} (2 per worker key + "
+                               f"the limit is {self.limit} (2 per {self.unit} + "
                                f"{SPARE_CONNECTIONS})")
             elif e["event"] & (zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED):
                 self.open.discard(fd)
@@ -181,33 +194,48 @@ class Connections:
 
 
 class Listener:
-    """A server's ROUTER with its limits; with keys also its ZAP handler and a monitor
-    that logs failed handshakes and caps the connections (Connections).  Its own
+    """A server's ROUTER with its limits, and a monitor that caps its connections
+    (Connections) and logs failed handshakes; with keys also its ZAP handler.  Its own
     context: there is one ZAP endpoint per context."""
 
     def __init__(self, bind, keys, name, linger_ms, rcvhwm, sndhwm):
         self.name, self.ctx = name, zmq.Context()
-        self.zap = self.monitor = self.connections = None
+        self.zap = None
         self.refusals = RefusalLog(name)
         if keys is not None:       # the handler first: without one libzmq admits any key
             self.zap = ZapHandler(self.ctx, keys.clients, name, self.refusals)
-            self.connections = Connections(2 * len(keys.clients) + SPARE_CONNECTIONS)
+            self.connections = Connections(len(keys.clients))
+        else:
+            self.connections = Connections(JOIN_WORKERS, unit="worker")
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_FRAME_BYTES)   # libzmq drops larger frames
-        self.sock.setsockopt(zmq.RCVHWM, rcvhwm)    # set before bind: a connection keeps
-        self.sock.setsockopt(zmq.SNDHWM, sndhwm)    # the values it was made with
+        self.sock.setsockopt(zmq.RCVHWM, rcvhwm)    # set before bind: the first connections
+        self.sock.setsockopt(zmq.SNDHWM, sndhwm)    # are made with them
         self.sock.setsockopt(zmq.LINGER, linger_ms)               # let the last replies leave
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)    # each held that long
         if keys is not None:
             make_server(self.sock, keys)
-            self.sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
-            self.monitor = self.sock.get_monitor_socket(
-                HANDSHAKE_FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+        self.monitor = self.sock.get_monitor_socket(
+            HANDSHAKE_FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
         host, _, port = bind.rpartition(":")
         if port in ("0", "*"):
             bind = f"{host}:{self.sock.bind_to_random_port(host)}"
         else:
             self.sock.bind(bind)
         self.endpoint = bind
+
+    def expect_workers(self, workers):
+        """An INIT named W: a plain server caps its connections at 2 W + spares from now
+        on (a CURVE server's cap comes from its key set, which names its workers)."""
+        if self.zap is None:
+            self.connections.expect(workers)
+
+    def set_receive_hwm(self, messages):
+        """Messages queued per connection before the shard reads them (RCVHWM).  libzmq
+        applies a new value to the connections already open too (socket_base_t::
+        update_pipe_options), so the bound follows the config an INIT brings; one
+        accepted after the last INIT (a reconnect) starts from the value of the bind."""
+        self.sock.setsockopt(zmq.RCVHWM, messages)
 
     def sockets(self):
         return [s for s in (self.sock, self.zap and self.zap.sock, self.monitor) if s is not None]

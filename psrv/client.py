@@ -117,7 +117,9 @@ class Client:
         replicas of this worker's piece, and the first of them brings their values;
         `shapes` are every group's parameters (name -> shape), the same on every worker,
         so that all of them number the keys alike (placement.py).  None: every worker
-        pushes every parameter, params' own shapes."""
+        pushes every parameter, params' own shapes.  A worker in several groups (an
+        expert's replicas beside the replicas of its dense layers) calls init once a
+        group, every one of them in the same order, with the same `shapes`."""
         if consistency is not None:
             self.consistency = consistency
         for name, p in params.items():
@@ -135,9 +137,10 @@ class Client:
         self.placement = Placement(shapes, len(self.endpoints), self.slice_bytes)
         mine = [[sl for sl in self.placement.on_server(s) if sl.name in params]
                 for s in range(len(self.endpoints))]
-        self._slices = [{sl.key: sl for sl in slices} for slices in mine]
-        self._numel = {n: p.size for n, p in params.items()}
-        self._mine = set(params)
+        for held, slices in zip(self._slices, mine):      # added to the other groups'
+            held.update({sl.key: sl for sl in slices})
+        self._numel.update({n: p.size for n, p in params.items()})
+        self._mine |= set(params)
         config = pack_config(optimizer, self.consistency, self.num_workers)
         extras = [config] if group is None else [config, np.array(group, "<i4")]
         first = 0 if group is None else group[0]

@@ -36,8 +36,10 @@ rank, and reported by every rank (exit 2).
 """
 import sys
 import time
+import traceback
 
 from allreduce.torch_world import under_torchrun
+from psrv.link import PSError
 
 from .config.choices import ConfigError
 from .config.optimizer_checks import check_same_config
@@ -49,8 +51,8 @@ from .model.data import load_data
 from .model.models import build_model
 from .runtime import checkpoint
 from .runtime.context import MPIControl, RunContext
-from .runtime.exits import AgreedExit, finish
-from .runtime.waits import bounded
+from .runtime.exits import AgreedExit, FailedRank, end_together, finish
+from .runtime.waits import Bounded, bounded
 
 
 def prepare(argv=None):
@@ -133,21 +135,32 @@ def train(argv=None):
     ctx.workers = bounded(ctx.workers, cfg.timeout)
     # one engine: engine/parallelize.py cuts the model as the flags say, the engine
     # runs its micro-batches through the schedule, step after step
-    engine = StepEngine(cfg, ctx, device, data, model)
-    return loop.run(cfg, ctx, device, data, engine, state, started)
+    try:
+        engine = StepEngine(cfg, ctx, device, data, model)
+        return loop.run(cfg, ctx, device, data, engine, state, started)
+    except Exception as e:
+        if isinstance(ctx.workers, Bounded):       # the ranks can agree to end (main)
+            raise FailedRank(ctx.workers) from e
+        raise
 
 
 def main(argv=None):
     """The command line (`topolab-train`): exit status 0 after a run.  Not the summary:
     a console script passes main's value to sys.exit, which prints a dict and exits 1.
-    A peer that never came (a wait past --timeout) is one line and exit 1 on the rank
-    that waited; under `python -m mpi4py` the exit aborts the others.  An exit every
-    rank takes together (a refused flag, a signal's agreed stop) finalizes MPI instead,
-    which removes MPICH's shared-memory segments (runtime/exits.py), where main reads
-    the command line (argv None): the process ends there.  Called with an argv from
-    Python, as several runs in one process are, it leaves MPI running for the next."""
+    A peer that never came (a wait past --timeout) or failed (a ps server's error
+    naming it) is one line and exit 1 on the rank that waited; a rank's own error its
+    traceback and exit 1.  An exit every rank takes together (a refused flag, a signal's
+    agreed stop, a failure once every rank has said it ends: runtime/exits.py)
+    finalizes MPI, which removes MPICH's shared-memory segments, where main reads the
+    command line (argv None): the process ends there; a rank that stays silent leaves
+    the others the exit, which `python -m mpi4py` turns into MPI_Abort.  Called with an
+    argv from Python, as several runs in one process are, main agrees nothing and
+    leaves MPI running for the next."""
+    failed = None
     try:
         train(argv)
+    except FailedRank as e:
+        failed = e                                 # handled below, outside this handler
     except TimeoutError as e:                      # waits.WaitTimeout, CollectiveTimeout
         sys.stderr.write(f"strategies.train: error: {e}\n")
         sys.stderr.flush()
@@ -156,7 +169,35 @@ def main(argv=None):
         if argv is None:
             finish()
         raise SystemExit(e.code) from None
+    if failed is not None:
+        ended_by_error(failed, argv is None)
     return 0
+
+
+def ended_by_error(failed, command_line):
+    """A worker's run stopped on an error: the traceback of this rank's own, at once; one
+    line for a peer that never came or failed (a wait past --timeout, a server's error
+    naming it).  On the command line the ranks then agree to end and finalize MPI
+    (runtime/exits.py), and the line says what the failed ranks said, or who stayed
+    silent.  Exit 1 either way; in-process callers get the exception itself, but for a
+    timeout (one line, exit 1, as on the command line)."""
+    error, control = failed.__cause__, failed.control
+    own = not isinstance(error, (TimeoutError, PSError))
+    if not command_line and not isinstance(error, TimeoutError):
+        raise error                                # as it came, for the caller to handle
+    if own:
+        traceback.print_exception(error)
+        why = f"rank {control.rank} failed: {type(error).__name__}: {error}"
+    else:
+        why = str(error)
+    notices, silent = end_together(control, why, control.timeout, own) if command_line \
+        else ({}, None)
+    causes = [w for r, (o, w) in (notices or {}).items() if o and r != control.rank]
+    if not own or silent:
+        line = "; ".join([why, *causes, *([silent] if silent else [])])
+        sys.stderr.write(f"strategies.train: error: {line}\n")
+        sys.stderr.flush()
+    raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -61,7 +61,6 @@ def test_a_bad_spec_names_the_flag(text, message):
 
 @pytest.mark.parametrize("flags, message", [
     (dict(sync="local", compress="topk:0.1"), "one process has no wire"),
-    (dict(sync="ring", model="moe", compress="topk:0.1", ep=2), "with --ep 2"),
     (dict(sync="ring", compress="fp16", error_feedback=False), "--no-error-feedback"),
     (dict(sync="ring", compress="topk:0.1", momentum_correction=True),
      "--momentum-correction needs .* --momentum 0$"),

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+from dataclasses import replace
 
 import pytest
 from conftest import check_ok, mpi_env, run
@@ -17,8 +18,9 @@ from experiments.costmodel import (Machine, cluster_collective_time, cluster_all
 from experiments.planner.cluster import Cluster, preset
 from experiments.planner.figure import plan_frontier
 from experiments.planner.search import Space, layouts, pareto, plan
-from experiments.planner.step import (BUCKET_BYTES, PARTS, Layout, bucketed, exchanges,
-                                     group_time, memory_of, placement, predict,
+from experiments.planner.step import (BUCKET_BYTES, PARTS, Layout, bucketed, chunk_share,
+                                     compute_seconds, ends_worth, exchanges, group_time,
+                                     held_layers, memory_of, placement, predict,
                                      rank_parameters)
 from experiments.planner.transformer import (GPT, layer_activation_bytes, parameters,
                                              step_flops)
@@ -85,7 +87,7 @@ def test_every_layout_uses_every_gpu_and_keeps_tp_inside_a_node():
         assert lo.dp * lo.micro_batches * lo.micro_batch_size == SMALL.global_batch
         if lo.schedule == "interleaved":
             assert lo.pp > 1 and lo.micro_batches % lo.pp == 0
-            assert (SMALL.layers // lo.pp) % lo.virtual_stages == 0
+            assert lo.virtual_stages <= min(lo.stages)      # a layer a chunk at least
 
 
 def test_the_space_limits_the_choices():
@@ -122,10 +124,53 @@ def test_the_bubble_is_bubble_py_and_the_split_adds_up():
         p = predict(SMALL, TWO_NODES, lo)
         assert set(p.split) == set(PARTS)
         assert sum(p.split.values()) == pytest.approx(p.step_s)
-        slots = p.split["compute"] + p.split["tp"] + p.split["ep"] + p.split["dp"]
-        busy = slots / 8 * (v * 8 + 4 - 1) / v          # (v m + p - 1) slots of t / v
-        assert p.split["bubble"] == pytest.approx(bubble_fraction(4, 8, v) * busy)
+        t = (p.split["compute"] + p.split["tp"] + p.split["ep"] + p.split["dp"]) / 8
+        # (v m + p - 1) slots of the heaviest chunk: the last stage's 2 layers cut in
+        # v = 2, the head's work on the second (chunk_share); 1F1B: the whole stage
+        slot = t * chunk_share(lo.stages or [2] * 4, 3, v, ends_worth(
+            SMALL, lo, TWO_NODES, compute_seconds(SMALL, lo, TWO_NODES)))
+        assert slot >= t / v
+        busy = slot * (v * 8 + 4 - 1)
+        assert p.split["bubble"] == pytest.approx(bubble_fraction(4, 8, v) * busy +
+                                                  v * 8 * slot - 8 * t)
         assert p.split["pp"] > 0
+
+
+def test_uneven_chunks_are_paced_by_the_heaviest():
+    """Llama 3 405B's stages (7, 8 x 14, 7) cut in 4 chunks: 2, 2, 2, 2 on a middle stage,
+    2, 2, 2, 1 on the ends, so the heaviest chunk is a quarter of a middle stage, as
+    with an even cut; the ends' work weighs on the chunk it sits on."""
+    stages = [7] + [8] * 14 + [7]
+    assert chunk_share(stages, 1, 4) == 1 / 4
+    assert chunk_share(stages, 0, 4) == 2 / 7                  # 2 of its 7 layers
+    assert chunk_share(stages, 15, 4, ends=(0.0, 0.5)) == 2 / 7.5   # 1 + 0.5 < 2
+    assert chunk_share(stages, 15, 4, ends=(0.0, 1.5)) == 2.5 / 8.5
+    assert chunk_share([4, 4], 1, 2, ends=(0.0, 1.0)) == 3 / 5      # even: the head's on top
+    # activations of a rank: Megatron-LM's order, p micro-batches a chunk in turn
+    assert held_layers([2, 2, 2, 1], 64, 16) == 16 * 7             # all 4 chunks of 16
+    assert held_layers([2, 2, 2, 1], 20, 16) == 16 * 2 + 4 * 2
+    assert held_layers([2, 2], 6, 2) == 6 * 2
+    # a pipeline of uneven chunks is the cost model's with the heaviest chunk's share
+    lo = Layout(pp=2, micro_batches=4, micro_batch_size=4, schedule="interleaved",
+                virtual_stages=3, stages=(4, 4))
+    p = predict(SMALL, TWO_NODES, lo)
+    even = predict(SMALL, TWO_NODES, replace(lo, virtual_stages=2))
+    assert p.split["bubble"] > 0 and sum(p.split.values()) == pytest.approx(p.step_s)
+    assert p.step_s > even.step_s * 0.9     # chunks of 2, 1, 1 layers pace as 2 of 4
+
+
+def test_measured_ends_replace_the_heads_flops():
+    """Where the model's ends were timed here (Cluster.measured_ends), the last stage's
+    head is that time, a third forward, at the nearest micro-batch size measured;
+    elsewhere the logit layer's FLOPs at the block's rate."""
+    lo = Layout(pp=2, micro_batches=2, micro_batch_size=4)
+    flat = compute_seconds(SMALL, lo, TWO_NODES)["head"]
+    measured = replace(TWO_NODES, measured_ends=((1, 0.9), (4, 0.03)))
+    assert compute_seconds(SMALL, lo, measured)["head"] == pytest.approx((0.01, 0.02))
+    assert compute_seconds(SMALL, replace(lo, micro_batch_size=2), measured)["head"] == \
+        pytest.approx((0.3, 0.6))                    # 1 is nearer 2 than 4 is
+    assert flat[0] == pytest.approx(6 * 4 * 256 * 512 * 1024 / 3 / 48e12)
+    assert predict(SMALL, measured, lo).step_s > predict(SMALL, TWO_NODES, lo).step_s
 
 
 def test_the_pipeline_part_is_the_cost_models():
@@ -151,8 +196,6 @@ def test_zero_shards_memory_and_tp_adds_communication():
 def test_cpu_ranks_expose_their_own_share_of_the_data_parallel_collectives():
     """Cluster.overlaps=False (ranks on CPU cores, verify.py): what the dp group would
     cost inside one node is exposed in full; only the wire between nodes overlaps."""
-    from dataclasses import replace
-
     cpu = replace(TWO_NODES, overlaps=False)
     for zero in (0, 2, 3):
         layout = Layout(dp=8, zero=zero, micro_batches=2, micro_batch_size=2)
@@ -506,6 +549,7 @@ def test_the_shared_cores_probe_times_every_rank_at_once_and_pairs_them():
         assert all(s["block_s"] > 0 and s["wait_s"] >= 0 for s in found["sizes"].values())
     found = shared_cores.measure(GPT(2, 32, 2, 16, 64, 8), ranks=2, batches=(2,), threads=1)
     assert found.sizes[2].block_s > 0 and found.link is None and found.sizes[2].tp_blocks == ()
+    assert found.sizes[2].ends_s > 0                # the embeddings, head and loss too
     # a tp block in groups of 2, at each size: with the ring and alone
     probed = shared_cores.measure(GPT(2, 32, 2, 16, 64, 8), ranks=2, batches=(1, 2),
                                   threads=1, tp_max=2, replays=True)

@@ -159,13 +159,17 @@ def test_a_worker_that_never_reads_its_replies_is_stopped_at_the_limit():
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_that_pushes_faster_than_the_shard_reads_parks_a_few_messages_in_it():
+@pytest.mark.parametrize("keys", [None, 1, 12], ids=["joining", "1key", "12keys"])
+def test_a_worker_that_pushes_faster_than_the_shard_reads_parks_a_few_messages_in_it(keys):
     """A shard (in this process, not serving yet: a busy one, as ZeroMQ sees it) and a
-    raw worker that sends 4 MiB PUSHes without waiting: ZeroMQ takes at most
-    server.RECEIVE_HWM of them into the shard's queue (+ one in the worker's own queue
-    of 1, and what the kernel's socket buffers hold), then the sends block.  libzmq's
-    default of 1000 took all 64 here (256 MiB parked in the shard)."""
-    from psrv.server import RECEIVE_HWM, Server
+    raw worker that sends 4 MiB PUSHes without waiting: ZeroMQ takes at most the
+    shard's receive high-water mark of them into its queue (+ one in the worker's own
+    queue of 1, and what the kernel's socket buffers hold), then the sends block.
+    libzmq's default of 1000 took all 64 here (256 MiB parked in the shard).  The mark
+    is server.RECEIVE_HWM (8) before any INIT, and one step's messages of a worker once
+    an INIT declared the shard's keys (server.step_messages: 2 x keys + 4), for the
+    connection that brought it too."""
+    from psrv.server import RECEIVE_HWM, Server, step_messages
     shard = Server(worker_timeout=30)
     ctx = zmq.Context()
     try:
@@ -174,8 +178,22 @@ def test_a_worker_that_pushes_faster_than_the_shard_reads_parks_a_few_messages_i
         hog.setsockopt(zmq.SNDHWM, 1)
         hog.connect(shard.endpoint)
         n = 1 << 20                                          # float32: 4 MiB
+        hwm = RECEIVE_HWM
+        if keys:               # worker 0's INIT, taken in as the loop does (no reply read)
+            cfg = pack_config(SGD, Consistency("asp"), 1)
+            entries = [P.Entry(k, 0, 4, (4,), nframes=1) for k in range(keys - 1)]
+            entries.append(P.Entry(keys - 1, 0, n, (n,), nframes=4))
+            values = [np.zeros(4, np.float32)] * (keys - 1) + \
+                [np.zeros(n // 4, np.float32)] * 4
+            names = "\n".join(f"p{k}" for k in range(keys)).encode()
+            hog.send_multipart(P.encode(P.Op.INIT, 0, 1, entries, [cfg, names], values))
+            assert shard.sock.poll(5000)
+            shard.receive()
+            hwm = step_messages(shard.store)
+            assert shard.sock.getsockopt(zmq.RCVHWM) == hwm == 2 * keys + 4
         grad = np.full(n, 0.25, np.float32)
-        push = P.encode(P.Op.PUSH, 0, 2, [P.Entry(0, 0, n, (n,), nframes=4)],
+        push = P.encode(P.Op.PUSH, 0, 2, [P.Entry(keys - 1 if keys else 0, 0, n, (n,),
+                                                  nframes=4)],
                         payload=[grad[i * n // 4:(i + 1) * n // 4] for i in range(4)])
         sent, last = 0, time.monotonic()
         while sent < 64 and time.monotonic() - last < 1.5:  # until no send goes for 1.5 s
@@ -184,10 +202,10 @@ def test_a_worker_that_pushes_faster_than_the_shard_reads_parks_a_few_messages_i
                 sent, last = sent + 1, time.monotonic()
             except zmq.Again:
                 time.sleep(0.01)
-        assert sent <= RECEIVE_HWM + 4, f"the shard took {sent} unread 4 MiB messages"
-        assert sent >= RECEIVE_HWM, f"only {sent} sent: the shard's queue was not filled"
-        hog.close()
+        assert sent <= hwm + 4, f"the shard took {sent} unread 4 MiB messages (mark {hwm})"
+        assert sent >= hwm, f"only {sent} sent: the shard's queue of {hwm} was not filled"
     finally:
+        hog.close()
         shard.listener.close()
         ctx.term()
 
@@ -279,6 +297,39 @@ def test_unauthenticated_connections_are_capped_in_number_time_and_log_lines(key
             params = start_params()
             c.init(params, SGD)
             c.push_pull(grads(0), params, 0).wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_plain_servers_connections_are_capped_from_its_workers_count():
+    """Loopback, no keys: once worker 0's INIT names W=2, the shard holds at most
+    2 x 2 + 16 = 20 connections (the worker's two among them); 40 more that connect and
+    say nothing are cut above it, the refusal logged in a line or a few, not one per
+    connection; each held one lasts at most the handshake interval (5 s), and the
+    worker and a late worker 1 are served after."""
+    with psrv.launch.start_local_servers(1, worker_timeout=30, transport="tcp") as servers:
+        address = ("127.0.0.1", int(servers.endpoints[0].rsplit(":", 1)[1]))
+        asp = Consistency("asp")
+        first = psrv.Client(servers.endpoints, 0, 2, timeout=10, consistency=asp)
+        params = start_params()
+        first.init(params, SGD)
+        conns = [socket.create_connection(address, timeout=5) for _ in range(40)]
+        time.sleep(1.0)                                         # the server's loop cuts
+        held = sum(map(still_open, conns))
+        assert held <= 20 - 2, f"{held} connections held beside the worker's two"
+        end = time.monotonic() + 15                             # HANDSHAKE_IVL: 5 s
+        while any(still_open(c) for c in conns):
+            assert time.monotonic() < end, "a handshake was held for more than 15 s"
+        for c in conns:
+            c.close()
+        wait_for_log(servers, "connections open, the limit is 20 (2 per worker + 16)")
+        refusals = [line for line in servers.log(0).splitlines() if "refused" in line]
+        assert 1 <= len(refusals) <= 6, "\n".join(refusals)       # not one per connection
+        late = psrv.Client(servers.endpoints, 1, 2, timeout=10, consistency=asp)
+        late.init(start_params(), SGD)
+        first.push_pull(grads(0), params, 0).wait()
+        late.push_pull(grads(0, 1), start_params(), 0).wait()
+        first.close()
+        late.close()
 
 
 @pytest.mark.timeout(60)

@@ -3,6 +3,8 @@
     a refused flag      every rank prints its line and exits 2, MPI finalized
     Ctrl-C (SIGINT)     the workers stop at one step, checkpoint, exit 130, MPI finalized
                         (ring; and ps, whose server finalizes at its own normal exit)
+    a rank that raises  its traceback; the others a line naming it once their wait on
+                        it ends; every rank says it ends, exit 1, MPI finalized
 
 (strategies/runtime/exits.py.)  Tier (c): real mpiexec runs, each in a mount namespace
 of its own with a fresh tmpfs on /dev/shm, so that what is left there is this run's
@@ -87,3 +89,60 @@ def test_ctrl_c_leaves_no_segment(tmp_path, nprocs, sync):
     assert rc == 130, err[-3000:]
     assert "stopped by SIGINT" in err and "MPI_Abort" not in err, err[-3000:]
     assert not [n for n in left if n.startswith("mpich_shm_")], left
+
+
+# Runs as the job's script (argv None: main on the command line): rank 1 raises (or
+# stops itself: SIGSTOP) inside the metrics flush of step 3, while the others wait for
+# it there (ring) or in the servers' next reply (ps).
+FAULT_IN_FLUSH = """
+import os, signal, sys
+from mpi4py import MPI
+from strategies.runtime import metrics
+fault = sys.argv.pop(1)
+if MPI.COMM_WORLD.rank == 1:
+    flush = metrics.Metrics.flush
+    def flush_then_fail(self):
+        if self.pending and self.pending[-1]["step"] == 3:
+            if fault == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            raise ValueError("a fault injected into rank 1")
+        flush(self)
+    metrics.Metrics.flush = flush_then_fail
+from strategies.train import main
+sys.argv = ["strategies.train", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+def fault_in_flush(tmp_path, fault, sync):
+    script = tmp_path / "fault_in_flush.py"
+    script.write_text(FAULT_IN_FLUSH)
+    return in_private_shm(3, [script, fault, *MLP[2:], *sync, "--steps", "1000",
+                              "--timeout", "5"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sync", [
+    pytest.param(["--sync", "ring"], id="ring"),
+    pytest.param(["--sync", "ps", "--servers", "1"], id="ps", marks=pytest.mark.slow)])
+def test_a_failed_rank_ends_the_run_without_abort(tmp_path, sync):
+    """Its traceback; on the others one line naming it and what it said; exit 1, MPI
+    finalized on every rank (runtime/exits.py: end_together)."""
+    rc, err, left = fault_in_flush(tmp_path, "raise", sync)
+    assert rc == 1, err[-3000:]
+    assert "ValueError: a fault injected into rank 1" in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("strategies.train: error:")]
+    assert lines and all("rank 1 failed: ValueError: a fault injected into rank 1" in line
+                         for line in lines), err[-3000:]
+    assert "MPI_Abort" not in err and "BAD TERMINATION" not in err, err[-3000:]
+    assert not [n for n in left if n.startswith("mpich_shm_")], left
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_rank_still_aborts_the_run(tmp_path):
+    """A rank that cannot say it ends (SIGSTOP): MPI_Finalize would wait for it for ever,
+    so the others name it and abort, within --timeout of the first timeout."""
+    rc, err, _ = fault_in_flush(tmp_path, "stop", ["--sync", "ring"])
+    assert rc != 0 and "ValueError" not in err, err[-3000:]
+    assert "rank 1 did not say it ends within 5 s (stopped or hung): MPI_Abort" in err, \
+        err[-3000:]

@@ -78,6 +78,10 @@ class Cluster:
     # ((t, b, s), ...) a replayed exchange waits, measured here (verify.py)
     tp_replay_rates: tuple = None
     tp_replay_waits: tuple = None
+    # ((sequences a micro-batch, s), ...): the model's ends (the embeddings, the final
+    # norm, the logit layer and the loss) forward and backward, measured here: on a
+    # CPU their small kernels run far below the blocks' rate (shared_cores.py)
+    measured_ends: tuple = None
     # The data-parallel collectives run beside the compute: on a GPU the copies and
     # the reductions take the NICs, the copy engines and a few SMs.  MPI ranks on CPU
     # cores run both on the same cores (verify.py), so there they add up.
@@ -142,6 +146,13 @@ class Cluster:
         if not self.measured_rates or b is None:
             return self.gpu_tflops * 1e12 * (self.efficiency or 1.0)
         return min(self.measured_rates, key=lambda br: (abs(br[0] - b), br[0]))[1]
+
+    def ends_s(self, b):
+        """Seconds of the model's ends forward and backward on b sequences, as measured at
+        the micro-batch size nearest b; None where they were not measured."""
+        if not self.measured_ends:
+            return None
+        return min(self.measured_ends, key=lambda bs: (abs(bs[0] - b), bs[0]))[1]
 
     def core_wait(self, b):
         """Seconds an exchange right after compute waits for its peer's turn on a shared

@@ -20,8 +20,10 @@ the same list, each with its test):
         positions); Ulysses with cp not dividing a tp rank's heads (it splits
         whole heads); cp beside ep (both are carved out of the replicas; the
         trainer refuses it too);
-    the interleaved schedule without a pipeline, with v chunks that do not divide
-        every stage's layers, or with m not a multiple of pp (Megatron-LM's rule);
+    the interleaved schedule without a pipeline, with more chunks v than a stage's
+        layers (each chunk holds one at least; where v does not divide a stage's
+        layers its chunks are uneven: step.chunk_share), or with m not a multiple
+        of pp (Megatron-LM's rule);
     ep that does not divide both dp and the experts.
 The sizes are found as divisors of gcd(B, world / tp) (dp), of gcd(s, world / (tp
 dp)) (cp) and by pp <= layers, never by counting up to the world: a million nodes
@@ -51,7 +53,7 @@ class Space:
     recompute: tuple = RECOMPUTE
     schedules: tuple = SCHEDULES
     micro_batch_sizes: tuple = (1, 2, 4, 8)
-    max_virtual_stages: int = 8          # interleaved: every v from 2 to this dividing a stage
+    max_virtual_stages: int = 8          # interleaved: every v from 2 to this, <= a stage
     precision: str = "bf16"
     sequence_parallel: bool = True
     whole_head: bool = False             # the worker's head (Layout.whole_head)
@@ -60,6 +62,7 @@ class Space:
     pp_layers: tuple = None              # each stage's layers by hand (its length is pp)
     cp_sizes: tuple = None               # the context-parallel sizes allowed (None: every one)
     cp_kinds: tuple = CONTEXT_KINDS      # ring, ulysses: both searched
+    fp32_main_grads: bool = False        # Megatron-LM's fp32 gradient copy (Layout's)
 
     def __post_init__(self):
         checks = (("zero", self.zero, (0, 1, 2, 3)), ("recompute", self.recompute, RECOMPUTE),
@@ -181,7 +184,7 @@ def layouts(gpt, cluster, space):
                 stages = balanced_stages(gpt, base, cluster, space.pp_layers)
                 schedules = [("1f1b", 1)] + [
                     ("interleaved", v) for v in range(2, space.max_virtual_stages + 1)
-                    if pp > 1 and all(n % v == 0 for n in stages) and m % pp == 0]
+                    if pp > 1 and v <= min(stages) and m % pp == 0]
                 for schedule, v in schedules:
                     if schedule not in space.schedules:
                         continue
@@ -190,7 +193,8 @@ def layouts(gpt, cluster, space):
                         for zero in (space.zero if dp * cp > 1 else space.zero[:1]):
                             yield Layout(dp, pp, tp, ep, zero, m, b, schedule, v, recompute,
                                          space.precision, space.sequence_parallel and tp > 1,
-                                         space.whole_head and tp > 1, stages, cp, kind)
+                                         space.whole_head and tp > 1, stages, cp, kind,
+                                         space.fp32_main_grads)
 
 
 def why_out(prediction, cluster):

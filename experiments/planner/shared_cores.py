@@ -63,6 +63,13 @@ the probe measures what that costs with every rank of the run there at once:
    recomputed, where a third of its 3.0 ms was expected; its collectives'
    replays waited about as much as the block's own (0.23-0.28 against 0.20-0.22
    ms an exchange).
+6. The model's ends (`--vocab`): the token and position embeddings, the final norm,
+   the logit layer and the loss (strategies/model/models.py's GPT with no block),
+   forward and backward, among all ranks as the block is.  Their FLOPs are a few
+   per cent of the blocks', but on a CPU their small kernels run far below the
+   blocks' rate: one thread here took 1.09-1.19 times its 4 blocks' time for the
+   whole 4-layer GPT of d_model 128 and vocabulary 256, where the logit layer's
+   FLOPs at the blocks' rate make 1.04.
 """
 import argparse
 import json
@@ -92,6 +99,7 @@ class Shared(NamedTuple):
     block_s: float      # the slowest rank's forward and backward of one block
     wait_s: float       # a pair all-reduce's wait after compute (0: a core for every rank)
     tp_blocks: tuple = ()   # (TpBlock, ...): a tp block in groups of t (SizeProbe)
+    ends_s: float = None    # the model's ends forward and backward (--vocab), slowest rank
 
 
 class TpBlock(NamedTuple):
@@ -130,6 +138,20 @@ def block_seconds(d_model, heads, seq_len, batch, repeats=BLOCK_REPEATS, device=
     return statistics.median(timed_blocks(block, x, repeats, device))
 
 
+def ends_seconds(vocab, d_model, heads, seq_len, batch, repeats=BLOCK_REPEATS, device="cpu",
+                 shape=None):
+    """The median forward, loss and backward of the model's ends (timed_ends) on `batch`
+    sequences, in this process, as block_seconds times a block."""
+    import torch
+
+    from strategies.model.models import GPT
+    device = torch.device(device)
+    torch.manual_seed(0)
+    ends = GPT(vocab, seq_len, 0, d_model, heads, **(shape or {})).to(device)
+    tokens = torch.randint(0, vocab, (batch, seq_len), device=device)
+    return statistics.median(timed_ends(ends, tokens, repeats, device))
+
+
 def timed_blocks(block, x, repeats, device, warm_up=1):
     """Seconds of each forward and backward of `block` on x, `repeats` after `warm_up`
     that warm the allocator up (on a GPU: waited for)."""
@@ -138,6 +160,19 @@ def timed_blocks(block, x, repeats, device, warm_up=1):
     for _ in range(repeats + warm_up):
         start = now(device)
         block(x).sum().backward()
+        times.append(now(device) - start)
+    return times[warm_up:]
+
+
+def timed_ends(ends, tokens, repeats, device, warm_up=1):
+    """Seconds of each forward, loss and backward of the model's ends (a GPT with no
+    block) on `tokens`, the next-token loss on the tokens themselves (its cost is
+    the same), `repeats` after `warm_up`."""
+    from strategies.runtime.metrics import now
+    times = []
+    for _ in range(repeats + warm_up):
+        start = now(device)
+        ends.criterion(ends(tokens), tokens).backward()
         times.append(now(device) - start)
     return times[warm_up:]
 
@@ -169,16 +204,20 @@ class SizeProbe:
     rank's means."""
 
     def __init__(self, world, d_model, heads, seq_len, batch, device, pair=None, groups=None,
-                 replays=False, shape=None):
+                 replays=False, shape=None, vocab=None):
         import numpy as np
         import torch
 
-        from strategies.model.models import Block
+        from strategies.model.models import GPT, Block
         self.world, self.device, self.pair = world, torch.device(device), pair
         torch.manual_seed(0)
         shape = shape or {}
         self.block = Block(d_model, heads, **shape).to(self.device)
         self.x = torch.randn(batch, seq_len, d_model, requires_grad=True, device=self.device)
+        # the model's ends: the trainer's GPT without its blocks, on token ids
+        self.ends = GPT(vocab, seq_len, 0, d_model, heads, **shape).to(self.device) \
+            if vocab else None
+        self.tokens = torch.randint(0, vocab or 1, (batch, seq_len), device=self.device)
         self.values = np.zeros(batch * seq_len * d_model, np.float32)
         if pair is not None and pair[1] is not None:
             for _ in range(WARM_UP):            # the ring's buffers, at this size
@@ -187,7 +226,7 @@ class SizeProbe:
             timed_blocks(self.block, self.x, 2, self.device))))
         total = min(MAX_REPEATS, max(BLOCK_REPEATS, math.ceil(SHARED_S / guess)))
         self.repeats = math.ceil(total / ROUNDS)
-        self.times = {"block": [], "after compute": [], "polling": []}
+        self.times = {"block": [], "ends": [], "after compute": [], "polling": []}
         self.tp = {}
         # alternated in each round (the machine drifts): local, ring, and recomputed
         self.tp_kinds = [("local", False), ("ring", False)] + \
@@ -226,6 +265,9 @@ class SizeProbe:
         self.world.Barrier()
         self.times["block"] += timed_blocks(self.block, self.x, self.repeats, self.device,
                                             warm_up=0)
+        if self.ends is not None:
+            self.world.Barrier()
+            self.times["ends"] += timed_ends(self.ends, self.tokens, self.repeats, self.device)
         if self.pair is not None:
             self.pair_all_reduces(compute=False)
             self.pair_all_reduces(compute=True)
@@ -264,7 +306,8 @@ class SizeProbe:
                       tuple(TpBlock(t, **{f"{name}{'_replayed' if replayed else ''}_s":
                                           slowest(mean[name, replayed, t])
                                           for name, replayed in self.tp_kinds})
-                            for t in self.tp))
+                            for t in self.tp),
+                      slowest(mean["ends"]) if "ends" in mean else None)
 
 
 def pair_link(world, device):
@@ -312,7 +355,7 @@ def ring_groups(world, sizes):
 
 
 def probe(d_model, heads, seq_len, batches, threads, device="cpu", link=False, tp_max=None,
-          replays=False, shape=None):
+          replays=False, shape=None, vocab=None):
     """On every rank of an MPI job on one host: Probed, the same on every rank.  On a
     GPU the ranks share it (strategies.train's --device cuda: local rank i on GPU
     i mod the GPUs) and wait for no core.  replays: the tp blocks recomputed too."""
@@ -333,7 +376,7 @@ def probe(d_model, heads, seq_len, batches, threads, device="cpu", link=False, t
         if device == "cpu" else []
     groups = ring_groups(world, tp_sizes)
     sizes = {b: SizeProbe(world, d_model, heads, seq_len, b, device, pair, groups, replays,
-                          shape) for b in batches}
+                          shape, vocab) for b in batches}
     # All compute at once, as in the run, for SHARED_S at least: a block of a small
     # micro-batch takes about a time slice, so a few of them are each timed either
     # on a core of its own or sharing one, and their median is one or the other (the
@@ -360,6 +403,7 @@ def measure(gpt, ranks, batches, threads, device="cpu", timeout=600, link=False,
             "experiments.planner.shared_cores", "--d-model", str(gpt.d_model), "--heads",
             str(gpt.heads), "--seq-len", str(gpt.seq_len),
             "--kv-heads", str(gpt.kv_heads), "--ffn-hidden", str(gpt.ffn_hidden),
+            "--vocab", str(gpt.vocab),
             "--batches", ",".join(str(b) for b in batches), "--threads", str(threads),
             "--device", device] + (["--gated-mlp"] if gpt.gated_mlp else []) \
         + (["--link"] if link else []) \
@@ -372,7 +416,8 @@ def measure(gpt, ranks, batches, threads, device="cpu", timeout=600, link=False,
                            f"{lines[-1]}")
     found = json.loads(done.stdout.strip().splitlines()[-1])
     return Probed({int(b): Shared(s["block_s"], s["wait_s"],
-                                  tuple(TpBlock(*row) for row in s["tp_blocks"]))
+                                  tuple(TpBlock(*row) for row in s["tp_blocks"]),
+                                  s.get("ends_s"))
                    for b, s in found["sizes"].items()},
                   tuple(found["link"] or ()) or None)
 
@@ -385,6 +430,7 @@ def main(argv=None):
     ap.add_argument("--kv-heads", type=int, help="key-value heads (default: the heads)")
     ap.add_argument("--ffn-hidden", type=int, help="the MLP's width (default: 4 x d-model)")
     ap.add_argument("--gated-mlp", action="store_true", help="a SwiGLU MLP")
+    ap.add_argument("--vocab", type=int, help="also time the model's ends at this vocabulary")
     ap.add_argument("--batches", type=lambda text: [int(b) for b in text.split(",")],
                     required=True, help="micro-batch sizes, comma-separated: 1,2,4,8")
     ap.add_argument("--threads", type=int, default=1, help="torch threads a rank")
@@ -399,7 +445,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     found = probe(a.d_model, a.heads, a.seq_len, a.batches, a.threads, a.device, a.link,
                   a.tp_max, a.replays, {"kv_heads": a.kv_heads, "ffn_hidden": a.ffn_hidden,
-                                        "gated_mlp": a.gated_mlp})
+                                        "gated_mlp": a.gated_mlp}, a.vocab)
     from mpi4py import MPI
     if MPI.COMM_WORLD.rank == 0:
         print(json.dumps({"sizes": {b: s._asdict() for b, s in found.sizes.items()},

@@ -44,9 +44,11 @@ last the logit layer; the slowest stage paces the pipeline.  A micro-batch of b 
 none of which overlaps the compute (Megatron runs them in line); on ranks that share
 CPU cores each tp all-reduce also waits for its peers' turns, and so does the
 data-parallel exchange right after the backward, once a step (shared_cores.py).  The pipeline
-runs (v m + p - 1) slots of a micro-batch's forward and backward on one chunk,
-each slot sending an activation and its gradient (costmodel.pipeline_step_time);
-the p - 1 idle slots are the bubble, strategies/parallel/bubble.py's fraction of them.
+runs (v m + p - 1) slots of a micro-batch's forward and backward on one chunk, the
+heaviest of the pipeline (chunk_share: a v-th of a stage cut evenly), each slot
+sending an activation and its gradient (costmodel.pipeline_step_time); the p - 1
+idle slots are the bubble, strategies/parallel/bubble.py's fraction of them, and so
+is what uneven chunks leave idle of the paced slots.
 Then the data-parallel axis, as the worker runs it (strategies/sync/buckets.py):
 ZeRO 0-2 reduce the gradients in buckets of the trainer's --bucket-mb during the
 last micro-batch's backward, each bucket once the backward has filled it, so only
@@ -92,6 +94,12 @@ from .transformer import (attention_core_flops, embedding_parameters, expert_par
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # The trainer's gradient buckets (ZeRO 0-2: strategies/sync/zero.py), at its default.
 BUCKET_BYTES = SyncOptions.bucket_mb * 2**20
+# Megatron-LM's mixed-precision optimizer copies the 16-bit gradients into fp32 main
+# gradients for the update: 20 bytes a parameter with fp16 parameters and gradients,
+# not ZeRO's 16 (Megatron-LM's guide to its distributed optimizer, its table of bytes a
+# parameter: 20 without the distributed optimizer, 4 + 16 / d with it, the copy
+# sharded with the optimizer's state).
+MAIN_GRAD_BYTES = 4
 PARTS = ("compute", "tp", "cp", "pp", "dp", "ep", "bubble")
 
 
@@ -115,6 +123,9 @@ class Layout:
     stages: tuple = None         # layers of each stage (None: stage_layers's even split)
     cp: int = 1                  # carved out of the replicas: s / cp positions a rank
     cp_kind: str = "ring"        # or "ulysses" (transformer.CONTEXT_KINDS)
+    # the optimizer keeps the gradients in fp32 besides the 16-bit ones, as Megatron-LM's
+    # mixed-precision optimizer does (its main_grad): MAIN_GRAD_BYTES a parameter more
+    fp32_main_grads: bool = False
 
     @property
     def world(self):
@@ -314,17 +325,39 @@ def rank_parameters(gpt, lo, stage=0):
     return layers, experts
 
 
-def memory_of(gpt, lo, stage):
-    """{params, grads, optimizer, activations} in bytes on a rank of `stage`."""
+def held_layers(chunks, forwards, p):
+    """Layers' activations a rank holds after `forwards` chunk-forwards of the
+    interleaved schedule (activations_in_flight's count, times v), its chunks of
+    `chunks` layers: Megatron-LM's order runs p micro-batches through chunk 0, the
+    same p through chunk 1, ..., then the next p from chunk 0 (interleaved.py), so
+    uneven chunks weigh as often as they come up."""
+    v = len(chunks)
+    rounds, rest = divmod(forwards, p * v)
+    groups, single = divmod(rest, p)
+    return p * (rounds * sum(chunks) + sum(chunks[:groups])) + \
+        single * (chunks[groups] if groups < v else 0)
+
+
+def memory_of(gpt, lo, stage, ends=(0.0, 0.0)):
+    """{params, grads, optimizer, activations} in bytes on a rank of `stage`; ends: the
+    embedding's and the head's layers' worth, which shape uneven interleaved chunks
+    (stage_chunks)."""
     dense, experts = rank_parameters(gpt, lo, stage)
     states = zero_memory(dense, lo.replicas, lo.zero, lo.precision)
     for part, b in zero_memory(experts, lo.replicas // lo.ep, lo.zero, lo.precision).items():
         states[part] += b
+    if lo.fp32_main_grads:                      # sharded with the optimizer's state
+        states["optimizer"] += MAIN_GRAD_BYTES * (
+            dense / (lo.replicas if lo.zero else 1) +
+            experts / (lo.replicas // lo.ep if lo.zero else 1))
     e, b = BYTES[lo.precision], lo.micro_batch_size
     layer = layer_activation_bytes(gpt, b, lo.tp, lo.sequence_parallel, lo.recompute, e,
                                    lo.cp)
-    held = activations_in_flight(lo.pp, lo.micro_batches, lo.schedule, stage, lo.virtual_stages)
-    acts = held * stages_of(gpt, lo)[stage] * layer
+    v = lo.virtual_stages
+    held = activations_in_flight(lo.pp, lo.micro_batches, lo.schedule, stage, v)
+    stages = stages_of(gpt, lo)
+    acts = (held_layers(stage_chunks(stages, stage, v, ends), round(held * v), lo.pp)
+            if v > 1 else held * stages[stage]) * layer
     if lo.recompute == "full":                  # the layer whose backward replays it
         acts += layer_activation_bytes(gpt, b, lo.tp, lo.sequence_parallel, "none", e,
                                        lo.cp)
@@ -339,7 +372,8 @@ def compute_seconds(gpt, lo, cluster):
     the backward with recomputation's share; "core" is a layer's attention core alone
     (what the ring's transfers hide behind).  By kernels (kernels.py), or where the
     cluster has a flat rate (--efficiency, or a rate measured here), the FLOPs at that
-    rate."""
+    rate, and the model's ends (embeddings, head, loss) as measured where they were
+    (Cluster.measured_ends), a third of them forward, on the last stage."""
     e, b, cp = BYTES[lo.precision], lo.micro_batch_size, lo.cp
     head_tp = 1 if lo.whole_head else lo.tp
     replayed_core = 1 if lo.recompute == "selective" else 0
@@ -356,6 +390,8 @@ def compute_seconds(gpt, lo, cluster):
     block_rate = cluster.flops_per_s(b, lo.tp)        # a layer split over tp ranks
     replay_rate = cluster.flops_per_s(b, lo.tp, replay=lo.recompute == "full")
     head = logit_flops(gpt, b) / 3 / rate / head_tp / cp
+    if cluster.ends_s(b) is not None:   # measured: the embeddings, the head and the loss
+        head = cluster.ends_s(b) / 3 / head_tp / cp       # (on the last stage, all of it)
     forward = layer_forward_flops(gpt, b) / block_rate / lo.tp / cp
     backward = (2 * layer_forward_flops(gpt, b) / block_rate +
                 recompute_flops(gpt, b, lo.recompute) / replay_rate) / lo.tp / cp
@@ -364,19 +400,64 @@ def compute_seconds(gpt, lo, cluster):
             "core": (core, (2 + replayed_core) * core)}
 
 
-def balanced_stages(gpt, lo, cluster, given=None):
-    """The layout's stages: `given`, or stage_layers's balanced split with the embedding's
-    and the head's time counted in layers' worth (a layer's compute and tp collectives)."""
-    if given is not None or lo.pp == 1:
-        return tuple(stage_layers(gpt.layers, lo.pp, given=given))
+def ends_worth(gpt, lo, cluster, times):
+    """(first, last): the embedding's and the head's time in layers' worth (a layer's
+    compute and its tp and cp collectives), what stage_layers weighs the ends with;
+    (0, 0) where a layer costs nothing to weigh them against."""
     e, b = BYTES[lo.precision], lo.micro_batch_size
-    times = compute_seconds(gpt, lo, cluster)
     layer = sum(times["layer"]) + sum(tp_layer(gpt, lo, b, e, cluster)) + \
         sum(cp_layer(gpt, lo, b, e, cluster, times["core"]))
-    if layer <= 0:                        # nothing to weigh the ends against: even
-        return tuple(stage_layers(gpt.layers, lo.pp))
-    return tuple(stage_layers(gpt.layers, lo.pp, sum(times["embedding"]) / layer,
-                              sum(times["head"]) / layer))
+    if layer <= 0:
+        return 0.0, 0.0
+    return sum(times["embedding"]) / layer, sum(times["head"]) / layer
+
+
+def balanced_stages(gpt, lo, cluster, given=None):
+    """The layout's stages: `given`, or stage_layers's balanced split with the embedding's
+    and the head's time counted in layers' worth (ends_worth)."""
+    if given is not None or lo.pp == 1:
+        return tuple(stage_layers(gpt.layers, lo.pp, given=given))
+    first, last = ends_worth(gpt, lo, cluster, compute_seconds(gpt, lo, cluster))
+    return tuple(stage_layers(gpt.layers, lo.pp, first, last))
+
+
+def stage_chunks(stages, stage, v, ends=(0.0, 0.0)):
+    """[layers of each of the v chunks of `stage`] under the interleaved schedule: the
+    even cut where v divides the stage's layers (Megatron-LM's, and the trainer's),
+    else stage_layers's balanced split of them over v chunks, the embedding's worth on
+    the first stage's first chunk and the head's on the last stage's last (the model's
+    first and last virtual stage), ends: (first, last) in layers' worth (ends_worth).
+    Each chunk holds one layer at least, so v is at most the stage's layers."""
+    n = stages[stage]
+    if n % v == 0:
+        return [n // v] * v
+    first = ends[0] if stage == 0 else 0.0
+    last = ends[1] if stage == len(stages) - 1 else 0.0
+    return stage_layers(n, v, first, last)
+
+
+def chunk_share(stages, stage, v, ends=(0.0, 0.0)):
+    """The share of a micro-batch's work on `stage` in its heaviest chunk: 1 / v for an
+    even cut without the ends, more where the chunks are uneven.
+
+    Narayanan et al. (SC21, section 2.2.2) price the interleaved schedule with v equal
+    chunks a rank: a slot is t / v, the fill and drain p - 1 slots, the bubble
+    (p - 1) / (v m) of the compute.  With uneven chunks (a stage of 7 layers cut in
+    4 is 2, 2, 2, 1) every chunk still passes each micro-batch on to the next rank
+    in turn, so the heaviest chunk of the pipeline paces every slot: the step is
+    (v m + p - 1) slots of it, and a rank whose chunks are lighter idles for the
+    difference, which is bubble too.  With the stages of Llama 3 405B (7, 8 x 14, 7)
+    and v = 4 the heaviest chunk is 2 layers, a quarter of the 8-layer stages: as fast
+    as the even cut, where no v but 1 divides both 7 and 8."""
+    chunks = stage_chunks(stages, stage, v, ends)
+    if v == 1:
+        return 1.0
+    first = ends[0] if stage == 0 else 0.0
+    last = ends[1] if stage == len(stages) - 1 else 0.0
+    worth = list(chunks)
+    worth[0] += first
+    worth[-1] += last
+    return max(worth) / (sum(chunks) + first + last)
 
 
 def predict(gpt, cluster, lo):
@@ -412,7 +493,13 @@ def predict(gpt, cluster, lo):
                 "cp": (L * cp_layer_f, L * (cp_layer_b + replays * cp_layer_f)),
                 "ep": (2 * L * ep_one, 2 * L * ep_one * (1 + replays))}
     priced = {stage: stage_times(stage) for stage in kinds_of_stage(stages)}
-    slowest = max(priced, key=lambda s: sum(sum(pair) for pair in priced[s].values()))
+    # the stage whose heaviest chunk is slowest paces the pipeline (chunk_share: the
+    # whole stage under 1F1B; its heaviest of v chunks interleaved)
+    v, m = lo.virtual_stages, lo.micro_batches
+    ends = ends_worth(gpt, lo, cluster, times) if v > 1 else (0.0, 0.0)
+    shares = {stage: chunk_share(stages, stage, v, ends) for stage in priced}
+    slowest = max(priced, key=lambda s: shares[s] *
+                  sum(sum(pair) for pair in priced[s].values()))
     (compute_f, compute_b), (tp_f, tp_b), (cp_f, cp_b), (ep_f, ep_b) = (
         priced[slowest][part] for part in ("compute", "tp", "cp", "ep"))
     # 2. the data-parallel axis (dp x cp replicas): gradients (and parameters) of the
@@ -454,14 +541,17 @@ def predict(gpt, cluster, lo):
     nodes, _, _ = placement(lo.pp, lo.tp, G)
     p2p = cluster.link(min(G, lo.tp)) if nodes > 1 else cluster.intra()
     sent = b * gpt.seq_len * gpt.d_model * e / (lo.tp * lo.cp)   # each rank its share
-    v, m = lo.virtual_stages, lo.micro_batches
-    pipeline = pipeline_step_time(lo.pp, m, t_f, t_b, sent, p2p, v)
-    bubble = bubble_fraction(lo.pp, m, v) * (v * m + lo.pp - 1) * (t_f + t_b) / v
+    pipeline = pipeline_step_time(lo.pp, m, t_f, t_b, sent, p2p, v, shares[slowest])
+    # the idle slots: bubble_fraction's (p - 1) / (v m + p - 1) of them for an even cut,
+    # and, with uneven chunks, what the paced slots leave of the stage's own work
+    slot = (t_f + t_b) * shares[slowest]
+    bubble = bubble_fraction(lo.pp, m, v) * (v * m + lo.pp - 1) * slot + \
+        v * m * slot - m * (t_f + t_b)
     split = {"compute": m * (compute_f + compute_b), "tp": m * (tp_f + tp_b),
              "cp": m * (cp_f + cp_b),
              "pp": pipeline - m * (t_f + t_b) - bubble, "dp": m * (dp_f + dp_b) + dp_after,
              "ep": m * (ep_f + ep_b), "bubble": bubble}
-    memories = [memory_of(gpt, lo, stage) for stage in kinds_of_stage(stages)]
+    memories = [memory_of(gpt, lo, stage, ends) for stage in kinds_of_stage(stages)]
     memory = max(memories, key=lambda parts: sum(parts.values()))
     return Prediction(lo, pipeline + dp_after, split, sum(memory.values()), memory,
                       step_flops(gpt, lo.recompute), step_flops(gpt, "none"))

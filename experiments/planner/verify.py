@@ -16,7 +16,9 @@ figures are measured, never assumed:
             the planner may choose, since a CPU runs small matrices far below its
             best rate.  Where ranks outnumber cores, also the block split over t
             tp ranks (its t-th of the FLOPs; tp_rates), which is far from t times
-            faster at small micro-batches.
+            faster at small micro-batches.  The model's ends (embeddings, final
+            norm, logit layer, loss) are timed the same way (measured_ends): their
+            small kernels run far below the block's rate.
   links     experiments.calibrate's calibration.json (--calibration); without
             one, the cost model's example machine (5 us, 10 GB/s: costmodel.py).
             On the emulated cluster, each host's link at --inter-gbps.  Ranks on
@@ -102,6 +104,9 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
         seconds = {b: shared_cores.block_seconds(gpt.d_model, gpt.heads, gpt.seq_len, b,
                                                  device=device, shape=shared_cores.shape_of(gpt))
                    for b in sizes}
+        ends = {b: shared_cores.ends_seconds(gpt.vocab, gpt.d_model, gpt.heads, gpt.seq_len, b,
+                                             device=device, shape=shared_cores.shape_of(gpt))
+                for b in sizes}
     else:
         sharing = device == "cpu" and world > cores    # ranks outnumber the cores
         probed = shared_cores.measure(gpt, world, sizes, threads, device,  # tp in a node
@@ -109,6 +114,7 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
                                       replays=replays)
         found = probed.sizes
         seconds = {b: shared.block_s for b, shared in found.items()}
+        ends = {b: shared.ends_s for b, shared in found.items()}
         if probed.link:                  # ranks sharing a GPU: the device path's link
             intra = Machine(*probed.link)
         if sharing:                      # an exchange right after compute waits
@@ -129,7 +135,9 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
                       intra_gbps=8e-9 / intra.beta, intra_latency_us=intra.alpha * 1e6,
                       inter_gbps=inter_gbps, efficiency=1.0,
                       calibrated_intra=intra, measured_rates=rates, core_waits=waits,
-                      overlaps=device == "cuda")
+                      overlaps=device == "cuda",
+                      measured_ends=tuple((b, s) for b, s in ends.items() if s is not None)
+                      or None)
     if world > 1 and any(found[b].tp_blocks for b in sizes):
         blocks = [(b, block) for b, shared in found.items() for block in shared.tp_blocks]
         tp_rates = tuple((block.t, b, 3 * layer_forward_flops(gpt, b) / block.t /
@@ -231,7 +239,9 @@ def runnable(gpt, layout):
     if gpt.experts and (gpt.kv_heads, gpt.ffn_hidden, gpt.gated_mlp) != \
             (gpt.heads, 4 * gpt.d_model, False):
         return "the trainer's experts are GPT-3's MLPs (no GQA, MLP width or gating)"
-    if layout.schedule == "interleaved" and layout.stages and len(set(layout.stages)) > 1:
+    if layout.schedule == "interleaved" and (
+            (layout.stages and len(set(layout.stages)) > 1) or
+            any(n % layout.virtual_stages for n in stages_of(gpt, layout))):
         return "the trainer cuts interleaved chunks evenly"
     if layout.recompute == "selective":
         return "the trainer recomputes whole blocks (--recompute), not attention alone"

@@ -42,10 +42,13 @@ class Compressor:
         if wire.data_ptr() != out.data_ptr():
             out.copy_(wire)
 
-    def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg):
+    def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg, coll=None):
         """flat := the mean over the ranks of flat (bucket `key`, its tensors of `shapes`
         laid out in order; `wire` a scratch buffer of wire_dtype or None); returns the
-        bytes handed to the collective."""
+        bytes handed to the collective.  `allreduce_avg` averages over the bucket's
+        replicas; `coll` is a collective over them for the compressors that all-gather
+        (None: the one they were built with, the dp axis's), an expert's replicas for
+        an expert's bucket (--ep)."""
         sent = self.compress(flat, wire)
         allreduce_avg(sent)
         self.decompress(sent, flat)

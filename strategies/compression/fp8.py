@@ -90,11 +90,12 @@ class Fp8Compressor(Compressor):
         self.feedback.keep(key, acc, dequantise(q, scale))        # 4. e = acc - q / s
         return q, scale
 
-    def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg):
-        n, P = flat.numel(), self.coll.size
+    def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg, coll=None):
+        coll = coll or self.coll                                  # the bucket's replicas
+        n, P = flat.numel(), coll.size
         message = pack(*self.encode(key, flat))                   # 1.-4.
         words = message.numel()
-        gathered = torch.as_tensor(self.coll.allgather(message, n=words * P))   # 5.
+        gathered = torch.as_tensor(coll.allgather(message, n=words * P))        # 5.
         flat.zero_()                                              # 6. sum in float32
         for r in range(P):
             flat.add_(dequantise(*unpack(gathered[r * words:(r + 1) * words], n)))

@@ -111,7 +111,7 @@ class PowerSGDCompressor(Compressor):
         self.qs[(key, 0)] = q_local                                 # warm start
         return p, q_local
 
-    def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg):
+    def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg, coll=None):
         acc = self.feedback.accumulate(key, flat)                   # 1.
         plan = self.plan(shapes)
         matrices = [(i, o, nm) for i, (o, numel, nm) in enumerate(plan) if nm is not None]

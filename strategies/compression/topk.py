@@ -106,11 +106,12 @@ class TopKCompressor(Compressor):
             grad.index_fill_(0, indices, 0.0)                     # masking
         return indices, values
 
-    def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg):
+    def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg, coll=None):
+        coll = coll or self.coll                                  # the bucket's replicas
         indices, values = self.encode(key, flat)                  # 1., 2., 5.
         message = pack(indices, values)                           # 3.
-        gathered = self.coll.allgather(message, n=message.numel() * self.coll.size)  # 4.
-        unpack_sum(torch.as_tensor(gathered), len(indices), self.coll.size, flat)   # 6.
+        gathered = coll.allgather(message, n=message.numel() * coll.size)  # 4.
+        unpack_sum(torch.as_tensor(gathered), len(indices), coll.size, flat)   # 6.
         return message.numel() * message.element_size()
 
     def corrected(self, key, flat):

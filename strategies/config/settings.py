@@ -83,7 +83,7 @@ class Settings:
     def blocks(self):
         """(how many blocks the model stacks, the flag that sets them): what a pipeline
         splits into stages."""
-        return (self.layers, "--layers") if self.model == "gpt" else (self.depth, "--depth")
+        return (self.layers, "--layers") if self.model in ("gpt", "moe") else (self.depth, "--depth")
 
     @property
     def synchronous(self):

@@ -186,7 +186,7 @@ def check_flags(cfg):
     """Everything that needs the TrainConfig alone, each section then their combinations;
     the first problem is a ConfigError naming its flag."""
     check_types(cfg)
-    spec = sync_rules(cfg)
+    sync_rules(cfg)
     for rules in (precision_rules, parallel_rules, model_rules, moe_rules, data_rules,
                   optimizer_rules, run_rules, output_rules):
         rules(cfg)
@@ -218,9 +218,6 @@ def check_flags(cfg):
     if cfg.on_grid and cfg.sync == "local":
         raise ConfigError("--dp/--pp/--tp split a model over ranks; --sync local is one "
                           "process", field="sync")
-    if cfg.ep > 1 and spec.lossy:
-        raise ConfigError(f"--compress {cfg.compress} with --ep {cfg.ep} is not "
-                          f"supported; fp16 and bf16 are", field="compress")
 
 
 def check_moe(cfg):
@@ -231,20 +228,12 @@ def check_moe(cfg):
                           "gating groups and each expert's capacity; fix the groups with "
                           "--moe-group N (sequences a group)", field="model")
     if cfg.model == "moe":
-        for what, refused, why in (
-                (f"--pp {cfg.pp} and --ep {cfg.ep} --zero {cfg.zero}",
-                 cfg.pp > 1 and (cfg.ep > 1 or cfg.zero > 0),
-                 "the experts' own data parallelism keeps the model whole, not cut into "
-                 "stages; a pipeline runs them replicated over dp"),
-                (f"--tp {cfg.tp}", cfg.tp > 1, "its experts are split over --ep ranks, not tp"),
-                (f"--micro-batches {cfg.micro_batches} without --moe-group",
-                 cfg.micro_batches > 1 and not cfg.moe_group,
-                 "the gating groups would be the micro-batches, not the batch: fix them with "
-                 "--moe-group N (sequences a group), which each micro-batch holds whole"),
-):
-            if refused:
-                raise ConfigError(f"--model moe with {what} is not supported: {why}",
-                                  field="model")
+        if cfg.micro_batches > 1 and not cfg.moe_group:
+            raise ConfigError(f"--model moe with --micro-batches {cfg.micro_batches} without "
+                              f"--moe-group is not supported: the gating groups would be the "
+                              f"micro-batches, not the batch: fix them with --moe-group N "
+                              f"(sequences a group), which each micro-batch holds whole",
+                              field="model")
     if cfg.ep == 1:
         return
     if cfg.model != "moe":
@@ -253,9 +242,14 @@ def check_moe(cfg):
     if cfg.experts % cfg.ep:
         raise ConfigError(f"--experts {cfg.experts} is not divisible by ep({cfg.ep}): "
                           f"{cfg.experts} % {cfg.ep} = {cfg.experts % cfg.ep}", field="experts")
-    if cfg.sync not in ALLREDUCE_SYNCS:
+    if cfg.sync == "hybrid":
+        raise ConfigError(f"--ep {cfg.ep} with --sync hybrid is not supported: the node's "
+                          f"ring before the leader's push runs over the dp replicas, and a "
+                          f"ring over an expert's replicas in the node is not built; use "
+                          f"--sync ps or an all-reduce --sync", field="ep")
+    if cfg.sync not in ALLREDUCE_SYNCS + ("ps",):
         raise ConfigError(f"--ep {cfg.ep} needs an all-reduce --sync (ring, tree, ..., "
-                          f"torch), not --sync {cfg.sync}", field="ep")
+                          f"torch) or --sync ps, not --sync {cfg.sync}", field="ep")
 
 
 def check_context(cfg):
@@ -363,8 +357,8 @@ def check_world(cfg, world_size):
     if cfg.on_grid:
         check_grid(cfg, dp)
     if cfg.model == "moe":
-        workers = world_size - (cfg.servers if cfg.sync in PS_SYNCS else 0)
-        Mesh(workers, cfg.dp, cfg.pp, cfg.tp, cfg.ep, cfg.cp)       # ep divides dp x cp
+        servers = cfg.servers if cfg.sync in PS_SYNCS else 0
+        Mesh(world_size - servers, cfg.dp, cfg.pp, cfg.tp, cfg.ep, cfg.cp)   # ep divides dp x cp
         if cfg.moe_group and local % (cfg.moe_group * k):
             raise ConfigError(f"--moe-group {cfg.moe_group} does not divide each of the {k} "
                               f"micro-batch(es) of the local batch into whole groups: global "

@@ -169,14 +169,17 @@ class StepEngine:
 
     def alltoall_fields(self, fields, bytes_before, seconds_before):
         """The experts' all-to-alls (two per MoE block in the forward, two in the
-        backward) block the forward and backward: exposed communication, so their time
-        moves from the compute to the communication."""
+        backward) block the forward and backward: exposed communication, so where no
+        spans are read (the whole model) their time moves from the compute to the
+        communication; a pipeline's times already read it off their comm spans."""
         exchange = self.plan.exchange
         seconds, sent = exchange.seconds - seconds_before, exchange.coll.bytes_sent
-        fields.update(compute_time_s=fields["compute_time_s"] - seconds,
-                      comm_time_s=fields["comm_time_s"] + seconds, alltoall_time_s=seconds,
+        fields.update(alltoall_time_s=seconds,
                       alltoall_bytes=None if bytes_before is None else sent - bytes_before,
                       dropped_fraction=dropped_fraction(self.model))
+        if not self.plan.pipelined:
+            fields.update(compute_time_s=fields["compute_time_s"] - seconds,
+                          comm_time_s=fields["comm_time_s"] + seconds)
 
     def context_fields(self, fields, bytes_before, seconds_before):
         """--cp: what the attention cores sent this step (`cp_bytes`: ring attention's

@@ -49,9 +49,10 @@ no_sync (communication once per step).
 
 Every run is a mesh run (config/mesh.py: plain data parallelism is dp = the workers)
 and takes the steps its flags enable: a model cut into layers (--dp/--pp/--tp/--zero:
-steps 0-4, 6, 7 a Pipeline), the experts apart (--model moe with --ep or --zero:
-steps 5, 6, 7 trivial), or whole on every worker (steps 2, 3, 6, 7 trivial); step 2
-where --cp > 1.
+steps 0-4, 6, 7 a Pipeline; step 5 too for --model moe --ep, each stage's experts over
+the expert groups of its replicas), the experts apart on a whole model (--model moe
+with --ep or --zero, without --pp and --tp: steps 5, 6, 7 trivial), or whole on every
+worker (steps 2, 3, 6, 7 trivial); step 2 where --cp > 1.
 """
 from dataclasses import dataclass, field
 
@@ -62,7 +63,8 @@ from allreduce import make_transport
 from ..config.choices import ALLREDUCE_SYNCS, PS_SYNCS
 from ..model.moe import MoE
 from ..parallel.context_parallel import set_attention_core
-from ..parallel.expert_parallel import AllToAllExperts, ExpertPlacement, shard_experts, units_of
+from ..parallel.expert_parallel import (AllToAllExperts, ExpertPlacement, block_units,
+                                        moe_of, shard_experts, units_of)
 from ..parallel.interleaved import InterleavedPipeline, chunk_layers
 from ..parallel.pipeline import Pipeline, Stage, layers_of
 from ..parallel.recompute import Recompute
@@ -102,15 +104,20 @@ class Parallelized:
 
 
 def experts_apart(cfg):
-    """Whether the MoE's experts get data parallelism of their own (their replicas), split
-    over --ep ranks or sharded by --zero; a MoE otherwise trains as any whole model."""
-    return cfg.model == "moe" and (cfg.ep > 1 or cfg.zero > 0)
+    """Whether the MoE's experts get data parallelism of their own (their replicas): split
+    over --ep ranks, or sharded by --zero on a whole model; on the grid without --ep
+    they are parameters of their block like any other, and a MoE otherwise trains as
+    any whole model."""
+    return cfg.model == "moe" and (cfg.ep > 1 or cfg.zero > 0 and not cut_into_layers(cfg))
 
 
 def cut_into_layers(cfg):
     """Whether the model is cut into layers and stages over the grid (steps 0-4 and a
-    Pipeline); the experts' run shards by --zero too, but keeps its model whole."""
-    return cfg.on_grid and not experts_apart(cfg)
+    Pipeline).  The experts' run without --pp and --tp (--ep, or a MoE under --zero)
+    shards by --zero too, but keeps its model whole."""
+    whole_experts = cfg.model == "moe" and (cfg.ep > 1 or cfg.zero > 0) and \
+        cfg.pp == 1 and cfg.tp == 1
+    return cfg.on_grid and not whole_experts
 
 
 def axis_collective(cfg):
@@ -170,8 +177,9 @@ def parallelize(model, ctx, cfg, device, tracer):
         plan.exchange = AllToAllExperts(collective_for(axis_collective(cfg), cfg, comms.ep,
                                                        device=device),
                                         plan.placement, tracer)
-        plan.expert_params = shard_experts(model, plan.placement, plan.exchange)
-        plan.counters = [plan.exchange.coll]
+        # the whole model's MoE blocks, or the kept ones of this rank's stages
+        plan.expert_params = shard_experts(plan.model, plan.placement, plan.exchange)
+        plan.counters = plan.counters + [plan.exchange.coll]
     # 6. data parallelism over what is left: the one call, whatever the --sync
     data_parallel_step(plan, ctx, cfg, device, tracer, layers if grid else None)
     # 7. the schedule of one step's micro-batches
@@ -210,15 +218,15 @@ def data_parallel_step(plan, ctx, cfg, device, tracer, layers):
     gradients differ from rank to rank of a group, so the workers vote (an inf in any
     gradient skips the update: Micikevicius et al. 2018, section 3.2)."""
     comms = ctx.mesh
+    replicas = expert_replicas(comms, cfg, device) if plan.placement is not None else None
     if layers is not None:
-        units = [(name, module, list(module.parameters())) for name, module in layers]
-        split = comms.mesh.pp_enabled or comms.mesh.tp_enabled
+        # a MoE block's experts apart from its dense parameters where --ep splits them
+        units = [unit for name, module in layers for unit in
+                 (block_units(name, module, replicas) if replicas and moe_of(module)
+                  else [(name, module, list(module.parameters()))])]
+        split = comms.mesh.pp_enabled or comms.mesh.tp_enabled or replicas is not None
         precision, agree = plan.precision, any_rank_of(comms.world) if split else None
     elif plan.placement is not None:
-        replica_comm = comms.ep_replicas
-        replicas = Replicas(collective_for(cfg.sync, cfg, replica_comm, device=device),
-                            collective_for(cfg.sync, cfg, replica_comm.Dup(), device=device)
-                            if cfg.overlap else None, scale=1.0 / cfg.ep)
         units = units_of(plan.model, replicas)
         precision = None
         agree = any_rank_of(comms.world) if plan.precision.scaler else None
@@ -241,6 +249,18 @@ def data_parallel_step(plan, ctx, cfg, device, tracer, layers):
     plan.counters = plan.counters + (
         [plan.sync] if whole or cfg.sync in PS_SYNCS
         else [c.transport for c in plan.sync.colls()])
+
+
+def expert_replicas(comms, cfg, device):
+    """The ranks that hold this rank's experts (the mesh's ep_replicas: at this rank's
+    stage and tp place), over which their gradients are averaged and scaled by 1 / ep
+    (expert_parallel.py's docstring); a second collective on a duplicate for the comm
+    thread.  Under ps the servers average them (their keys' group, server_buckets.py);
+    the collective, the ring, only starts the replicas equal."""
+    replica_comm, algorithm = comms.ep_replicas, axis_collective(cfg)
+    return Replicas(collective_for(algorithm, cfg, replica_comm, device=device),
+                    collective_for(algorithm, cfg, replica_comm.Dup(), device=device)
+                    if cfg.overlap else None, scale=1.0 / cfg.ep, place=f"ep{comms.ep_rank}")
 
 
 def pipeline(plan, comms, cfg, device, stages, tracer, criterion):

@@ -54,6 +54,12 @@ so each expert's replicas are its data-parallel group, over which `--zero 1-2`
 shard its optimizer state, as the world shards the dense layers'.  Their
 collectives leave on the comm thread as backward finishes each layer.
 
+On the grid (--pp, --tp) the same holds per stage and tp place: the mesh's expert
+groups and replicas are cut out of the replicas of one (pp, tp) place, so a stage's
+experts are split over its own replicas and averaged over theirs.  Under tp every rank
+of a tp group holds the same experts and exchanges the same tokens with its peers at
+its tp place (tensor_parallel.py: the experts are replicated over tp).
+
 Equivalence: capacity is decided per group of tokens (moe.py), by default one
 rank's local batch; the one-process reference with --moe-group set to that
 many sequences gates, drops and combines the same tokens, so the runs agree up
@@ -150,18 +156,29 @@ def shard_experts(model, placement, exchange):
     return params
 
 
+def moe_of(block):
+    """The MoE of a block (its mlp, or inside sequence parallelism's wrapper), or None."""
+    return next((m for m in block.modules() if isinstance(m, MoE)), None)
+
+
+def block_units(name, block, experts):
+    """A block as ZeRO's layers: its dense parameters, then each of its experts held here,
+    with `experts` (a zero.Replicas) as the ranks they are averaged over."""
+    moe = moe_of(block)
+    held = {id(p) for p in moe.experts.parameters()}
+    units = [(name, block, [p for p in block.parameters() if id(p) not in held])]
+    for key, expert in moe.experts.items():
+        units.append((f"{name}.mlp.experts.{key}", expert, list(expert.parameters()), experts))
+    return units
+
+
 def units_of(model, experts):
-    """The model as ZeRO's layers (zero.py), in forward order: the embeddings; each
-    block's dense parameters, then each of its experts held here, with `experts` (a
-    zero.Replicas) as the ranks they are averaged over; the head."""
+    """The whole model as ZeRO's layers (zero.py), in forward order: the embeddings; each
+    block's units (block_units); the head.  A grid's stages are cut into the same
+    units by engine/parallelize.py."""
     units = [("embed", model, [model.tok.weight, model.pos.weight])]
     for i, block in enumerate(model.blocks):
-        moe = block.mlp
-        held = {id(p) for p in moe.experts.parameters()}
-        units.append((f"blocks.{i}", block, [p for p in block.parameters() if id(p) not in held]))
-        for key, expert in moe.experts.items():
-            units.append((f"blocks.{i}.mlp.experts.{key}", expert, list(expert.parameters()),
-                          experts))
+        units += block_units(f"blocks.{i}", block, experts)
     units.append(("head", model, [*model.ln_f.parameters(), *model.head.parameters()]))
     assert sum(len(u[2]) for u in units) == len(list(model.parameters()))
     return units

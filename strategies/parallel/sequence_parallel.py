@@ -73,6 +73,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..model.models import Block
+from ..model.moe import MoE
 from ..runtime.precision import as_wire
 from ..runtime.trace import span
 from .tensor_parallel import ColumnParallelLinear, Conjugate, RowParallelLinear
@@ -231,11 +232,29 @@ def sum_over_tp(tp, parameters):
         p.register_hook(lambda grad: tp.allreduce(grad, "sp weight gradient"))
 
 
+class SequenceParallelMoE(nn.Module):
+    """A mixture of experts, whole on every tp rank (tensor_parallel.py), between two
+    sequence-parallel regions: all-gather the positions, route and run the experts on
+    the whole sequence (the gating groups and capacities of the unsplit layer), keep
+    my positions of the output.  Every tp rank computes the same whole output and so
+    gets the same whole gradient of it: the exit's backward is an all-gather, the
+    entry's a cut, and the gate's and experts' gradients need no sum."""
+
+    def __init__(self, moe, tp):
+        super().__init__()
+        self.moe, self.tp = moe, tp
+
+    def forward(self, x):
+        return scatter_to_sequence(self.moe(gather_to_replicated(x, self.tp)), self.tp)
+
+
 def replicated_in_block(block):
-    """The parameters of a tensor-parallel block that are whole on every tp rank."""
-    attn_out, mlp_out = block.attn.proj, block.mlp[2]
+    """The parameters of a tensor-parallel block that are whole on every tp rank and see
+    only this rank's positions (a mixture of experts sees them all)."""
+    outs = [block.attn.proj] + ([] if isinstance(block.mlp, SequenceParallelMoE)
+                                else [block.mlp[2]])
     return [*block.ln1.parameters(), *block.ln2.parameters()] + \
-        [b for b in (attn_out.bias, mlp_out.bias) if b is not None]
+        [out.bias for out in outs if out.bias is not None]
 
 
 def split_sequence(layers, tp):
@@ -248,8 +267,11 @@ def split_sequence(layers, tp):
             attn, mlp = module.attn, module.mlp
             attn.qkv = SequenceParallelColumnLinear(attn.qkv)
             attn.proj = SequenceParallelRowLinear(attn.proj)
-            mlp[0] = SequenceParallelColumnLinear(mlp[0])
-            mlp[2] = SequenceParallelRowLinear(mlp[2])
+            if isinstance(mlp, MoE):
+                module.mlp = SequenceParallelMoE(mlp, tp)
+            else:
+                mlp[0] = SequenceParallelColumnLinear(mlp[0])
+                mlp[2] = SequenceParallelRowLinear(mlp[2])
             sum_over_tp(tp, replicated_in_block(module))
         elif name == "embed":
             module = SequenceParallelEmbed(module, tp)

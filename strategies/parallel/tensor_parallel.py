@@ -34,7 +34,18 @@ row-parallel as GPT's second matrix is.
 
 Embeddings, LayerNorms and the head stay whole on every tp rank: they see the
 same inputs and (after f's backward all-reduce) the same output gradients, so
-their gradients are already equal and need no sync.  The TensorParallel object
+their gradients are already equal and need no sync.
+
+A mixture of experts (--model moe) stays whole on every tp rank too: its gate and
+experts are replicated over the tp group, Megatron-LM's expert tensor-parallel
+size 1.  Each tp rank routes the same tokens to the same experts and gets the same
+gradients, so neither the layer nor its gradients need a tp collective.  Why not
+cut each expert's MLP over tp as the GPT's: the experts already have an axis of
+their own (--ep) that divides their weights and flops without a collective per
+expert, where a tp cut would add an f and a g to each of the E experts of a block
+on buffers of C tokens; tp's cut goes to attention, which every token passes
+through.  The price, stated: each tp rank holds the experts it has whole and
+repeats their flops; --ep divides them.  The TensorParallel object
 remembers where every local parameter came from (`pieces[id(p)]`: full-matrix
 slices <- local slices, and the full shape), so the full model can be
 reassembled for checkpoints and tests.
@@ -47,6 +58,7 @@ import torch
 import torch.nn as nn
 
 from ..model.models import Block, SwiGLU
+from ..model.moe import MoE
 from ..runtime.fp8_linear import linear_function
 from ..runtime.precision import as_wire
 from ..runtime.trace import span
@@ -186,9 +198,11 @@ def tensor_parallel_mlp(mlp, tp):
 
 def parallelize_blocks(blocks, tp):
     """Replace each GPT block's attention and MLP by their tensor-parallel forms, in place;
-    parameter names inside a block do not change."""
+    parameter names inside a block do not change.  A mixture of experts stays whole,
+    replicated over the tp ranks (the module docstring)."""
     for block in blocks:
         if not isinstance(block, Block):
             raise TypeError(f"tensor parallelism splits GPT blocks, not {type(block).__name__}")
         block.attn = TensorParallelAttention(block.attn, tp)
-        block.mlp = tensor_parallel_mlp(block.mlp, tp)
+        if not isinstance(block.mlp, MoE):
+            block.mlp = tensor_parallel_mlp(block.mlp, tp)

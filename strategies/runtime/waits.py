@@ -23,8 +23,12 @@ loop sleeps between polls, as MPIControl.barrier does: Python's signal handlers 
 (stopping.py needs them), and a waiting rank leaves the cores to the others.  A
 barrier is an allgather of nothing.  On the deadline a WaitTimeout (a TimeoutError)
 names the waiting rank, what it waited in, and the silent ranks;
-strategies.train turns it into one line and exit 1 on that rank, and mpi4py's
-abort ends the others.
+strategies.train turns it into one line and exit 1 on that rank.
+
+A rank that ends with an error (its own exception, or a wait past --timeout) then
+agrees the end with the others (agree_to_end: the same exchange, on a tag of its
+own): when every rank says it ends too, none will wait again and MPI is finalized
+on every rank (exits.py); when one stays silent, the others abort.
 
 A trade-off: a wait cannot tell a stopped rank from a slow one.  Under ASP a
 worker meets the others only at checkpoints and at the end, and waits there for
@@ -34,6 +38,7 @@ step, 60 steps: 1.2 s; the default timeout is 60 s).
 import time
 
 TAG = 11                       # on the wrapper's own communicator, so nothing else matches
+END_TAG = 12                   # the notices of ranks that end with an error (agree_to_end)
 
 
 class WaitTimeout(TimeoutError):
@@ -57,28 +62,40 @@ class Bounded:
         self.peers = [p for p in range(self.size) if p != self.rank]
 
     def allgather(self, obj, what="control allgather"):
+        return self._exchange(obj, what, TAG, self.timeout)
+
+    def agree_to_end(self, why, within):
+        """This rank ends with an error (`why`, a line): tell every peer so, and hear
+        each of them say the same within `within` seconds -> {rank: its why}.  Then
+        every rank is on its way out and none will wait for another again: they may
+        finalize MPI together (exits.py).  WaitTimeout names the ranks that said
+        nothing: stopped, hung, or still inside an unbounded wait.  The notices have a
+        tag of their own, so no control message of a step matches them."""
+        return dict(enumerate(self._exchange(why, "the agreement to end", END_TAG, within)))
+
+    def _exchange(self, obj, what, tag, timeout):
         out = [None] * self.size
         out[self.rank] = obj
-        sends = [self.p2p.isend(obj, dest=p, tag=TAG) for p in self.peers]
+        sends = [self.p2p.isend(obj, dest=p, tag=tag) for p in self.peers]
         missing = list(self.peers)
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + timeout
         pause = 0.0001
         while missing:
             for p in list(missing):
-                message = self.p2p.improbe(source=p, tag=TAG)
+                message = self.p2p.improbe(source=p, tag=tag)
                 if message is not None:
                     out[p] = message.recv()
                     missing.remove(p)
             if not missing:
                 break
             if time.monotonic() > deadline:
-                raise WaitTimeout(self.rank, missing, self.timeout, what)
+                raise WaitTimeout(self.rank, missing, timeout, what)
             time.sleep(pause)
             pause = min(2 * pause, 0.002)
         while sends and not all(s.Test() for s in sends):
             if time.monotonic() > deadline:
                 silent = [p for p, s in zip(self.peers, sends) if not s.Test()]
-                raise WaitTimeout(self.rank, silent, self.timeout, what)
+                raise WaitTimeout(self.rank, silent, timeout, what)
             time.sleep(0.0005)
         return out
 

@@ -59,16 +59,17 @@ class Replicas:
     its communicator, for the comm thread where the main thread talks on the first
     meanwhile (None: the same); scale: a factor after the average (an expert's gradient,
     summed over the tokens of its expert group by autograd, is averaged over the world,
-    not its replicas)."""
+    not its replicas); place: how the parameter servers' keys name these replicas
+    ("ep1": an expert's at place 1 of its expert group; "": the dp axis)."""
 
-    def __init__(self, coll, thread_coll=None, scale=1.0):
+    def __init__(self, coll, thread_coll=None, scale=1.0, place=""):
         self.coll, self.thread_coll, self.scale = coll, thread_coll or coll, scale
-        self.rank, self.size = coll.rank, coll.size
+        self.rank, self.size, self.place = coll.rank, coll.size, place
 
 
 class OneRank:
     """The replicas of a bucket with none to talk to: the whole buffer is this rank's."""
-    rank, size, scale, coll, thread_coll = 0, 1, 1.0, None, None
+    rank, size, scale, coll, thread_coll, place = 0, 1, 1.0, None, None, ""
 
 
 class Layer(NamedTuple):

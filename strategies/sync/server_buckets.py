@@ -17,7 +17,11 @@ key's group (psrv/store.py) is this rank's replicas, the ranks that hold the sam
 parameters (the mesh's dp_cp axis: dp, times cp where context parallelism cuts each
 replica's sequences, whose ranks push gradients of their own positions' share of the
 loss), and BSP waits for it alone, SSP and ASP count staleness per key, as with the
-whole model.  The servers hold the
+whole model.  An expert's bucket (--ep, expert_parallel.py) is held by its replicas
+only, the ranks at the same place of every expert group: its key names that place
+too, "pp0.tp0.ep1.b3", and its group is those replicas (the mesh's ep_replicas), whose
+average the worker scales by 1 / ep before the push, as the all-reduce syncs do after
+theirs.  The servers hold the
 parameters and the optimizer state, so there is nothing to shard: ZeRO has no
 meaning here (config/validate.py says so).
 
@@ -140,14 +144,19 @@ class ServerBuckets(ZeRO):
         # so that all number them alike; the group of this rank's keys is its replicas,
         # dp x cp (their leaders, under hybrid)
         prefix = f"pp{comms.pp_rank}.tp{comms.tp_rank}."
-        self.keys = [f"{prefix}b{u.index}" for u in self.units]
+        places = [b.replicas.place for b in self.engine.buckets]      # "" or an expert's
+        self.keys = [prefix + (f"{place}." if place else "") + f"b{u.index}"
+                     for place, u in zip(places, self.units)]
         mine = {k: (u.numel,) for k, u in zip(self.keys, self.units)} if self.leads else {}
         shapes = {k: s for part in comms.world.allgather(mine) for k, s in part.items()}
         # the servers' workers are the ranks that talk to them: every worker, or under
         # hybrid the node leaders, numbered in rank order
         leaders = [r for r, leads in enumerate(comms.world.allgather(self.leads)) if leads]
         worker_id = {r: i for i, r in enumerate(leaders)}
-        group = [worker_id[r] for r in comms.dp_cp.allgather(comms.rank) if r in worker_id]
+        # a key's group: the replicas (dp x cp), or an expert's replicas (every rank
+        # asks: collective)
+        groups = {place: [worker_id[r] for r in axis.allgather(comms.rank) if r in worker_id]
+                  for place, axis in (("", comms.dp_cp), ("experts", comms.ep_replicas))}
         self.host = {k: u.full.detach().cpu().clone() for k, u in zip(self.keys, self.units)}
         self.client = None
         start = 0
@@ -166,9 +175,13 @@ class ServerBuckets(ZeRO):
                 name=cfg.optimizer, lr=cfg.lr, betas=(0.9, 0.999),
                 momentum=0.0 if cfg.momentum_correction else cfg.momentum,
                 eps=1e-8, weight_decay=cfg.weight_decay)
-            # the group's first rank brings the values; after --resume, the servers' own
-            start = self.client.init({k: t.numpy() for k, t in self.host.items()},
-                                     optimizer, group=group, shapes=shapes)
+            # the group's first rank brings the values; after --resume, the servers' own.
+            # One init a group, the dense layers' first, in the same order on every rank
+            values = {}
+            for place, (k, t) in zip(places, self.host.items()):
+                values.setdefault("experts" if place else "", {})[k] = t.numpy()
+            start = min(self.client.init(values[place], optimizer, group=groups[place],
+                                         shapes=shapes) for place in values)
         if node is not None:          # the node starts from its leader's values and step
             step = torch.tensor([start], dtype=torch.float64)
             node.coll.broadcast(step, root=0)
@@ -190,6 +203,8 @@ class ServerBuckets(ZeRO):
         """On the comm thread: the bucket's gradient to the servers, its values back.
         Returns the bytes this rank sent."""
         sent = 0
+        if bucket.replicas.scale != 1.0 and not self.node_ring:   # an expert's: 1 / ep
+            flat.mul_(bucket.replicas.scale)
         if self.node_ring:          # through the compressor, as every all-reduce sync
             name = self.units[bucket.index].name
             with span(self.tracer, f"all-reduce grads {name} (node)", self.category):

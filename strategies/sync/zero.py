@@ -241,7 +241,7 @@ class ZeRO(GradientSync):
         # one replica too: --compress means what the gradient goes through, wherever it goes
         sent = self.compressor.reduce_bucket(
             bucket.index, work, bucket.wire if work is flat else None, bucket.shapes,
-            lambda t: replicas.thread_coll.allreduce(t, op="avg"))
+            lambda t: replicas.thread_coll.allreduce(t, op="avg"), replicas.thread_coll)
         if work is not flat:
             flat.copy_(work)
         if replicas.scale != 1.0:
