@@ -1,7 +1,7 @@
 """Gradient accumulation (--grad-accum k, strategies/engine/accumulation.py): every tier.
 
-Equivalence: k micro-steps of b/k samples, each loss scaled by 1/k, make the step
-of the unsplit batch b; only the order of float additions changes (the sum of k
+Equivalence: k micro-batches of b/k samples, each loss scaled by its share 1/k, make
+the step of the unsplit batch b; only the order of float additions changes (the sum of k
 partial gradients), a few ulps per step.  Tolerance rtol = 1e-5, atol = 1e-6, as
 for the other data-parallel equivalences (tests/test_train_runs.py), against
 differences of O(lr * grad) ~ 1e-3 for a real bug (a micro-batch counted twice or
@@ -19,7 +19,7 @@ import torch
 from conftest import each_bucket
 
 import strategies
-from strategies.engine.accumulation import accumulate
+from strategies.engine.accumulation import Accumulation
 from strategies.sync.buckets import GradBuckets
 from strategies.config.choices import ConfigError
 from strategies.compression.casts import make_compressor
@@ -43,19 +43,19 @@ def batch(step):
 
 
 class CountingSync(LocalSync):
-    """One process's sync whose gradients go through GradBuckets, as data_parallel's do;
-    the 'all-reduce' of one rank is the identity, counted by the buckets."""
+    """One process's sync whose gradients go through GradBuckets, as data_parallel's do,
+    built for the schedule's k backwards a step; the 'all-reduce' of one rank is the
+    identity, counted by the buckets."""
+    backwards_per_step = 1
 
     def setup(self, model):
         super().setup(model)
         self.buckets = GradBuckets(list(model.parameters()), each_bucket(lambda flat: None), 600,
-                                   make_compressor("none"), overlap=True)
+                                   make_compressor("none"), overlap=True,
+                                   backwards_per_step=self.backwards_per_step)
 
     def before_backward(self):
         self.buckets.zero_()
-
-    def no_sync(self):
-        return self.buckets.accumulating()
 
     def synchronize(self, step):
         self.buckets.wait()
@@ -64,13 +64,15 @@ class CountingSync(LocalSync):
 def train(k, sync_class=LocalSync):
     model = mlp()
     sync = sync_class(None, None, torch.device("cpu"))
+    sync.backwards_per_step = k                    # as data_parallel builds it
     sync.setup(model)
+    schedule = Accumulation(model, model.criterion, k, torch.device("cpu"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses, rounds = [], []
     for step in range(STEPS):
         x, y = batch(step)
         sync.before_backward()
-        losses.append(accumulate(step, model, model, x, y, k, sync, lambda: 0.0).item())
+        losses.append(schedule.run(x, y, step).item())
         sync.synchronize(step)
         sync.step(opt)
         rounds.append(getattr(sync, "buckets", None) and sync.buckets.reductions)
