@@ -154,15 +154,25 @@ def test_mesh_carves_context_groups_out_of_the_replicas():
     (dict(model="mlp", cp=2), "needs --model gpt or moe"),
     (dict(cp=3), r"--seq-len 32 is not divisible by cp\(3\)"),
     (dict(cp=2, heads=2, tp=2, cp_kind="ulysses"), r"--heads 2 / tp\(2\) = 1 is not a multiple"),
-    (dict(cp=2, pp=2, micro_batches=2), "--cp 2 with --pp 2 is not supported"),
-    (dict(cp=2, tp=2, sequence_parallel=True), "--cp 2 with --sequence-parallel"),
+    (dict(cp=2, tp=2, sequence_parallel=True, seq_len=34),
+     r"--seq-len 34 is not divisible by cp\(2\) x tp\(2\) = 4: 34 % 4 = 2"),
     (dict(cp=2, sync="ps"), "--cp 2 with --sync ps is not supported"),
 ])
 def test_context_parallelism_refuses_what_it_does_not_build(kw, message):
     base = dict(model="gpt", sync="ring", seq_len=32, heads=4, d_model=16)
     with pytest.raises(ConfigError, match=message) as e:
         TrainConfig(**{**base, **kw})
-    assert e.value.field in ("cp", "heads")
+    assert e.value.field in ("cp", "heads", "sequence_parallel")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kw", [dict(pp=2, micro_batches=2), dict(tp=2, sequence_parallel=True),
+                                dict(pp=2, micro_batches=2, schedule="interleaved",
+                                     virtual_stages=2, layers=4, cp_kind="ulysses")])
+def test_context_parallelism_composes_with_pipelines_and_sequence_parallelism(kw):
+    cfg = TrainConfig(model="gpt", sync="ring", seq_len=32, heads=4, d_model=16, cp=2,
+                      global_batch=8, **kw)
+    assert check_world(cfg, 4) == 1                     # dp(1) x cp(2) x pp or tp (2)
 
 
 @pytest.mark.timeout(30)

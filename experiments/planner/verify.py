@@ -238,9 +238,6 @@ def runnable(gpt, layout):
     if gpt.experts and (layout.pp > 1 or layout.tp > 1 or layout.zero or
                         layout.micro_batches > 1 or layout.recompute != "none"):
         return "the trainer's mixture of experts runs on dp and ep only"
-    if layout.cp > 1 and (layout.pp > 1 or layout.sequence_parallel):
-        return "the trainer's context parallelism runs without a pipeline or sequence " \
-               "parallelism"
     return ""
 
 

@@ -261,7 +261,8 @@ def check_moe(cfg):
 def check_context(cfg):
     """Context parallelism (--cp) against the model and the other techniques: what is
     built is the GPT's attention over a cp group of an all-reduce run (the whole model,
-    tp, ZeRO, micro-batches, recompute); the rest is refused with its reason."""
+    tp and its sequence parallelism, pipelines, ZeRO, micro-batches, recompute); the
+    rest is refused with its reason."""
     if cfg.cp == 1:
         return
     if cfg.model not in ("gpt", "moe"):
@@ -278,16 +279,19 @@ def check_context(cfg):
                           f"--heads {cfg.heads}{tp} = {per_tp} is not a multiple of "
                           f"cp({cfg.cp}) ({per_tp} % {cfg.cp} = {per_tp % cfg.cp}); choose "
                           f"--heads a multiple of --cp, or --cp-kind ring", field="heads")
+    slices = cfg.cp * cfg.tp
+    if cfg.sequence_parallel and cfg.seq_len % slices:
+        # tp's sequence-parallel shards cut each cp rank's slice of the positions again
+        raise ConfigError(f"--cp {cfg.cp} with --sequence-parallel: --seq-len {cfg.seq_len} "
+                          f"is not divisible by cp({cfg.cp}) x tp({cfg.tp}) = {slices}: "
+                          f"{cfg.seq_len} % {slices} = {cfg.seq_len % slices}; tp's shards "
+                          f"cut each cp rank's slice of the positions", field="sequence_parallel")
     for what, refused, why in (
             ("--sync local", cfg.sync == "local", "it splits a sequence over ranks; --sync "
              "local is one process"),
             (f"--sync {cfg.sync}", cfg.sync in PS_SYNCS, "a context group's ranks push "
              "partial gradients of the same parameters, and the servers average a key over "
              "its dp replicas only: use an all-reduce --sync"),
-            (f"--pp {cfg.pp}", cfg.pp > 1, "the stages' messages and a schedule over "
-             "context groups are not built; use --tp or --dp with it"),
-            ("--sequence-parallel", cfg.sequence_parallel, "both split the positions, and "
-             "tp's shards of a cp slice are not built"),
             (f"--ep {cfg.ep}", cfg.ep > 1, "both are carved out of the replicas, and "
              "expert groups over context groups are not built"),
             (f"--model moe --zero {cfg.zero}", cfg.model == "moe" and cfg.zero > 0,

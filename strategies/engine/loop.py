@@ -183,7 +183,8 @@ class StepEngine:
     def context_fields(self, fields, bytes_before, seconds_before):
         """--cp: what the attention cores sent this step (`cp_bytes`: ring attention's
         key-value blocks and their gradients, or Ulysses' all-to-alls; None where the
-        collective does not count) and the time they waited for it (`cp_time_s`).
+        collective does not count), the time they waited for it (`cp_time_s`) and whose
+        slice of the positions it is (`cp_rank`).
         That wait blocks the forward and backward: where no spans are read (the whole
         model), it moves from the compute to the communication, as the experts' does;
         the grid's times already read it off the cores' comm spans."""
@@ -191,7 +192,8 @@ class StepEngine:
         seconds = core.seconds - seconds_before
         sent = None if bytes_before is None or core.bytes_sent is None \
             else core.bytes_sent - bytes_before
-        fields.update(cp_bytes=sent, cp_time_s=seconds)
+        # the ranks of a context group share their (dp, pp, tp) coordinates
+        fields.update(cp_bytes=sent, cp_time_s=seconds, cp_rank=self.ctx.mesh.cp_rank)
         if not self.plan.pipelined:
             fields.update(compute_time_s=fields["compute_time_s"] - seconds,
                           comm_time_s=fields["comm_time_s"] + seconds)

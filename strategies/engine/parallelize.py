@@ -256,6 +256,8 @@ def pipeline(plan, comms, cfg, device, stages, tracer, criterion):
     staged through pinned host memory where MPI is not CUDA-aware: for_device).
     criterion: the cross-entropy alone (a stage adds its own balance losses)."""
     p2p = for_device(make_transport("mpi", comms.pp, cfg.timeout), device)
+    # a GPT's activation is this rank's positions: T, over tp's sequence-parallel
+    # shards, over cp's slices; its peers on the pp axis share its (dp, cp, tp)
     feature = (positions_per_rank(cfg, comms.tp_size) // comms.cp_size, cfg.d_model) \
         if cfg.model in ("gpt", "moe") else (cfg.width,)
     kind = InterleavedPipeline if cfg.schedule == "interleaved" else Pipeline

@@ -4,6 +4,8 @@
         --seq-len 64 --cp 2 --cp-kind ring                 # or --cp-kind ulysses
     mpiexec -n 4 .venv/bin/python -m mpi4py -m strategies.train --sync ring --model gpt \\
         --seq-len 64 --cp 2 --tp 2                         # --dp 2 --zero 1 composes too
+    mpiexec -n 4 .venv/bin/python -m mpi4py -m strategies.train --sync ring --model gpt \
+        --seq-len 64 --cp 2 --pp 2 --micro-batches 2       # or --tp 2 --sequence-parallel
 
 Llama 3's long-context training and torchtitan's context parallelism: the ranks of a
 context group (config/mesh.py's "cp" axis, carved out of the replicas) hold the same
@@ -31,6 +33,17 @@ mean over the replica's tokens, and averaging the gradients over the dp x cp
 replicas (the mesh's "dp_cp" axis: sync/data_parallel.py's communicator) gives the
 gradient of the mean over the global batch, as on one process.  The reported loss
 is the mean of every rank's (runtime/metrics.py), the cp ranks' included.
+
+With a pipeline (--pp) each stage's rank holds its cp slice too: what it sends the
+next stage is the activation of its own positions, (b, T / cp, C), and its peer is
+the next stage's rank with the same (dp, cp, tp) coordinates (the pp axis), so the
+schedules (GPipe, 1F1B, interleaved) run unchanged and every stage's attention meets
+the other slices over its own cp group.  The last stage's cp ranks each hold the
+loss of their slice, averaged as above.  With sequence parallelism
+(sequence_parallel.py) tp's shards cut the cp slice again: a rank keeps T / (cp tp)
+positions between the blocks' tensor-parallel regions, which gather the slice's
+T / cp over tp before attention and scatter it back after, so the attention core
+sees the same slice as under tp alone (T must divide by cp x tp).
 
 A mixture of experts gates each rank's own positions: its capacity and balance loss
 are the slice's, as under expert parallelism they are the dp rank's batch's.

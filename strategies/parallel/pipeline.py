@@ -10,9 +10,11 @@ more than their blocks), 8 on 4 are 2 each; --pp-layers 2,3,2 sets them by hand.
 Activations go forward and their gradients backward through the point-to-point
 transport of allreduce/ (the pp communicator: rank i is stage i); both sides know
 every message's shape from the config and the micro-batch bounds, so only raw
-float32 bytes travel.  A message is received on the device
-the stage computes on (the batch's); on a GPU whose MPI reads host memory only,
-the transport stages it through pinned host memory (allreduce.host_staged).
+float32 bytes travel (a GPT's activation holds this rank's positions: all T, or its
+slice under --cp and --sequence-parallel, which its peers on the pp axis share).  A
+message is received on the device the stage computes on (the batch's); on a GPU
+whose MPI reads host memory only, the transport stages it through pinned host
+memory (allreduce.host_staged).
 
 Two schedules of m micro-batches on p stages (F = forward, B = backward):
 

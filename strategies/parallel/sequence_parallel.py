@@ -4,7 +4,7 @@ Korthikanti, Casper, Lym, McAfee, Andersch, Shoeybi, Catanzaro, "Reducing
 Activation Recomputation in Large Transformer Models", MLSys 2023, section 4.2.2.
 
     mpiexec -n 2 .venv/bin/python -m mpi4py -m strategies.train --sync ring --model gpt \
-        --tp 2 --sequence-parallel                      # --pp, --dp and --zero compose
+        --tp 2 --sequence-parallel                      # --pp, --dp, --zero and --cp compose
 
 Tensor parallelism (tensor_parallel.py) splits attention and the MLP over the
 tp ranks, but every tp rank still runs the LayerNorms and the residual adds on

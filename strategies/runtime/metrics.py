@@ -12,6 +12,7 @@ run's `run_id`, so that several runs can share a file:
         "bubble_fraction", "peak_in_flight", "micro_batch_activation_bytes", "memory"
         --precision fp16: "loss_scale", "overflow_skips" (so far; the summary has the total)
         --ep: "alltoall_time_s", "alltoall_bytes" (sent by this rank), "dropped_fraction"
+        --cp: "cp_bytes", "cp_time_s" (the attention cores' traffic and waits), "cp_rank"
         all-reduce syncs: "wire_bytes" (gradient bytes this rank handed to the collectives,
         after --compress), "dense_bytes" (the same as float32 all-reduces); topk:
         "kept_ratio" (the fraction of each bucket sent: RATIO, more during --sparsity-warmup)
@@ -22,12 +23,13 @@ checkpoint's step are dropped (forget_steps_from); other runs' records stay.
 
 `loss` is the loss of the whole global batch: the mean of the local losses of
 the ranks that compute one (every data-parallel rank; on the grid the first
-tensor-parallel rank of each last pipeline stage), each a mean over B/P
-samples, so it equals the one-process loss on B samples and runs of any P
-compare directly.  `comm_time_s` is the *exposed* communication: the time the
-main thread was blocked waiting for the sync after backward (communication
-hidden behind backward is not in it); on a GPU, the time its stream waited for
-the gradients after backward's kernels (CUDA events: StepClock, below).
+tensor-parallel rank of each last pipeline stage; with --cp each cp rank, over its
+equal slice of the positions), each a mean over B/P samples, so it equals the
+one-process loss on B samples and runs of any P compare directly.  `comm_time_s`
+is the *exposed* communication: the time the main thread was blocked waiting for
+the sync after backward (communication hidden behind backward is not in it); on a
+GPU, the time its stream waited for the gradients after backward's kernels (CUDA
+events: StepClock, below).
 `bytes_*` are this step's traffic of this rank.
 
 `ended_s` is when this rank ended the step, in seconds from the run's start on its
