@@ -2,6 +2,7 @@
 made here or given.  The package's __init__ hands these names out on first use.
 """
 import os
+import sys
 
 from .auto import Auto
 from .cuda_ipc import SharedGpuTransport
@@ -17,18 +18,30 @@ ALGORITHMS = TEXTBOOK + ("hierarchical", "shm", "mpi", "torch", "auto")
 COMPOSED = {"hierarchical": Hierarchical, "auto": Auto}
 
 
-def make_transport(kind="mpi", comm=None, timeout=None):
+def make_transport(kind=None, comm=None, timeout=None):
     """A transport over `comm`'s ranks.  'mpi': an mpi4py communicator (default
-    COMM_WORLD).  'torch': the same, or a list of global ranks or a torch
-    ProcessGroup; each runs on a process group of its own (torch_transport.py)."""
+    COMM_WORLD).  'torch': the same, or a list of global ranks, a torch ProcessGroup
+    or a TorchComm (torchrun's mesh axes: torch_comm.py); each runs on a process group
+    of its own (torch_transport.py).  None: the communicator's own (kind_of)."""
+    kind = kind or kind_of(comm)
     if kind == "mpi":
         return MPITransport(comm, timeout)
     if kind == "torch":
         from .torch_transport import TorchTransport, group_for
         from .torch_world import init_torch_distributed
         init_torch_distributed(timeout=timeout)
-        return TorchTransport(group_for(comm, timeout), timeout)
+        group = comm.group if kind_of(comm) == "torch" else group_for(comm, timeout)
+        return TorchTransport(group, timeout)
     raise TransportError(f"unknown transport {kind!r}; choose 'mpi' or 'torch'")
+
+
+def kind_of(comm):
+    """The transport a communicator takes: 'torch' for a TorchComm, 'mpi' for an mpi4py
+    communicator (or None, COMM_WORLD).  A TorchComm exists only once its module is
+    loaded, so asking does not load torch into an MPI run."""
+    torch_comm = sys.modules.get(f"{__package__}.torch_comm")
+    return "torch" if torch_comm is not None and isinstance(comm, torch_comm.TorchComm) \
+        else "mpi"
 
 
 def make(name, transport, **options):
@@ -45,8 +58,9 @@ def make(name, transport, **options):
 def create(name, comm=None, transport=None, timeout=None, link_latency_us=None, link_gbps=None,
            device=None, **options):
     """A collective by name.  `transport` is 'mpi' (default; 'torch' for the torch
-    baseline), 'torch', or a Transport object; `comm` an mpi4py communicator (for
-    'torch' also a list of global ranks or a ProcessGroup: make_transport).
+    baseline and over a TorchComm), 'torch', or a Transport object; `comm` an mpi4py
+    communicator or a TorchComm (for 'torch' also a list of global ranks or a
+    ProcessGroup: make_transport).
     `link_latency_us` / `link_gbps` (Gbit/s) emulate a slower interconnect (allreduce.emulate).
     `device`: where the buffers will live, if a GPU: then a textbook algorithm over an
     MPI that moves host memory only runs over CUDA IPC between the ranks that share a
@@ -54,7 +68,7 @@ def create(name, comm=None, transport=None, timeout=None, link_latency_us=None, 
     if name not in ALGORITHMS:
         raise CollectiveError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
     if transport is None or isinstance(transport, str):
-        transport = make_transport(transport or ("torch" if name == "torch" else "mpi"),
+        transport = make_transport(transport or ("torch" if name == "torch" else None),
                                    comm, timeout)
     if link_latency_us or link_gbps:
         if name in ("mpi", "torch"):

@@ -8,6 +8,8 @@ A transport over part of the world runs on a process group of its own:
     make_transport("torch", [4, 6, 5])        these global ranks, in this order (torchrun
                                               without MPI: each rank passes its own group's list)
     make_transport("torch", process_group)    a torch ProcessGroup made elsewhere, as it is
+    make_transport(comm=torch_comm)           a TorchComm's group (torchrun's mesh axes:
+                                              torch_comm.py)
 
 How groups are made (`make_groups`).  torch's `new_group` must be entered by
 every rank of the world, for every group, in the same order, members or not.
@@ -107,9 +109,17 @@ def channel_of(comm, members):
         _keyval.append(MPI.Comm.Create_keyval())
     channel = comm.Get_attr(_keyval[0])
     if channel is None:
-        channel = _made.get(members, 0)
-        _made[members] = channel + 1
+        channel = next_channel(members)
         comm.Set_attr(_keyval[0], channel)
+    return channel
+
+
+def next_channel(members):
+    """The channel of a new communicator of `members` (a tuple of global ranks): how many
+    communicators of those ranks had one before it, mpi4py's (channel_of) or torchrun's
+    (torch_comm.py)."""
+    channel = _made.get(members, 0)
+    _made[members] = channel + 1
     return channel
 
 

@@ -45,10 +45,12 @@ from .placement import DEFAULT_SLICE_BYTES, Placement
 
 
 class Handle:
-    """The requests of one non-blocking call; wait() completes them all."""
+    """The requests of one non-blocking call; wait() completes them all.  pushed_bytes:
+    the payload bytes its pushes put on the wire (the gradients, as encoded)."""
 
-    def __init__(self, client, requests):
+    def __init__(self, client, requests, pushed_bytes=0):
         self.client, self.requests, self.done = client, requests, False
+        self.pushed_bytes = pushed_bytes
 
     def wait(self):
         if not self.done:
@@ -61,7 +63,7 @@ class Handle:
 class Client:
     def __init__(self, endpoints, worker_id, num_workers, timeout=30.0, consistency=None,
                  keys=None, heartbeat_interval=0.5, slice_bytes=DEFAULT_SLICE_BYTES,
-                 message_bytes=4 << 20, wire="fp32"):
+                 message_bytes=4 << 20, wire="fp32", encoder=None):
         if not 0 <= worker_id < num_workers:
             raise ValueError(f"worker_id {worker_id} not in [0, num_workers={num_workers})")
         if not endpoints:
@@ -77,8 +79,12 @@ class Client:
         self.consistency = consistency or Consistency()
         if wire not in P.WIRE_DTYPES:
             raise ValueError(f"wire {wire!r}: choose {', '.join(P.WIRE_DTYPES)}")
-        # pushes carry gradients in this dtype; the servers sum and step in float32
+        # pushes carry gradients in this dtype, or as `encoder` encodes each slice:
+        # encoder(slice, its float32 gradient) -> (dtype code, param, payload array), in
+        # protocol.py's layout (a lossy compressor's, strategies/sync/server_buckets.py);
+        # the servers decode, sum and step in float32
         self.wire = P.WIRE_DTYPES[wire]
+        self.encoder = encoder or self._cast
         self.slice_bytes, self.message_bytes = slice_bytes, message_bytes
         self.placement = None
         self.staleness_log = []
@@ -151,13 +157,13 @@ class Client:
 
     def push_pull(self, grads, out, step):
         """Non-blocking: push grads for `step`, and fill `out` with the updated values on wait()."""
-        return Handle(self, self._requests(P.Op.PUSH_PULL, grads, step, out))
+        return Handle(self, *self._requests(P.Op.PUSH_PULL, grads, step, out))
 
     def push_async(self, grads, step):
-        return Handle(self, self._requests(P.Op.PUSH, grads, step, None))
+        return Handle(self, *self._requests(P.Op.PUSH, grads, step, None))
 
     def pull_async(self, out):
-        return Handle(self, self._requests(P.Op.PULL, {n: None for n in out}, 0, out))
+        return Handle(self, *self._requests(P.Op.PULL, {n: None for n in out}, 0, out))
 
     def push(self, name, grad, step):
         self.push_async({name: grad}, step).wait()
@@ -242,34 +248,44 @@ class Client:
         for name in sorted(arrays):
             for sl in self.placement.by_name[name]:
                 by_server.setdefault(sl.server, []).append(sl)
-        requests = []
+        requests, pushed = [], 0
         source = arrays if op != P.Op.PULL else {}
-        dtype = self.wire if op in (P.Op.PUSH, P.Op.PUSH_PULL) else P.FLOAT32
+        encode = self.encoder if op in (P.Op.PUSH, P.Op.PUSH_PULL) else None
         for server, slices in sorted(by_server.items()):
-            # batch: consecutive slices up to message_bytes per message
+            # batch: consecutive slices up to message_bytes (of float32) per message
             batch, size = [], 0
             for sl in slices + [None]:
                 nbytes = sl.length * 4 if sl else 0
                 if batch and (sl is None or size + nbytes > self.message_bytes):
-                    entries, payload = self._entries(batch, source, step, dtype)
+                    entries, payload = self._entries(batch, source, step, encode)
                     requests.append(self._send(server, op, entries, payload, [], out))
+                    pushed += sum(memoryview(p).nbytes for p in payload)
                     batch, size = [], 0
                 if sl:
                     batch.append(sl)
                     size += nbytes
-        return requests
+        return requests, pushed
 
-    def _entries(self, slices, arrays, step, dtype=P.FLOAT32):
+    def _cast(self, sl, piece):
+        """A push's slice as `wire` carries it: float32, or a 16-bit cast."""
+        return self.wire, 0, P.to_wire(piece, self.wire)
+
+    def _entries(self, slices, arrays, step, encode=None):
+        """The entries and payload frames of `slices`: float32 values (INIT), or a push's
+        gradients as `encode` (the client's encoder) carries them."""
         entries, payload = [], []
         for sl in slices:
-            parts = []
+            parts, dtype, param = [], P.FLOAT32, 0
             if sl.name in arrays:
                 flat = np.ascontiguousarray(arrays[sl.name], dtype=np.float32).reshape(-1)
                 if flat.size != self._numel[sl.name]:
                     raise ValueError(f"{sl.name}: {flat.size} elements, declared shape {sl.shape}")
-                parts = P.chunks(P.to_wire(flat[sl.offset:sl.offset + sl.length], dtype))
+                piece = flat[sl.offset:sl.offset + sl.length]
+                if encode is not None:
+                    dtype, param, piece = encode(sl, piece)
+                parts = P.chunks(piece)
             entries.append(P.Entry(sl.key, sl.offset, sl.length, sl.shape, dtype=dtype,
-                                   nframes=len(parts), step=step))
+                                   nframes=len(parts), step=step, param=param))
             payload += parts
         return entries, payload
 

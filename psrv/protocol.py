@@ -21,11 +21,35 @@ A message is one ZeroMQ multipart message (after the ROUTER's identity frame):
         num_entries, payload_bytes (sum of the payload frames' sizes)
 
     ENTRY  <I B B H I Q Q q q i 4I   (64 bytes), one per key slice
-        key, dtype code, ndim, reserved=0, nframes, offset, length (elements),
+        key, dtype code (DTYPES), ndim, param (PowerSGD's rank r; else 0), nframes,
+        offset, length (elements of the slice),
         step (the worker's clock for this key in a push; its clock in a reply),
         version (updates applied to the values in a reply),
         staleness (of the update this request applied; -1 if none),
         shape (the whole parameter's shape, ndim <= 4, the rest 0)
+
+A push's payload: how a slice of L float32 gradients travels, by the entry's dtype
+code.  The server turns each into a dense float32 slice (to_float32) before it sums
+and steps, exactly as for a float32 push; pulls and INIT's values are float32.
+Compressed pushes are BytePS's (Jiang et al., OSDI 2020): compressed from the worker
+to the server, decompressed there, so each worker's own encoding is added in float32.
+
+    code  encoding  the payload, back to back                          bytes
+    0     FLOAT32   L float32                                          4L
+    2     FLOAT16   L float16                                          2L
+    6     BFLOAT16  L bfloat16 (the upper 16 bits of each float32)     2L
+    7     FP8       L e4m3 bytes q | the slice's scale s as float32:   L + 4
+                    x = e4m3(q) / s, s finite and > 0 (FP8 Formats
+                    for Deep Learning, Micikevicius et al. 2022)
+    8     TOPK      k int32 indices | k float32 values: x = 0 but      8k
+                    x[index] = value; 1 <= k <= L, indices distinct,
+                    in [0, L)
+    9     POWERSGD  P (n x r) | Q (m x r), float32, row-major: x = the  4r(n + m)
+                    first L entries of P Qᵀ read row by row, with
+                    (n, m) = matrix_shape(L) (n = ceil(sqrt L), m =
+                    ceil(L / n), the slice zero-padded to n x m), r the
+                    entry's param, 1 <= r <= min(n, m) (Vogels et al.,
+                    NeurIPS 2019)
 
 Nothing is pickled or evaluated.  `decode` checks every structural field and
 raises ProtocolError naming the first bad one; it never allocates from a number
@@ -57,7 +81,8 @@ from enum import IntEnum
 import numpy as np
 
 MAGIC = b"TLPS"
-VERSION = 4     # 2: no HMAC flag; ABORT.  3: CHECKPOINT names its step.  4: INIT's GROUP
+VERSION = 5     # 2: no HMAC flag; ABORT.  3: CHECKPOINT names its step.  4: INIT's GROUP.
+                # 5: compressed pushes (FP8, TOPK, POWERSGD) and the entry's param
 HEADER = struct.Struct("<4sBBBBIIIQ")
 ENTRY = struct.Struct("<IBBHIQQqqi4I")
 CHUNK_BYTES = 1 << 20
@@ -95,12 +120,18 @@ CHECKPOINT_STEP = struct.Struct("<q")      # -1: the shard's own file; else a se
 CARRIES_PAYLOAD = {Op.INIT, Op.PUSH, Op.PUSH_PULL, Op.VALUES}
 
 # The dtype table: the order is the contract.  The server stores float32 only; a push
-# may carry a gradient in 16 bits (FLOAT16, or BFLOAT16: bfloat16's bits as <u2), which
-# it widens to float32 on arrival, before it sums or applies it (to_float32).
+# may carry a gradient in 16 bits (FLOAT16, or BFLOAT16: bfloat16's bits as <u2) or
+# compressed (codes 7-9, the table above; their entry here is the size every payload
+# frame is a multiple of), which it turns into float32 on arrival, before it sums or
+# applies it (to_float32).
 DTYPES = (np.dtype("<f4"), np.dtype("<f8"), np.dtype("<f2"), np.dtype("<i4"),
-          np.dtype("<i8"), np.dtype("u1"), np.dtype("<u2"))
+          np.dtype("<i8"), np.dtype("u1"), np.dtype("<u2"),
+          np.dtype("u1"), np.dtype("<i4"), np.dtype("<f4"))
 FLOAT32, FLOAT16, BFLOAT16 = 0, 2, 6
-WIRE_DTYPES = {"fp32": FLOAT32, "fp16": FLOAT16, "bf16": BFLOAT16}   # a push's choices
+FP8, TOPK, POWERSGD = 7, 8, 9
+WIRE_DTYPES = {"fp32": FLOAT32, "fp16": FLOAT16, "bf16": BFLOAT16}   # a push's casts
+COMPRESSED = {"fp8": FP8, "topk": TOPK, "powersgd": POWERSGD}          # and encodings
+PUSH_DTYPES = (*WIRE_DTYPES.values(), *COMPRESSED.values())
 
 
 class ProtocolError(ValueError):
@@ -118,6 +149,7 @@ class Entry:
     step: int = 0
     version: int = 0
     staleness: int = -1
+    param: int = 0        # POWERSGD: the rank of the factors
 
     def __repr__(self):
         return f"k{self.key}[{self.offset}:{self.offset + self.length}]@{self.step}"
@@ -154,19 +186,45 @@ def chunks(flat, chunk_bytes=CHUNK_BYTES):
     return [flat[i:i + step] for i in range(0, len(flat), step)] or [flat[:0]]
 
 
-def most_frames(length, dtype=FLOAT32):
-    """The frames `chunks` cuts `length` elements of `dtype` into: the most a payload
-    entry of that slice may have.  A receiver that knows its keys (a configured shard)
-    refuses more: each frame costs libzmq a message of its own, so 4-byte frames
-    would make a 4 MiB key cost 64 MiB of bookkeeping."""
-    per_frame = max(1, CHUNK_BYTES // DTYPES[dtype].itemsize)
-    return max(1, -(-length // per_frame))
+def matrix_shape(length):
+    """(n, m): a POWERSGD slice of `length` elements seen as a matrix, as near square as
+    whole rows allow (n = ceil(sqrt L), m = ceil(L / n), n m - L < n zeros of padding);
+    a square's rank-r factors cost 2 r sqrt(L) floats, the least for L elements."""
+    n = math.isqrt(length - 1) + 1 if length > 0 else 0
+    return n, -(-length // n) if n else 0
+
+
+def largest_payload(length, dtype=FLOAT32, param=0):
+    """The most bytes a payload entry of `length` elements of `dtype` may carry."""
+    if dtype == FP8:
+        return length + 4
+    if dtype == TOPK:
+        return 8 * length
+    if dtype == POWERSGD:
+        return 4 * param * sum(matrix_shape(length))
+    return length * DTYPES[dtype].itemsize
+
+
+def payload_fits(entry, nbytes):
+    """Whether `nbytes` of payload are what `entry`'s encoding carries for its slice."""
+    if entry.dtype == TOPK:        # k pairs, k from the bytes
+        return nbytes % 8 == 0 and 0 < nbytes <= 8 * entry.length
+    return nbytes == largest_payload(entry.length, entry.dtype, entry.param)
+
+
+def most_frames(length, dtype=FLOAT32, param=0):
+    """The frames `chunks` cuts the largest payload of `length` elements of `dtype` into:
+    the most a payload entry of that slice may have.  A receiver that knows its keys (a
+    configured shard) refuses more: each frame costs libzmq a message of its own, so
+    4-byte frames would make a 4 MiB key cost 64 MiB of bookkeeping."""
+    per_frame = max(1, CHUNK_BYTES // DTYPES[dtype].itemsize) * DTYPES[dtype].itemsize
+    return max(1, -(-largest_payload(length, dtype, param) // per_frame))
 
 
 def encode(op, sender, request, entries=(), extras=(), payload=(), flags=0):
     """-> list of frames.  Entries' nframes must already count their payload frames."""
     payload = list(payload)
-    body = [ENTRY.pack(e.key, e.dtype, len(e.shape), 0, e.nframes, e.offset, e.length,
+    body = [ENTRY.pack(e.key, e.dtype, len(e.shape), e.param, e.nframes, e.offset, e.length,
                        e.step, e.version, e.staleness, *(tuple(e.shape) + (0,) * (4 - len(e.shape))))
             for e in entries]
     nbytes = sum(memoryview(p).nbytes for p in payload)
@@ -223,9 +281,9 @@ def decode(frames):
     for e, parts in msg.entry_frames():
         size = DTYPES[e.dtype].itemsize
         got = sum(p.nbytes for p in parts)
-        if parts and (got != e.length * size or any(p.nbytes % size for p in parts)):
+        if parts and (not payload_fits(e, got) or any(p.nbytes % size for p in parts)):
             raise ProtocolError(f"key {e.key}: {got} payload bytes in {len(parts)} frames for "
-                                f"{e.length} elements of {DTYPES[e.dtype]}")
+                                f"{e.length} elements of dtype code {e.dtype}")
     return msg
 
 
@@ -243,12 +301,76 @@ def to_wire(flat, dtype):
 
 def to_float32(entry, frames):
     """A pushed entry's frames as float32 arrays: views where they are float32 already,
-    widened copies of 16-bit ones (exact: every fp16 and bf16 value is a float32)."""
+    widened copies of 16-bit ones (exact: every fp16 and bf16 value is a float32), and
+    a compressed one decoded into one dense slice (the table in the docstring).  A
+    compressed payload whose values break its encoding (an index out of range or twice,
+    a scale that is not finite and positive) is a ProtocolError.  Call it once the
+    entry's slice is known to be the key's (store.check_entry): a dense slice is as
+    large as the key, never as a header claims."""
     if entry.dtype == FLOAT32:
         return [np.frombuffer(f, np.float32) for f in frames]
     if entry.dtype == FLOAT16:
         return [np.frombuffer(f, "<f2").astype(np.float32) for f in frames]
-    return [(np.frombuffer(f, "<u2").astype(np.uint32) << 16).view(np.float32) for f in frames]
+    if entry.dtype == BFLOAT16:
+        return [(np.frombuffer(f, "<u2").astype(np.uint32) << 16).view(np.float32)
+                for f in frames]
+    if not frames:
+        return []
+    payload = np.frombuffer(frames[0], np.uint8) if len(frames) == 1 else \
+        np.concatenate([np.frombuffer(f, np.uint8) for f in frames])
+    length, where = entry.length, f"key {entry.key}"
+    if entry.dtype == FP8:
+        scale = payload[length:].view("<f4")[0]
+        if not (np.isfinite(scale) and scale > 0):
+            raise ProtocolError(f"{where}: fp8 scale {scale}, not a finite number > 0")
+        return [E4M3[payload[:length]] / scale]
+    if entry.dtype == TOPK:
+        k = len(payload) // 8
+        indices = payload[:4 * k].view("<i4")
+        if len(indices) and (indices.min() < 0 or indices.max() >= length):
+            raise ProtocolError(f"{where}: a top-k index outside the slice's [0, {length})")
+        if len(np.unique(indices)) != k:
+            raise ProtocolError(f"{where}: a top-k index named twice")
+        dense = np.zeros(length, np.float32)
+        dense[indices] = payload[4 * k:].view("<f4")
+        return [dense]
+    n, m = matrix_shape(length)
+    r = entry.param
+    factors = payload.view("<f4")
+    p, q = factors[:n * r].reshape(n, r), factors[n * r:].reshape(m, r)
+    return [(p @ q.T).reshape(-1)[:length]]
+
+
+def compressed_payload(dtype, *parts):
+    """The payload of a compressed push as one byte array, its parts in the table's order:
+    FP8 (e4m3 bytes as uint8, scale), TOPK (indices, values), POWERSGD (P, Q)."""
+    if dtype == FP8:
+        q, scale = parts
+        parts = (np.asarray(q, np.uint8), np.array([scale], "<f4"))
+    elif dtype == TOPK:
+        indices, values = parts
+        parts = (np.asarray(indices, "<i4"), np.asarray(values, "<f4"))
+    elif dtype == POWERSGD:
+        parts = tuple(np.asarray(f, "<f4") for f in parts)
+    else:
+        raise ValueError(f"dtype code {dtype} is not a compressed push")
+    return np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in parts])
+
+
+def _e4m3_table():
+    """float32 of each of the 256 e4m3 bytes (the fn variant: no infinities, S.1111.111
+    is NaN): sign, 4 exponent bits of bias 7, 3 mantissa bits; exponent 0 subnormal."""
+    b = np.arange(256)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    exponent, mantissa = (b >> 3) & 0xF, b & 0x7
+    magnitude = np.where(exponent == 0, mantissa / 8 * 2.0 ** -6,
+                         (1 + mantissa / 8) * 2.0 ** (exponent - 7.0))
+    table = (sign * magnitude).astype(np.float32)
+    table[(b & 0x7F) == 0x7F] = np.nan
+    return table
+
+
+E4M3 = _e4m3_table()
 
 
 def group_of(msg):
@@ -266,19 +388,25 @@ def group_of(msg):
 
 
 def _entry(buf, at, i):
-    key, dtype, ndim, reserved, nframes, offset, length, step, version, stale, *shape = \
+    key, dtype, ndim, param, nframes, offset, length, step, version, stale, *shape = \
         ENTRY.unpack_from(buf, at)
     where = f"entry {i} (key {key})"
     if dtype >= len(DTYPES):
         raise ProtocolError(f"{where}: unknown dtype code {dtype}")
-    if ndim > MAX_NDIM or reserved or any(shape[ndim:]):
+    if ndim > MAX_NDIM or any(shape[ndim:]):
         raise ProtocolError(f"{where}: ndim {ndim} (max {MAX_NDIM}) or reserved fields not zero")
     numel = math.prod(shape[:ndim])
     if length > MAX_ELEMENTS or offset + length > numel:
         raise ProtocolError(f"{where}: slice [{offset}:{offset + length}] outside shape {tuple(shape[:ndim])}")
     if step < 0 or nframes > length + 1:
         raise ProtocolError(f"{where}: negative step {step} or {nframes} frames for {length} elements")
-    return Entry(key, offset, length, tuple(shape[:ndim]), dtype, nframes, step, version, stale)
+    if dtype == POWERSGD and not 1 <= param <= min(matrix_shape(length)):
+        raise ProtocolError(f"{where}: PowerSGD rank {param} does not fit the "
+                            f"{' x '.join(map(str, matrix_shape(length)))} matrix of its slice")
+    if param and dtype != POWERSGD:
+        raise ProtocolError(f"{where}: param {param} on dtype code {dtype}, which takes none")
+    return Entry(key, offset, length, tuple(shape[:ndim]), dtype, nframes, step, version, stale,
+                 param)
 
 
 def routing_ids(token):

@@ -266,7 +266,8 @@ class Server:
             for e in msg.entries:
                 s.check_entry(e, w, push=op != P.Op.PULL)
             if op in (P.Op.PUSH, P.Op.PUSH_PULL):
-                # 16-bit gradients widened to float32 first: the sum and the step are fp32
+                # 16-bit gradients widened, compressed ones decoded, to float32 first: the
+                # sum and the step are fp32 (protocol.to_float32)
                 pushed = [(e, P.to_float32(e, frames)) for e, frames in msg.entry_frames()]
                 for e, frames in pushed:
                     if not frames:

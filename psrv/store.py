@@ -55,7 +55,7 @@ import numpy as np
 
 from . import optim
 from .config import Consistency, OptimizerConfig
-from .protocol import WIRE_DTYPES, most_frames
+from .protocol import PUSH_DTYPES, most_frames
 
 MAX_KEY_WORKERS = 1 << 24        # keys x W of one shard: per-worker state is lazy, but bounded
 
@@ -181,17 +181,17 @@ class Shard:
         if (e.offset, e.length, e.shape) != (k.offset, k.length, k.shape):
             raise ValueError(f"key {e.key} is {k.describe()}, message says "
                              f"[{e.offset}:{e.offset + e.length}] of shape {e.shape}")
-        if e.nframes > most_frames(e.length, e.dtype):
-            raise ValueError(f"key {e.key}: {e.nframes} frames for {e.length} elements, "
-                             f"at most {most_frames(e.length, e.dtype)} (protocol.most_frames)")
+        if e.nframes > most_frames(e.length, e.dtype, e.param):
+            raise ValueError(f"key {e.key}: {e.nframes} frames for {e.length} elements, at "
+                             f"most {most_frames(e.length, e.dtype, e.param)} (protocol.most_frames)")
         if not push:
             if e.dtype != 0:
                 raise ValueError(f"key {e.key}: dtype code {e.dtype}, servers hold float32 "
                                  f"(code 0)")
             return
-        if e.dtype not in WIRE_DTYPES.values():
+        if e.dtype not in PUSH_DTYPES:
             raise ValueError(f"key {e.key}: a gradient of dtype code {e.dtype}; pushes carry "
-                             f"{', '.join(f'{n} ({c})' for n, c in WIRE_DTYPES.items())}")
+                             f"dtype codes {', '.join(map(str, PUSH_DTYPES))} (protocol.py)")
         if not self.pushes(k, worker):
             raise ValueError(f"key {e.key} ({k.name}) is pushed by workers "
                              f"{sorted(k.workers)[:8]}, not by worker {worker}")

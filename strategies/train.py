@@ -18,8 +18,11 @@ Several hosts (a hostfile lists them; ranks fill hosts in blocks, so
         --sync hierarchical --checkpoint-dir /shared/ckpt --checkpoint-every 100
 
 torch.distributed's own launcher (only --sync torch; each process reads
-RANK/WORLD_SIZE/MASTER_ADDR from torchrun):
+RANK/WORLD_SIZE/MASTER_ADDR from torchrun; every split runs, the mesh's axes being
+torch process groups: allreduce/torch_comm.py):
     torchrun --nproc-per-node 2 -m strategies.train --sync torch --device cuda
+    torchrun --standalone --nproc-per-node 4 -m strategies.train --sync torch \
+        --model gpt --layers 4 --dp 2 --pp 2 --micro-batches 4
 
 Each step: this rank's B/P samples of the global batch -> forward -> backward
 (buckets all-reduced meanwhile; --micro-batches k: in k micro-batches, a bucket leaving

@@ -49,6 +49,14 @@ def mpirun(nprocs, args, timeout=120, **env):
     return run(cmd, timeout, mpi_env(**env))
 
 
+def torchrun(nprocs, args, timeout=120, **env):
+    """`torchrun --standalone --nproc-per-node P python ARGS`: torch.distributed's world
+    alone, no MPI (torchrun ends the others when one rank fails)."""
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nprocs),
+           "--no-python", sys.executable, *map(str, args)]
+    return run(cmd, timeout, mpi_env(**env))
+
+
 def check_ok(result):
     assert result.returncode == 0, (
         f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}")

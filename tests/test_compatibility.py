@@ -51,6 +51,8 @@ def test_what_used_to_live_in_one_engine_now_composes():
         # the parameter servers under the splits, a 16-bit wire and fp16's skips
         dict(sync="ps", model="gpt", dp=2, pp=2, micro_batches=2, precision="fp16"),
         dict(sync="hybrid", model="gpt", tp=2, compress="bf16"),
+        dict(sync="ps", compress="topk:0.01"), dict(sync="hybrid", compress="powersgd:2"),
+        dict(sync="ps", model="gpt", dp=2, pp=2, micro_batches=2, compress="fp8"),
     ]
     for fields in accepted_fields:
         TrainConfig(**fields)

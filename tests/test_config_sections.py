@@ -120,7 +120,7 @@ def words(message):
 
 
 @pytest.mark.parametrize("keywords", [
-    dict(sync="hybrid", compress="powersgd:2"),      # (fp16 under ps is taken now)
+    dict(sync="local", compress="powersgd:2"),       # (every compression under ps is taken now)
     dict(sync="ring", compress="topk:0.01", momentum_correction=True),
     dict(sync="ring", bucket_mb=0.0),
     dict(sync="ps", staleness=2),

@@ -147,9 +147,9 @@ def test_the_vote_reduces_the_flag_where_it_is():
     assert any_rank(Max())(found) is found and found.tolist() == [1.0]
     assert any_rank(Max())(False) is True
 
-    class Comm:                   # mpi4py's lower-case allreduce of Python objects
-        def allreduce(self, value, op):
-            return max(value, 1)
+    class Comm:                   # mpi4py's (or a TorchComm's) allgather of Python objects
+        def allgather(self, value):
+            return [value, 1]
     assert any_rank_of(Comm())(torch.zeros(1)).tolist() == [1.0]
     # the device's path: a rank whose own gradients are finite still skips
     precision = MixedPrecision("fp16", loss_scale=4.0, on_device=True)

@@ -26,7 +26,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import check_ok, mpirun
+from conftest import check_ok, mpirun, torchrun
 from strategies.parallel.context_parallel import context_bytes
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -46,15 +46,16 @@ SEVERAL = ["-c", "import json, sys\nfrom strategies.train import main\n"
                  "    except SystemExit as e:\n        sys.stdout.write(f'exit {e.code}\\n')"]
 
 
-def launch(tmp_path, nprocs, runs, timeout=200, then="", expect="", common=COMMON, **env):
+def launch(tmp_path, nprocs, runs, timeout=200, then="", expect="", common=COMMON,
+           launcher=mpirun, **env):
     """Train each (name, flags) in one launch; {name: (step records, parameters)}.
     `then`: Python run after the runs in the same launch; `expect`: text its output holds;
-    `common`: the flags every run shares."""
+    `common`: the flags every run shares; `launcher`: conftest's mpirun or torchrun."""
     argvs = [[str(a) for a in common + flags] + ["--jsonl", str(tmp_path / f"{name}.jsonl"),
                                                  "--params-out", str(tmp_path / f"{name}.npz")]
              for name, flags in runs]
     script = [SEVERAL[0], SEVERAL[1] + then]
-    result = check_ok(mpirun(nprocs, script + [json.dumps(argvs)], timeout=timeout, **env))
+    result = check_ok(launcher(nprocs, script + [json.dumps(argvs)], timeout=timeout, **env))
     assert expect in result.stdout, result.stdout[-2000:]
     out = {}
     for name, _ in runs:
@@ -71,16 +72,16 @@ def reference(tmp_path_factory):
                    ("mlp_sgd", MLP_SGD + ["--sync", "local"])])
 
 
-def assert_same_run(run, ref, world):
+def assert_same_run(run, ref, world, rtol=RTOL):
     (records, params), (ref_records, ref_params) = run, ref
     ref_loss = [r["loss"] for r in ref_records]
     for rank in range(world):
         mine = [r for r in records if r["rank"] == rank]
         assert [r["step"] for r in mine] == list(range(len(ref_loss)))
-        np.testing.assert_allclose([r["loss"] for r in mine], ref_loss, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose([r["loss"] for r in mine], ref_loss, rtol=rtol, atol=ATOL)
     assert sorted(params) == sorted(ref_params)
     for name in ref_params:
-        np.testing.assert_allclose(params[name], ref_params[name], rtol=RTOL, atol=ATOL,
+        np.testing.assert_allclose(params[name], ref_params[name], rtol=rtol, atol=ATOL,
                                    err_msg=name)
 
 
@@ -288,6 +289,44 @@ def test_cp_reproduces_one_process(context_runs, name, world):
     for key in ref_params:
         np.testing.assert_allclose(params[key], ref_params[key], rtol=CP_RTOL, atol=1e-6,
                                    err_msg=key)
+
+
+# The splits under torchrun, which starts no MPI: the mesh's axes are torch process
+# groups (allreduce/torch_comm.py), the pipeline's activations and the cp ring's blocks
+# travel over gloo's point-to-point, the collectives are torch.distributed's (--sync
+# torch).  The same reorderings as under mpiexec, so the same tolerances: RTOL for the
+# GPT's splits, CP_RTOL for the ring's online softmax.  On 2 processes each split's axis
+# is the whole world; on 4, dp x pp and cp x pp cut it into two groups an axis.
+TORCHRUN_TWO = [
+    ("pp2", GPT + ["--pp", "2", "--micro-batches", "2"]),
+    ("tp2", GPT + ["--tp", "2"]),
+    ("dp2_zero1", GPT + ["--dp", "2", "--zero", "1"]),
+    ("cp2_ring", CP_GPT + ["--cp", "2", "--cp-kind", "ring"]),
+]
+TORCHRUN_FOUR = [("dp2_pp2", GPT + ["--dp", "2", "--pp", "2", "--micro-batches", "2"]),
+                 ("cp2_pp2", CP_GPT + ["--cp", "2", "--pp", "2", "--micro-batches", "2"])]
+
+
+@pytest.fixture(scope="module")
+def torchrun_runs(tmp_path_factory):
+    """({name: (records, parameters)} of the one-process references, of the torchrun
+    runs): each list of runs in one torchrun launch."""
+    folder = tmp_path_factory.mktemp("torchrun")
+    one = launch(folder, 1, [("gpt", GPT + ["--sync", "local"]),
+                             ("cp", CP_GPT + ["--sync", "local"])])
+    torch_sync = COMMON[:-2] + ["--sync", "torch"]
+    runs = {**launch(folder, 2, TORCHRUN_TWO, common=torch_sync, launcher=torchrun),
+            **launch(folder, 4, TORCHRUN_FOUR, common=torch_sync, launcher=torchrun)}
+    return one, runs
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name, world", [(n, 2) for n, _ in TORCHRUN_TWO] +
+                         [(n, 4) for n, _ in TORCHRUN_FOUR])
+def test_splits_under_torchrun_reproduce_one_process(torchrun_runs, name, world):
+    one, runs = torchrun_runs
+    assert_same_run(runs[name], one["cp" if name.startswith("cp") else "gpt"], world,
+                    rtol=CP_RTOL if name.startswith("cp") else RTOL)
 
 
 @pytest.mark.timeout(600)

@@ -50,17 +50,31 @@ def live():
 
 
 def valid_messages(client, params, worker=FUZZER):
-    """A valid INIT, PULL and PUSH_PULL from worker, as frame lists of bytes."""
+    """A valid INIT, PULL and PUSH_PULL from worker, and fp8 and top-k pushes of the
+    first key (protocol.py's codes 7 and 8), as frame lists of bytes."""
     from psrv.config import pack_config
     sl = client.placement.slices
     entries, payload = client._entries(sl, params, step=0)
     grads = client._entries(sl, params, step=10**6)
     cfg = pack_config(psrv.OptimizerConfig("sgd", lr=0.1), psrv.Consistency("asp"), W)
     names = "\n".join(s.name for s in sl).encode()
+    first = sl[0]
+    fp8 = P.compressed_payload(P.FP8, np.arange(first.length) % 100, 4.0)
+    topk = P.compressed_payload(P.TOPK, [0, first.length - 1], [0.5, -0.25])
     msgs = [P.encode(P.Op.INIT, worker, 9, entries, [cfg, names], payload),
             P.encode(P.Op.PULL, worker, 9, client._entries(sl, {}, 0)[0]),
-            P.encode(P.Op.PUSH_PULL, worker, 9, *grads[:1], payload=grads[1])]
+            P.encode(P.Op.PUSH_PULL, worker, 9, *grads[:1], payload=grads[1]),
+            compressed_push(first, P.FP8, 0, fp8, worker),
+            compressed_push(first, P.TOPK, 0, topk, worker)]
     return [[bytes(memoryview(f).cast("B")) for f in m] for m in msgs]
+
+
+def compressed_push(sl, dtype, param, payload, worker, step=0):
+    """A PUSH of slice `sl`'s gradient encoded as `dtype` (protocol.py's table)."""
+    parts = P.chunks(payload)
+    entry = P.Entry(sl.key, sl.offset, sl.length, sl.shape, dtype=dtype, nframes=len(parts),
+                    step=step, param=param)
+    return P.encode(P.Op.PUSH, worker, 6, [entry], payload=parts)
 
 
 def exchange(raw, frames, worker, timeout_ms=10_000):
@@ -136,3 +150,37 @@ def test_semantic_errors_are_named_and_others_still_served(live):
         client.pull(name, out[name])
     assert servers.procs[0].poll() is None
     assert "refused a message" in servers.log(0)
+
+
+@pytest.mark.timeout(60)
+def test_malformed_compressed_pushes_are_refused_and_others_still_served(live):
+    """A compressed push whose values break its encoding (tests/test_ps_compress.py has
+    every case against the decoder) is an ERROR naming it, nothing applied; the same
+    worker's well-formed push of that step is then taken."""
+    servers, client, raws, params = live
+    raw, sl = raws[PROBER], client.placement.slices[0]
+    n = sl.length
+    rows, cols = P.matrix_shape(n)
+    cases = [
+        (P.FP8, 0, P.compressed_payload(P.FP8, np.zeros(n), np.nan), "fp8 scale nan"),
+        (P.FP8, 0, P.compressed_payload(P.FP8, np.zeros(n), 0.0), "fp8 scale 0.0"),
+        (P.TOPK, 0, P.compressed_payload(P.TOPK, [1, n], [1.0, 1.0]), "outside the slice"),
+        (P.TOPK, 0, P.compressed_payload(P.TOPK, [4, 4], [1.0, 1.0]), "named twice"),
+        (P.TOPK, 0, P.compressed_payload(P.TOPK, np.arange(n + 1) % n, np.ones(n + 1)),
+         "payload bytes"),
+        (P.POWERSGD, min(rows, cols) + 1, np.zeros(4, "<f4"), "does not fit"),
+        (P.POWERSGD, 1, np.zeros(rows + cols + 1, "<f4"), "payload bytes"),
+        # a NaN among the values: the server's finite check (store.check_finite)
+        (P.TOPK, 0, P.compressed_payload(P.TOPK, [2], [np.nan]), "NaN or inf"),
+    ]
+    for dtype, param, payload, words in cases:
+        (reply,) = exchange(raw, compressed_push(sl, dtype, param, payload, PROBER), PROBER)
+        assert reply.op == P.Op.ERROR and words in bytes(reply.extras[0]).decode(), \
+            (words, reply)
+    good = P.compressed_payload(P.TOPK, [0, 3], [1.0, -1.0])
+    (reply,) = exchange(raw, compressed_push(sl, P.TOPK, 0, good, PROBER), PROBER)
+    assert reply.op == P.Op.OK, bytes(reply.extras[0])
+    out = {name: np.empty(s, np.float32) for name, s in SHAPES.items()}
+    for name in SHAPES:
+        client.pull(name, out[name])
+    assert servers.procs[0].poll() is None

@@ -31,6 +31,10 @@ P = 4, no saving from P = 8.  Past P = 2 a ring that re-quantises each partial
 sum at every hop of its reduce-scatter keeps the quarter at every P, at the price
 of the P - 1 unfed roundings above; this file keeps the exact sum.
 
+Through the parameter servers (--sync ps, hybrid) a push carries each slice of a
+bucket as steps 1-4 make it (`encode`), and the server adds the pushes in float32
+(psrv/protocol.py's FP8 encoding): the same exact sum, L + 4 bytes a slice.
+
 Packing: the n bytes (padded to a multiple of 4) and the scale's float32 bits
 travel as one int32 message (the collectives' dtypes have no byte type), as
 top-k's indices and values do.
@@ -78,12 +82,17 @@ class Fp8Compressor(Compressor):
         self.coll = coll
         self.feedback = ErrorFeedback(error_feedback)
 
-    def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg):
-        n, P = flat.numel(), self.coll.size
+    def encode(self, key, flat):
+        """Steps 1-4 of `flat` (a bucket, or a slice a push carries: server_buckets.py):
+        (its e4m3 values, its scale), what the rounding dropped kept as the residual."""
         acc = self.feedback.accumulate(key, flat)                 # 1. g + e
         q, scale = quantise(acc)                                  # 2., 3.
         self.feedback.keep(key, acc, dequantise(q, scale))        # 4. e = acc - q / s
-        message = pack(q, scale)
+        return q, scale
+
+    def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg):
+        n, P = flat.numel(), self.coll.size
+        message = pack(*self.encode(key, flat))                   # 1.-4.
         words = message.numel()
         gathered = torch.as_tensor(self.coll.allgather(message, n=words * P))   # 5.
         flat.zero_()                                              # 6. sum in float32

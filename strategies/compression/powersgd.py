@@ -28,6 +28,10 @@ The warm start is the paper's: one power-iteration step per training step
 converges over steps because the gradients change slowly.  The first Q is
 Gaussian from a seed every rank shares.  All matrices of a bucket share one
 all-reduce of P's and one of Q's; the dense parts share a third.
+
+Through the parameter servers (--sync ps, hybrid) each slice a worker pushes is one
+matrix (psrv/protocol.py's POWERSGD encoding says how a flat slice becomes one) and
+travels as its own factors (`encode`), which the server multiplies out and adds.
 """
 import math
 
@@ -81,6 +85,31 @@ class PowerSGDCompressor(Compressor):
         every rank draws the same one without a message."""
         generator = torch.Generator().manual_seed(self.seed + 100_003 * bucket + position)
         return torch.randn(m, self.rank, generator=generator)
+
+    def encode(self, key, flat, shape):
+        """The factors a push carries for `flat`, a slice seen as a matrix of `shape`
+        (n, m) (psrv/protocol.py's matrix_shape: row by row, zero-padded), or None where
+        they would not be smaller than the slice, which then travels dense.
+
+        Steps 1, 2, 4, 5 and 7 with no all-reduce between them: the parameter server adds
+        the workers' products P Q_localᵀ in float32, so each worker's factors are its own,
+        P orthonormalised from its own acc Q, and the warm start is its own last Q_local.
+        The sum of W rank-r pushes has rank up to W r; what a worker's misses, its
+        residual sends later, as on the ring."""
+        n, m = shape
+        if not worth_compressing(n, m, self.rank):
+            return None
+        acc = self.feedback.accumulate(key, flat)                   # 1.
+        mat = torch.zeros(n * m, dtype=acc.dtype, device=acc.device)
+        mat[:acc.numel()] = acc
+        mat = mat.view(n, m)
+        q = self.qs.get((key, 0))
+        p = orthonormalise(mat @ (q if q is not None else
+                                  self.first_q(key, 0, m).to(acc.device)))   # 2., 4.
+        q_local = mat.t() @ p                                       # 5.
+        self.feedback.keep(key, acc, (p @ q_local.t()).view(-1)[:acc.numel()])   # 7.
+        self.qs[(key, 0)] = q_local                                 # warm start
+        return p, q_local
 
     def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg):
         acc = self.feedback.accumulate(key, flat)                   # 1.

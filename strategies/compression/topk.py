@@ -37,6 +37,11 @@ at step 0, a quarter of that per stage, RATIO from step STEPS on.  The step is
 the sync's (set_step, before the step's backward), so every rank picks the same
 k and the all-gathered packs stay of one size.
 
+Through the parameter servers (--sync ps, hybrid) there is nothing to all-gather: a
+push carries each slice's pairs (`encode`: steps 1, 2, 5, with the slice's own k),
+and the server adds them into a dense slice (psrv/protocol.py's TOPK encoding),
+8k bytes a slice whatever the number of workers.
+
 Indices are int32 (a bucket holds < 2^31 entries) and the values travel as
 their int32 bit pattern, so one message of one dtype carries both.
 """
@@ -84,21 +89,28 @@ class TopKCompressor(Compressor):
         super().set_step(step)
         self.next_ratio = kept_ratio_at(self.ratio, self.warmup, step)   # DGC's warm-up
 
-    def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg):
+    def encode(self, key, flat):
+        """Steps 1, 2 and 5 of `flat` (a bucket, or a slice a push carries:
+        server_buckets.py): the (indices, values) of its k largest entries; the rest
+        stays in the residual."""
         # kept_ratio: what this step sends, for its record; next_ratio moves on in
         # set_step before the record of this step is written
         self.kept_ratio = self.next_ratio
         grad = self.corrected(key, flat)                          # u = m u + g, or g
         acc = self.feedback.accumulate(key, grad)                 # 1. g + e
         k = topk_count(acc.numel(), self.kept_ratio)
-        indices, values = select_topk(acc, k)                     # 2. the k largest
-        message = pack(indices, values)                           # 3.
-        gathered = self.coll.allgather(message, n=message.numel() * self.coll.size)  # 4.
+        indices, values = select_topk(acc, k)                     # 2. the k largest (a copy)
         if self.feedback.enabled:                                 # 5. e = acc - sent, without
             acc.index_fill_(0, indices, 0.0)                      #    a dense `sent`
         if self.momentum:                                         # DGC's momentum factor
             grad.index_fill_(0, indices, 0.0)                     # masking
-        unpack_sum(torch.as_tensor(gathered), k, self.coll.size, flat)   # 6.
+        return indices, values
+
+    def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg):
+        indices, values = self.encode(key, flat)                  # 1., 2., 5.
+        message = pack(indices, values)                           # 3.
+        gathered = self.coll.allgather(message, n=message.numel() * self.coll.size)  # 4.
+        unpack_sum(torch.as_tensor(gathered), len(indices), self.coll.size, flat)   # 6.
         return message.numel() * message.element_size()
 
     def corrected(self, key, flat):

@@ -14,6 +14,9 @@
     powersgd:K  rank-K factors P, Q of each matrix,        powersgd.py
                 all-reduced (vectors go dense)
 
+Under --sync ps and hybrid each compression encodes the slices a push carries instead,
+which the servers decode to float32 (psrv/protocol.py, sync/server_buckets.py).
+
 topk, powersgd and fp8 drop part of the gradient on each step; error feedback
 (error_feedback.py, on unless --no-error-feedback) keeps what was dropped and
 adds it to the next step's gradient, so nothing is lost, only delayed.
@@ -123,11 +126,6 @@ def check_compress(compress, sync, error_feedback=True, cli=True, sparsity_warmu
     if spec.kind != "none" and sync == "local":
         raise ConfigError(f"{what} with {setting_of('sync', 'local', cli)}: one process has "
                           f"no wire, so there is nothing to compress", field="sync")
-    if spec.lossy and sync in ("ps", "hybrid"):
-        raise ConfigError(f"{what} with {setting_of('sync', sync, cli)} is not supported: "
-                          f"psrv's pushes are float32, fp16 or bf16 frames, with none yet "
-                          f"for top-k's pairs, PowerSGD's factors or fp8's scaled bytes; "
-                          f"--compress fp16 and bf16 halve a push", field="sync")
     if not error_feedback and not spec.lossy:
         raise ConfigError(f"{'--no-error-feedback' if cli else 'error_feedback=False'} "
                           f"switches off the residuals of topk:RATIO, powersgd:RANK and fp8, "

@@ -5,6 +5,7 @@
     mesh.stage_of(5)       -> 0
     mesh.group_of(5, "dp") -> [1, 5]                 # ranks that differ only in dp
     comms = mesh.split(MPI.COMM_WORLD)               # MeshComms: a communicator per axis
+    comms = mesh.split(TorchComm.world())            # the same under torchrun, no MPI
     comms.dp_cp                                      # the replicas: the gradients' axis
 
 The layout is one reshape, as in Megatron-LM and torchtitan's ParallelDims:
@@ -186,7 +187,9 @@ class Mesh:
 
 
 class MeshComms:
-    """This rank's place in the mesh and one mpi4py communicator per axis.
+    """This rank's place in the mesh and one communicator per axis: mpi4py's, or under
+    torchrun allreduce/torch_comm.py's TorchComm, a torch process group per axis, which
+    makes the same Split (and which every user of an axis takes as it takes MPI's).
 
     The colour of a split is the lowest rank of the group (the same for every member),
     the key its place in the group, so rank i of `comms.pp` is stage i."""

@@ -330,13 +330,11 @@ def check_sync_world(sync, world_size, cli=True):
 
 def check_launcher(cfg, torchrun):
     """The flags against the launcher: torchrun starts torch.distributed's world alone,
-    without MPI, which the grid's axes, the parameter servers and the textbook
-    collectives over MPI need."""
+    without MPI, which the parameter servers and the collectives of the other --syncs
+    need.  Every split runs under it: the mesh's axes are then torch process groups
+    (allreduce/torch_comm.py), not MPI communicators."""
     if not torchrun:
         return
-    if cfg.on_grid or cfg.ep > 1 or cfg.cp > 1:
-        raise ConfigError("--dp/--pp/--tp/--zero/--ep/--cp run under mpiexec, not torchrun: "
-                          "their axes are MPI communicators (config/mesh.py)", field="dp")
     if cfg.sync != "torch":
         raise ConfigError(f"under torchrun only --sync torch works (got --sync {cfg.sync}); "
                           "launch the others with mpiexec", field="sync")

@@ -43,7 +43,7 @@ from ..config.settings import world_of
 from ..model.models import count_parameters, signature
 from ..parallel.context_parallel import my_positions
 from ..runtime import checkpoint, waits
-from ..runtime.context import MPIControl
+from ..runtime.context import control_of
 from ..runtime.exits import AgreedExit
 from ..runtime.metrics import Metrics, StepClock
 from ..runtime.trace import Tracer, busy_seconds, span, write_chrome_trace
@@ -75,7 +75,7 @@ class StepEngine:
                        **({"cp_size": cfg.cp} if p.context else {})}
         self._wire = (0, 0)                        # the sync's wire and dense bytes so far
         # the stages' meeting for the bubble's span, bounded by --timeout (collective)
-        self.stages = waits.bounded(MPIControl(ctx.mesh.pp), cfg.timeout) \
+        self.stages = waits.bounded(control_of(ctx.mesh.pp), cfg.timeout) \
             if self.plan.pipelined else None
 
     def step(self, step):

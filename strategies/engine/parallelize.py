@@ -194,7 +194,7 @@ def context_parallel(plan, model, blocks, comms, cfg, device, tracer):
     inside the core, so no other thread's calls meet them), or Ulysses over a
     collective of the step's algorithm (axis_collective, as tp's and the experts')."""
     if cfg.cp_kind == "ring":
-        transport = for_device(make_transport("mpi", comms.cp, cfg.timeout), device)
+        transport = for_device(make_transport(comm=comms.cp, timeout=cfg.timeout), device)
         plan.context, counter = RingAttention(transport, tracer=tracer), transport
     else:
         coll = collective_for(axis_collective(cfg), cfg, comms.cp, device=device)
@@ -232,13 +232,9 @@ def data_parallel_step(plan, ctx, cfg, device, tracer, layers):
         precision = plan.precision
     # every schedule's micro-batches each fill the buckets (accumulation.py: why)
     backwards = cfg.micro_batches
-    # under torchrun there is no MPI mesh: the replicas are torch.distributed's world
-    torchrun = comms is None and cfg.sync != "local"
     plan.sync = data_parallel(units, comms, cfg, device=device, tracer=tracer,
                               precision=precision, agree=agree, backwards_per_step=backwards,
-                              role=ctx.role, host=ctx.host,
-                              coll=collective_for(cfg.sync, cfg, None, "torch", device)
-                              if torchrun else None)
+                              role=ctx.role, host=ctx.host)
     plan.sync.setup(plan.model)
     whole = layers is None and plan.placement is None
     plan.optimizer = plan.sync.make_optimizer(plan.model if whole else None)
@@ -255,7 +251,7 @@ def pipeline(plan, comms, cfg, device, stages, tracer, criterion):
     activations and gradients over the pp axis's point-to-point transport (on a GPU
     staged through pinned host memory where MPI is not CUDA-aware: for_device).
     criterion: the cross-entropy alone (a stage adds its own balance losses)."""
-    p2p = for_device(make_transport("mpi", comms.pp, cfg.timeout), device)
+    p2p = for_device(make_transport(comm=comms.pp, timeout=cfg.timeout), device)
     # a GPT's activation is this rank's positions: T, over tp's sequence-parallel
     # shards, over cp's slices; its peers on the pp axis share its (dp, cp, tp)
     feature = (positions_per_rank(cfg, comms.tp_size) // comms.cp_size, cfg.d_model) \

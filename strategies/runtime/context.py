@@ -4,8 +4,8 @@
     ctx.rank, ctx.world_size              # in the whole launch
     ctx.is_server                         # ps / hybrid: a server, as psrv.launch decided
     ctx.mesh                              # mesh.MeshComms over the workers: a communicator
-                                          #   per axis of dp x cp x pp x tp and ep; None on a
-                                          #   server and under torchrun
+                                          #   per axis of dp x cp x pp x tp and ep (mpi4py's,
+                                          #   or under torchrun a TorchComm); None on a server
     ctx.dp_rank, ctx.dp_size              # this worker's place on the mesh's dp axis
     ctx.workers                           # control over every rank that trains (records)
     ctx.control.allgather(obj)            # small control messages (errors, metrics)
@@ -15,9 +15,13 @@ a mesh run, plain data parallelism included (dp = the workers); the servers of p
 hybrid are a role beside the mesh, not a kind of run.  The mesh is built once, here,
 and read everywhere: the context keeps no copy of its axes.
 
+Under torchrun there is no MPI: the world is a TorchComm (allreduce/torch_comm.py),
+which the mesh splits into one torch process group per axis as it splits MPI's world
+into communicators; the grid's transports and collectives take either.
+
 Control messages (a preflight error, a step's loss, metric records) are small
 Python objects, so they go through mpi4py's pickling calls or, under torchrun,
-torch.distributed's object collectives; gradients never do.
+torch.distributed's object collectives (the TorchComm's own); gradients never do.
 """
 import os
 import socket
@@ -26,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 from allreduce.gpus import nccl_sharing_problem, shared_gpu
+from allreduce.torch_comm import TorchComm
 from allreduce.torch_world import init_torch_distributed, torchrun_world
 
 from ..config.choices import PS_SYNCS, ConfigError
@@ -52,21 +57,17 @@ class MPIControl:
             time.sleep(0.001)
 
 
-class TorchControl:
-    """The same calls over torch.distributed, for torchrun launches without MPI."""
+def control_of(comm):
+    """Control messages over a communicator: MPIControl over mpi4py's; a TorchComm
+    (torchrun) makes the same calls itself, over torch.distributed."""
+    return comm if isinstance(comm, TorchComm) else MPIControl(comm)
 
-    def __init__(self):
-        import torch.distributed as dist
-        self.dist = dist
-        self.rank, self.size = dist.get_rank(), dist.get_world_size()
 
-    def allgather(self, obj):
-        out = [None] * self.size
-        self.dist.all_gather_object(out, obj)
-        return out
-
-    def barrier(self):
-        self.dist.barrier()
+def mesh_of(cfg, workers):
+    """The mesh's communicators over `workers` (collective): plain data parallelism is
+    dp = all of them."""
+    return Mesh(workers.size, cfg.dp if cfg.on_grid else 0, cfg.pp, cfg.tp, cfg.ep,
+                cfg.cp).split(workers)
 
 
 @dataclass
@@ -77,18 +78,17 @@ class RunContext:
     local_size: int
     is_server: bool
     comm: object             # mpi4py communicator of the whole launch (None under torchrun)
-    control: object          # control messages over the whole launch
+    control: object          # control messages over the whole launch (control_of)
     workers: object = None   # ... over the ranks that train (all but the servers)
     role: object = None      # psrv.launch's Role (ps, hybrid)
     host: str = ""
-    mesh: object = None      # mesh.MeshComms over the workers (None: a server, torchrun)
+    mesh: object = None      # mesh.MeshComms over the workers (None: a server)
     host_visible_gpus: list = None   # --sync torch on CUDA: each local rank's
                                      #   CUDA_VISIBLE_DEVICES (None: unset), in local order
 
     @property
     def dp_rank(self):
-        """This worker's coordinate on the dp axis (torchrun, which builds no MPI mesh,
-        refuses every split: each of its ranks is a replica)."""
+        """This worker's coordinate on the dp axis."""
         return self.mesh.dp_rank if self.mesh else self.rank
 
     @property
@@ -118,24 +118,22 @@ class RunContext:
             if role.is_server:                    # a role beside the mesh's workers
                 return cls(comm.rank, comm.size, local_rank, local_size, True, comm,
                            control, None, role=role, host=host, host_visible_gpus=visible)
-        # every worker is on a mesh over the workers: plain data parallelism is dp = all
-        mesh = Mesh(workers.size, cfg.dp if cfg.on_grid else 0, cfg.pp, cfg.tp,
-                    cfg.ep, cfg.cp).split(workers)
+        # every worker is on a mesh over the workers
+        mesh = mesh_of(cfg, workers)
         return cls(comm.rank, comm.size, local_rank, local_size, False, comm, control,
                    MPIControl(workers) if role else control, role=role, host=host,
                    mesh=mesh, host_visible_gpus=visible)
 
     @classmethod
     def _from_torchrun(cls, cfg, host):
+        """Every rank trains, on a mesh of torch process groups (TorchComm)."""
         check_launcher(cfg, torchrun=True)
-        import torch.distributed as dist
         init_torch_distributed()
-        rank, world = dist.get_rank(), dist.get_world_size()
-        check_world(cfg, world)
-        control = TorchControl()
-        return cls(rank, world, int(os.environ.get("LOCAL_RANK", 0)),
-                   int(os.environ.get("LOCAL_WORLD_SIZE", 1)), False, None, control, control,
-                   host=host)
+        world = TorchComm.world(cfg.timeout)
+        check_world(cfg, world.size)
+        return cls(world.rank, world.size, int(os.environ.get("LOCAL_RANK", 0)),
+                   int(os.environ.get("LOCAL_WORLD_SIZE", 1)), False, None, world, world,
+                   host=host, mesh=mesh_of(cfg, world))
 
     def set_threads(self, cfg):
         """torch's CPU threads: --threads, else this host's cores shared by its ranks."""

@@ -186,13 +186,13 @@ def any_rank(coll):
 
 
 def any_rank_of(comm):
-    """agree() over an mpi4py communicator: the grid's vote over every rank.  MPI's
-    Python objects live on the host: a found_inf tensor is read there (on a GPU the
-    one host read of fp16's step where pp, tp or ep split the gradients)."""
-    from mpi4py import MPI
+    """agree() over a mesh's communicator (mpi4py's, or torchrun's TorchComm): the grid's
+    vote over every rank, the largest of every rank's 0 or 1.  Their Python objects live
+    on the host: a found_inf tensor is read there (on a GPU the one host read of fp16's
+    step where pp, tp or ep split the gradients)."""
 
     def agree(found):
-        voted = comm.allreduce(int(bool(found)), op=MPI.MAX)
+        voted = max(comm.allgather(int(bool(found))))
         return found.fill_(voted) if torch.is_tensor(found) else bool(voted)
     return agree
 

@@ -53,7 +53,7 @@ def data_parallel(units, comms, cfg, *, device, tracer=None, precision=None, agr
 
     comms: the run's mesh.MeshComms over the workers (its dp_cp axis is the replicas);
     None where `coll`, a collective over the replicas, is given instead (a user's loop:
-    DistributedOptimizer; torchrun's world).  agree: fp16's overflow vote where the
+    DistributedOptimizer).  agree: fp16's overflow vote where the
     ranks hold different gradients at the check (a split model, the experts);
     backwards_per_step: how many backwards fill a bucket in a step (the schedule's
     micro-batches; 1 in a loop of one's own, whose no_sync holds the others back).  role, host: ps and

@@ -29,12 +29,30 @@ ring), the node's leader alone talks to the servers, and broadcasts what it pull
 so a key's group on the servers is its dp axis's leaders.  Nodes must hold equally
 many replicas: the servers average over the leaders, the ring over the node, and
 the mean of equal-sized means is the mean.
+
+--compress on the wire to the servers, as BytePS compresses its pushes:
+
+    fp16, bf16          each slice cast (psrv/protocol.py's to_wire); under hybrid the
+                        node's ring casts too
+    fp8, topk, powersgd each slice a push carries (placement.py cuts a key into slices)
+                        encoded by the compressor's `encode` (compression/), with error
+                        feedback kept on the worker per slice (its key), laid out as
+                        psrv/protocol.py says (PushEncoder); the server decodes it into
+                        a dense float32 slice and sums and steps as for any push
+
+Under hybrid only the leader compresses, the node's mean, and the ring inside the
+node stays dense: its bytes are on the node's fast links, and a lossy all-reduce
+would need top-k's all-gather there and a second residual per rank for one push.
+The step records' wire_bytes count the payload each push put on the wire
+(Handle.pushed_bytes), plus the node ring's.
 """
 import zlib
 
 import torch
 
+from ..compression.casts import Compressor
 from ..config.choices import ConfigError
+from ..config.compress_spec import parse_compress
 from ..runtime.context import require_psrv
 from ..runtime.precision import any_rank_of
 from ..runtime.trace import span
@@ -46,6 +64,31 @@ def wire_of(cfg):
     """What a push carries: --compress fp16 or bf16 halves it (the servers widen it to
     float32 before they sum and step), else float32."""
     return cfg.compress if cfg.compress in ("fp16", "bf16") else "fp32"
+
+
+class PushEncoder:
+    """A lossy compressor's encoding of each slice a push carries, in psrv/protocol.py's
+    layout: Client(encoder=...) calls it with the slice (placement.Slice) and its
+    float32 gradient, and it returns (dtype code, param, payload).  The compressor's
+    residuals and warm starts are keyed by the slice's key."""
+
+    def __init__(self, kind, compressor, protocol):
+        self.kind, self.compressor, self.protocol = kind, compressor, protocol
+
+    def __call__(self, sl, piece):
+        P, flat = self.protocol, torch.from_numpy(piece)
+        if self.kind == "fp8":
+            q, scale = self.compressor.encode(sl.key, flat)
+            return P.FP8, 0, P.compressed_payload(P.FP8, q.view(torch.uint8).numpy(),
+                                                  scale.item())
+        if self.kind == "topk":
+            indices, values = self.compressor.encode(sl.key, flat)
+            return P.TOPK, 0, P.compressed_payload(P.TOPK, indices.numpy(), values.numpy())
+        factors = self.compressor.encode(sl.key, flat, P.matrix_shape(len(piece)))
+        if factors is None:           # a slice too small for its factors: dense
+            return P.FLOAT32, 0, piece
+        return P.POWERSGD, self.compressor.rank, \
+            P.compressed_payload(P.POWERSGD, *(f.numpy() for f in factors))
 
 
 def check_servers_step(start_step, state):
@@ -74,10 +117,15 @@ class ServerBuckets(ZeRO):
         # or the hybrid's node), then take the servers' values.  fp32 parameters under
         # autocast, as the whole model's ps: the servers hold and update fp32
         coll = node.coll if node else collective_for("ring", cfg, comms.dp, device=device)
+        # the node's ring: the casts, or dense; a lossy compression is the push's alone
+        lossy = parse_compress(cfg.compress).lossy
         super().__init__(0, units, coll, cfg, backwards_per_step, tracer, None,
                          thread_coll=node.thread_coll if node else coll,
-                         compressor=build_compressor(cfg.compress), overlap=cfg.overlap,
-                         device=device)
+                         compressor=Compressor() if lossy else build_compressor(cfg.compress),
+                         overlap=cfg.overlap, device=device)
+        self.push_compressor = build_compressor(
+            cfg.compress, None, cfg.error_feedback, cfg.compressor_momentum,
+            cfg.sparsity_warmup) if lossy else None
         self.name, self.node, self.comms = cfg.sync, node, comms
         # fp16: the buckets wait for step, where the workers vote on an overflow (each
         # stage and tp rank sees its own gradients) and push only where none found one
@@ -106,9 +154,14 @@ class ServerBuckets(ZeRO):
                 num_workers=len(leaders),
                 timeout=cfg.timeout, keys=role.keys,
                 consistency=psrv.Consistency(mode=cfg.consistency, staleness=cfg.staleness),
-                wire=wire_of(cfg))
+                wire=wire_of(cfg), encoder=PushEncoder(
+                    parse_compress(cfg.compress).kind, self.push_compressor,
+                    psrv.protocol) if lossy else None)
+            # --momentum-correction: top-k keeps the velocity on the worker, so the
+            # servers' SGD runs without momentum (as make_optimizer's torch one does)
             optimizer = psrv.OptimizerConfig(
-                name=cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum, betas=(0.9, 0.999),
+                name=cfg.optimizer, lr=cfg.lr, betas=(0.9, 0.999),
+                momentum=0.0 if cfg.momentum_correction else cfg.momentum,
                 eps=1e-8, weight_decay=cfg.weight_decay)
             # the group's first rank brings the values; after --resume, the servers' own
             start = self.client.init({k: t.numpy() for k, t in self.host.items()},
@@ -120,6 +173,8 @@ class ServerBuckets(ZeRO):
             for t in self.host.values():
                 node.coll.broadcast(t, root=0)
         self.start_step = self.next_step = start
+        if self.push_compressor is not None:      # top-k's warm-up goes by the step
+            self.push_compressor.set_step(start)
         self.pending = {}
         self._install()
 
@@ -147,9 +202,10 @@ class ServerBuckets(ZeRO):
         if self.leads:
             grad = flat.detach().cpu().float().numpy()
             with span(self.tracer, f"push/pull {key}", self.category):
-                self.client.push_pull({key: grad}, {key: self.host[key].numpy()},
-                                      self.next_step).wait()
-            sent += grad.nbytes // (2 if self.client.wire else 1)   # 16-bit frames
+                handle = self.client.push_pull({key: grad}, {key: self.host[key].numpy()},
+                                               self.next_step)
+                handle.wait()
+            sent += handle.pushed_bytes          # the gradient as it went on the wire
         if self.node_ring:
             self.node.thread_coll.broadcast(self.host[key], root=0)
         return sent
@@ -161,8 +217,14 @@ class ServerBuckets(ZeRO):
 
     def synchronize(self, step):
         super().synchronize(step)
+        if self.push_compressor is not None:
+            self.push_compressor.set_step(step + 1)
         if not self.deferred:
             self.next_step += 1
+
+    @property
+    def kept_ratio(self):
+        return self.push_compressor.kept_ratio if self.push_compressor else None
 
     def before_backward(self):
         self.pending = {}
