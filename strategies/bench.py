@@ -125,7 +125,7 @@ def make_method(method, base, ctx, data, device):
     if name == "ddp":           # the trainer's step over DDP's forward, backward and sync
         sync = DDPSync(cfg, ctx, device)
         sync.setup(model)
-        plan = Parallelized(model, Accumulation(model, sync.ddp, 1, sync, device), sync,
+        plan = Parallelized(model, Accumulation(sync.ddp, model.criterion, 1, device), sync,
                             make_optimizer(cfg, model.parameters()), MixedPrecision(),
                             counters=[sync])
         return StepEngine(cfg, ctx, device, data, model, plan)

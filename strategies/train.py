@@ -25,8 +25,8 @@ torch process groups: allreduce/torch_comm.py):
         --model gpt --layers 4 --dp 2 --pp 2 --micro-batches 4
 
 Each step: this rank's B/P samples of the global batch -> forward -> backward
-(buckets all-reduced meanwhile; --micro-batches k: in k micro-steps, the first k-1
-under sync.no_sync, accumulation.py) -> sync.synchronize (wait for the rest) ->
+(buckets all-reduced meanwhile; --micro-batches k: in k micro-batches, a bucket leaving
+on its k-th backward, accumulation.py) -> sync.synchronize (wait for the rest) ->
 sync.step (the update).  engine/parallelize.py cuts the model for the flags (tensor,
 recompute, pipeline, experts, then data parallelism: ZeRO, or the syncs that
 strategies.DistributedOptimizer builds, the API a user's own loop has); the one step

@@ -1,7 +1,7 @@
 """Gradient accumulation (--grad-accum k, strategies/engine/accumulation.py): every tier.
 
-Equivalence: k micro-steps of b/k samples, each loss scaled by 1/k, make the step
-of the unsplit batch b; only the order of float additions changes (the sum of k
+Equivalence: k micro-batches of b/k samples, each loss scaled by its share 1/k, make
+the step of the unsplit batch b; only the order of float additions changes (the sum of k
 partial gradients), a few ulps per step.  Tolerance rtol = 1e-5, atol = 1e-6, as
 for the other data-parallel equivalences (tests/test_train_runs.py), against
 differences of O(lr * grad) ~ 1e-3 for a real bug (a micro-batch counted twice or
@@ -19,7 +19,7 @@ import torch
 from conftest import each_bucket
 
 import strategies
-from strategies.engine.accumulation import accumulate
+from strategies.engine.accumulation import Accumulation
 from strategies.sync.buckets import GradBuckets
 from strategies.config.choices import ConfigError
 from strategies.compression.casts import make_compressor
@@ -43,19 +43,19 @@ def batch(step):
 
 
 class CountingSync(LocalSync):
-    """One process's sync whose gradients go through GradBuckets, as data_parallel's do;
-    the 'all-reduce' of one rank is the identity, counted by the buckets."""
+    """One process's sync whose gradients go through GradBuckets, as data_parallel's do,
+    built for the schedule's k backwards a step; the 'all-reduce' of one rank is the
+    identity, counted by the buckets."""
+    backwards_per_step = 1
 
     def setup(self, model):
         super().setup(model)
         self.buckets = GradBuckets(list(model.parameters()), each_bucket(lambda flat: None), 600,
-                                   make_compressor("none"), overlap=True)
+                                   make_compressor("none"), overlap=True,
+                                   backwards_per_step=self.backwards_per_step)
 
     def before_backward(self):
         self.buckets.zero_()
-
-    def no_sync(self):
-        return self.buckets.accumulating()
 
     def synchronize(self, step):
         self.buckets.wait()
@@ -64,13 +64,15 @@ class CountingSync(LocalSync):
 def train(k, sync_class=LocalSync):
     model = mlp()
     sync = sync_class(None, None, torch.device("cpu"))
+    sync.backwards_per_step = k                    # as data_parallel builds it
     sync.setup(model)
+    schedule = Accumulation(model, model.criterion, k, torch.device("cpu"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses, rounds = [], []
     for step in range(STEPS):
         x, y = batch(step)
         sync.before_backward()
-        losses.append(accumulate(step, model, model, x, y, k, sync, lambda: 0.0).item())
+        losses.append(schedule.run(x, y, step).item())
         sync.synchronize(step)
         sync.step(opt)
         rounds.append(getattr(sync, "buckets", None) and sync.buckets.reductions)
@@ -138,13 +140,20 @@ def test_distributed_optimizer_no_sync_in_a_users_loop():
     (dict(grad_accum=2, pp=2, micro_batches=4, sync="ring"), 2,
      "--grad-accum 2 and --micro-batches 4 are the same thing on the grid"),
     (dict(grad_accum=2, model="moe"), 1, "--model moe with --grad-accum 2"),
-    (dict(grad_accum=4, global_batch=12, sync="ring"), 2,
-     r"--grad-accum 4 .* global batch 12 / dp\(2\) = 6 samples, 6 % 4 = 2"),
-    (dict(grad_accum=5, global_batch=12, sync="ps"), 3, r"12 / dp\(2\) = 6 samples, 6 % 5"),
+    (dict(grad_accum=7, global_batch=12, sync="ring"), 2,
+     r"--grad-accum 7 is more than the 6 samples of each replica"),
 ])
 def test_bad_combinations_name_their_flags(flags, world, message):
     with pytest.raises(ConfigError, match=message):
         check_world(TrainConfig(**flags), world)
+
+
+@pytest.mark.parametrize("flags,world", [(dict(grad_accum=4, global_batch=12, sync="ring"), 2),
+                                         (dict(grad_accum=5, global_batch=12, sync="ps"), 3)])
+def test_unequal_micro_batches_are_taken_on_every_run(flags, world):
+    """6 samples in 4 (or 5) micro-batches: each loss scaled by its share (accumulation.py);
+    the runs below train 8 samples in 3 against k = 1."""
+    assert check_world(TrainConfig(**flags), world) == 2
 
 
 def test_on_the_grid_grad_accum_is_micro_batches():
@@ -187,14 +196,15 @@ def test_allreduce_syncs_accumulate_on_two_ranks(tmp_path):
     runs = launch(tmp_path, 2, [
         ("ring", ["--sync", "ring"] + small),
         ("ring_k4", ["--sync", "ring", "--grad-accum", 4] + small),
+        ("ring_k3", ["--sync", "ring", "--grad-accum", 3] + small),    # 3, 3, 2 samples
         ("tree_k2", ["--sync", "tree", "--grad-accum", 2, "--no-overlap"]),
         ("mpi_k4", ["--sync", "mpi", "--grad-accum", 4]),
         ("ring_k2_recompute", ["--sync", "ring", "--grad-accum", 2, "--recompute",
                                "--trace", tmp_path / "trace.json"]),
     ])
-    for name in ("ring_k4", "tree_k2", "mpi_k4", "ring_k2_recompute"):
+    for name in ("ring_k4", "ring_k3", "tree_k2", "mpi_k4", "ring_k2_recompute"):
         assert_same(runs[name], runs["ring"])
-    assert rounds(runs["ring_k4"]) == rounds(runs["ring"])
+    assert rounds(runs["ring_k4"]) == rounds(runs["ring_k3"]) == rounds(runs["ring"])
     assert {r["comm_rounds"] for r in runs["ring"][0]} == {3}
     assert {r["comm_rounds"] for r in runs["mpi_k4"][0]} == {1}      # one 25 MB bucket
     events = json.load(open(tmp_path / "trace.json"))["traceEvents"]
@@ -208,9 +218,11 @@ def test_parameter_servers_accumulate_with_one_push_per_step(tmp_path):
     runs = launch(tmp_path, 3, [                   # 2 workers + 1 server
         ("ps", ["--sync", "ps", "--consistency", "bsp"]),
         ("ps_k4", ["--sync", "ps", "--consistency", "bsp", "--grad-accum", 4]),
+        ("ps_k3", ["--sync", "ps", "--consistency", "bsp", "--grad-accum", 3]),  # 3, 3, 2
         ("hybrid_k2", ["--sync", "hybrid", "--ranks-per-node", 1, "--grad-accum", 2]),
     ])
     assert_same(runs["ps_k4"], runs["ps"])
+    assert_same(runs["ps_k3"], runs["ps"])
     assert_same(runs["hybrid_k2"], runs["ps"])
     assert {r["comm_rounds"] for r in runs["ps_k4"][0]} == {1}       # one push_pull
     # hybrid, nodes of one worker: no all-reduce in a node of one, then one push_pull

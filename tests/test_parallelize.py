@@ -1,11 +1,11 @@
 """The one parallelize step and the one step engine (strategies/engine/parallelize.py, loop.py).
 
 In process, one rank: what parallelize builds for each shape of run (the whole model,
-the grid), and the one step over both schedules: the trivial one of one stage
-(accumulation.py) and a pipeline of one stage (pipeline.py, under ZeRO stage 0) train
-the same parameters from the same seed, up to the order of float additions
-(rtol 1e-5, atol 1e-6, as the other equivalences; a micro-batch counted twice or a
-missing 1/k moves them by ~1e-3).  The multi-rank equivalences are
+the grid), and the one step over both: every run whose pipeline has one stage is driven
+by the trivial schedule (accumulation.py), over the whole model or over the grid's one
+Stage (under ZeRO stage 0), and both train the same parameters from the same seed, up
+to the order of float additions (rtol 1e-5, atol 1e-6, as the other equivalences; a
+micro-batch counted twice or a missing 1/k moves them by ~1e-3).  The multi-rank equivalences are
 test_accumulation.py's, test_parallel_runs.py's and test_one_worker.py's.
 """
 from types import SimpleNamespace
@@ -46,8 +46,8 @@ def test_grad_accum_is_micro_batches_on_every_run():
     assert not TrainConfig(sync="ps", micro_batches=2).on_grid    # accumulation, any sync
     with pytest.raises(ConfigError, match="--grad-accum 2 and --micro-batches 4"):
         TrainConfig(sync="ring", grad_accum=2, micro_batches=4)
-    with pytest.raises(ConfigError, match=r"--micro-batches 3 does not divide .* 8 % 3 = 2"):
-        check_world(TrainConfig(sync="ring", micro_batches=3, global_batch=16), 2)
+    # a whole model cuts unequal micro-batches as the grid does (3, 3, 2 here)
+    assert check_world(TrainConfig(sync="ring", micro_batches=3, global_batch=16), 2) == 2
 
 
 def test_the_whole_model_gets_the_trivial_schedule():
@@ -59,12 +59,15 @@ def test_the_whole_model_gets_the_trivial_schedule():
     plan.sync.close()
 
 
-def test_the_grid_gets_stages_zero_and_a_pipeline():
+def test_the_grid_gets_stages_zero_and_at_one_stage_the_trivial_schedule():
     cfg, ctx, _, model = built(sync="ring", model="gpt", layers=2, d_model=16, heads=2,
                                vocab=12, seq_len=8, zero=1, micro_batches=2, recompute=True)
     plan = parallelize(model, ctx, cfg, torch.device("cpu"), None)
     assert isinstance(plan.model, Stage) and isinstance(plan.sync, ZeRO)
-    assert isinstance(plan.schedule, Pipeline) and plan.schedule.m == 2
+    # pp = 1: the schedule of one stage, as a whole model's; Pipeline is for pp >= 2
+    assert isinstance(plan.schedule, Accumulation) and not isinstance(plan.schedule, Pipeline)
+    assert plan.schedule.k == 2 and plan.schedule.forward is plan.model
+    assert plan.schedule.meter is plan.meter is not None     # the grid's memory records
     assert plan.schedule.recompute is plan.recompute and plan.pipelined
     # every parameter of this rank's share has its name in the whole model
     assert {plan.names[id(p)] for p in plan.model.parameters()} == \
@@ -95,6 +98,31 @@ def test_one_step_over_either_schedule_trains_the_same_model():
     assert all({"coords", "bubble_fraction", "peak_in_flight", "memory", "wire_bytes"}
                <= set(fields) for _, fields in grid)
     assert all(fields["peak_in_flight"] == 1 for _, fields in grid)   # one stage: 1F1B
+
+
+def test_the_grid_at_one_stage_and_a_whole_model_share_one_schedule():
+    schedules = []
+    for flags in (dict(sync="local"), dict(sync="ring"), dict(sync="ring", dp=1),
+                  dict(sync="ring", zero=3)):
+        cfg, ctx, _, model = built(micro_batches=2, **flags)
+        plan = parallelize(model, ctx, cfg, torch.device("cpu"), None)
+        schedules.append(type(plan.schedule))
+        plan.sync.close()
+    assert schedules == [Accumulation] * 4
+
+
+def test_unequal_micro_batches_on_the_grid_at_one_stage_match_one_process():
+    """Local batch 5 in micro-batches of 3 and 2, each loss scaled by its share (3/5, 2/5):
+    the step of the unsplit batch (a 1/k scale instead moves the losses by ~7e-3)."""
+    whole, whole_params = train(sync="local", global_batch=5)
+    for zero in (0, 3):
+        grid, grid_params = train(sync="ring", dp=1, zero=zero, global_batch=5,
+                                  micro_batches=2)
+        np.testing.assert_allclose([loss for loss, _ in grid], [loss for loss, _ in whole],
+                                   rtol=RTOL, atol=ATOL)
+        for name, value in whole_params.items():
+            np.testing.assert_allclose(grid_params[name], value, rtol=RTOL, atol=ATOL,
+                                       err_msg=name)
 
 
 def test_a_trace_names_each_rank_by_its_coordinates_cp_included():

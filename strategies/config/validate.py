@@ -345,10 +345,8 @@ def check_world(cfg, world_size):
     if k > local:
         raise ConfigError(f"{flag} {k} is more than the {local} samples of each replica "
                           f"(global batch {cfg.global_batch} / dp({dp}))", field="micro_batches")
-    if not cfg.on_grid and local % k:          # the grid's pipeline cuts unequal ones
-        raise ConfigError(f"{flag} {k} does not divide the local batch: "
-                          f"global batch {cfg.global_batch} / dp({dp}) = {local} samples, "
-                          f"{local} % {k} = {local % k} ({where})", field="world_size")
+    # k need not divide the local batch: every schedule cuts unequal micro-batches and
+    # scales each one's loss by its share (engine/accumulation.py, parallel/pipeline.py)
     replicas = dp * cfg.cp                     # a hybrid node holds replicas: dp x cp
     if cfg.sync == "hybrid" and cfg.ranks_per_node and replicas % cfg.ranks_per_node:
         of = f"dp({dp}) x cp({cfg.cp}) = {replicas}" if cfg.cp > 1 else f"dp({dp})"

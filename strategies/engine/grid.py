@@ -13,7 +13,8 @@ engine of the one training loop (loop.py) drives it:
 
     x, y = this dp replica's part of the global batch            (data.py)
     zero.before_backward()                                       (sync/zero.py: dp axis)
-    pipeline.run(x, y): micro-batches through this rank's stage  (parallel/pipeline.py)
+    schedule.run(x, y): micro-batches through this rank's stage (parallel/pipeline.py;
+                                                                 at pp = 1 accumulation.py)
         each block's matrices split over the tp ranks           (tensor_parallel.py: tp)
         each bucket's gradient reduced over dp as soon as backward finishes it
     zero.synchronize(step)                                       (the last buckets' collectives)

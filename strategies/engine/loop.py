@@ -9,9 +9,10 @@ torchtitan's train_step have the same shape):
     x, y = this dp replica's share of the global batch           (model/data.py)
         and of its positions, this cp rank's slice               (context_parallel.py)
     sync.before_backward()                                       (the sync's contract)
-    schedule.run(x, y): the micro-batches forward and backward   (a Pipeline of stages, or
-        gradients accumulate; the sync's collectives leave        the trivial schedule of
-        as backward finishes them, once per step                  one stage: accumulation.py)
+    schedule.run(x, y): the micro-batches forward and backward   (a Pipeline of pp >= 2
+        gradients accumulate; the sync's collectives leave        stages, or the trivial
+        as backward finishes them, once per step                  schedule of one stage:
+                                                                  accumulation.py)
     sync.synchronize(step)                                       (every gradient came)
     the update: sync.step(optimizer), fp16's overflow skip       (runtime/precision.py)
     the record's fields                                          (below)
@@ -61,7 +62,7 @@ class StepEngine:
         self.cfg, self.ctx, self.device, self.data = cfg, ctx, device, data
         self.signature = signature(model)          # the whole model's, for checkpoints
         self.parameters = count_parameters(model)  # the whole model's, for the banner
-        # a pipeline's times and bubble are read off the spans: the grid always traces
+        # the grid's times and bubble are read off the spans: the grid always traces
         self.tracer = Tracer(ctx.rank) if cfg.trace or cut_into_layers(cfg) else None
         self.plan = plan or parallelize(model, ctx, cfg, device, self.tracer)
         p = self.plan
@@ -89,7 +90,7 @@ class StepEngine:
         rounds = sync.comm_rounds
         exchanged = (p.exchange.coll.bytes_sent, p.exchange.seconds) if p.exchange else None
         attended = (p.context.bytes_sent, p.context.seconds) if p.context else None
-        # host times where spans are drawn (--trace, a pipeline's), else one wait a step
+        # host times where spans are drawn (--trace, the grid's), else one wait a step
         clock = StepClock(self.device, host_times=self.tracer is not None)
         start = clock.mark()
         if self.ctx.rank == cfg.straggler_rank:    # --straggler: a slow GPU, seen as compute
@@ -100,13 +101,13 @@ class StepEngine:
         sync.before_backward()
         loss = p.schedule.run(x, y, step)
         t1 = clock.mark()
-        # the exposed communication: a pipeline's spans are its times, so it is drawn
-        # here; the trivial schedule's clocked_times draws [t1, t2)
+        # the exposed communication: the grid's spans are its times, so it is drawn
+        # here; a whole model's clocked_times draws [t1, t2)
         with span(self.tracer, f"wait for gradients {step}", "comm") if p.pipelined \
                 else nullcontext():
             sync.synchronize(step)
         t2 = clock.mark()
-        # a pipeline's times are its spans'; the trivial schedule's are clocked_times'
+        # the grid's times are its spans'; a whole model's are clocked_times'
         with span(self.tracer, f"optimizer {step}", "optimizer") if p.pipelined \
                 else nullcontext():
             if sync.scales_itself:   # 16-bit buffers, the servers: fp16's skip is its own
@@ -134,16 +135,17 @@ class StepEngine:
         """The whole model: [start, t1) is this rank's compute (forward and backward),
         [t1, t2) the exposed communication, [t2, t3) the update, compute again.  The
         comm_rounds (one per gradient bucket, or server round trip) are the same with k
-        micro-batches as without: the point of no_sync."""
+        micro-batches as without: a bucket leaves on its k-th backward (accumulation.py)."""
         if self.tracer:                            # --trace: the step's intervals, as lived
             self.tracer.add(f"wait for gradients {step}", "comm", t1, t2)
             self.tracer.add(f"optimizer {step}", "optimizer", t2, t3)
         return {"compute_time_s": (t1 - start) + (t3 - t2), "comm_time_s": t2 - t1}
 
     def pipeline_times(self, start, t1, t3):
-        """A pipeline: a rank's waits for its peers are interleaved with its compute, so
+        """The grid: a rank's waits for its peers are interleaved with its compute, so
         the times are the spans': busy (forward, backward), comm, idle, and the bubble,
-        the share of the flush-to-flush time of the pipeline this rank did not compute."""
+        the share of the flush-to-flush time of the pipeline this rank did not compute
+        (the schedule's one stage at pp = 1: only its own gaps)."""
         self.tracer.add("step", "step", start, t3)
         events = self.tracer.since(start)
         busy = busy_seconds(events)
@@ -188,7 +190,7 @@ class StepEngine:
         slice of the positions it is (`cp_rank`).
         That wait blocks the forward and backward: where no spans are read (the whole
         model), it moves from the compute to the communication, as the experts' does;
-        a pipeline's times already read it off the cores' comm spans."""
+        the grid's times already read it off the cores' comm spans."""
         core = self.plan.context
         seconds = core.seconds - seconds_before
         sent = None if bytes_before is None or core.bytes_sent is None \

@@ -28,8 +28,9 @@ Linear they cut; a Stage, an expert or a bucket holds the swapped module):
                        bucket reduction is an all-reduce, a reduce-scatter (--zero) or a
                        push and pull to the parameter servers (ps, hybrid), over the
                        dp x cp replicas of the parameters
-    7. the schedule    Pipeline (GPipe, 1F1B, interleaved) over the stages, or the trivial
-                       schedule of one stage (accumulation.py) over the whole model
+    7. the schedule    Pipeline (GPipe, 1F1B, interleaved) over pp >= 2 stages; the
+                       trivial schedule of one stage (accumulation.py) over everything
+                       else: the grid's one Stage at pp = 1, or the whole model
 
 Why this order.  The cut comes first only as arithmetic (which layers), so that 1 to 3
 touch the kept layers only.  Tensor parallelism before recompute: the checkpoint wraps
@@ -43,16 +44,16 @@ stages: a Stage holds the wrapped blocks.
 Experts before data parallelism: an expert's gradient is averaged over its replicas,
 not over dp, so data parallelism must know which parameters are experts.  Data
 parallelism last: ZeRO makes each layer's final parameters views of one flat buffer,
-which a later split would break.  The schedule after it: the pipeline's activation
-meter leaves ZeRO's parameter storages out, and the trivial schedule asks the sync for
-no_sync (communication once per step).
+which a later split would break.  The schedule after it: its activation meter leaves
+ZeRO's parameter storages out (and packs ZeRO-3's), and every schedule's k backwards
+a step are what the sync was built to count (communication once per step).
 
 Every run is a mesh run (config/mesh.py: plain data parallelism is dp = the workers)
 and takes the steps its flags enable: a model cut into layers (--dp/--pp/--tp/--zero:
-steps 0-4, 6, 7 a Pipeline; step 5 too for --model moe --ep, each stage's experts over
-the expert groups of its replicas), the experts apart on a whole model (--model moe
-with --ep or --zero, without --pp and --tp: steps 5, 6, 7 trivial), or whole on every
-worker (steps 2, 3, 6, 7 trivial); step 2 where --cp > 1.
+steps 0-4, 6, 7 a Pipeline where pp > 1, else trivial; step 5 too for --model moe
+--ep, each stage's experts over the expert groups of its replicas), the experts apart
+on a whole model (--model moe with --ep or --zero, without --pp and --tp: steps 5, 6, 7
+trivial), or whole on every worker (steps 2, 3, 6, 7 trivial); step 2 where --cp > 1.
 """
 from dataclasses import dataclass, field
 
@@ -90,9 +91,10 @@ class Parallelized:
     optimizer: object
     precision: object           # the run's MixedPrecision (runtime/precision.py)
     recompute: object = None    # --recompute: a Recompute over the kept blocks
-    pipelined: bool = False     # the schedule is a Pipeline: its times are read off spans
+    pipelined: bool = False     # cut into stages (the grid, pp >= 1): the grid's records,
+                                # their times read off the schedule's spans
     reports: bool = True        # this rank's loss is one of the step's (last stage, tp 0)
-    meter: object = None        # the pipeline's ActivationMeter
+    meter: object = None        # the schedule's ActivationMeter (the grid, ZeRO-3)
     exchange: object = None     # the experts' AllToAllExperts
     context: object = None      # --cp: the blocks' attention core (RingAttention, Ulysses)
     placement: object = None    # the experts' ExpertPlacement
@@ -182,13 +184,22 @@ def parallelize(model, ctx, cfg, device, tracer):
         plan.counters = plan.counters + [plan.exchange.coll]
     # 6. data parallelism over what is left: the one call, whatever the --sync
     data_parallel_step(plan, ctx, cfg, device, tracer, layers if grid else None)
-    # 7. the schedule of one step's micro-batches
-    if grid:
+    # 7. the schedule of one step's micro-batches: a pipeline over pp >= 2 stages, else
+    # the trivial one of one stage; the grid's records read its meter, ZeRO-3 packs its
+    # saved parameters through it
+    if grid or cfg.zero == 3:
+        plan.meter = ActivationMeter(plan.sync.param_storages,
+                                     [plan.sync] if cfg.zero == 3 else [])
+    if grid and comms.pp_size > 1:
         pipeline(plan, comms, cfg, device, stages, tracer,
                  getattr(model, "token_loss", model.criterion))
     else:
-        plan.schedule = Accumulation(model, model, cfg.micro_batches, plan.sync, device, tracer,
-                                     plan.recompute, plan.precision)
+        plan.schedule = Accumulation(plan.model, model.criterion, cfg.micro_batches, device,
+                                     tracer, plan.recompute, plan.precision, plan.meter)
+    if grid:
+        plan.pipelined = True
+        # the loss of a replica is on its last stage, the same on each of its tp ranks
+        plan.reports = comms.is_last_stage and comms.tp_rank == 0
     return plan
 
 
@@ -234,9 +245,8 @@ def data_parallel_step(plan, ctx, cfg, device, tracer, layers):
         units, precision, agree = parameter_units(plan.model), None, None
     if cfg.sync in PS_SYNCS:      # the servers' fp16 vote: before the pushes, in step
         precision = plan.precision
-    # a pipeline's micro-batches each fill the buckets; the trivial schedule's no_sync
-    # holds back all but the last backward
-    backwards = cfg.micro_batches if layers is not None else 1
+    # every schedule's micro-batches each fill the buckets (accumulation.py: why)
+    backwards = cfg.micro_batches
     plan.sync = data_parallel(units, comms, cfg, device=device, tracer=tracer,
                               precision=precision, agree=agree, backwards_per_step=backwards,
                               role=ctx.role, host=ctx.host)
@@ -264,11 +274,10 @@ def expert_replicas(comms, cfg, device):
 
 
 def pipeline(plan, comms, cfg, device, stages, tracer, criterion):
-    """Step 7 on the grid: this rank's stages under --schedule, their activations and
-    gradients over the pp axis's point-to-point transport (on a GPU staged through
-    pinned host memory where MPI is not CUDA-aware: for_device)."""
-    plan.meter = ActivationMeter(plan.sync.param_storages,
-                                 [plan.sync] if cfg.zero == 3 else [])
+    """Step 7 on the grid at pp >= 2: this rank's stages under --schedule, their
+    activations and gradients over the pp axis's point-to-point transport (on a GPU
+    staged through pinned host memory where MPI is not CUDA-aware: for_device).
+    criterion: the cross-entropy alone (a stage adds its own balance losses)."""
     p2p = for_device(make_transport(comm=comms.pp, timeout=cfg.timeout), device)
     # a GPT's activation is this rank's positions: T, over tp's sequence-parallel
     # shards, over cp's slices; its peers on the pp axis share its (dp, cp, tp)
@@ -280,9 +289,6 @@ def pipeline(plan, comms, cfg, device, stages, tracer, criterion):
                          plan.meter, plan.precision)
     plan.schedule.recompute = plan.recompute
     plan.counters = plan.counters + [p2p]
-    plan.pipelined = True
-    # the loss of a replica is on its last stage, the same on each of its tp ranks
-    plan.reports = comms.is_last_stage and comms.tp_rank == 0
 
 
 def dropped_fraction(model):

@@ -30,11 +30,12 @@ index order 0, 1, 2 ..., a bucket that is ready early waiting for the ones
 before it (DDP does the same).  --no-overlap reduces each bucket on the main
 thread, inside the hook, in the same order: backward waits for it.
 
-Micro-batches.  A pipeline runs m backwards a step (backwards_per_step): a
+Micro-batches.  Every schedule of strategies.train (a pipeline's, and the one
+stage's of engine/accumulation.py) runs m backwards a step (backwards_per_step): a
 bucket is complete when each of its parameters' gradients arrived m times,
-autograd adding them up in between.  Gradient accumulation in a plain loop
-uses `accumulating()` instead (DDP's no_sync, accumulation.py): its hooks count
-nothing, and the backward after it sends the sum.  A second backward beyond
+autograd adding them up in between.  A loop of one's own, which does not say m in
+advance, uses `accumulating()` instead (DDP's no_sync, DistributedOptimizer's): its
+hooks count nothing, and the backward after it sends the sum.  A second backward beyond
 those, before `wait`, would add into buffers the thread may be sending; the
 hook refuses it.  `wait` re-arms the buckets, so the next backward works
 whoever cleared the gradients (a user loop may call model.zero_grad() or not

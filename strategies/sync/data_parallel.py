@@ -55,8 +55,8 @@ def data_parallel(units, comms, cfg, *, device, tracer=None, precision=None, agr
     None where `coll`, a collective over the replicas, is given instead (a user's loop:
     DistributedOptimizer).  agree: fp16's overflow vote where the
     ranks hold different gradients at the check (a split model, the experts);
-    backwards_per_step: how many backwards fill a bucket in a step (a pipeline's
-    micro-batches; 1 where no_sync holds the others back).  role, host: ps and
+    backwards_per_step: how many backwards fill a bucket in a step (the schedule's
+    micro-batches; 1 in a loop of one's own, whose no_sync holds the others back).  role, host: ps and
     hybrid's psrv.launch Role and this rank's host name (the hybrid's nodes)."""
     if cfg.sync == "local":
         return LocalSync(cfg, None, device)

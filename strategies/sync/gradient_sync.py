@@ -4,8 +4,9 @@
                                        or the parameter servers'); hooks attached
     each step s:
         sync.before_backward()         fresh (zero) gradients
-        with sync.no_sync():           optional, gradient accumulation (accumulation.py):
-            loss_i.backward()          micro-batches whose gradients only add up locally
+        with sync.no_sync():           optional, gradient accumulation in a loop of one's
+            loss_i.backward()          own (optimizer.py): micro-batches whose gradients
+                                       only add up locally
         loss.backward()                all-reduce syncs may already communicate here
         sync.synchronize(s)            every replica's gradients of step s are combined
         sync.step(optimizer)           the update: afterwards every replica holds the
@@ -119,7 +120,9 @@ class GradientSync:
     before_backward()    Before each backward: the gradients start from zero.
     no_sync()            A context: backwards inside it only add into the local gradients
                          and communicate nothing (DDP's no_sync); the backward after it,
-                         outside, carries the sum.  Gradient accumulation (accumulation.py).
+                         outside, carries the sum.  Gradient accumulation in a loop of
+                         one's own; strategies.train's schedules build the sync for their
+                         k backwards instead (backwards_per_step, accumulation.py).
     synchronize(step)    After backward: waits until the gradients of `step` of every
                          replica are combined (averaged into .grad; ps: sent to the servers,
                          whose new parameters have come back but are not in the model yet).
