@@ -247,6 +247,12 @@ class SequenceParallelMoE(nn.Module):
     def forward(self, x):
         return scatter_to_sequence(self.moe(gather_to_replicated(x, self.tp)), self.tp)
 
+    @property
+    def balance_loss(self):
+        """The layer's load-balancing loss, read by the model's criterion (models.py)
+        where the block's MLP is this wrapper."""
+        return self.moe.balance_loss
+
 
 def replicated_in_block(block):
     """The parameters of a tensor-parallel block that are whole on every tp rank and see
