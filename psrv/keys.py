@@ -210,8 +210,8 @@ def for_mpi_rank(comm, num_workers):
     ClientKeys or ServerKeys.  Only public keys travel (one 40-byte Allgather).
 
     A key made here never leaves the job's processes, and the worker id it will speak
-    for is not known yet (the hybrid sync's node leaders speak for their node's index,
-    decided after this exchange), so each binds to the first id it speaks for."""
+    for is not known yet (the hybrid sync's node leaders speak for their index among
+    the leaders, decided after this exchange), so each binds to the first id it speaks for."""
     import numpy as np
     public, secret = zmq.curve_keypair()
     publics = np.empty((comm.Get_size(), KEY_LENGTH), np.uint8)

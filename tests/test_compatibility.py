@@ -53,6 +53,7 @@ def test_what_used_to_live_in_one_engine_now_composes():
         dict(sync="hybrid", model="gpt", tp=2, compress="bf16"),
         dict(sync="ps", compress="topk:0.01"), dict(sync="hybrid", compress="powersgd:2"),
         dict(sync="ps", model="gpt", dp=2, pp=2, micro_batches=2, compress="fp8"),
+        dict(sync="hybrid", model="moe", ep=2, ranks_per_node=2),
     ]
     for fields in accepted_fields:
         TrainConfig(**fields)

@@ -122,7 +122,8 @@ MOE = dict(model="moe", sync="ring", experts=4)
 @pytest.mark.parametrize("flags, world, message", [
     (dict(MOE, ep=3), 3, "--experts 4 is not divisible by ep(3)"),
     (dict(MOE, ep=2, sync="local"), 1, "needs an all-reduce --sync"),
-    (dict(MOE, ep=2, sync="hybrid"), 3, "--ep 2 with --sync hybrid is not supported"),
+    (dict(MOE, ep=2, sync="hybrid", ranks_per_node=3, global_batch=12), 7,
+     "--ranks-per-node 3 with --ep 2 under --sync hybrid puts 1 or 2 replicas"),
     (dict(MOE, ep=2, model="gpt"), 2, "not of --model gpt"),
     (dict(MOE, pp=2, micro_batches=2), 2, "--micro-batches 2 without --moe-group"),
     (dict(MOE, top_k=3), 2, "--top-k 3 must be 1 or 2"),
@@ -267,12 +268,20 @@ def test_expert_parallel_over_the_parameter_servers_reproduces_one_process(tmp_p
     """--sync ps, 4 workers and a server: an expert's buckets are pushed under keys that
     name its place in the expert group (pp0.tp0.ep1.b3), whose group on the servers is
     the expert's replicas, two of them at --dp 4 --ep 2 and one at --dp 2 --tp 2 --ep 2,
-    the dense buckets under the keys of the dp axis; the tokens cross on the ring."""
+    the dense buckets under the keys of the dp axis; the tokens cross on the ring.
+    --sync hybrid (in the same launch): an expert's node is its replicas on the node,
+    which ring-average its buckets before their leader's push.  On one host the dense
+    node is all four ranks, led by rank 0, and the experts' nodes are {0, 2} and {1, 3},
+    so rank 1 leads expert keys and no dense key; with --ranks-per-node 2 the dense
+    nodes are {0, 1} and {2, 3} and each expert node is one rank, which pushes alone."""
     reference = launch(tmp_path, 1, [("top2", TOP2 + LOCAL),
                                      ("top2g2", TOP2 + ["--sync", "local", "--moe-group", "2"])])
     ps = ["--sync", "ps", "--servers", "1", "--ep", "2"]
+    hybrid = ["--sync", "hybrid", "--servers", "1", "--ep", "2", "--dp", "4"]
     runs = launch(tmp_path, 5, [("psdp4_top2g2", TOP2 + ps + ["--dp", "4"]),
-                                ("pstp2_top2", TOP2 + ps + ["--dp", "2", "--tp", "2"])])
+                                ("pstp2_top2", TOP2 + ps + ["--dp", "2", "--tp", "2"]),
+                                ("hybriddp4_top2g2", TOP2 + hybrid),
+                                ("hybridrpn2_top2g2", TOP2 + hybrid + ["--ranks-per-node", "2"])])
     assert_reproduce(runs, reference, ranks=4)
     for name in runs:
         assert all(r["alltoall_bytes"] > 0 for r in runs[name][0]), name

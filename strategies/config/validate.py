@@ -242,14 +242,9 @@ def check_moe(cfg):
     if cfg.experts % cfg.ep:
         raise ConfigError(f"--experts {cfg.experts} is not divisible by ep({cfg.ep}): "
                           f"{cfg.experts} % {cfg.ep} = {cfg.experts % cfg.ep}", field="experts")
-    if cfg.sync == "hybrid":
-        raise ConfigError(f"--ep {cfg.ep} with --sync hybrid is not supported: the node's "
-                          f"ring before the leader's push runs over the dp replicas, and a "
-                          f"ring over an expert's replicas in the node is not built; use "
-                          f"--sync ps or an all-reduce --sync", field="ep")
-    if cfg.sync not in ALLREDUCE_SYNCS + ("ps",):
+    if cfg.sync not in ALLREDUCE_SYNCS + PS_SYNCS:
         raise ConfigError(f"--ep {cfg.ep} needs an all-reduce --sync (ring, tree, ..., "
-                          f"torch) or --sync ps, not --sync {cfg.sync}", field="ep")
+                          f"torch) or --sync ps or hybrid, not --sync {cfg.sync}", field="ep")
 
 
 def check_context(cfg):
@@ -352,6 +347,8 @@ def check_world(cfg, world_size):
         of = f"dp({dp}) x cp({cfg.cp}) = {replicas}" if cfg.cp > 1 else f"dp({dp})"
         raise ConfigError(f"--ranks-per-node {cfg.ranks_per_node} does not divide {of} "
                           f"into whole nodes ({where})", field="world_size")
+    if cfg.sync == "hybrid" and cfg.ranks_per_node and cfg.ep > 1:
+        check_expert_nodes(cfg, replicas)
     if cfg.on_grid:
         check_grid(cfg, dp)
     if cfg.model == "moe":
@@ -363,6 +360,22 @@ def check_world(cfg, world_size):
                               f"batch {cfg.global_batch} / dp({dp}) = {local} sequences",
                               field="moe_group")
     return dp
+
+
+def check_expert_nodes(cfg, replicas):
+    """--sync hybrid --ep with --ranks-per-node: every node that holds an expert's replicas
+    (every ep-th of the dp x cp replicas, config/mesh.py) holds equally many of them, since
+    the servers average the nodes' means (sync/server_buckets.py)."""
+    per, ep = cfg.ranks_per_node, cfg.ep
+    for place in range(ep):
+        counts = {sum(1 for r in range(first, first + per) if r % ep == place)
+                  for first in range(0, replicas, per)} - {0}
+        if len(counts) > 1:
+            raise ConfigError(f"--ranks-per-node {per} with --ep {ep} under --sync hybrid puts "
+                              f"{' or '.join(map(str, sorted(counts)))} replicas of expert place "
+                              f"{place} in a node: each node must hold equally many of an "
+                              f"expert's replicas (every ep-th of the {replicas} replicas)",
+                              field="ranks_per_node")
 
 
 def check_grid(cfg, dp):

@@ -266,7 +266,8 @@ def expert_replicas(comms, cfg, device):
     stage and tp place), over which their gradients are averaged and scaled by 1 / ep
     (expert_parallel.py's docstring); a second collective on a duplicate for the comm
     thread.  Under ps the servers average them (their keys' group, server_buckets.py);
-    the collective, the ring, only starts the replicas equal."""
+    the collective, the ring, only starts the replicas equal; under hybrid the servers'
+    buckets ring over each expert's node instead (server_buckets.py's hybrid_nodes)."""
     replica_comm, algorithm = comms.ep_replicas, axis_collective(cfg)
     return Replicas(collective_for(algorithm, cfg, replica_comm, device=device),
                     collective_for(algorithm, cfg, replica_comm.Dup(), device=device)

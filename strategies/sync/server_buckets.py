@@ -35,7 +35,18 @@ ring), the node's leader alone talks to the servers, and broadcasts what it pull
 
 so a key's group on the servers is its replicas' leaders.  Nodes must hold equally
 many replicas: the servers average over the leaders, the ring over the node, and
-the mean of equal-sized means is the mean.
+the mean of equal-sized means is the mean.  An expert's bucket (--ep) does the same
+over its own replicas: its node is the expert's replicas (ep_replicas) among the
+node's ranks, which ring-average it and scale it by 1 / ep, and that node's leader
+pushes and pulls its key.  One host, dp 4, ep 2:
+
+    dense keys     node {0, 1, 2, 3}   leader 0
+    ep0 keys       node {0, 2}         leader 0
+    ep1 keys       node {1, 3}         leader 1   (which leads no dense key)
+
+so the servers' workers are every rank that leads some key, numbered in rank order,
+and each of them declares only the keys it leads.  Each expert's nodes must hold
+equally many of its replicas, for the same reason.
 
 --compress on the wire to the servers, as BytePS compresses its pushes:
 
@@ -63,6 +74,7 @@ from ..config.compress_spec import parse_compress
 from ..runtime.context import require_psrv
 from ..runtime.precision import any_rank_of
 from ..runtime.trace import span
+from .buckets import Replicas
 from .gradient_sync import build_compressor, make_optimizer
 from .zero import ZeRO
 
@@ -118,49 +130,65 @@ class ServerBuckets(ZeRO):
     def __init__(self, units, comms, role, cfg, backwards_per_step, tracer, device,
                  collective_for, host="", precision=None):
         psrv = require_psrv()
-        node = NodeOfReplicas(cfg, comms, host, collective_for, device) \
+        # hybrid: every bucket's replicas become their node's, the dense layers' (dp x cp)
+        # and each expert's (ep_replicas) alike; its ring runs over that node
+        nodes = hybrid_nodes(cfg, comms, host, collective_for, device, units) \
             if cfg.sync == "hybrid" else None
+        if nodes is not None:
+            dense, experts = nodes
+            units = [(*u[:3], experts if len(u) > 3 and u[3] is not None else dense)
+                     for u in units]
         # the replicas start equal (ZeRO broadcasts each bucket over `coll`: the replicas,
         # or the hybrid's node), then take the servers' values.  fp32 parameters under
         # autocast, as the whole model's ps: the servers hold and update fp32
-        coll = node.coll if node else collective_for("ring", cfg, comms.dp_cp, device=device)
+        coll = nodes[0].coll if nodes else \
+            collective_for("ring", cfg, comms.dp_cp, device=device)
         # the node's ring: the casts, or dense; a lossy compression is the push's alone
         lossy = parse_compress(cfg.compress).lossy
         super().__init__(0, units, coll, cfg, backwards_per_step, tracer, None,
-                         thread_coll=node.thread_coll if node else coll,
+                         thread_coll=nodes[0].thread_coll if nodes else coll,
                          compressor=Compressor() if lossy else build_compressor(cfg.compress),
                          overlap=cfg.overlap, device=device)
         self.push_compressor = build_compressor(
             cfg.compress, None, cfg.error_feedback, cfg.compressor_momentum,
             cfg.sparsity_warmup) if lossy else None
-        self.name, self.node, self.comms = cfg.sync, node, comms
+        self.name, self.nodes, self.comms = cfg.sync, nodes, comms
+        self.node_rounds = 0            # the node rings run so far (hybrid)
         # fp16: the buckets wait for step, where the workers vote on an overflow (each
         # stage and tp rank sees its own gradients) and push only where none found one
         self.scaling = precision
         self.deferred = precision is not None and precision.scaler is not None
         self.agree = any_rank_of(comms.world) if self.deferred else None
-        self.leads = node is None or node.rank == 0
+        # who talks to the servers for a key: under ps every rank for each of its keys,
+        # under hybrid the leader of the key's node.  A rank may lead an expert's node
+        # and not its dense node (one host, dp 4, ep 2: rank 1 leads expert place 1)
+        self.leads = [nodes is None or u.replicas.rank == 0 for u in self.units]
         # every rank learns every group's keys (a control allgather over the workers),
-        # so that all number them alike; the group of this rank's keys is its replicas,
-        # dp x cp (their leaders, under hybrid)
+        # so that all number them alike
         prefix = f"pp{comms.pp_rank}.tp{comms.tp_rank}."
         places = [b.replicas.place for b in self.engine.buckets]      # "" or an expert's
         self.keys = [prefix + (f"{place}." if place else "") + f"b{u.index}"
                      for place, u in zip(places, self.units)]
-        mine = {k: (u.numel,) for k, u in zip(self.keys, self.units)} if self.leads else {}
+        mine = {k: (u.numel,) for k, u, leads in zip(self.keys, self.units, self.leads)
+                if leads}
         shapes = {k: s for part in comms.world.allgather(mine) for k, s in part.items()}
-        # the servers' workers are the ranks that talk to them: every worker, or under
-        # hybrid the node leaders, numbered in rank order
-        leaders = [r for r, leads in enumerate(comms.world.allgather(self.leads)) if leads]
+        # the servers' workers are the ranks that lead some key, numbered in rank order
+        leading = nodes is None or any(self.leads)
+        leaders = [r for r, leads in enumerate(comms.world.allgather(leading)) if leads]
         worker_id = {r: i for i, r in enumerate(leaders)}
-        # a key's group: the replicas (dp x cp), or an expert's replicas (every rank
-        # asks: collective)
-        groups = {place: [worker_id[r] for r in axis.allgather(comms.rank) if r in worker_id]
-                  for place, axis in (("", comms.dp_cp), ("experts", comms.ep_replicas))}
+        # a key's group: the leaders among its replicas, dp x cp for a dense key, the
+        # expert's (ep_replicas) for an expert's; under ps every replica (every rank
+        # asks, on both axes: collective)
+        dense, experts = nodes or (None, None)
+        groups = {place: [worker_id[r] for r, leads in axis.allgather(
+                              (comms.rank, nodes is None or node is not None and node.rank == 0))
+                          if leads]
+                  for place, axis, node in (("", comms.dp_cp, dense),
+                                            ("experts", comms.ep_replicas, experts))}
         self.host = {k: u.full.detach().cpu().clone() for k, u in zip(self.keys, self.units)}
         self.client = None
         start = 0
-        if self.leads:
+        if leading:
             self.client = psrv.Client(
                 endpoints=role.endpoints, worker_id=worker_id[comms.rank],
                 num_workers=len(leaders),
@@ -176,18 +204,20 @@ class ServerBuckets(ZeRO):
                 momentum=0.0 if cfg.momentum_correction else cfg.momentum,
                 eps=1e-8, weight_decay=cfg.weight_decay)
             # the group's first rank brings the values; after --resume, the servers' own.
-            # One init a group, the dense layers' first, in the same order on every rank
+            # One init a group whose keys this rank leads, the dense layers' first, in
+            # the same order on every rank
             values = {}
-            for place, (k, t) in zip(places, self.host.items()):
-                values.setdefault("experts" if place else "", {})[k] = t.numpy()
+            for place, (k, t), leads in zip(places, self.host.items(), self.leads):
+                if leads:
+                    values.setdefault("experts" if place else "", {})[k] = t.numpy()
             start = min(self.client.init(values[place], optimizer, group=groups[place],
-                                         shapes=shapes) for place in values)
-        if node is not None:          # the node starts from its leader's values and step
+                                         shapes=shapes) for place in sorted(values))
+        if nodes is not None:         # each node starts from its leader's values and step
             step = torch.tensor([start], dtype=torch.float64)
-            node.coll.broadcast(step, root=0)
+            nodes[0].coll.broadcast(step, root=0)
             start = int(step[0])
-            for t in self.host.values():
-                node.coll.broadcast(t, root=0)
+            for t, u in zip(self.host.values(), self.units):
+                u.replicas.coll.broadcast(t, root=0)
         self.start_step = self.next_step = start
         if self.push_compressor is not None:      # top-k's warm-up goes by the step
             self.push_compressor.set_step(start)
@@ -203,12 +233,13 @@ class ServerBuckets(ZeRO):
         """On the comm thread: the bucket's gradient to the servers, its values back.
         Returns the bytes this rank sent."""
         sent = 0
-        if bucket.replicas.scale != 1.0 and not self.node_ring:   # an expert's: 1 / ep
-            flat.mul_(bucket.replicas.scale)
-        if self.node_ring:          # through the compressor, as every all-reduce sync
-            name = self.units[bucket.index].name
+        if self.node_ring(bucket.replicas):   # through the compressor, as every all-reduce
+            name = self.units[bucket.index].name       # sync; an expert's scaled by 1 / ep
             with span(self.tracer, f"all-reduce grads {name} (node)", self.category):
                 sent += self._allreduce_avg(bucket, flat)
+            self.node_rounds += 1
+        elif bucket.replicas.scale != 1.0:              # an expert's: 1 / ep
+            flat.mul_(bucket.replicas.scale)
         if self.deferred:           # fp16: pushed by step, after the vote
             self.pending[bucket.index] = flat
             return sent
@@ -216,22 +247,22 @@ class ServerBuckets(ZeRO):
 
     def _push(self, index, flat):
         """One bucket's round trip (the leader's) and its values to the node; its bytes."""
-        key, sent = self.keys[index], 0
-        if self.leads:
+        key, sent, replicas = self.keys[index], 0, self.units[index].replicas
+        if self.leads[index]:
             grad = flat.detach().cpu().float().numpy()
             with span(self.tracer, f"push/pull {key}", self.category):
                 handle = self.client.push_pull({key: grad}, {key: self.host[key].numpy()},
                                                self.next_step)
                 handle.wait()
             sent += handle.pushed_bytes          # the gradient as it went on the wire
-        if self.node_ring:
-            self.node.thread_coll.broadcast(self.host[key], root=0)
+        if self.node_ring(replicas):
+            replicas.thread_coll.broadcast(self.host[key], root=0)
         return sent
 
-    @property
-    def node_ring(self):
-        """Whether a node of several replicas reduces before the push (hybrid)."""
-        return self.node is not None and self.node.size > 1
+    def node_ring(self, replicas):
+        """Whether a bucket's node holds several replicas, which reduce before the push
+        (hybrid)."""
+        return self.nodes is not None and replicas.size > 1
 
     def synchronize(self, step):
         super().synchronize(step)
@@ -281,14 +312,17 @@ class ServerBuckets(ZeRO):
     def comm_rounds(self):
         """A bucket's round trip to the servers, and before it the node's all-reduce
         where the node holds several replicas (hybrid)."""
-        return self.engine.reductions * (2 if self.node_ring else 1) if self.units else 0
+        return self.engine.reductions + self.node_rounds if self.units else 0
 
     def _node_transports(self):
-        """The node's collectives' transports (the main thread's and the comm thread's)."""
-        if self.node is None:
+        """The nodes' collectives' transports (the main thread's and the comm thread's)."""
+        if self.nodes is None:
             return []
-        colls = [self.node.coll] + ([self.node.thread_coll]
-                                    if self.node.thread_coll is not self.node.coll else [])
+        colls = []
+        for node in (n for n in self.nodes if n is not None):
+            for c in (node.coll, node.thread_coll):
+                if all(c is not o for o in colls):
+                    colls.append(c)
         return [c.transport for c in colls]
 
     @property
@@ -326,20 +360,43 @@ class ServerBuckets(ZeRO):
             self.client.close()
 
 
-class NodeOfReplicas:
-    """The hybrid's node: this rank's replicas (dp x cp) on its host (or --ranks-per-node
-    of them), a collective over them, and another for the comm thread."""
+class NodeOfReplicas(Replicas):
+    """The hybrid's node of one set of replicas (the dp x cp replicas, or an expert's,
+    ep_replicas): those of them on this rank's node, a ring over them, and another for
+    the comm thread.  Its rank 0 leads: it alone pushes and pulls, and broadcasts the
+    values it pulled over the node.
 
-    def __init__(self, cfg, comms, host, collective_for, device):
-        per, replicas = cfg.ranks_per_node, comms.dp_cp
-        node_id = replicas.rank // per if per else zlib.crc32(host.encode())
+    replicas: the communicator of the whole set; node_id: this rank's node
+    (hybrid_nodes);
+    what: how an error names the set."""
+
+    def __init__(self, cfg, replicas, node_id, collective_for, device, scale=1.0, place="",
+                 what="replicas"):
         comm = replicas.Split(node_id % (2**31), replicas.rank)
         sizes = replicas.allgather(comm.size)
+        # the servers average over the leaders, the ring over the node: the mean of
+        # equal-sized means is the mean, of unequal ones it is not
         if len(set(sizes)) != 1:
-            raise ConfigError(f"--sync hybrid needs equally many replicas per node, got "
+            raise ConfigError(f"--sync hybrid needs equally many {what} per node, got "
                               f"node sizes {sorted(set(sizes))} (use --ranks-per-node)",
                               field="sync")
-        self.rank, self.size = comm.rank, comm.size
-        self.coll = collective_for("ring", cfg, comm, device=device)
-        self.thread_coll = collective_for("ring", cfg, comm.Dup(), device=device) \
-            if cfg.overlap else self.coll
+        super().__init__(collective_for("ring", cfg, comm, device=device),
+                         collective_for("ring", cfg, comm.Dup(), device=device)
+                         if cfg.overlap else None, scale, place)
+
+
+def hybrid_nodes(cfg, comms, host, collective_for, device, units):
+    """(the dense layers' node, the experts' node or None) of this rank under hybrid.  A
+    node is this rank's host, or --ranks-per-node consecutive dp x cp replicas: the node
+    id is computed once and each set of replicas is split by it, so an expert's node is
+    its replicas (ep_replicas) among the node's ranks (one host at dp 4, ep 2: {0, 2}
+    and {1, 3}), whose scale (1 / ep) and place in the expert group carry over from
+    the experts' Replicas (engine/parallelize.py's expert_replicas)."""
+    per = cfg.ranks_per_node
+    node_id = comms.dp_cp.rank // per if per else zlib.crc32(host.encode())
+    dense = NodeOfReplicas(cfg, comms.dp_cp, node_id, collective_for, device)
+    experts = next((u[3] for u in units if len(u) > 3 and u[3] is not None), None)
+    if experts is not None:
+        experts = NodeOfReplicas(cfg, comms.ep_replicas, node_id, collective_for, device,
+                                 experts.scale, experts.place, "replicas of each expert")
+    return dense, experts
