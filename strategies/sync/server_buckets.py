@@ -205,13 +205,15 @@ class ServerBuckets(ZeRO):
                 eps=1e-8, weight_decay=cfg.weight_decay)
             # the group's first rank brings the values; after --resume, the servers' own.
             # One init a group whose keys this rank leads, the dense layers' first, in
-            # the same order on every rank
-            values = {}
+            # the same order on every rank.  A shard knows a group by its workers, so
+            # the dense and the experts' keys of one set of leaders (one host: rank 0
+            # leads both) are one group, declared in one init
+            values = {tuple(sorted(groups[kind])): {} for kind in ("", "experts")}
             for place, (k, t), leads in zip(places, self.host.items(), self.leads):
                 if leads:
-                    values.setdefault("experts" if place else "", {})[k] = t.numpy()
-            start = min(self.client.init(values[place], optimizer, group=groups[place],
-                                         shapes=shapes) for place in sorted(values))
+                    values[tuple(sorted(groups["experts" if place else ""]))][k] = t.numpy()
+            start = min(self.client.init(mine, optimizer, group=group, shapes=shapes)
+                        for group, mine in values.items() if mine)
         if nodes is not None:         # each node starts from its leader's values and step
             step = torch.tensor([start], dtype=torch.float64)
             nodes[0].coll.broadcast(step, root=0)
