@@ -315,10 +315,10 @@ def test_distributed_optimizer_bf16_and_fp16_in_a_loop_of_ones_own():
     assert fp16[0] == pytest.approx(fp32[0], rel=LOSS_RTOL) and fp16[1:] == (0, 2.0**16)
     overflowing = train("fp16", loss_scale=1e9, loss_scale_window=1000)
     assert 0 < overflowing[1] < N_STEPS and overflowing[2] < 1e9
-    model = torch.nn.Linear(2, 2)      # ps is taken now; a refusal of the API stands:
-    with pytest.raises(ConfigError, match="compress='topk:0.01' with sync='ps'"):
+    model = torch.nn.Linear(2, 2)      # a refusal of the API names its keywords
+    with pytest.raises(ConfigError, match="compress='topk:0.01' with sync='local'"):
         strategies.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                                        sync="ps", precision="fp16", compress="topk:0.01")
+                                        sync="local", precision="fp16", compress="topk:0.01")
 
 
 @pytest.mark.slow
