@@ -230,13 +230,6 @@ class Listener:
         if self.zap is None:
             self.connections.expect(workers)
 
-    def set_receive_hwm(self, messages):
-        """Messages queued per connection before the shard reads them (RCVHWM).  libzmq
-        applies a new value to the connections already open too (socket_base_t::
-        update_pipe_options), so the bound follows the config an INIT brings; one
-        accepted after the last INIT (a reconnect) starts from the value of the bind."""
-        self.sock.setsockopt(zmq.RCVHWM, messages)
-
     def sockets(self):
         return [s for s in (self.sock, self.zap and self.zap.sock, self.monitor) if s is not None]
 

@@ -66,16 +66,12 @@ WORKER_OPS = {P.Op.INIT, P.Op.PUSH, P.Op.PULL, P.Op.PUSH_PULL, P.Op.HEARTBEAT, P
               P.Op.STATS, P.Op.CHECKPOINT, P.Op.ABORT}
 # Messages ZeroMQ queues per connection before the shard reads them.  libzmq's default,
 # 1000, would let a worker that pushes faster than the shard applies its pushes park
-# gigabytes in the shard (1000 messages of message_bytes, 4 MiB by default).  Before the
-# first INIT a shard knows nothing of its workers' steps: RECEIVE_HWM, 8, enough for an
-# INIT and a few control messages.  Once configured, one step's messages of a worker
-# (step_messages): a worker that runs ahead waits in its own queue and the kernel's socket
-# buffers (ZeroMQ stops reading a connection whose queue is full; nothing is dropped),
-# while a worker that keeps to its step is never held back by the shard's queue.
+# gigabytes in the shard (1000 messages of message_bytes, 4 MiB by default); at 8 the
+# shard holds about 32 MiB of a worker's unread pushes, and the rest wait in the worker's
+# own queue and the kernel's socket buffers (ZeroMQ stops reading a connection whose
+# queue is full; nothing is dropped).  Eight are ample for throughput: the shard takes a
+# message in a few milliseconds, while its I/O thread receives the next ones.
 RECEIVE_HWM = 8
-# Besides its pushes and pulls, a worker may have a few control messages in flight in a
-# step (STATS, CHECKPOINT, BYE or ABORT).
-CONTROL_MESSAGES = 4
 # Replies queued per connection (libzmq's default, stated): a worker gets about
 # (its bytes on this shard) / message_bytes replies a step (a ROUTER drops replies beyond
 # it).  Their bytes are bounded by max_unread (replies.py), not by this count.
@@ -314,7 +310,6 @@ class Server:
         self.store.configure(opt, consistency, num_workers, msg.entries, names, group)
         self.roster.expect(num_workers)
         self.listener.expect_workers(num_workers)
-        self.listener.set_receive_hwm(step_messages(self.store))
         # the first worker of the keys' group (worker 0 of all W without one) brings
         # their initial values; the others' INITs wait for them (release)
         first = 0 if group is None else group[0]
@@ -387,15 +382,6 @@ class Server:
         if path:
             log.info("shard %d: checkpoint -> %s", self.shard_id, path)
         return path
-
-
-def step_messages(store):
-    """The most messages one worker sends a configured shard in a step: the client cuts
-    its keys' slices into messages of at most message_bytes, each with one slice at
-    least, so a push (or push_pull) is at most one message per key the shard holds, a
-    separate pull as many again, and a few control messages (the receive high-water mark,
-    RCVHWM, per connection)."""
-    return 2 * len(store.keys) + CONTROL_MESSAGES
 
 
 def main(argv=None):
