@@ -11,6 +11,8 @@ model (--ep 1), and the expert-parallel engine at ep 1, where each expert has tw
 replicas whose gradients go through the replica all-reduce.  Each must train the
 same model as `--sync local --moe-group 4` on one process: capacity is per
 group of 4 sequences, one rank's local batch, so the same tokens are dropped.
+Under micro-batches without --moe-group the group is one micro-batch, the
+--moe-group the run's config record names and its reference is given.
 
 Tolerance: rtol = 1e-5, atol = 1e-6, as for the other workers (test_parallel_runs.py):
 only the order of float additions changes (the dp average of partial means, an
