@@ -18,10 +18,10 @@ from experiments.costmodel import (Machine, cluster_collective_time, cluster_all
 from experiments.planner.cluster import Cluster, preset
 from experiments.planner.figure import plan_frontier
 from experiments.planner.search import Space, layouts, pareto, plan
-from experiments.planner.step import (BUCKET_BYTES, PARTS, Layout, bucketed, chunk_share,
-                                     compute_seconds, ends_worth, exchanges, group_time,
-                                     held_layers, memory_of, placement, predict,
-                                     rank_parameters)
+from experiments.planner.stages import chunk_share, held_layers
+from experiments.planner.step import (BUCKET_BYTES, PARTS, Layout, bucketed, compute_seconds,
+                                     ends_worth, exchanges, group_time, memory_of,
+                                     placement, predict, rank_parameters)
 from experiments.planner.transformer import (GPT, layer_activation_bytes, parameters,
                                              step_flops)
 from strategies.parallel.bubble import bubble_fraction

@@ -191,7 +191,7 @@ LLAMA3_LONG = dict(gpt=replace(LLAMA3["gpt"], seq_len=131072, global_batch=128),
 LONG_WITHIN = 0.25
 # Predicted 241 TFLOP/s a GPU, 0.63 of the published 380.  Interleaved in v = 4 chunks
 # (2, 2, 2, 2 layers on the 8-layer stages, 2, 2, 2, 1 on the 7-layer ends: the
-# heaviest chunk paces every slot, step.chunk_share) the bubble falls from 48 % to
+# heaviest chunk paces every slot, stages.chunk_share) the bubble falls from 48 % to
 # 19 %, but the schedule's warm-up holds all 16 micro-batches of a middle stage's 8
 # layers (128 layers' activations at 0.53 GiB, 74 GiB a rank, 72 usable), so the
 # fastest layout that fits recomputes fully: a third more compute (without it, 321
