@@ -111,6 +111,8 @@ def test_model_states_are_zero_memory_of_the_ranks_parameters():
         expected = zero_memory(first, 2, zero, "bf16")
         got = memory_of(SMALL, lo, stage=0)
         assert {k: got[k] for k in expected} == pytest.approx(expected)
+        # fp8 holds what the trainer holds: bf16's buffers, fp32 masters, bf16 activations
+        assert memory_of(SMALL, replace(lo, precision="fp8"), stage=0) == pytest.approx(got)
     # the whole model over pp x tp, its embeddings once more on the last stage
     (first, _), (last, _) = (rank_parameters(SMALL, Layout(pp=2, tp=2), s) for s in (0, 1))
     h = SMALL.d_model

@@ -83,8 +83,11 @@ class Space:
                              f"got {self.pp_layers}")
         if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:
             raise ValueError(f"--micro-batch-sizes must be >= 1, got {self.micro_batch_sizes}")
+        if self.precision == "fp8":     # step.BYTES prices its memory, not its matmuls
+            raise ValueError("--precision 'fp8' is not built in the planner: it prices every "
+                             "matmul at the GPU's 16-bit peak (--gpu-tflops), with no fp8 rate")
         if self.precision not in BYTES:
-            raise ValueError(f"--precision must be one of {', '.join(BYTES)}, "
+            raise ValueError(f"--precision must be one of fp32, bf16, fp16, "
                              f"got {self.precision!r}")
 
 

@@ -92,7 +92,13 @@ from .transformer import (attention_core_flops, embedding_parameters, expert_par
                           layer_activation_bytes, layer_forward_flops, logit_flops,
                           logits_bytes, parameters, recompute_flops, step_flops)
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Bytes of an activation and of a value on the wire.  fp8 is bf16's: the trainer runs
+# everything but the linear layers' matmuls under bf16's autocast and keeps bf16's
+# 16-bit buffers (strategies/runtime/precision.py's HALF_DTYPES), and its model states
+# are bf16's (zero_memory).  Not modelled: a linear layer keeps its input as an 8-bit
+# copy for the backward where bf16 keeps 16 bits, and an 8-bit copy of its weight a
+# micro-batch (strategies/runtime/fp8_linear.py's Fp8Matmul); nor fp8's GEMM rate.
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 # The trainer's gradient buckets (ZeRO 0-2: strategies/sync/zero.py), at its default.
 BUCKET_BYTES = SyncOptions.bucket_mb * 2**20
 # Megatron-LM's mixed-precision optimizer copies the 16-bit gradients into fp32 main
