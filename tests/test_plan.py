@@ -62,6 +62,12 @@ def test_activations_are_korthikantis_table_2():
     assert layer_activation_bytes(g, b, t, True, "selective") == pytest.approx(sbh * 34 / t)
     assert layer_activation_bytes(g, b, t, False, "full") == pytest.approx(2 * sbh)
     assert layer_activation_bytes(g, b, t, False, "full", 4) == pytest.approx(4 * sbh)
+    # without dropout no masks: the 10's two (1 + 1) and the scores' mask and output (1 + 2)
+    bare = replace(g, dropout=False)
+    assert layer_activation_bytes(bare, b, t) == pytest.approx(
+        sbh * (8 + 24 / t + 2 * a * s / (h * t)))
+    assert layer_activation_bytes(bare, b, t, True, "selective") == pytest.approx(sbh * 32 / t)
+    assert layer_activation_bytes(bare, b, t, False, "full") == pytest.approx(2 * sbh)
 
 
 def test_collectives_on_a_cluster():
