@@ -30,7 +30,11 @@ Processes that are not one MPI job (psrv's workers) time themselves with a
 `barrier` of their own and hand their Timings to one process, which takes
 `slowest(timings_of_each_process)`.
 
-The medians are the figures; `spread` (the quartiles) gives error bars.
+The medians are the figures; `spread` (the quartiles) gives error bars.  Where
+a figure is a mean that a step pays in full (a wait that takes two values, one
+time slice or none), `interquartile_mean` of per-round means is the robust
+figure: a round the machine gave to someone else falls in the cut quarters,
+while the middle half still averages both values where a median would pick one.
 """
 import time
 from dataclasses import dataclass, field
@@ -66,6 +70,17 @@ class Timings:
             raise ValueError(f"{name} has {len(a)} samples and {baseline} {len(b)}: a ratio "
                              f"pairs samples of the same round")
         return float(np.median(a / b))
+
+
+def interquartile_mean(values):
+    """The mean of the middle half of `values` (a quarter cut from each end, rounded
+    down; all of them below 4): robust to a few outliers either way, still a mean."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("interquartile_mean: no values")
+    cut = len(ordered) // 4
+    middle = ordered[cut:len(ordered) - cut]
+    return float(sum(middle) / len(middle))
 
 
 def slowest(timings):

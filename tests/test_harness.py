@@ -103,6 +103,15 @@ def test_statistics_of_hand_made_samples():
         Timings({"a": [1.0], "b": [1.0, 2.0]}).ratio("a", "b")
 
 
+def test_interquartile_mean_cuts_a_quarter_from_each_end():
+    """A mean, not a median (two modes average), but an outlier round falls in a cut quarter."""
+    assert harness.interquartile_mean([1.0, 3.0] * 4) == 2.0          # both modes count
+    assert harness.interquartile_mean([2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 50.0]) == 2.0
+    assert harness.interquartile_mean([5.0, 1.0, 3.0]) == 3.0         # below 4: all of them
+    with pytest.raises(ValueError, match="no values"):
+        harness.interquartile_mean([])
+
+
 def test_slowest_of_processes_is_samplewise():
     one = Timings({"a": [1.0, 5.0], "b": [2.0, 2.0]})
     two = Timings({"a": [3.0, 1.0], "b": [1.0, 4.0]})

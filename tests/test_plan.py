@@ -512,6 +512,36 @@ def test_a_tp_block_measured_here_sets_its_rate_and_its_waits():
                                            precision="fp32")).step_s == plain.step_s
 
 
+def test_the_tp_probe_takes_each_difference_within_a_slice_and_cuts_outlier_slices():
+    """shared_cores.SizeProbe.tp_result: what the ring adds to the block, and to its
+    replay, is a difference within each slice (the kinds take turns), averaged over
+    the middle half of the slices: a slice where other work took the cores from
+    one kind, or a machine that slows from slice to slice, moves no figure."""
+    from types import SimpleNamespace
+
+    from experiments.planner.shared_cores import SizeProbe, TpBlock
+    ms = 1e-3
+    drift = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7]        # the machine slows: + 0.1 ms a slice
+    local = [3 * ms + d * ms for d in drift]
+    ring = [x + 6 * ms for x in local]
+    local_replayed = [x + 3 * ms for x in local]
+    ring_replayed = [x + 6 * ms + 3 * ms + 2 * ms for x in local]
+    ring_replayed[5] += 40 * ms                            # one slice given to other work
+    kinds = [("local", False), ("ring", False), ("local", True), ("ring", True)]
+    probe = SimpleNamespace(tp_kinds=kinds, times={
+        ("local", False, 4): local, ("ring", False, 4): ring,
+        ("local", True, 4): local_replayed, ("ring", True, 4): ring_replayed})
+    block = SizeProbe.tp_result(probe, 4, slowest=lambda value: value)
+    base = (local[3] + local[4] + local[2] + local[5]) / 4  # the middle half of the local slices
+    assert block == pytest.approx(TpBlock(4, base + 6 * ms, base, base + 11 * ms, base + 3 * ms))
+    # the replay's exchanges: 2 ms, as in every slice but the outlier
+    assert (block.ring_replayed_s - block.ring_s) - (block.local_replayed_s - block.local_s) \
+        == pytest.approx(2 * ms)
+    probe.tp_kinds, probe.times = kinds[:2], {k: v for k, v in probe.times.items() if not k[1]}
+    assert SizeProbe.tp_result(probe, 4, slowest=lambda value: value) == \
+        pytest.approx(TpBlock(4, base + 6 * ms, base))
+
+
 def test_a_recomputed_tp_block_measured_here_sets_its_replays_rate_and_waits():
     """Cluster.tp_replay_rates and tp_replay_waits (the probe's tp blocks recomputed,
     verify.tp_waits): a layout with full recomputation replays each layer's forward

@@ -54,7 +54,11 @@ the probe measures what that costs with every rank of the run there at once:
    same block, its collectives moving nothing): the second is the block's own
    rate, the difference its communication (verify.tp_waits takes the link off,
    per exchange).  At 4 ranks on 2 cores here, b = 1: 3.0 ms local against 14.7
-   ms over the ring, where the whole block alone took 3.8 ms.
+   ms over the ring, where the whole block alone took 3.8 ms.  The kinds take
+   turns in SLICES slices a round, and each difference is taken within a slice
+   and averaged over the middle half of the slices (SizeProbe.tp_result): the
+   machine's other work lands on one kind or another, and a wait is a small
+   difference of two large times.
 5. The same tp block recomputed (`--replays`: the trainer's --recompute, the block
    checkpointed as strategies/parallel/recompute.py checkpoints it), over the ring
    and over LocalOnly.  A replay is one more forward, a third of the block's
@@ -81,11 +85,13 @@ import sys
 import time
 from typing import NamedTuple
 
+from allreduce.harness import interquartile_mean
 from allreduce.records import checkout_pythonpath
 
 from experiments.records import mpiexec_path
 
 ROUNDS = 3          # every figure in this many rounds, each round through every size
+SLICES = 4          # a round's tp blocks in this many slices, each through every kind
 CALLS = 120         # a pair's all-reduces of each kind, over the rounds
 WARM_UP = 8         # ... after this many that warm the ring up
 BLOCK_REPEATS = 15  # a block's forward and backward, after one that warms up
@@ -237,9 +243,10 @@ class SizeProbe:
                                                       heads, replayed, shape)
                       for name, replayed in self.tp_kinds}
             x = torch.randn(batch, seq_len // t, d_model, requires_grad=True)
-            # each pass as long as the whole block's SHARED_S: t times the (smaller) blocks
+            # each kind's round as long as the whole block's SHARED_S: t times the
+            # (smaller) blocks, cut into SLICES slices
             repeats = min(MAX_REPEATS, max(10, math.ceil(SHARED_S * t / guess)))
-            self.tp[t] = (blocks, x, repeats)
+            self.tp[t] = (blocks, x, max(3, math.ceil(repeats / SLICES)))
             self.times.update({(name, replayed, t): [] for name, replayed in self.tp_kinds})
 
     @staticmethod
@@ -271,11 +278,17 @@ class SizeProbe:
         if self.pair is not None:
             self.pair_all_reduces(compute=False)
             self.pair_all_reduces(compute=True)
+        # The kinds of a tp block alternate slice by slice, and each slice keeps its
+        # mean: what the ring adds to a block (and a replay to that) is a difference
+        # of two kinds, taken within a slice, so both saw the same stretch of the
+        # machine.  Timed one kind a round, a replay's wait (a difference of four
+        # means) went 0-2.0 ms an exchange from probe to probe at one micro-batch size.
         for t, (blocks, x, repeats) in self.tp.items():
-            for name, replayed in self.tp_kinds:
-                self.world.Barrier()
-                self.times[name, replayed, t] += timed_blocks(blocks[name, replayed], x,
-                                                              repeats, self.device)
+            for _ in range(SLICES):
+                for name, replayed in self.tp_kinds:
+                    self.world.Barrier()
+                    self.times[name, replayed, t].append(statistics.fmean(
+                        timed_blocks(blocks[name, replayed], x, repeats, self.device)))
 
     def pair_all_reduces(self, compute):
         """A round's share of CALLS all-reduces of b s h values with the partner, each
@@ -303,11 +316,29 @@ class SizeProbe:
         # b1 here), whose median is one or the other
         wait = mean["after compute"] - mean["polling"] if self.pair is not None else 0.0
         return Shared(slowest(mean["block"]), slowest(max(0.0, wait)),
-                      tuple(TpBlock(t, **{f"{name}{'_replayed' if replayed else ''}_s":
-                                          slowest(mean[name, replayed, t])
-                                          for name, replayed in self.tp_kinds})
-                            for t in self.tp),
+                      tuple(self.tp_result(t, slowest) for t in self.tp),
                       slowest(mean["ends"]) if "ends" in mean else None)
+
+    def tp_result(self, t, slowest):
+        """TpBlock of groups of t from the slices' means: the local block, and what the
+        ring adds to it, what recomputing adds locally and what the ring adds to that,
+        each the interquartile mean over slices of a difference within a slice (a
+        slice the machine gave to other work falls in the cut quarters), each the
+        slowest rank's."""
+        def robust(kinds):
+            per_slice = [sum(sign * self.times[name, replayed, t][i]
+                             for sign, (name, replayed) in kinds)
+                         for i in range(len(self.times["local", False, t]))]
+            return slowest(interquartile_mean(per_slice))
+        local = robust([(1, ("local", False))])
+        ring = local + max(0.0, robust([(1, ("ring", False)), (-1, ("local", False))]))
+        if ("local", True) not in self.tp_kinds:
+            return TpBlock(t, ring, local)
+        recompute = robust([(1, ("local", True)), (-1, ("local", False))])
+        replay_comm = robust([(1, ("ring", True)), (-1, ("ring", False)),
+                              (-1, ("local", True)), (1, ("local", False))])
+        return TpBlock(t, ring, local, ring + recompute + max(0.0, replay_comm),
+                       local + recompute)
 
 
 def pair_link(world, device):
