@@ -52,6 +52,12 @@ def test_ulysses_is_two_exposed_all_to_alls_each_way():
     one = sum(cluster_collective_time("alltoall", 256 * width * 2, 1, 4, ONE_NODE.intra())
               for width in (3 * 512, 512))
     assert cp_layer(GQA, wide, 1, 2, ONE_NODE, (0.0, 0.0)) == pytest.approx((one, one))
+    # ranks sharing cores: each all-to-all comes right after compute, and each of its
+    # cp - 1 exchanges waits what a tp exchange of a group of cp waits (Cluster.tp_wait)
+    shared = replace(ONE_NODE, tp_waits=((4, 1, 1e-3),))
+    waited, plain = cp_layer(GQA, wide, 1, 2, shared, (0.0, 0.0)), cp_layer(GQA, wide, 1, 2,
+                                                                            ONE_NODE, (0.0, 0.0))
+    assert waited == pytest.approx(tuple(s + 2 * 3 * 1e-3 for s in plain))
 
 
 @pytest.mark.parametrize("kind", ["ring", "ulysses"])

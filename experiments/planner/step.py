@@ -32,7 +32,8 @@ paces the pipeline.  A micro-batch of b sequences on one stage takes
                + 2 all-to-alls a MoE layer on ep               (dispatch, combine)
                + with cp > 1, the context group's traffic a layer (cp_layer: the ring's
                  k, v blocks overlapped with the attention of the block at hand, what
-                 outlasts it exposed; Ulysses' 2 all-to-alls, exposed)
+                 outlasts it exposed; Ulysses' 2 all-to-alls, exposed,
+                 each exchange waiting for a shared core as a tp one)
     backward   twice the forward's FLOPs, recomputation's on top, the same communication
                (with sequence parallelism an all-gather more for each column-parallel
                layer, and 6 small all-reduces of replicated weights' gradients; full
@@ -273,7 +274,9 @@ def cp_layer(gpt, lo, b, e, cluster, core):
                2 all-to-alls forward and 2 backward, none hidden (attention cannot
                start before them).  The keys and values travel h_kv wide where cp
                divides a tp rank's key-value heads, else repeated to h (as the
-               trainer does)."""
+               trainer does).  Each comes right after compute, so where ranks share
+               cores each of its cp - 1 exchanges waits as a tp exchange does
+               (Cluster.tp_wait for groups of cp)."""
     cp = lo.cp
     if cp == 1:
         return 0.0, 0.0
@@ -281,7 +284,8 @@ def cp_layer(gpt, lo, b, e, cluster, core):
     if lo.cp_kind == "ulysses":
         kv = gpt.kv_width if (gpt.kv_heads // lo.tp) % cp == 0 else gpt.d_model
         qkv, out = (tokens * width / lo.tp * e for width in (gpt.d_model + 2 * kv, gpt.d_model))
-        one = sum(group_time("alltoall", n, cp, lo.pp * lo.tp, cluster) for n in (qkv, out))
+        one = sum(group_time("alltoall", n, cp, lo.pp * lo.tp, cluster)
+                  + exchanges("alltoall", cp) * cluster.tp_wait(cp, b) for n in (qkv, out))
         return one, one
     block = tokens * gpt.kv_width / lo.tp * e
     nodes, _, sharing = placement(cp, lo.pp * lo.tp, cluster.gpus_per_node)
