@@ -56,6 +56,8 @@ def test_each_group_averages_its_own_keys(mode):
             t.start()
         for t in threads:
             t.join(50)
+        counted = psrv.launch.step_messages(SHAPES, 1)[0]        # 2 x 3 keys + 4
+        assert f"{counted} messages queued per connection" in servers.log(0)
     assert sorted(results) == [0, 1, 2, 3]
     for stage, group in GROUPS.items():
         # the group's first worker's values, minus lr times the mean over the group of
