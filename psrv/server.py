@@ -5,6 +5,7 @@
     python -m psrv.server ... --bind ipc://DIR/shard0     # this host only: DIR of mode 0700
     python -m psrv.server ... --bind tcp://0.0.0.0:5555 --keys DIR   # other hosts: CURVE keys
     python -m psrv.server ... --checkpoint-dir ckpt --checkpoint-every 100 [--resume]
+    python -m psrv.server ... --step-messages 10    # queue one step of a worker (launch.py)
 
 It prints one line `psrv.server shard I listening on ENDPOINT` on stdout
 (launch.start_local_servers reads it), logs to stderr, and exits once every
@@ -64,28 +65,26 @@ from .store import Shard
 log = logging.getLogger("psrv.server")
 WORKER_OPS = {P.Op.INIT, P.Op.PUSH, P.Op.PULL, P.Op.PUSH_PULL, P.Op.HEARTBEAT, P.Op.BYE,
               P.Op.STATS, P.Op.CHECKPOINT, P.Op.ABORT}
-# Messages ZeroMQ queues per connection before the shard reads them (RCVHWM), set once,
-# before the bind, and never changed: changing it on open connections can stall a pipe
-# (libzmq's reader wakes a blocked writer only each time the count of messages it read
-# reaches a multiple of half the mark in force, pipe_t::read; raised while the writer is
-# blocked, the reader can drain the pipe without reaching one, and a message is never
-# delivered).
-# libzmq's default, 1000, would let a worker that pushes faster than the shard applies
-# its pushes park gigabytes in the shard (1000 messages of message_bytes, 4 MiB by
-# default).  The launcher knows the keys before the servers start (launch.step_messages)
-# and asks for one step's messages of a worker: a worker that keeps to its step is then
-# never held back by the shard's queue, and one that runs ahead waits in its own queue
-# and the kernel's socket buffers (ZeroMQ stops reading a connection whose queue is
-# full; nothing is dropped).  receive_hwm keeps that within:
-#   RECEIVE_HWM, 8: the floor, and the mark of a shard started without a key table (by
-#     hand): room for an INIT and a few control messages, and 32 MiB of a worker's
-#     unread 4 MiB pushes, ample for throughput (the shard takes a message in a few
-#     milliseconds while its I/O thread receives the next ones);
-#   MOST_RECEIVE_HWM, 64: the ceiling.  A peer's messages are bounded per frame only
-#     (MAXMSGSIZE, protocol.MAX_FRAME_BYTES), so one connection can park up to the mark
-#     x 4 MiB of one-frame messages: 256 MiB at 64 (a shard of 30 keys or more), where
-#     libzmq's default parks gigabytes; a step of more messages than that streams through
-#     the queue as at 8.
+# Messages ZeroMQ queues per connection before the shard reads them (RCVHWM).  libzmq's
+# default, 1000, would let a worker that pushes faster than the shard applies its pushes
+# park gigabytes in the shard (1000 messages of message_bytes, 4 MiB by default).  A
+# launcher that knows the keys counts one step's messages of a worker for each shard
+# (launch.step_messages): at that mark a worker that keeps to its step is never held back
+# by the shard's queue, and one that runs ahead waits in its own queue and the kernel's
+# socket buffers (ZeroMQ stops reading a connection whose queue is full; nothing is
+# dropped).  receive_hwm keeps the mark within
+#   RECEIVE_HWM, 8, the floor, and the mark of a shard started without a count (by
+#     hand): room for an INIT and a few control messages, 32 MiB of a worker's unread
+#     4 MiB pushes, ample for throughput (the shard takes a message in a few milliseconds
+#     while its I/O thread receives the next ones);
+#   MOST_RECEIVE_HWM, 64, the ceiling: a peer's messages are bounded per frame only
+#     (MAXMSGSIZE, protocol.MAX_FRAME_BYTES), so a connection may park the mark x 4 MiB
+#     of one-frame messages, 256 MiB at 64 (a shard of 30 keys or more), not libzmq's
+#     gigabytes; a longer step streams through the queue, as at 8.
+# The mark is set once, before the bind, and never changed: changed on open connections
+# it can stall a pipe (libzmq's reader wakes a blocked writer only when its count of
+# messages read reaches a multiple of half the mark in force, pipe_t::read; after a
+# change the reader can drain the pipe without reaching one, and the writer waits on).
 RECEIVE_HWM = 8
 MOST_RECEIVE_HWM = 64
 # Replies queued per connection (libzmq's default, stated): a worker gets about
