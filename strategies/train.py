@@ -43,7 +43,8 @@ from psrv.link import PSError
 
 from .config.choices import ConfigError
 from .config.optimizer_checks import check_same_config
-from .config.settings import check_memory, check_outputs, parse_args, world_of
+from .config.settings import (check_memory, check_outputs, parse_args, with_moe_group,
+                              world_of)
 from .engine import loop
 from .engine.grid import with_stage_split
 from .engine.loop import StepEngine
@@ -81,7 +82,9 @@ def prepare(argv=None):
         if under_torchrun():                   # its world exists from here on
             check_same_config(ctx.control.allgather(cfg), cfg)
         check_outputs(cfg, writer=ctx.rank == 0)   # before any work, not after it
-        check_memory(cfg, world_of(cfg, ctx.world_size)[0], ctx.local_size)  # vs free memory
+        dp = world_of(cfg, ctx.world_size)[0]
+        cfg = with_moe_group(cfg, dp)          # the gating group in force, in the records
+        check_memory(cfg, dp, ctx.local_size)  # vs free memory
         ctx.set_threads(cfg)
         device = ctx.device(cfg)
         if not ctx.is_server:

@@ -139,7 +139,8 @@ def test_distributed_optimizer_no_sync_in_a_users_loop():
     (dict(grad_accum=0), 1, "--grad-accum must be >= 1"),
     (dict(grad_accum=2, pp=2, micro_batches=4, sync="ring"), 2,
      "--grad-accum 2 and --micro-batches 4 are the same thing on the grid"),
-    (dict(grad_accum=2, model="moe"), 1, "--model moe with --grad-accum 2"),
+    (dict(grad_accum=3, model="moe", global_batch=8), 1,
+     "--grad-accum 3 cuts each replica's 8 sequences"),
     (dict(grad_accum=7, global_batch=12, sync="ring"), 2,
      r"--grad-accum 7 is more than the 6 samples of each replica"),
 ])

@@ -11,6 +11,8 @@ model (--ep 1), and the expert-parallel engine at ep 1, where each expert has tw
 replicas whose gradients go through the replica all-reduce.  Each must train the
 same model as `--sync local --moe-group 4` on one process: capacity is per
 group of 4 sequences, one rank's local batch, so the same tokens are dropped.
+Under micro-batches without --moe-group the group is one micro-batch, the
+--moe-group the run's config record names and its reference is given.
 
 Tolerance: rtol = 1e-5, atol = 1e-6, as for the other workers (test_parallel_runs.py):
 only the order of float additions changes (the dp average of partial means, an
@@ -27,7 +29,7 @@ import torch
 
 from conftest import check_ok, mpirun
 from strategies.config.choices import ConfigError
-from strategies.config.settings import TrainConfig
+from strategies.config.settings import TrainConfig, with_moe_group
 from strategies.config.validate import check_world
 from strategies.parallel.expert_parallel import ExpertPlacement, alltoall_bytes_per_step
 from strategies.config.mesh import Mesh
@@ -125,7 +127,9 @@ MOE = dict(model="moe", sync="ring", experts=4)
     (dict(MOE, ep=2, sync="hybrid", ranks_per_node=3, global_batch=12), 7,
      "--ranks-per-node 3 with --ep 2 under --sync hybrid puts 1 or 2 replicas"),
     (dict(MOE, ep=2, model="gpt"), 2, "not of --model gpt"),
-    (dict(MOE, pp=2, micro_batches=2), 2, "--micro-batches 2 without --moe-group"),
+    (dict(MOE, pp=2, micro_batches=3, global_batch=8), 2,
+     "--micro-batches 3 cuts each replica's 8 sequences (global batch 8 / dp(1)) into "
+     "micro-batches of 3 and 2"),
     (dict(MOE, top_k=3), 2, "--top-k 3 must be 1 or 2"),
     (dict(MOE, capacity_factor=0.0), 2, "--capacity-factor must be > 0"),
     (dict(MOE, ep=2, global_batch=6), 3, "world 3 is not a multiple of ep(2)"),
@@ -134,6 +138,29 @@ MOE = dict(model="moe", sync="ring", experts=4)
 def test_config_errors(flags, world, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_world(TrainConfig(**flags), world)
+
+
+@pytest.mark.parametrize("flags, world, group", [
+    (dict(MOE, global_batch=8), 2, 4),                       # the local batch, as before
+    (dict(MOE, pp=2, micro_batches=2, global_batch=8), 2, 4),            # dp 1: 8 / 2
+    (dict(MOE, pp=2, micro_batches=2, schedule="interleaved", virtual_stages=2, layers=4,
+          global_batch=8), 2, 4),
+    (dict(MOE, grad_accum=2, global_batch=8), 2, 2),                     # dp 2: 4 / 2
+    (dict(MOE, sync="ps", servers=1, grad_accum=2, global_batch=12), 4, 2),  # dp 3: 4 / 2
+    (dict(MOE, grad_accum=2, moe_group=1, global_batch=8), 2, 1),        # given: kept
+    (dict(model="gpt", sync="ring", grad_accum=2), 2, 0),                # no experts
+])
+def test_the_default_gating_group_is_one_forward_calls(flags, world, group):
+    """--moe-group 0 is written into the run's config as the sequences of one forward
+    call of a replica, one of its micro-batches, a group the world then accepts; the
+    all-to-all formula reads the same group from either config."""
+    cfg = TrainConfig(**flags)
+    dp = check_world(cfg, world)
+    resolved = with_moe_group(cfg, dp)
+    assert resolved.moe_group == group
+    assert check_world(resolved, world) == dp
+    if group:
+        assert alltoall_bytes_per_step(resolved, dp) == alltoall_bytes_per_step(cfg, dp)
 
 
 def test_a_pipeline_cuts_the_moe_by_its_layers():
@@ -228,15 +255,27 @@ def test_the_mixture_of_experts_under_every_split_reproduces_one_process(tmp_pat
     the stages' values into the step's loss: parallel/pipeline.py), under ZeRO-3 with
     its experts (each gathered over its replicas by its own forward's hook, beside the
     all-to-alls on the expert group), under gradient accumulation and recompute.  The
-    gating groups are fixed by --moe-group, so micro-batches route as the batch does."""
+    gating groups are fixed by --moe-group, so micro-batches route as the batch does;
+    without it the group is one micro-batch of a replica (config/validate.py's
+    gating_group), written into the run's config: 8 / 2 on the pipelines (dp 1), 4 / 2
+    under accumulation (dp 2), each reproducing one process at that --moe-group."""
     reference = launch(tmp_path, 1, [("top2", TOP2 + LOCAL),
-                                     ("top2g2", TOP2 + ["--sync", "local", "--moe-group", "2"])])
-    assert_reproduce(launch(tmp_path, 2, [
-        ("pp2_top2", TOP2 + ["--sync", "ring", "--moe-group", "4", "--pp", "2",
-                             "--micro-batches", "2"]),
+                                     ("top2g2", TOP2 + ["--sync", "local", "--moe-group", "2"]),
+                                     ("top2l4", TOP2 + LOCAL + ["--layers", "4"])])
+    pp2 = ["--sync", "ring", "--pp", "2", "--micro-batches", "2"]
+    runs = launch(tmp_path, 2, [
+        ("pp2_top2", TOP2 + pp2 + ["--moe-group", "4"]),
         ("ep2zero3_top2", TOP2 + EP2 + ["--zero", "3"]),
         ("accum_top2g2", TOP2 + ["--sync", "ring", "--moe-group", "2", "--grad-accum", "2"]),
-        ("ep2recompute_top2", TOP2 + EP2 + ["--recompute"])]), reference)
+        ("ep2recompute_top2", TOP2 + EP2 + ["--recompute"]),
+        ("pp2default_top2", TOP2 + pp2),
+        ("interleaveddefault_top2l4", TOP2 + pp2 + ["--schedule", "interleaved",
+                                                    "--virtual-stages", "2", "--layers", "4"]),
+        ("accumdefault_top2g2", TOP2 + ["--sync", "ring", "--grad-accum", "2"])])
+    assert_reproduce(runs, reference)
+    for name, group in (("pp2default_top2", 4), ("interleaveddefault_top2l4", 4),
+                        ("accumdefault_top2g2", 2)):
+        assert runs[name][2]["moe_group"] == group, name
 
 
 @pytest.mark.timeout(400)

@@ -128,7 +128,9 @@ class MoEOptions:
     capacity_factor: float = 1.25  # moe: an expert takes ceil(factor * k * S / experts) of
                                    # a group's S tokens; the rest pass by on the residual
     moe_group: int = 0            # moe: sequences per gating group (capacity is per group);
-                                  # 0 = a data-parallel rank's local batch
+                                  # 0 = one forward call's: a data-parallel rank's local
+                                  # batch, or one of its --micro-batches (written into the
+                                  # run's records)
     balance_loss: float = 0.01    # moe: weight of Switch's load-balancing loss; 0 = none
 
     def __post_init__(self):

@@ -23,12 +23,13 @@ from allreduce.cli import dataclass_flags, field_comments
 from .choices import ALLREDUCE_SYNCS, PS_SYNCS, SYNCS, ConfigError, flag_of
 from .mesh import needs_grid
 from .sections import SECTIONS
-from .validate import check_flags, check_world, parse_pp_layers, parse_straggler, world_of
+from .validate import (check_flags, check_world, gating_group, parse_pp_layers,
+                       parse_straggler, world_of)
 
 __all__ = ["ALLREDUCE_SYNCS", "PS_SYNCS", "SYNCS", "ConfigError", "TrainConfig",
            "check_checkpoint_dir", "check_memory", "check_outputs", "check_ranges",
            "check_world", "memory_floor", "parse_args", "parse_straggler", "parser",
-           "world_of"]
+           "with_moe_group", "world_of"]
 
 INT_MAX = 2**63 - 1      # numpy's int64 and torch's seeds: a larger int overflows in them
 LONGEST_WAIT_S = 10**6   # ~11.6 days: longer waits overflow time.sleep and torch's timedelta
@@ -120,6 +121,17 @@ TrainConfig = dataclasses.make_dataclass(
     "TrainConfig", flat_fields(SECTIONS), bases=(Settings,), frozen=True,
     namespace={"__module__": __name__, "__doc__": "Every setting of a run, flat: the fields "
                "of the sections of sections.py, validated on construction (validate.py)."})
+
+
+def with_moe_group(cfg, dp):
+    """cfg with --moe-group's default written in at data-parallel size dp: 0 becomes the
+    sequences of one forward call of a replica, one micro-batch of its local batch
+    (validate.gating_group), so that the records and checkpoints name the gating group
+    in force and the one-process reference can be read off them.  check_world first."""
+    if cfg.model != "moe" or cfg.moe_group:
+        return cfg
+    return dataclasses.replace(cfg, moe_group=gating_group(0, cfg.global_batch // dp,
+                                                           cfg.micro_batches))
 
 
 def check_outputs(cfg, writer):

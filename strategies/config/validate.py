@@ -123,6 +123,15 @@ def moe_rules(cfg, cli=True):
                  at_least=((0, ("moe_group", "balance_loss")),))
 
 
+def gating_group(moe_group, local, micro_batches):
+    """The sequences of one gating group (model/moe.py): --moe-group N, or by default (0)
+    those of one forward call of a replica, one of the micro-batches of its `local`
+    sequences, which check_world requires to be of one size; without micro-batches, the
+    local batch.  A group is what one forward sees, so a rank never waits on another's
+    tokens to decide a capacity, and the one-process reference is --moe-group that many."""
+    return moe_group or local // micro_batches
+
+
 def data_rules(cfg, cli=True):
     check_values(cfg, cli, at_least=((1, ("in_dim", "classes", "dataset_size")),))
 
@@ -222,18 +231,6 @@ def check_flags(cfg):
 
 def check_moe(cfg):
     """The mixture of experts against the other techniques; check_world adds the world's."""
-    if cfg.model == "moe" and cfg.grad_accum > 1 and not cfg.moe_group:
-        raise ConfigError(f"--model moe with --grad-accum {cfg.grad_accum} is not "
-                          "supported without --moe-group: micro-steps would change the "
-                          "gating groups and each expert's capacity; fix the groups with "
-                          "--moe-group N (sequences a group)", field="model")
-    if cfg.model == "moe":
-        if cfg.micro_batches > 1 and not cfg.moe_group:
-            raise ConfigError(f"--model moe with --micro-batches {cfg.micro_batches} without "
-                              f"--moe-group is not supported: the gating groups would be the "
-                              f"micro-batches, not the batch: fix them with --moe-group N "
-                              f"(sequences a group), which each micro-batch holds whole",
-                              field="model")
     if cfg.ep == 1:
         return
     if cfg.model != "moe":
@@ -354,6 +351,14 @@ def check_world(cfg, world_size):
     if cfg.model == "moe":
         servers = cfg.servers if cfg.sync in PS_SYNCS else 0
         Mesh(world_size - servers, cfg.dp, cfg.pp, cfg.tp, cfg.ep, cfg.cp)   # ep divides dp x cp
+        if not cfg.moe_group and local % k:
+            # the default group is one micro-batch (gating_group), and shard_bounds cuts
+            # micro-batches of two sizes here: a group's size sets its experts' capacity
+            raise ConfigError(f"--model moe: {flag} {k} cuts each replica's {local} sequences "
+                              f"(global batch {cfg.global_batch} / dp({dp})) into micro-batches "
+                              f"of {local // k + 1} and {local // k}, and the default gating "
+                              f"group is one micro-batch: groups of unequal size have unequal "
+                              f"capacities; give {flag} dividing {local}", field="micro_batches")
         if cfg.moe_group and local % (cfg.moe_group * k):
             raise ConfigError(f"--moe-group {cfg.moe_group} does not divide each of the {k} "
                               f"micro-batch(es) of the local batch into whole groups: global "

@@ -22,8 +22,10 @@ Papers:
 The layer, GShard's Algorithm 1 as einsums (G groups of S tokens, E experts, capacity C):
 
   1. group     x (B, T, d) -> (G, S, d): a group is `group_size` sequences
-               (0: the whole batch this forward sees, which is one data-parallel
-               rank's local batch); capacity and dropping are decided per group
+               (0: the whole batch this forward sees); capacity and dropping are
+               decided per group.  The trainer writes its default in: one forward
+               call's sequences, a data-parallel rank's local batch, or one of its
+               micro-batches (config/validate.py's gating_group)
   2. gate      probs = softmax(x Wg)                                  (G, S, E)
   3. top-k     first choice e1 = argmax probs; top-2: e2 = argmax of the others
   4. capacity  C = ceil(capacity_factor * k * S / E), at most S.  A token's position in
@@ -135,7 +137,7 @@ class MoE(nn.Module):
 
     def forward(self, x):
         B, T, d = x.shape
-        # 1. group: group_size sequences, or the whole batch
+        # 1. group: group_size sequences, or the whole batch of this call
         per_group = self.group_size or B
         groups = x.reshape(B // per_group, per_group * T, d)                 # (G, S, d)
         capacity = expert_capacity(per_group * T, self.num_experts, self.top_k,

@@ -60,10 +60,12 @@ experts are split over its own replicas and averaged over theirs.  Under tp ever
 of a tp group holds the same experts and exchanges the same tokens with its peers at
 its tp place (tensor_parallel.py: the experts are replicated over tp).
 
-Equivalence: capacity is decided per group of tokens (moe.py), by default one
-rank's local batch; the one-process reference with --moe-group set to that
-many sequences gates, drops and combines the same tokens, so the runs agree up
-to the order of float additions (tests/test_moe.py).
+Equivalence: capacity is decided per group of tokens (moe.py), by default the
+sequences of one forward call of a rank: its local batch, or one of its k
+micro-batches (local / k; config/validate.py's gating_group, written into the
+run's config as --moe-group).  The one-process reference with --moe-group set to
+that many sequences gates, drops and combines the same tokens, so the runs agree
+up to the order of float additions (tests/test_moe.py).
 """
 import time
 
@@ -71,24 +73,26 @@ import torch.nn as nn
 
 from allreduce.alltoall import bytes_sent, uses_bruck
 
+from ..config.validate import gating_group
 from ..model.moe import MoE, expert_capacity, run_experts
 from ..runtime.precision import as_wire
 from .tensor_parallel import Conjugate
 
 
 def alltoall_bytes_per_step(cfg, world_size):
-    """Bytes one rank sends in all-to-alls per step: 4 per MoE block (dispatch and
-    combine, forward and backward), each of the (E, G, C, d) float32 buffer (float32
-    under --precision bf16/fp16 too: AllToAllExperts.alltoall), by
-    alltoall.py's schedule for that size.  cfg: a TrainConfig or its record (dict)."""
+    """Bytes one rank sends in all-to-alls per step: 4 per MoE block and forward call
+    (dispatch and combine, forward and backward; a forward call a micro-batch), each of
+    the (E, G, C, d) float32 buffer (float32 under --precision bf16/fp16 too:
+    AllToAllExperts.alltoall), by alltoall.py's schedule for that size.  cfg: a
+    TrainConfig or its record (dict)."""
     c = cfg if isinstance(cfg, dict) else cfg.as_dict()
-    ep, experts = c["ep"], c["experts"]
+    ep, experts, k = c["ep"], c["experts"], c["micro_batches"]
     local = c["global_batch"] // world_size
-    per_group = c["moe_group"] or local
+    per_group = gating_group(c["moe_group"], local, k)
     capacity = expert_capacity(per_group * c["seq_len"], experts, c["top_k"],
                                c["capacity_factor"])
-    buffer = experts * (local // per_group) * capacity * c["d_model"] * 4
-    return 4 * c["layers"] * bytes_sent(buffer, ep, uses_bruck(buffer // ep, ep))
+    buffer = experts * (local // k // per_group) * capacity * c["d_model"] * 4
+    return 4 * c["layers"] * k * bytes_sent(buffer, ep, uses_bruck(buffer // ep, ep))
 
 
 class ExpertPlacement:
