@@ -127,7 +127,7 @@ def pipeline_step_time(p, m, t_forward, t_backward, activation_bytes, link, v=1,
     a stage: v = 1 for GPipe and 1F1B, v chunks a rank interleaved), each slot also
     sending an activation (forward) and its gradient (backward).  chunk: the share of
     the stage's work in its slowest chunk, which paces every slot (None: 1 / v, the
-    even cut; uneven chunks: step.py's chunk_share)."""
+    even cut; uneven chunks: planner/stages.py's chunk_share)."""
     send = link.alpha + activation_bytes * link.beta if p > 1 else 0.0
     share = 1 / v if chunk is None else chunk
     return (v * m + p - 1) * ((t_forward + t_backward) * share + 2 * send)

@@ -9,9 +9,10 @@ a GPT predicted, checked against the memory and ranked by step time (docs/planne
         --global-batch 16 --calibration results --gpus-per-node 4 --verify 3
 
 MODEL is a GPT's shape (--experts E: a mixture of experts in every layer;
---kv-heads, --ffn-hidden, --gated-mlp, --flash-attention: today's shapes, e.g.
-Llama 3 405B: --layers 126 --d-model 16384 --heads 128 --kv-heads 8 --ffn-hidden
-53248 --gated-mlp --flash-attention --seq-len 8192 --vocab 128256).  Any pipeline
+--kv-heads, --ffn-hidden, --gated-mlp, --flash-attention, --no-dropout: today's
+shapes, e.g. Llama 3 405B: --layers 126 --d-model 16384 --heads 128 --kv-heads 8
+--ffn-hidden 53248 --gated-mlp --flash-attention --no-dropout --seq-len 8192 --vocab
+128256).  Any pipeline
 size up to the layers is searched: each stage holds the layers of the balanced
 split (strategies/parallel/stages.py, the trainer's rule too: the embedding and
 the head counted as the work they are on the first and last stage), or
@@ -111,6 +112,8 @@ def parser():
                    help="a gated MLP (SwiGLU): three matrices, not two")
     m.add_argument("--flash-attention", action="store_true",
                    help="a fused attention core: the scores neither stored nor streamed")
+    m.add_argument("--no-dropout", action="store_true",
+                   help="a model trained without dropout (Llama): no masks stored or written")
     c = ap.add_argument_group("CLUSTER")
     c.add_argument("--preset", choices=sorted(clusters.PRESETS), help="a machine's figures")
     c.add_argument("--nodes", type=whole, help="nodes (default 1)")
@@ -246,7 +249,7 @@ def main(argv=None):
     try:
         gpt = GPT(a.layers, a.d_model, a.heads, a.seq_len, a.vocab, a.global_batch,
                   a.experts, a.top_k, a.kv_heads, a.ffn_hidden, a.gated_mlp,
-                  a.flash_attention)
+                  a.flash_attention, not a.no_dropout)
         precision = a.precision or ("fp32" if a.calibration else "bf16")
         space = Space(a.zero, a.recompute, a.schedules, a.micro_batch_sizes,
                       precision=precision, sequence_parallel=not a.no_sequence_parallel,

@@ -12,6 +12,7 @@ through a QR and matrix products of entries up to ~5: atol 1e-4 (measured
 criterion in small form: final loss within 10 % of uncompressed, at most 10 %
 of the bytes for top-k 1 % (2 % measured), 15 % for PowerSGD rank 2 (11 % measured).
 """
+import io
 import json
 
 import pytest
@@ -182,9 +183,9 @@ class OneRankCollective(OneRank):
 
 def test_the_sync_tells_the_step_and_a_resumed_run_goes_on_from_it():
     """The data-parallel sync's synchronize(s) readies step s + 1's ratio (its buckets
-    may leave during its backward); its state_dict carries that step, so a resumed run
-    picks up the warm-up where the checkpoint was written.  Without warm-up the state
-    is {}."""
+    may leave during its backward); its state_dict carries that step in the compressor's
+    state, so a resumed run picks up the warm-up where the checkpoint was written.
+    Without a lossy compression the state is {}."""
     from strategies.sync.data_parallel import data_parallel, parameter_units
 
     def sync_of(warmup):
@@ -205,11 +206,50 @@ def test_the_sync_tells_the_step_and_a_resumed_run_goes_on_from_it():
 
     first = sync_of(10)
     train(first, range(5))
-    assert first.state_dict() == {"compressor_step": 5}
+    assert first.state_dict()["compressor"]["step"] == 5
     resumed = sync_of(10)
     resumed.load_state_dict(first.state_dict())
     train(resumed, range(5, 12))
-    assert sync_of(0).state_dict() == {}
+    plain = data_parallel(parameter_units(torch.nn.Linear(100, 10)), None,
+                          TrainConfig(sync="ring", overlap=False), device=torch.device("cpu"),
+                          coll=OneRankCollective())
+    assert plain.state_dict() == {}
+
+
+@pytest.mark.parametrize("compress, momentum", [("topk:0.1", 0.0), ("topk:0.1", 0.9),
+                                                ("powersgd:2", 0.0), ("fp8", 0.0)])
+def test_a_compressor_resumed_from_its_state_goes_on_as_if_never_stopped(compress, momentum):
+    """A compressor's state_dict, through torch.save and torch.load, makes a new
+    compressor send what the old one would have, bit for bit: the residuals (which hold
+    everything the first steps held back), PowerSGD's warm-start Q, DGC's velocity.
+    A fresh one (all zero, a new first Q) sends something else."""
+    shapes = [(12, 10), (12,)]
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(132, generator=gen) for _ in range(6)]
+
+    def make():
+        return build_compressor(compress, OneRank(), momentum=momentum)
+
+    def run(compressor, steps):
+        out = []
+        for step in steps:
+            flat = grads[step].clone()
+            compressor.set_step(step)
+            compressor.reduce_bucket(0, flat, None, shapes, identity)
+            out.append(flat)
+        return out
+
+    whole, first = make(), make()
+    expected = run(whole, range(6))
+    run(first, range(3))
+    saved = io.BytesIO()
+    torch.save(first.state_dict(), saved)
+    saved.seek(0)
+    resumed = make()
+    resumed.load_state_dict(torch.load(saved, weights_only=True))
+    for got, want in zip(run(resumed, range(3, 6)), expected[3:]):
+        assert torch.equal(got, want)
+    assert not torch.equal(run(make(), [3])[0], expected[3])
 
 
 # -------------------------------------------------------------- PowerSGD

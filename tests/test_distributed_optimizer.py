@@ -51,13 +51,17 @@ def test_every_sync_reproduces_one_process():
 @pytest.mark.timeout(300)
 def test_sub_communicators_train_apart():
     """P=3 split into {0, 1} and {2}: each group reproduces one process from its own
-    first rank's weights (ring and torch); an LR schedule drives the wrapped optimizer."""
+    first rank's weights (ring and torch); an LR schedule drives the wrapped optimizer;
+    a loop resumed from the optimizer's state_dict under top-k and PowerSGD ends bit for
+    bit where the uninterrupted loop does (the compressor's residuals are in it)."""
     result = check_ok(mpirun(3, [SCRIPT, "subcomm"], timeout=280))
     for rank, size in ((0, 2), (1, 2), (2, 1)):
         for name in ("ring", "torch"):
             assert f"rank {rank} subcomm {name} group of {size}: ok" in result.stdout, \
                 result.stdout
         assert f"rank {rank} schedule: ok" in result.stdout
+        for compress in ("topk:0.1", "powersgd:1"):   # bit for bit (torch.equal)
+            assert f"rank {rank} resume {compress}: ok" in result.stdout, result.stdout
 
 
 BAD_ARGUMENTS = {

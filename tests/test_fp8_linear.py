@@ -17,7 +17,8 @@ Tier (c), two ranks, 30 steps of the small GPT (Adam): --sync ring --precision f
 ends within 5 % of fp32's final loss (FINAL_RTOL; measured 1.1 % for one process),
 while a run that did not train stays near its first loss, 30-50 % above; the grid's
 --tp 2 --sequence-parallel and --dp 2 --zero 1 under fp8 train and end within the
-same 5 %.  The record's config says the precision.
+same 5 %, and ZeRO-1's ranks hold memory.zero_memory's fp8 states (bf16's).  The
+record's config says the precision.
 """
 import json
 
@@ -31,6 +32,7 @@ from strategies.config.choices import ConfigError
 from strategies.config.settings import TrainConfig
 from strategies.runtime import fp8_linear
 from strategies.runtime.fp8_linear import E4M3, E5M2, FP8_MAX, Fp8Linear, to_fp8
+from strategies.runtime.memory import zero_memory
 from test_parallel_runs import COMMON, GPT, SEVERAL
 
 STEPS = 30
@@ -155,6 +157,12 @@ def test_two_ranks_fp8_train_within_five_percent_of_fp32(tmp_path):
         assert final_loss(records[name]) == pytest.approx(fp32, rel=FINAL_RTOL), name
         config = [r for r in records[name] if r["kind"] == "config"][0]
         assert config["precision"] == "fp8", name
+    # ZeRO-1 under fp8 holds zero_memory's fp8 states, bf16's: 2 + 2 + 12 / 2 bytes a
+    # parameter, Ψ read off the 16-bit parameters (Adam's step counters are the rest)
+    steps = [r for r in records["zero"] if r["kind"] == "step"]
+    want = zero_memory(steps[0]["memory"]["params"] / 2, 2, 1, "fp8")
+    for r in steps:
+        assert {part: r["memory"][part] for part in want} == pytest.approx(want, rel=0.01)
 
 
 def test_a_mixture_of_experts_keeps_its_router_wide():

@@ -18,10 +18,10 @@ from experiments.costmodel import (Machine, cluster_collective_time, cluster_all
 from experiments.planner.cluster import Cluster, preset
 from experiments.planner.figure import plan_frontier
 from experiments.planner.search import Space, layouts, pareto, plan
-from experiments.planner.step import (BUCKET_BYTES, PARTS, Layout, bucketed, chunk_share,
-                                     compute_seconds, ends_worth, exchanges, group_time,
-                                     held_layers, memory_of, placement, predict,
-                                     rank_parameters)
+from experiments.planner.stages import chunk_share, held_layers
+from experiments.planner.step import (BUCKET_BYTES, PARTS, Layout, bucketed, compute_seconds,
+                                     ends_worth, exchanges, group_time, memory_of,
+                                     placement, predict, rank_parameters)
 from experiments.planner.transformer import (GPT, layer_activation_bytes, parameters,
                                              step_flops)
 from strategies.parallel.bubble import bubble_fraction
@@ -62,6 +62,12 @@ def test_activations_are_korthikantis_table_2():
     assert layer_activation_bytes(g, b, t, True, "selective") == pytest.approx(sbh * 34 / t)
     assert layer_activation_bytes(g, b, t, False, "full") == pytest.approx(2 * sbh)
     assert layer_activation_bytes(g, b, t, False, "full", 4) == pytest.approx(4 * sbh)
+    # without dropout no masks: the 10's two (1 + 1) and the scores' mask and output (1 + 2)
+    bare = replace(g, dropout=False)
+    assert layer_activation_bytes(bare, b, t) == pytest.approx(
+        sbh * (8 + 24 / t + 2 * a * s / (h * t)))
+    assert layer_activation_bytes(bare, b, t, True, "selective") == pytest.approx(sbh * 32 / t)
+    assert layer_activation_bytes(bare, b, t, False, "full") == pytest.approx(2 * sbh)
 
 
 def test_collectives_on_a_cluster():
@@ -111,6 +117,8 @@ def test_model_states_are_zero_memory_of_the_ranks_parameters():
         expected = zero_memory(first, 2, zero, "bf16")
         got = memory_of(SMALL, lo, stage=0)
         assert {k: got[k] for k in expected} == pytest.approx(expected)
+        # fp8 holds what the trainer holds: bf16's buffers, fp32 masters, bf16 activations
+        assert memory_of(SMALL, replace(lo, precision="fp8"), stage=0) == pytest.approx(got)
     # the whole model over pp x tp, its embeddings once more on the last stage
     (first, _), (last, _) = (rank_parameters(SMALL, Layout(pp=2, tp=2), s) for s in (0, 1))
     h = SMALL.d_model

@@ -181,6 +181,13 @@ def test_a_layers_kernels_add_up_and_flash_attention_streams_no_scores():
     rate = layer_forward_flops(gpt, 1) / 2 / plain["forward"]
     assert 0.3 * h100.gpu_tflops * 1e12 < rate < h100.gemm_best * h100.gpu_tflops * 1e12
     assert plain["selective"] < plain["forward"]
+    # without dropout the residual adds write no masks, nor the scores a mask and copy:
+    # (3 e + 1) -> 3 e bytes a value each add, (3 e + 1) -> 2 e a score (e = 2 bytes)
+    bare = kernels.layer_seconds(replace(gpt, dropout=False), 1, 2, True, h100)
+    s, h, a = gpt.seq_len, gpt.d_model, gpt.heads
+    saved = 2 * s * h / 2 + 3 * a * s * s / 2
+    assert plain["forward"] - bare["forward"] == pytest.approx(
+        kernels.stream_seconds(saved, h100))
 
 
 def test_efficiency_is_a_flat_rate_and_mfu_leaves_recomputation_out():

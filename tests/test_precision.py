@@ -73,8 +73,11 @@ def test_zero_memory_formula_fp32_and_mixed():
     # SGD with momentum: K = 4 (fp32) or 8 (master + buffer); plain SGD: 0 or 4
     assert zero_memory(psi, 1, 0, "fp32", "momentum")["optimizer"] == 4e6
     assert zero_memory(psi, 1, 0, "bf16", "sgd")["optimizer"] == 4e6
-    with pytest.raises(ValueError):
-        zero_memory(psi, n, 0, "fp8")
+    # fp8: bf16's 16-bit buffers and fp32 masters (its 8-bit copies are activations)
+    assert [zero_memory(psi, n, s, "fp8") for s in range(4)] == \
+        [zero_memory(psi, n, s, "bf16") for s in range(4)]
+    with pytest.raises(ValueError, match="fp32, bf16, fp16, fp8"):
+        zero_memory(psi, n, 0, "fp4")
 
 
 @pytest.mark.parametrize("flags, message", [

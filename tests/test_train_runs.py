@@ -108,22 +108,70 @@ def test_allreduce_syncs_reproduce_one_process(tmp_path, reference, nprocs):
             0.6 * min(r["bytes_sent"] for r in got["ring"][0])
 
 
+# --compress of the resume tests: each lossy one keeps state from step to step
+RESUMED_COMPRESS = ("none", "topk:0.1", "powersgd:2")
+# a launch's runs that must each be refused: every rank's (exit code, stderr) as one
+# JSON line from rank 0, for refusals_of
+REFUSE = ["-c", "import contextlib, io, json, sys\nfrom mpi4py import MPI\n"
+                "from strategies.train import main\n"
+                "for argv in json.loads(sys.argv[1]):\n"
+                "    err = io.StringIO()\n"
+                "    with contextlib.redirect_stderr(err):\n"
+                "        try:\n            main(argv)\n            code = 0\n"
+                "        except SystemExit as e:\n            code = e.code\n"
+                "    said = MPI.COMM_WORLD.gather((code, err.getvalue()))\n"
+                "    if MPI.COMM_WORLD.rank == 0:\n        print(json.dumps(said))\n"]
+
+
+def refusals_of(nprocs, argvs, timeout=90):
+    """[[(exit code, stderr) of each rank] of each argv], all trained in one launch."""
+    argvs = [[str(a) for a in TINY + list(argv)] for argv in argvs]
+    result = check_ok(mpirun(nprocs, REFUSE + [json.dumps(argvs)], timeout=timeout))
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("[[")]
+
+
 @pytest.mark.mpi
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_resumed_run_reproduces_the_uninterrupted_run(tmp_path):
-    common = ["--sync", "ring", "--optimizer", "adam", "--lr", "0.01", "--steps", "6"]
-    ckpt = ["--checkpoint-dir", tmp_path / "ckpt"]
-    got = train_several(tmp_path, 2, [
-        ("whole", common),
-        ("first", common + ckpt + ["--steps", "3", "--checkpoint-every", "2"]),
-        ("rest", common + ckpt + ["--resume"])])
-    records, params = got["rest"]
-    assert sorted({r["step"] for r in records}) == [3, 4, 5]
-    whole_records, whole_params = got["whole"]
-    for r in records:                                   # bit for bit: same P, same order
-        assert r["loss"] == next(w["loss"] for w in whole_records if w["step"] == r["step"])
-    for name, value in whole_params.items():
-        assert np.array_equal(params[name], value), name
+    """Stopped at step 3, resumed to 6: the run that never stopped, bit for bit (same P,
+    same order of additions), also through top-k and PowerSGD, whose state (each rank's
+    residuals, PowerSGD's warm-start Q) each rank's file carries.  A resume with another
+    --compress is refused on every rank, exit 2, naming both: within the split layout
+    of a lossy compression and across layouts (a whole run's checkpoint.pt)."""
+    runs, ckpt = [], {}
+    for compress in RESUMED_COMPRESS:
+        name = compress.replace(":", "")
+        common = ["--sync", "ring", "--optimizer", "adam", "--lr", "0.01", "--steps", "6",
+                  "--compress", compress]
+        ckpt[compress] = ["--checkpoint-dir", tmp_path / f"ckpt_{name}"]
+        runs += [(f"whole_{name}", common),
+                 (f"first_{name}", common + ckpt[compress] + ["--steps", "3",
+                                                              "--checkpoint-every", "2"]),
+                 (f"rest_{name}", common + ckpt[compress] + ["--resume"])]
+    got = train_several(tmp_path, 2, runs, timeout=230)
+    for compress in RESUMED_COMPRESS:
+        name = compress.replace(":", "")
+        records, params = got[f"rest_{name}"]
+        assert sorted({r["step"] for r in records}) == [3, 4, 5]
+        whole_records, whole_params = got[f"whole_{name}"]
+        for r in records:                               # bit for bit: same P, same order
+            assert r["loss"] == next(w["loss"] for w in whole_records
+                                     if w["step"] == r["step"] and w["rank"] == r["rank"]), \
+                (compress, r["step"])
+        for key, value in whole_params.items():
+            np.testing.assert_array_equal(params[key], value, err_msg=f"{compress} {key}")
+    resume = ["--sync", "ring", "--steps", "6", "--resume"]
+    said = refusals_of(2, [resume + ["--compress", "powersgd:2"] + ckpt["topk:0.1"],
+                           resume + ["--compress", "topk:0.1"] + ckpt["none"],
+                           resume + ckpt["powersgd:2"]])
+    assert len(said) == 3, said
+    for ranks, (theirs, ours) in zip(said, [("topk:0.1", "powersgd:2"), ("none", "topk:0.1"),
+                                           ("powersgd:2", "none")]):
+        for rank, (code, err) in enumerate(ranks):
+            line = next((l for l in err.splitlines()
+                         if l.startswith(f"strategies.train rank {rank}: error:")), "")
+            assert code == 2 and f"compress {theirs};" in line and \
+                f"this run is " in line and f"compress {ours} " in line, err
 
 
 def failing(nprocs, args, timeout=60):
@@ -178,7 +226,7 @@ ASYNC = {"asp": ["--consistency", "asp"], "ssp": ["--consistency", "ssp", "--sta
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("nprocs", [3, pytest.param(4, marks=pytest.mark.slow)])
 def test_parameter_server_syncs(tmp_path, reference, nprocs):
     """P = nprocs - 1 workers (2 and 3) and one server.  BSP ps and hybrid must
@@ -202,12 +250,19 @@ def test_parameter_server_syncs(tmp_path, reference, nprocs):
         runs += [("hybrid_whole", hybrid),
                  ("hybrid_first", hybrid + hckpt + ["--steps", "3", "--checkpoint-every", "2"]),
                  ("hybrid_rest", hybrid + hckpt + ["--resume"])]
-    got = train_several(tmp_path, nprocs, runs, timeout=230)
+        # top-k on the pushes: each worker's residuals are in its own file
+        topk = adam + ["--compress", "topk:0.1"]
+        tckpt = ["--checkpoint-dir", tmp_path / "topk_ckpt"]
+        runs += [("ps_topk_whole", topk),
+                 ("ps_topk_first", topk + tckpt + ["--steps", "3", "--checkpoint-every", "2"]),
+                 ("ps_topk_rest", topk + tckpt + ["--resume"])]
+    got = train_several(tmp_path, nprocs, runs, timeout=280)
     for sync in ("ps", "hybrid"):
         assert_same_run(got[sync], reference["mlp"], nprocs - 1)
         assert all(r["bytes_sent"] > 0 for r in got[sync][0])
-    for kind in ("ps", "hybrid") if nprocs == 3 else ():
-        # the servers saved and reloaded their shards (Adam moments included)
+    for kind in ("ps", "hybrid", "ps_topk") if nprocs == 3 else ():
+        # the servers saved and reloaded their shards (Adam moments included), and
+        # under top-k each worker its residuals
         records, params = got[f"{kind}_rest"]
         assert sorted({r["step"] for r in records}) == [3, 4, 5], kind
         whole_records, whole_params = got[f"{kind}_whole"]
@@ -218,6 +273,9 @@ def test_parameter_server_syncs(tmp_path, reference, nprocs):
         for name, value in whole_params.items():
             np.testing.assert_allclose(params[name], value, rtol=RTOL, atol=ATOL,
                                        err_msg=f"{kind} {name}")
+    if nprocs == 3:       # two workers: a server's sum of two pushes is the same in
+        for name, value in got["ps_topk_whole"][1].items():     # either order: bit for bit
+            np.testing.assert_array_equal(got["ps_topk_rest"][1][name], value, err_msg=name)
     for name in ASYNC if nprocs == 3 else ():
         loss = [r["loss"] for r in got[name][0] if r["rank"] == 0]
         assert len(loss) == 60

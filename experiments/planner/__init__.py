@@ -5,6 +5,7 @@ on a cluster you do not have (python -m experiments.plan; docs/planner.md).
                      GQA, the MLP's width, gating)
     kernels.py       a layer's compute kernel by kernel: GEMMs by shape, the rest by bandwidth
     cluster.py       the machine's side: GPUs, memory, bandwidth, links; presets with sources
+    stages.py        which layers sit on which pipeline stage and chunk, what each holds
     step.py          one layout's predicted step: time split by cause, memory per rank
     search.py        every layout of a model on a cluster, why each is out or where it ranks
     figure.py        step time against memory per rank, the Pareto front marked

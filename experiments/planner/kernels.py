@@ -49,6 +49,8 @@ on one of t tp ranks:
     the scores           (3 e + 1) b a s^2 / t: scaled, masked, softmaxed (one
                          fused kernel: read, write) and dropped out (write, mask);
                          nothing with flash attention, whose softmax stays on chip.
+A model without dropout (GPT.dropout False) writes no masks: the residual adds
+are 3 e s b h each, and the scores 2 e b a s^2 / t.
 """
 from .transformer import layer_gemms, mlp_copies
 
@@ -101,9 +103,11 @@ def layer_seconds(gpt, b, tp, sequence_parallel, cluster, e=2, cp=1, cp_kind="ri
              for name, m, n, k, times in split_gemms(gpt, b, tp, cp, cp_kind)}
     sbh = s * b * h / cp / (tp if sequence_parallel else 1)
     passes = 3 if gpt.gated_mlp else 2     # GeLU: read, write; SwiGLU: gate and up read
-    streamed = 2 * 2 * sbh * e + 2 * (3 * e + 1) * sbh + \
+    mask = 1 if gpt.dropout else 0         # a dropout's mask, and its output's write
+    streamed = 2 * 2 * sbh * e + 2 * (3 * e + mask) * sbh + \
         passes * s * b * f * e / (tp * cp) * mlp_copies(gpt)[1]
-    scores = 0 if gpt.flash_attention else (3 * e + 1) * b * a * s * s / (tp * cp)
+    scores = 0 if gpt.flash_attention else \
+        (2 * e + mask * (e + 1)) * b * a * s * s / (tp * cp)
     core = gemms["scores"] + gemms["context"] + stream_seconds(scores, cluster)
     forward = sum(gemms.values()) + stream_seconds(streamed + scores, cluster)
     return {"forward": forward, "backward": 2 * forward, "selective": core}

@@ -22,7 +22,7 @@ the same list, each with its test):
         trainer refuses it too);
     the interleaved schedule without a pipeline, with more chunks v than a stage's
         layers (each chunk holds one at least; where v does not divide a stage's
-        layers its chunks are uneven: step.chunk_share), or with m not a multiple
+        layers its chunks are uneven: stages.chunk_share), or with m not a multiple
         of pp (Megatron-LM's rule);
     ep that does not divide both dp and the experts.
 The sizes are found as divisors of gcd(B, world / tp) (dp), of gcd(s, world / (tp
@@ -40,7 +40,8 @@ import math
 from strategies.parallel.stages import MAX_STAGES
 
 from .cluster import GIB
-from .step import BYTES, Layout, balanced_stages, predict
+from .stages import balanced_stages
+from .step import BYTES, Layout, ends_worth, predict
 from .transformer import CONTEXT_KINDS, RECOMPUTE
 
 SCHEDULES = ("1f1b", "interleaved")
@@ -82,8 +83,11 @@ class Space:
                              f"got {self.pp_layers}")
         if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:
             raise ValueError(f"--micro-batch-sizes must be >= 1, got {self.micro_batch_sizes}")
+        if self.precision == "fp8":     # step.BYTES prices its memory, not its matmuls
+            raise ValueError("--precision 'fp8' is not built in the planner: it prices every "
+                             "matmul at the GPU's 16-bit peak (--gpu-tflops), with no fp8 rate")
         if self.precision not in BYTES:
-            raise ValueError(f"--precision must be one of {', '.join(BYTES)}, "
+            raise ValueError(f"--precision must be one of fp32, bf16, fp16, "
                              f"got {self.precision!r}")
 
 
@@ -181,7 +185,8 @@ def layouts(gpt, cluster, space):
                 base = Layout(dp, pp, tp, 1, space.zero[0], m, b, "1f1b", 1, recompute,
                               space.precision, space.sequence_parallel and tp > 1,
                               space.whole_head and tp > 1, cp=cp, cp_kind=kinds[0])
-                stages = balanced_stages(gpt, base, cluster, space.pp_layers)
+                stages = balanced_stages(gpt, base, ends_worth(gpt, base, cluster),
+                                         space.pp_layers)
                 schedules = [("1f1b", 1)] + [
                     ("interleaved", v) for v in range(2, space.max_virtual_stages + 1)
                     if pp > 1 and v <= min(stages) and m % pp == 0]

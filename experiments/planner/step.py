@@ -16,9 +16,9 @@ context group is cp consecutive replicas, pp tp apart, which hold the same
 parameters and see the same sequences, s / cp positions each; the gradients are
 reduced, and ZeRO shards, over all dp cp replicas.
 
-A stage holds the layers stage_layers (strategies/parallel/stages.py, the trainer's
-rule too) gives it (Layout.stages), the first stage the embedding too and the
-last the logit layer; the slowest stage paces the pipeline.  A micro-batch of b sequences on one stage takes
+A stage holds the layers stages.py gives it (Layout.stages; the trainer's rule), the
+first stage the embedding too and the last the logit layer; the slowest stage
+paces the pipeline.  A micro-batch of b sequences on one stage takes
 
     forward    its kernels on a tp rank's share               (kernels.py: GEMMs by
                  their shape, the rest by the memory's bandwidth; with --efficiency
@@ -45,7 +45,7 @@ none of which overlaps the compute (Megatron runs them in line); on ranks that s
 CPU cores each tp all-reduce also waits for its peers' turns, and so does the
 data-parallel exchange right after the backward, once a step (shared_cores.py).  The pipeline
 runs (v m + p - 1) slots of a micro-batch's forward and backward on one chunk, the
-heaviest of the pipeline (chunk_share: a v-th of a stage cut evenly), each slot
+heaviest of the pipeline (stages.chunk_share: a v-th of a stage cut evenly), each slot
 sending an activation and its gradient (costmodel.pipeline_step_time); the p - 1
 idle slots are the bubble, strategies/parallel/bubble.py's fraction of them, and so
 is what uneven chunks leave idle of the paced slots.
@@ -69,9 +69,10 @@ a rank holds, activations Korthikanti et al.'s per layer (transformer.py) times
 the layers of its stage times the micro-batches it holds at once
 (bubble.activations_in_flight); under full recomputation one layer's whole
 activations on top, while its backward replays it; the last stage's logits.
-Each kind of stage is priced (the first, the last, the fullest between them,
-which holds the most micro-batches of the most layers) and the fullest rank's
-memory is the layout's.
+Each kind of stage is priced (stages.kinds_of_stage: the first, the last, the
+fullest between them, which holds the most micro-batches of the most layers) and
+the fullest rank's memory is the layout's; interleaved, a rank holds the layers of
+the chunks its warm-up has run (stages.held_layers).
 
 FLOPs: the model's (MFU's numerator, no recomputation) and the hardware's
 (HFU's: with recomputation, what Narayanan et al.'s TFLOP/s a GPU counts).
@@ -83,15 +84,21 @@ from experiments.costmodel import cluster_collective_time, pipeline_step_time
 from strategies.config.sections import SyncOptions
 from strategies.parallel.bubble import activations_in_flight, bubble_fraction
 from strategies.parallel.sequence_parallel import block_collectives, edge_collectives
-from strategies.parallel.stages import stage_layers
 from strategies.runtime.memory import zero_memory
 
 from . import kernels
+from .stages import chunk_share, held_layers, kinds_of_stage, stage_chunks, stages_of
 from .transformer import (attention_core_flops, embedding_parameters, expert_parameters,
                           layer_activation_bytes, layer_forward_flops, logit_flops,
                           logits_bytes, parameters, recompute_flops, step_flops)
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Bytes of an activation and of a value on the wire.  fp8 is bf16's: the trainer runs
+# everything but the linear layers' matmuls under bf16's autocast and keeps bf16's
+# 16-bit buffers (strategies/runtime/precision.py's HALF_DTYPES), and its model states
+# are bf16's (zero_memory).  Not modelled: a linear layer keeps its input as an 8-bit
+# copy for the backward where bf16 keeps 16 bits, and an 8-bit copy of its weight a
+# micro-batch (strategies/runtime/fp8_linear.py's Fp8Matmul); nor fp8's GEMM rate.
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 # The trainer's gradient buckets (ZeRO 0-2: strategies/sync/zero.py), at its default.
 BUCKET_BYTES = SyncOptions.bucket_mb * 2**20
 # Megatron-LM's mixed-precision optimizer copies the 16-bit gradients into fp32 main
@@ -297,17 +304,6 @@ def bucketed(total, beside, buckets):
     return max(total / buckets, total - beside * (buckets - 1) / buckets)
 
 
-def stages_of(gpt, lo):
-    """The layers of each of the layout's stages: its own, else the even split."""
-    return list(lo.stages) if lo.stages else stage_layers(gpt.layers, lo.pp)
-
-
-def kinds_of_stage(stages):
-    """The stages worth pricing: the first, the last, and between them the earliest of
-    the fullest (it holds the most micro-batches of the most layers)."""
-    inner = range(1, len(stages) - 1)
-    fullest = [max(inner, key=lambda i: (stages[i], -i))] if len(stages) > 2 else []
-    return sorted({0, len(stages) - 1, *fullest})
 
 
 def rank_parameters(gpt, lo, stage=0):
@@ -325,23 +321,11 @@ def rank_parameters(gpt, lo, stage=0):
     return layers, experts
 
 
-def held_layers(chunks, forwards, p):
-    """Layers' activations a rank holds after `forwards` chunk-forwards of the
-    interleaved schedule (activations_in_flight's count, times v), its chunks of
-    `chunks` layers: Megatron-LM's order runs p micro-batches through chunk 0, the
-    same p through chunk 1, ..., then the next p from chunk 0 (interleaved.py), so
-    uneven chunks weigh as often as they come up."""
-    v = len(chunks)
-    rounds, rest = divmod(forwards, p * v)
-    groups, single = divmod(rest, p)
-    return p * (rounds * sum(chunks) + sum(chunks[:groups])) + \
-        single * (chunks[groups] if groups < v else 0)
-
 
 def memory_of(gpt, lo, stage, ends=(0.0, 0.0)):
     """{params, grads, optimizer, activations} in bytes on a rank of `stage`; ends: the
     embedding's and the head's layers' worth, which shape uneven interleaved chunks
-    (stage_chunks)."""
+    (stages.stage_chunks)."""
     dense, experts = rank_parameters(gpt, lo, stage)
     states = zero_memory(dense, lo.replicas, lo.zero, lo.precision)
     for part, b in zero_memory(experts, lo.replicas // lo.ep, lo.zero, lo.precision).items():
@@ -400,11 +384,13 @@ def compute_seconds(gpt, lo, cluster):
             "core": (core, (2 + replayed_core) * core)}
 
 
-def ends_worth(gpt, lo, cluster, times):
+def ends_worth(gpt, lo, cluster, times=None):
     """(first, last): the embedding's and the head's time in layers' worth (a layer's
-    compute and its tp and cp collectives), what stage_layers weighs the ends with;
-    (0, 0) where a layer costs nothing to weigh them against."""
+    compute and its tp and cp collectives), what stages.balanced_stages and
+    stages.stage_chunks weigh the ends with; (0, 0) where a layer costs nothing to
+    weigh them against.  times: compute_seconds's, where the caller has them."""
     e, b = BYTES[lo.precision], lo.micro_batch_size
+    times = times or compute_seconds(gpt, lo, cluster)
     layer = sum(times["layer"]) + sum(tp_layer(gpt, lo, b, e, cluster)) + \
         sum(cp_layer(gpt, lo, b, e, cluster, times["core"]))
     if layer <= 0:
@@ -412,52 +398,7 @@ def ends_worth(gpt, lo, cluster, times):
     return sum(times["embedding"]) / layer, sum(times["head"]) / layer
 
 
-def balanced_stages(gpt, lo, cluster, given=None):
-    """The layout's stages: `given`, or stage_layers's balanced split with the embedding's
-    and the head's time counted in layers' worth (ends_worth)."""
-    if given is not None or lo.pp == 1:
-        return tuple(stage_layers(gpt.layers, lo.pp, given=given))
-    first, last = ends_worth(gpt, lo, cluster, compute_seconds(gpt, lo, cluster))
-    return tuple(stage_layers(gpt.layers, lo.pp, first, last))
 
-
-def stage_chunks(stages, stage, v, ends=(0.0, 0.0)):
-    """[layers of each of the v chunks of `stage`] under the interleaved schedule: the
-    even cut where v divides the stage's layers (Megatron-LM's, and the trainer's),
-    else stage_layers's balanced split of them over v chunks, the embedding's worth on
-    the first stage's first chunk and the head's on the last stage's last (the model's
-    first and last virtual stage), ends: (first, last) in layers' worth (ends_worth).
-    Each chunk holds one layer at least, so v is at most the stage's layers."""
-    n = stages[stage]
-    if n % v == 0:
-        return [n // v] * v
-    first = ends[0] if stage == 0 else 0.0
-    last = ends[1] if stage == len(stages) - 1 else 0.0
-    return stage_layers(n, v, first, last)
-
-
-def chunk_share(stages, stage, v, ends=(0.0, 0.0)):
-    """The share of a micro-batch's work on `stage` in its heaviest chunk: 1 / v for an
-    even cut without the ends, more where the chunks are uneven.
-
-    Narayanan et al. (SC21, section 2.2.2) price the interleaved schedule with v equal
-    chunks a rank: a slot is t / v, the fill and drain p - 1 slots, the bubble
-    (p - 1) / (v m) of the compute.  With uneven chunks (a stage of 7 layers cut in
-    4 is 2, 2, 2, 1) every chunk still passes each micro-batch on to the next rank
-    in turn, so the heaviest chunk of the pipeline paces every slot: the step is
-    (v m + p - 1) slots of it, and a rank whose chunks are lighter idles for the
-    difference, which is bubble too.  With the stages of Llama 3 405B (7, 8 x 14, 7)
-    and v = 4 the heaviest chunk is 2 layers, a quarter of the 8-layer stages: as fast
-    as the even cut, where no v but 1 divides both 7 and 8."""
-    chunks = stage_chunks(stages, stage, v, ends)
-    if v == 1:
-        return 1.0
-    first = ends[0] if stage == 0 else 0.0
-    last = ends[1] if stage == len(stages) - 1 else 0.0
-    worth = list(chunks)
-    worth[0] += first
-    worth[-1] += last
-    return max(worth) / (sum(chunks) + first + last)
 
 
 def predict(gpt, cluster, lo):

@@ -55,10 +55,19 @@ projection's input (2 + 2 + 2 + 2 s b h) and the MLP's two 4h-wide tensors (8 + 
 with GQA K and V are h_kv wide (4 h + 4 h_kv), with width f the MLP keeps 4 f
 (the first matrix's output and GeLU's), and a gated MLP 6 f (Megatron's fused
 SwiGLU keeps the gate's and the up projection's outputs, 4 f, and the down
-projection's input, 2 f).  The 10 (norms' inputs, dropout masks, the blocks'
-inputs) is unchanged.  A fused attention core (flash attention, Dao et al.
-2022) never stores the scores: the 5 a s / h t term goes, as under selective
-recomputation, and so does its traffic (kernels.py).
+projection's input, 2 f).  The 10 (norms' inputs 4, the attention's and the
+MLP's inputs 2 + 2, the two dropout masks 1 + 1) is unchanged.  A fused attention
+core (flash attention, Dao et al. 2022) never stores the scores: the 5 a s / h t
+term goes, as under selective recomputation, and so does its traffic (kernels.py).
+
+Their models drop out (GPT-3's recipe).  A model trained without dropout
+(GPT.dropout False) keeps no masks: torch's dropout at p = 0 hands back its input
+and stores nothing, so the 10 is 8, and the scores' 5 a s / h t (softmax output 2,
+its dropout's mask 1 and output 2) is 2.  Llama's is such a model: the block of
+Meta's reference code (the model.py of github.com/meta-llama/llama3) is x +
+attention(norm(x)), then h + mlp(norm(h)), with no dropout, and Megatron-LM trains
+Llama 3 with --attention-dropout 0.0 --hidden-dropout 0.0 (its Llama guide,
+llama_mistral.md).
 
 t = 1 gives the unparallelised s b h (34 + 5 a s / h).  In fp32 every 16-bit
 activation doubles; we double the whole (the masks, 1 byte, are a small part).
@@ -90,6 +99,7 @@ class GPT:
     ffn_hidden: int = None      # the MLP's width f (None: 4 d_model)
     gated_mlp: bool = False     # SwiGLU: three f x h matrices
     flash_attention: bool = False   # the attention core fused: no scores stored
+    dropout: bool = True        # the blocks drop out (masks stored); False: none (Llama)
 
     def __post_init__(self):
         if self.kv_heads is None:
@@ -225,10 +235,13 @@ def layer_activation_bytes(gpt, b, tp=1, sequence_parallel=False, recompute="non
     else:
         split = 4 * h + 4 * gpt.kv_width + (6 if gpt.gated_mlp else 4) * gpt.ffn_hidden * \
             mlp_copies(gpt)[1]                       # 24 h for GPT-3's shape
-        # without SP the norms' and dropouts' 10 s b h are whole on every tp rank
-        held = sb * (10 * h + split) / t if sequence_parallel else sb * (10 * h + split / t)
+        # without SP the norms' and dropouts' 10 s b h are whole on every tp rank; with
+        # no dropout, no masks: 8
+        whole = (10 if gpt.dropout else 8) * h
+        held = sb * (whole + split) / t if sequence_parallel else sb * (whole + split / t)
         if recompute == "none" and not gpt.flash_attention:
-            held += sb * 5 * a * s / t                # the scores, softmax and its dropout
+            scores = 5 if gpt.dropout else 2           # the softmax's output, its dropout's
+            held += sb * scores * a * s / t            # mask and output
         elif recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, "
                              f"got {recompute!r}")

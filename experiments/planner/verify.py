@@ -63,7 +63,8 @@ from strategies.parallel.sequence_parallel import block_collectives
 
 from . import shared_cores
 from .cluster import GIB, Cluster
-from .step import Layout, exchanges, stages_of, tp_layer
+from .stages import stages_of
+from .step import Layout, exchanges, tp_layer
 from .transformer import layer_forward_flops
 
 WARM_UP_STEPS = 2

@@ -15,6 +15,12 @@ all-reduce, decompress.  The lossy compressions (topk.py, powersgd.py) write
 their own `reduce_bucket`, with error feedback (error_feedback.py), and may
 call other collectives (top-k all-gathers).  It returns the bytes this rank
 handed to the collectives: the "wire bytes" of the step records.
+
+What a compressor carries from one step to the next (residuals, PowerSGD's warm-start
+Q, top-k's velocity and step) is its own, and it hands it over as torch's optimizers
+do: `state_dict()` for a checkpoint, `load_state_dict(state)` on --resume, through the
+sync's own state_dict (runtime/checkpoint.py stores what the sync hands it).  The
+casts keep nothing.
 """
 import torch
 
@@ -41,6 +47,14 @@ class Compressor:
     def decompress(self, wire, out):
         if wire.data_ptr() != out.data_ptr():
             out.copy_(wire)
+
+    def state_dict(self):
+        """What carries across steps, for this rank's checkpoint file: {} for the casts."""
+        return {}
+
+    def load_state_dict(self, state):
+        """Resume from `state` (a state_dict of the same compression, its tensors already
+        where the buckets live)."""
 
     def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg, coll=None):
         """flat := the mean over the ranks of flat (bucket `key`, its tensors of `shapes`

@@ -22,6 +22,9 @@ every step and the others never move.
 
 The residuals are each rank's own: they never travel, so they are not in the
 bytes on the wire, and they cost one float32 copy of the gradients in memory.
+Being each rank's own, they are in each rank's checkpoint file (state_dict): a
+run resumed with residuals set back to zero would drop what the steps before the
+checkpoint held back, and no longer be the run that never stopped.
 """
 import torch
 
@@ -52,6 +55,12 @@ class ErrorFeedback:
         """e = acc - sent (acc is the residual's own buffer, so in place)."""
         if self.enabled:
             acc.sub_(sent)
+
+    def state_dict(self):
+        return {"residuals": dict(self.residuals)}
+
+    def load_state_dict(self, state):
+        self.residuals = dict(state["residuals"])
 
     def residual(self, key):
         """The residual of `key` now (zeros before its first step); for tests and figures."""

@@ -79,6 +79,12 @@ class Fp8Compressor(Compressor):
         self.coll = coll
         self.feedback = ErrorFeedback(error_feedback)
 
+    def state_dict(self):
+        return {"feedback": self.feedback.state_dict()}
+
+    def load_state_dict(self, state):
+        self.feedback.load_state_dict(state["feedback"])
+
     def encode(self, key, flat):
         """Steps 1-4 of `flat` (a bucket, or a slice a push carries: server_buckets.py):
         (its e4m3 values, its scale), what the rounding dropped kept as the residual."""

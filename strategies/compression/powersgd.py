@@ -68,6 +68,15 @@ class PowerSGDCompressor(Compressor):
         self.feedback = ErrorFeedback(error_feedback)
         self.qs = {}                                 # (bucket, position) -> warm-start Q
 
+    def state_dict(self):
+        """The residuals and each matrix's warm-start Q: a resumed run that drew its first
+        Q again would start its power iteration over (a different P, a different step)."""
+        return {"feedback": self.feedback.state_dict(), "qs": dict(self.qs)}
+
+    def load_state_dict(self, state):
+        self.feedback.load_state_dict(state["feedback"])
+        self.qs = dict(state["qs"])
+
     def plan(self, shapes):
         """[(offset, numel, (n, m) or None)] of a bucket's tensors in their flat order."""
         out, offset = [], 0

@@ -89,6 +89,16 @@ class TopKCompressor(Compressor):
         super().set_step(step)
         self.next_ratio = kept_ratio_at(self.ratio, self.warmup, step)   # DGC's warm-up
 
+    def state_dict(self):
+        """The residuals, DGC's velocities and the step whose k comes next (the warm-up's)."""
+        return {"step": self.step, "feedback": self.feedback.state_dict(),
+                "velocity": dict(self.velocity)}
+
+    def load_state_dict(self, state):
+        self.set_step(state["step"])
+        self.feedback.load_state_dict(state["feedback"])
+        self.velocity = dict(state["velocity"])
+
     def encode(self, key, flat):
         """Steps 1, 2 and 5 of `flat` (a bucket, or a slice a push carries:
         server_buckets.py): the (indices, values) of its k largest entries; the rest

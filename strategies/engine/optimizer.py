@@ -107,8 +107,12 @@ def ps_roles(servers=1, comm=None):
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps `optimizer` (over `model`'s parameters) so that its steps are data parallel.
 
-    A torch.optim.Optimizer for LR schedulers and checkpoints: param_groups, state,
-    state_dict and load_state_dict are the wrapped optimizer's own."""
+    A torch.optim.Optimizer for LR schedulers and checkpoints: param_groups and state
+    are the wrapped optimizer's own; state_dict is the wrapped optimizer's, plus, under
+    "data_parallel", what this rank's sync holds beyond the model and the optimizer
+    (a lossy compressor's residuals, ZeRO-3's shards, mixed precision's fp32 masters),
+    so that a resumed loop goes on exactly where it stopped.  Under ps and hybrid the
+    servers hold the parameters and their optimizer state, and checkpoint them."""
 
     def __init__(self, optimizer, model, sync="ring", comm=None, *, transport=None, role=None,
                  **settings):
@@ -197,10 +201,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.optimizer.defaults
 
     def state_dict(self):
-        return self.optimizer.state_dict()
+        state = self.optimizer.state_dict()
+        if self.options.sync in PS_SYNCS:  # the servers hold the state, in their own files
+            return state
+        mine = self.sync.state_dict()      # per rank: save each rank's, as torch's DCP does
+        if mine:
+            state["data_parallel"] = mine
+        return state
 
     def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        mine = state_dict.pop("data_parallel", {})
         self.optimizer.load_state_dict(state_dict)
+        if mine:
+            self.sync.load_state_dict(mine)
 
     def add_param_group(self, group):
         raise ConfigError("DistributedOptimizer: parameters added after construction would "

@@ -9,7 +9,10 @@ optimizer state (momentum, Adam moments and step count), fp16's loss scale and
 the step number.  The sync adds its own part (sync.state_dict): with --sync ps
 the parameters and optimizer state live on the servers, which write their own
 shards (psrv), and the part says at which step they are, for the check on
-resuming; ZeRO adds its parameter shards and fp32 masters.  The data needs no
+resuming; ZeRO adds its parameter shards and fp32 masters; a lossy --compress
+(topk, powersgd, fp8) adds its compressor's state, this rank's error-feedback
+residuals and PowerSGD's warm-start Q (compression/casts.py's state_dict), in the
+all-reduce syncs and in the pushes of ps and hybrid alike.  The data needs no
 state: step s's batch is a function of (seed, s) (data.py), and nothing else is
 random during training (no dropout).  The run id goes on too, so that the
 resumed run's records in --jsonl belong to the run they continue.
@@ -19,10 +22,11 @@ Two layouts of the files:
     checkpoint.pt      plain data parallelism: every replica holds the same state,
                        so the first (dp rank 0, cp rank 0) writes it and every rank
                        reads it
-    step-<S>/rank-R.pt   a split model (--dp/--pp/--tp/--zero, --ep): each rank holds
-    step-<S>/manifest.json   a different share (a stage, a tp piece, a ZeRO shard, its
-                       experts), so each writes and reads its own; the set of step S
-                       is a folder, and its manifest, written last, names every file
+    step-<S>/rank-R.pt   a split model (--dp/--pp/--tp/--zero, --ep), or a lossy
+    step-<S>/manifest.json   --compress: each rank holds a different share (a stage, a
+                       tp piece, a ZeRO shard, its experts, its own residuals), so
+                       each writes and reads its own; the set of step S is a folder,
+                       and its manifest, written last, names every file
 
 Context parallelism (--cp) changes neither layout.  The ranks of a context group hold
 the same parameters, but not always the same state: ZeRO and the experts' replicas
@@ -41,9 +45,11 @@ itself, so several hosts need a shared file system for --resume.  No rank goes o
 past a checkpoint before all its files are written (save ends in a barrier,
 bounded by --timeout like every wait of the run: waits.py).
 
-A file knows itself: it carries the run's id and layout (the degrees, and the blocks
+A file knows itself: it carries the run's id and layout (the degrees, the blocks
 of each pipeline stage: a stage's file numbers its layers from its own first, so a
-run cut 3, 2, 2 must not read a set cut 2, 3, 2), the step, the writing
+run cut 3, 2, 2 must not read a set cut 2, 3, 2; and --compress: topk's residuals
+are no warm start of PowerSGD, and a run with another compression would not be the
+run that never stopped), the step, the writing
 rank's coordinates (rank, dp, pp, tp, cp, expert group and ep rank, ZeRO shard) and a
 sha256 of its contents (every tensor's bytes, dtype and shape and every other
 value, walked in one fixed order: `digest`).  A split run's set is complete once
@@ -54,7 +60,8 @@ and the complete set before it, of the same run).  --resume checks, on every ran
 before training: its file's digest against its contents (a flipped byte), its
 rank, coordinates, step and run against the manifest (a swapped, copied, torn or
 foreign file), the digest against the manifest's (a file of another set); any
-mismatch is one line naming the file, on every rank, exit 2.
+mismatch is one line naming the file, on every rank, exit 2.  So is another layout
+(another --compress too), named on both sides, in either layout of the files.
 
 Which set --resume takes (a split run): the newest folder with a manifest.  A
 folder without one is a set whose writing was stopped (a kill between the ranks'
@@ -64,7 +71,8 @@ refused, never skipped silently: the line names the file and the older complete
 set, which --resume takes once the damaged folder is moved aside.
 
 With --sync ps or hybrid a checkpoint is a SET of one step s: the servers' shards
-DIR/ps/shardI-of-N-steps.npz and the workers' checkpoint.pt.  Every worker is at s
+DIR/ps/shardI-of-N-steps.npz and the workers' checkpoint.pt (or their set step-<s>,
+where each holds a share of its own: a grid, a lossy --compress).  Every worker is at s
 (the loop's barrier), worker 0 asks each server for its part of step s (psrv
 refuses unless every worker is exactly at s), then writes checkpoint.pt: last, so
 that the set is complete once it is there.  A server keeps its parts of the last
@@ -82,6 +90,7 @@ import sys
 import torch
 
 from ..config.choices import ConfigError
+from ..config.compress_spec import parse_compress
 from ..model.models import signature
 from . import waits
 
@@ -90,15 +99,20 @@ PS_FOLDER = "ps"                # under --checkpoint-dir: the servers' shards
 FORMAT = 4                      # 4: the file's identity and digest
 MANIFEST = "manifest.json"      # in a split run's set folder, written last
 SET_PREFIX = "step-"            # a split run's set of step S: DIR/step-<S>/
-# what a split run must share with the run it resumes: each rank's file holds its share
-# (pp_layers: the blocks of each stage, which the trainer writes into its config)
+# what a run must share with the run it resumes: each rank's file holds its share
+# (pp_layers: the blocks of each stage, which the trainer writes into its config;
+# compress: a lossy compressor's state is each rank's own, of that compression)
 LAYOUT = ("dp", "pp", "tp", "ep", "zero", "virtual_stages", "sequence_parallel", "pp_layers",
-          "cp")
+          "cp", "compress")
+# left out of a layout where they hold their default, so that a set written before
+# they existed keeps its layout
+UNSET = {"cp": 1, "compress": "none"}
 
 
 def sharded(cfg):
-    """Whether each rank holds a share of the state of its own (module docstring)."""
-    return cfg.on_grid or cfg.ep > 1
+    """Whether each rank holds a share of the state of its own (module docstring): a
+    split model, or a lossy --compress, whose residuals are each rank's own."""
+    return cfg.on_grid or cfg.ep > 1 or parse_compress(cfg.compress).lossy
 
 
 def file_name(cfg, rank=0):
@@ -190,16 +204,19 @@ def save(cfg, ctx, step, engine, run_id):
 
 
 def layout_of(cfg):
-    """The settings a split run's shares depend on; cp only where it is set, so that a
-    set written before cp existed keeps its layout."""
-    return {k: getattr(cfg, k) for k in LAYOUT if k != "cp" or cfg.cp > 1}
+    """The settings a run's shares depend on; cp and compress only where they are set
+    (UNSET)."""
+    return {k: getattr(cfg, k) for k in LAYOUT if getattr(cfg, k) != UNSET.get(k, ())}
 
 
 def differing(layout, other):
     """`layout`'s settings that `other` does not share, in LAYOUT's order, for a message:
-    "pp 1, tp 2" (an unset one, such as a whole model's pp_layers, left out)."""
-    return ", ".join(f"{k} {layout[k]}" for k in LAYOUT
-                     if k in layout and layout[k] != other.get(k) and layout[k] != "")
+    "pp 1, tp 2" (an unset one, such as a whole model's pp_layers, left out; cp and
+    compress named by their default where `other` sets them)."""
+    def value(of, k):
+        return of.get(k, UNSET.get(k))
+    return ", ".join(f"{k} {value(layout, k)}" for k in LAYOUT
+                     if value(layout, k) not in (value(other, k), None, ""))
 
 
 def _write(cfg, ctx, step, engine, run_id, sync_state):
@@ -302,12 +319,19 @@ def on_host(value):
     """value with each tensor in it as a host tensor (a copy of a device one): the model,
     the optimizer's state, ZeRO's shards and masters of a GPU run are saved from host
     memory and load on any machine; load_state_dict puts them back on the device."""
+    return on_device(value, torch.device("cpu"))
+
+
+def on_device(value, device):
+    """value with each tensor in it on `device` (a copy where it is elsewhere): on_host,
+    and its way back for state that is not copied into tensors of its own on loading
+    (a compressor's residuals, which its buckets' gradients on the device add into)."""
     if torch.is_tensor(value):
-        return value.detach().cpu()
+        return value.detach().to(device)
     if isinstance(value, dict):
-        return {k: on_host(v) for k, v in value.items()}
+        return {k: on_device(v, device) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(on_host(v) for v in value)
+        return type(value)(on_device(v, device) for v in value)
     return value
 
 
@@ -343,8 +367,8 @@ def ps_set_to_resume(cfg):
             step = set_to_resume(cfg)[0]
             path = path_of(cfg, 0, step)
         else:
-            path = path_of(cfg)
-            step = load(path)["step"]
+            path, state = read_whole(cfg)
+            step = state["step"]
     except ConfigError as e:
         raise ConfigError(f"{e}; the servers' parts of checkpoint sets in {ps_folder(cfg)} "
                           f"are of steps {found}", field="resume") from None
@@ -366,8 +390,7 @@ def read(cfg, ctx, model):
         path, state = read_share(cfg, ctx)
     else:
         remove_stale_temporaries(cfg, FILE)
-        path = path_of(cfg)
-        state = load(path)
+        path, state = read_whole(cfg)
     mine = [(n, tuple(s)) for n, s in signature(model)]
     theirs = [(n, tuple(s)) for n, s in state["signature"]]
     if state["model_kind"] != cfg.model or mine != theirs:
@@ -390,10 +413,35 @@ def read(cfg, ctx, model):
         raise ConfigError(f"--resume: {path} holds one rank's share of a run of {theirs}; "
                           f"this run is {ours} (a split run resumes in its own layout)",
                           field="resume")
+    if state["layout"] != layout:           # a whole run's: its --compress
+        raise another_layout(cfg, path, state["layout"])
     if state["step"] > cfg.steps:
         raise ConfigError(f"--resume: the checkpoint is at step {state['step']}, "
                           f"beyond --steps {cfg.steps}", field="resume")
     return state
+
+
+def read_whole(cfg):
+    """(path, state) of checkpoint.pt, the state a whole run's replicas share; where
+    there is none but a split run's set, ConfigError naming how the two runs differ."""
+    path = path_of(cfg)
+    complete = [s for s, whole in set_steps(cfg).items() if whole]
+    if not os.path.isfile(path) and complete:
+        raise another_layout(cfg, set_folder(cfg, max(complete)),
+                             read_manifest(cfg, max(complete))["layout"])
+    return path, load(path)
+
+
+def another_layout(cfg, where, layout):
+    """The ConfigError of --resume from `where` (a file or a set), written by a run of
+    `layout`, which is not this run's: one line naming what differs on both sides.  A
+    split set and checkpoint.pt differ in their layout too (a lossy --compress, or a
+    split model, writes a file a rank; sharded)."""
+    ours = layout_of(cfg)
+    return ConfigError(f"--resume: {where} was written by a run of "
+                       f"{differing(layout, ours) or 'the same layout'}; this run is "
+                       f"{differing(ours, layout) or 'the same layout'} (a run resumes in its "
+                       f"own layout)", field="resume")
 
 
 def replicas_of(dp, cp):
@@ -406,6 +454,9 @@ def set_to_resume(cfg):
     (module docstring), and a note ("" if none) naming the newer unfinished ones."""
     sets = set_steps(cfg)
     complete = sorted(s for s, whole in sets.items() if whole)
+    whole = os.path.join(cfg.checkpoint_dir, FILE)
+    if not complete and os.path.isfile(whole):       # a whole run's, of another layout
+        raise another_layout(cfg, whole, load(whole)["layout"])
     if not complete:
         flat = os.path.isfile(os.path.join(cfg.checkpoint_dir, "rank-0.pt"))
         raise ConfigError(

@@ -19,10 +19,13 @@ Figure 1) counts 2Ψ + 2Ψ + KΨ bytes for mixed precision: 16-bit parameters
 and gradients, and K = 12 bytes of optimizer state for Adam (fp32 master
 weights, momentum and variance, 4 + 4 + 4).  Per parameter:
 
-    precision   params  grads  optimizer K                      Adam total
-    fp32        4       4      Adam 8 (m, v), momentum 4, SGD 0  16
-    bf16, fp16  2       2      4 (master) + the same:           16
-                               Adam 12, momentum 8, SGD 4
+    precision        params  grads  optimizer K                      Adam total
+    fp32             4       4      Adam 8 (m, v), momentum 4, SGD 0  16
+    bf16, fp16, fp8  2       2      4 (master) + the same:           16
+                                    Adam 12, momentum 8, SGD 4
+
+fp8 holds bf16's states: its buffers are 16-bit and its masters fp32 (see
+bytes_per_parameter); its 8-bit copies are activations, not states.
 
 In pure fp32 the master copy is the parameters themselves, so Adam's 16 bytes
 split 4 + 4 + 8 (not 2 + 2 + 12) and the stages come to
@@ -33,6 +36,8 @@ import weakref
 
 import torch
 
+from ..config.choices import PRECISIONS
+from .precision import HALF_DTYPES
 
 # optimizer state in fp32 bytes per parameter: Adam's m and v, SGD's momentum buffer
 OPTIMIZER_STATE_BYTES = {"adam": 8, "momentum": 4, "sgd": 0}
@@ -44,11 +49,17 @@ def bytes_per_parameter(precision="fp32", optimizer="adam"):
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATE_BYTES)}, "
                          f"got {optimizer!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if precision == "fp32":
         return {"params": 4, "grads": 4, "optimizer": OPTIMIZER_STATE_BYTES[optimizer]}
-    if precision in ("bf16", "fp16"):           # + the fp32 master weights
-        return {"params": 2, "grads": 2, "optimizer": 4 + OPTIMIZER_STATE_BYTES[optimizer]}
-    raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
+    # Mixed: the 16-bit buffers of precision.HALF_DTYPES + the fp32 master weights.  Under
+    # fp8 those buffers are bf16 (HALF_DTYPES["fp8"]): ZeRO's flat parameter and gradient
+    # buffers and its fp32 master shards are bf16's (sync/zero.py's ZeroUnit), and
+    # fp8_linear.py's 8-bit copies of a linear layer's input and weight are made in its
+    # forward and kept only for its backward: activations, not model states.
+    half = HALF_DTYPES[precision].itemsize
+    return {"params": half, "grads": half, "optimizer": 4 + OPTIMIZER_STATE_BYTES[optimizer]}
 
 
 def zero_memory(psi, N, stage, precision="fp32", optimizer="adam"):

@@ -344,13 +344,20 @@ class ServerBuckets(ZeRO):
 
     def state_dict(self):
         """The servers write their shards (under --checkpoint-dir/ps) when the first
-        worker asks; the rank files keep the step they are at, for the check on resume."""
+        worker asks; the rank files keep the step they are at, for the check on resume,
+        and the push compressor's state (its residuals and warm starts per slice, which
+        the servers never see)."""
         if self.comms.rank == 0:
             self.client.checkpoint(self.next_step)
-        return {"servers_step": self.next_step}
+        state = {"servers_step": self.next_step}
+        if self.push_compressor is not None:
+            state["compressor"] = self.push_compressor.state_dict()
+        return state
 
     def load_state_dict(self, state):
         check_servers_step(self.start_step, state)
+        if self.push_compressor is not None:   # loaded on the host, where pushes encode
+            self.push_compressor.load_state_dict(state["compressor"])
 
     def abort(self, error):
         if self.client is not None:

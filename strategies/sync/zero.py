@@ -74,6 +74,7 @@ import torch.nn as nn
 from allreduce.torch_world import under_torchrun
 
 from ..compression.casts import Compressor
+from ..runtime.checkpoint import on_device
 from ..runtime.memory import optimizer_tensors, state_bytes
 from ..runtime.precision import MixedPrecision, any_rank
 from ..runtime.trace import span
@@ -403,11 +404,14 @@ class ZeRO(GradientSync):
     def state_dict(self):
         """What the model's state_dict does not hold, where there is any: stage 3's
         parameter shards (the parameters are empty between uses), the fp32 masters of
-        mixed precision, and the step of top-k's --sparsity-warmup ({} for plain data
-        parallelism in fp32: the model and the optimizer are the whole state)."""
+        mixed precision, and the compressor's state (this rank's residuals, PowerSGD's
+        warm starts, top-k's step: compression/casts.py) ({} for plain data parallelism
+        in fp32 without a lossy --compress: the model and the optimizer are the whole
+        state)."""
         state = {}
-        if self.cfg.sparsity_warmup:
-            state["compressor_step"] = self.compressor.step
+        compressor = self.compressor.state_dict()
+        if compressor:
+            state["compressor"] = compressor
         if self.stage == 3:
             state["shards"] = [u.shard.detach().clone() for u in self.units]
         masters = [u.master.detach().clone() for u in self.units if u.master is not None]
@@ -416,8 +420,8 @@ class ZeRO(GradientSync):
         return state
 
     def load_state_dict(self, state):
-        if "compressor_step" in state:
-            self.compressor.set_step(state["compressor_step"])
+        if "compressor" in state:       # back where the buckets' gradients live
+            self.compressor.load_state_dict(on_device(state["compressor"], self.device))
         with torch.no_grad():
             for unit, shard in zip(self.units, state.get("shards", [])):
                 unit.shard.copy_(shard)
