@@ -37,7 +37,6 @@ import uuid
 from contextlib import nullcontext
 
 import numpy as np
-import torch
 
 from ..config.settings import world_of
 from ..model.models import count_parameters, signature
