@@ -253,8 +253,8 @@ def runnable(gpt, layout):
     if layout.recompute == "selective":
         return "the trainer recomputes whole blocks (--recompute), not attention alone"
     if layout.cp > 1 and layout.cp_kind == "ring" and gpt.seq_len % (2 * layout.cp):
-        return (f"the planner prices the causal ring balanced, which the trainer's zig-zag "
-                f"order needs --seq-len a multiple of 2 cp ({2 * layout.cp})")
+        return (f"the planner prices the causal ring balanced; the trainer balances it in "
+                f"zig-zag order, which needs --seq-len a multiple of 2 cp ({2 * layout.cp})")
     return ""
 
 
