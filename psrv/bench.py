@@ -111,9 +111,14 @@ def free_port():
         return s.getsockname()[1]
 
 
+def bench_keys(sizes):
+    """The keys a bench worker declares: one float32 parameter per size (name -> shape)."""
+    return {f"s{size:012d}": (size // 4,) for size in sizes}
+
+
 def worker(w, num_workers, endpoints, echoes, rpc_port, sizes, reps, barrier, results, pids):
     client = Client(endpoints, w, num_workers, timeout=120.0)
-    params = {f"s{size:012d}": np.zeros(size // 4, np.float32) for size in sizes}
+    params = {name: np.zeros(shape, np.float32) for name, shape in bench_keys(sizes).items()}
     client.init(params, OptimizerConfig("sgd", lr=RPC_LR))
     ctx = zmq.Context()
     raw = [ctx.socket(zmq.DEALER) for _ in echoes]
@@ -204,7 +209,8 @@ def run_config(num_servers, num_workers, sizes, reps, transport="ipc", with_rpc=
         rpc_procs = [ctx.Process(target=rpc_server, args=(rpc_port, num_workers + 1))] if rpc_port else []
         for p in rpc_procs:
             p.start()
-        with start_local_servers(num_servers, worker_timeout=60, transport=transport) as servers:
+        with start_local_servers(num_servers, worker_timeout=60, transport=transport,
+                                 shapes=bench_keys(sizes)) as servers:
             barrier = ctx.Barrier(num_workers)
             pids = {"psrv": [p.pid for p in servers.procs], "raw_zmq": [p.pid for p in echo_procs]}
             if rpc_port:

@@ -83,7 +83,8 @@ def unpack_config(buf):
 
 
 def check_server_options(shard, num_shards, worker_timeout, join_timeout, on_worker_death,
-                         checkpoint_every, max_unread, on_signal="checkpoint"):
+                         checkpoint_every, max_unread, on_signal="checkpoint",
+                         step_messages=None):
     """A server's own options (server.Server): ValueError naming the first bad one,
     before the server does anything."""
     if on_worker_death not in ("fail", "continue"):
@@ -99,3 +100,7 @@ def check_server_options(shard, num_shards, worker_timeout, join_timeout, on_wor
         raise ValueError(f"checkpoint_every must be >= 0 steps, got {checkpoint_every}")
     if max_unread is not None and not 0 < max_unread < math.inf:
         raise ValueError(f"max_unread must be a finite number of bytes > 0, got {max_unread}")
+    if step_messages is not None and (not isinstance(step_messages, int)
+                                      or step_messages < 1):
+        raise ValueError(f"step_messages must be a whole number of messages >= 1, "
+                         f"got {step_messages!r}")

@@ -117,8 +117,11 @@ def main(argv=None):
         from .launch import mpi_roles
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,   # server ranks log here
                             format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        # the keys are known before the servers start: each shard's receive queue holds
+        # one step's messages of a worker (launch.step_messages)
+        shapes = {n: p.shape for n, p in initial_params(data()[0].shape[1]).items()}
         role = mpi_roles(MPI.COMM_WORLD, num_servers=a.servers, bind_host=a.bind_host,
-                         worker_timeout=a.timeout)
+                         shapes=shapes, worker_timeout=a.timeout)
         if role.is_server:
             role.serve()
             return

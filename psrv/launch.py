@@ -25,6 +25,12 @@ random port, and the endpoints are exchanged with one allgather:
 
 `start_local_servers` runs (b) on this machine on Unix sockets (ipc://) in a private
 directory, or random loopback ports (tests, bench).
+
+A launcher that knows the keys before the servers start (shapes=, the name -> shape
+table the workers' Client.init declares) tells each shard how many messages a worker
+sends it in a step (step_messages): the shard sizes its receive queue by that, within
+[8, 64], before it binds (server.receive_hwm), and never changes it.  Without shapes, as
+from a shell, the queue holds 8.
 """
 import os
 import select
@@ -37,6 +43,12 @@ import tempfile
 from dataclasses import dataclass, field
 
 from allreduce.records import checkout_pythonpath
+
+from .placement import DEFAULT_SLICE_BYTES, Placement
+
+# Besides its pushes and pulls, a worker may have a few control messages to a shard in
+# flight in a step (STATS, CHECKPOINT, BYE or ABORT).
+CONTROL_MESSAGES = 4
 
 
 @dataclass
@@ -53,9 +65,21 @@ class Role:
         self.server.serve()
 
 
-def mpi_roles(comm, num_servers=1, bind_host="127.0.0.1", **server_options):
+def step_messages(shapes, num_servers, slice_bytes=DEFAULT_SLICE_BYTES):
+    """The most messages one worker sends each shard in a step, from the keys (name ->
+    shape, as Client.init declares them): the client cuts a call's slices on a shard
+    into messages of at most message_bytes, each with one slice at least (Client.
+    _requests), so a push or push_pull is at most one message per key the shard holds,
+    a separate pull as many again, and a few control messages."""
+    placement = Placement(shapes, num_servers, slice_bytes)
+    return [2 * len(placement.on_server(s)) + CONTROL_MESSAGES for s in range(num_servers)]
+
+
+def mpi_roles(comm, num_servers=1, bind_host="127.0.0.1", shapes=None,
+              slice_bytes=DEFAULT_SLICE_BYTES, **server_options):
     """Split comm: ranks size-S .. size-1 serve (shard = rank - (size - S)), the rest train.
-    Off loopback every rank takes part in one key exchange (collective)."""
+    Off loopback every rank takes part in one key exchange (collective).  shapes: the
+    workers' keys, when this rank knows them before the servers start (step_messages)."""
     from .auth import is_local
     from .keys import for_mpi_rank
     from .server import Server      # here, so that `python -m psrv.server` imports it once
@@ -66,7 +90,11 @@ def mpi_roles(comm, num_servers=1, bind_host="127.0.0.1", **server_options):
     keys = None if is_local(f"tcp://{bind_host}:0") else for_mpi_rank(comm, workers)
     server = None
     if rank >= workers:
-        server = Server(f"tcp://{bind_host}:0", rank - workers, num_servers, keys=keys,
+        shard = rank - workers
+        if shapes:
+            server_options["step_messages"] = step_messages(shapes, num_servers,
+                                                            slice_bytes)[shard]
+        server = Server(f"tcp://{bind_host}:0", shard, num_servers, keys=keys,
                         **server_options)
         advertised = server.endpoint
         if bind_host in ("0.0.0.0", "*"):      # reachable name for other hosts
@@ -80,31 +108,37 @@ def mpi_roles(comm, num_servers=1, bind_host="127.0.0.1", **server_options):
 
 
 class LocalServers:
-    """S `python -m psrv.server` processes on this host; logs in temp files.
+    """S `python -m psrv.server` processes on this host; logs in temp files.  shapes: the
+    workers' keys, so that each shard's receive queue holds one step's messages of a worker
+    (step_messages; without them, 8).
 
     transport "ipc" (the default): Unix sockets in a fresh 0700 directory, which
     only this user can enter, so no one else on the host can connect; they skip
     the TCP stack (see docs/parameter-server.md, "Data path").  "tcp": random
     loopback ports (what a test that captures TCP bytes needs)."""
 
-    def __init__(self, num_servers=1, timeout=30.0, transport="ipc", **options):
+    def __init__(self, num_servers=1, timeout=30.0, transport="ipc", shapes=None,
+                 slice_bytes=DEFAULT_SLICE_BYTES, **options):
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+        counted = step_messages(shapes, num_servers, slice_bytes) if shapes else \
+            [None] * num_servers
         self.procs, self.endpoints, self.logs, self.socket_dir = [], [], [], None
         try:            # an error or a signal while starting removes what was started
-            self._start(num_servers, timeout, transport, options)
+            self._start(num_servers, timeout, transport, counted, options)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, num_servers, timeout, transport, options):
+    def _start(self, num_servers, timeout, transport, counted, options):
         self.socket_dir = tempfile.mkdtemp(prefix="psrv-") if transport == "ipc" else None
         for shard in range(num_servers):
             bind = (f"ipc://{self.socket_dir}/shard{shard}" if self.socket_dir
                     else "tcp://127.0.0.1:0")
             args = [sys.executable, "-m", "psrv.server", "--shard", str(shard),
                     "--num-shards", str(num_servers), "--bind", bind]
-            for k, v in options.items():
+            counts = {} if counted[shard] is None else {"step_messages": counted[shard]}
+            for k, v in {**options, **counts}.items():
                 if v is True:
                     args.append("--" + k.replace("_", "-"))
                 elif v not in (None, False):

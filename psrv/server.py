@@ -5,6 +5,7 @@
     python -m psrv.server ... --bind ipc://DIR/shard0     # this host only: DIR of mode 0700
     python -m psrv.server ... --bind tcp://0.0.0.0:5555 --keys DIR   # other hosts: CURVE keys
     python -m psrv.server ... --checkpoint-dir ckpt --checkpoint-every 100 [--resume]
+    python -m psrv.server ... --step-messages 10    # queue one step of a worker (launch.py)
 
 It prints one line `psrv.server shard I listening on ENDPOINT` on stdout
 (launch.start_local_servers reads it), logs to stderr, and exits once every
@@ -64,14 +65,28 @@ from .store import Shard
 log = logging.getLogger("psrv.server")
 WORKER_OPS = {P.Op.INIT, P.Op.PUSH, P.Op.PULL, P.Op.PUSH_PULL, P.Op.HEARTBEAT, P.Op.BYE,
               P.Op.STATS, P.Op.CHECKPOINT, P.Op.ABORT}
-# Messages ZeroMQ queues per connection before the shard reads them.  libzmq's default,
-# 1000, would let a worker that pushes faster than the shard applies its pushes park
-# gigabytes in the shard (1000 messages of message_bytes, 4 MiB by default); at 8 the
-# shard holds about 32 MiB of a worker's unread pushes, and the rest wait in the worker's
-# own queue and the kernel's socket buffers (ZeroMQ stops reading a connection whose
-# queue is full; nothing is dropped).  Eight are ample for throughput: the shard takes a
-# message in a few milliseconds, while its I/O thread receives the next ones.
+# Messages ZeroMQ queues per connection before the shard reads them (RCVHWM).  libzmq's
+# default, 1000, would let a worker that pushes faster than the shard applies its pushes
+# park gigabytes in the shard (1000 messages of message_bytes, 4 MiB by default).  A
+# launcher that knows the keys counts one step's messages of a worker for each shard
+# (launch.step_messages): at that mark a worker that keeps to its step is never held back
+# by the shard's queue, and one that runs ahead waits in its own queue and the kernel's
+# socket buffers (ZeroMQ stops reading a connection whose queue is full; nothing is
+# dropped).  receive_hwm keeps the mark within
+#   RECEIVE_HWM, 8, the floor, and the mark of a shard started without a count (by
+#     hand): room for an INIT and a few control messages, 32 MiB of a worker's unread
+#     4 MiB pushes, ample for throughput (the shard takes a message in a few milliseconds
+#     while its I/O thread receives the next ones);
+#   MOST_RECEIVE_HWM, 64, the ceiling: a peer's messages are bounded per frame only
+#     (MAXMSGSIZE, protocol.MAX_FRAME_BYTES), so a connection may park the mark x 4 MiB
+#     of one-frame messages, 256 MiB at 64 (a shard of 30 keys or more), not libzmq's
+#     gigabytes; a longer step streams through the queue, as at 8.
+# The mark is set once, before the bind, and never changed: changed on open connections
+# it can stall a pipe (libzmq's reader wakes a blocked writer only when its count of
+# messages read reaches a multiple of half the mark in force, pipe_t::read; after a
+# change the reader can drain the pipe without reaching one, and the writer waits on).
 RECEIVE_HWM = 8
+MOST_RECEIVE_HWM = 64
 # Replies queued per connection (libzmq's default, stated): a worker gets about
 # (its bytes on this shard) / message_bytes replies a step (a ROUTER drops replies beyond
 # it).  Their bytes are bounded by max_unread (replies.py), not by this count.
@@ -89,9 +104,9 @@ class Server:
     def __init__(self, bind="tcp://127.0.0.1:0", shard=0, num_shards=1, worker_timeout=10.0,
                  on_worker_death="fail", checkpoint_dir=None, checkpoint_every=0, resume=False,
                  keys=None, linger_ms=5000, join_timeout=60.0, max_unread=None,
-                 on_signal="checkpoint", resume_step=None):
+                 on_signal="checkpoint", resume_step=None, step_messages=None):
         check_server_options(shard, num_shards, worker_timeout, join_timeout, on_worker_death,
-                             checkpoint_every, max_unread, on_signal)
+                             checkpoint_every, max_unread, on_signal, step_messages)
         if keys is None and not auth.is_local(bind):
             raise ValueError(f"refusing to bind {bind} without authentication: anyone who reaches "
                              f"it could drive the servers; pass --keys DIR (python -m psrv.keys DIR "
@@ -115,12 +130,15 @@ class Server:
         self.failure = None        # the error every request gets once a BSP run failed
         self.stop_signal, self.signals = None, 0      # the last signal, how many so far
         self.trim_at = None        # when to give a flood's memory back (trim_later)
-        self.listener = auth.Listener(bind, keys, f"shard {shard}", linger_ms,
-                                      RECEIVE_HWM, SEND_HWM)
+        hwm = receive_hwm(step_messages)
+        self.listener = auth.Listener(bind, keys, f"shard {shard}", linger_ms, hwm, SEND_HWM)
         self.sock, self.endpoint = self.listener.sock, self.listener.endpoint
         self.outbox = Outbox(self.sock, shard)
-        log.info("shard %d on %s: %s", shard, self.endpoint, f"CURVE, {len(keys.clients)} "
-                 f"client keys" if keys else "no authentication (local only)")
+        log.info("shard %d on %s: %s; %d messages queued per connection (%s)", shard,
+                 self.endpoint, f"CURVE, {len(keys.clients)} client keys" if keys else
+                 "no authentication (local only)", hwm,
+                 "no step size given" if step_messages is None else
+                 f"a worker's step: {step_messages}")
 
     # -- the loop ----------------------------------------------------------------
     def serve(self):
@@ -384,6 +402,15 @@ class Server:
         return path
 
 
+def receive_hwm(step_messages):
+    """The receive high-water mark of the bind: one step's messages of a worker, as the
+    launcher counted them (launch.step_messages), within [RECEIVE_HWM, MOST_RECEIVE_HWM];
+    RECEIVE_HWM when nobody counted them (a server started by hand)."""
+    if step_messages is None:
+        return RECEIVE_HWM
+    return min(max(step_messages, RECEIVE_HWM), MOST_RECEIVE_HWM)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shard", type=int, default=0)
@@ -402,6 +429,11 @@ def main(argv=None):
     ap.add_argument("--max-unread-mib", type=float,
                     help="replies a worker may leave unread before the shard stops serving it "
                     "(default: twice the shard's values + 64 MiB)")
+    ap.add_argument("--step-messages", type=int,
+                    help="messages one worker sends this shard in a step, as the launcher "
+                    "counts them from the keys (launch.step_messages): ZeroMQ queues that "
+                    f"many per connection, within [{RECEIVE_HWM}, {MOST_RECEIVE_HWM}] "
+                    f"(default: {RECEIVE_HWM})")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -410,7 +442,8 @@ def main(argv=None):
         server = Server(a.bind, a.shard, a.num_shards, a.worker_timeout, a.on_worker_death,
                         a.checkpoint_dir, a.checkpoint_every, a.resume, keys,
                         join_timeout=a.join_timeout,
-                        max_unread=None if a.max_unread_mib is None else a.max_unread_mib * 2**20)
+                        max_unread=None if a.max_unread_mib is None else a.max_unread_mib * 2**20,
+                        step_messages=a.step_messages)
     except (ValueError, zmq.ZMQError) as e:
         ap.exit(2, f"psrv.server: {e}\n")
     print(f"psrv.server shard {a.shard} listening on {server.endpoint}", flush=True)

@@ -1,12 +1,14 @@
 """Context parallelism: ring attention (strategies/parallel/ring_attention.py) and Ulysses
 (strategies/parallel/ulysses.py).
 
-Tier (a): the causal block table, the byte formulas by hand, Ulysses' head check.
-Tier (c): under mpiexec at 2 and 3 ranks (3: left and right differ, so a ring run
-the wrong way round shows), forward and the gradients of q, k, v against
-whole-sequence attention in one process (tests/mpi/context_parallel.py): float64 at
-rtol = atol = 1e-6, float32 at 1e-4, on values of order 1, causal and not for the
-ring; the bytes each rank's transport counted equal the formulas exactly.
+Tier (a): the causal block table, the chunks each rank computes in the two --cp-order
+layouts (zig-zag: the same count on every rank), which positions a rank holds, the
+byte formulas by hand, Ulysses' head check.  Tier (c): under mpiexec at 2 and 3 ranks
+(3: left and right differ, so a ring run the wrong way round shows), forward and the
+gradients of q, k, v against whole-sequence attention in one process
+(tests/mpi/context_parallel.py), contiguous and zig-zag: float64 at rtol = atol = 1e-6,
+float32 at 1e-4, on values of order 1, causal and not for the ring; the bytes each
+rank's transport counted equal the formulas exactly.
 """
 import json
 
@@ -15,7 +17,9 @@ import torch
 
 from conftest import check_ok, mpirun
 from strategies.config.choices import ConfigError
-from strategies.parallel.ring_attention import block_state, ring_bytes
+from strategies.parallel.context_order import gathered_positions, positions_of
+from strategies.parallel.context_parallel import my_positions
+from strategies.parallel.ring_attention import block_state, chunk_pairs, ring_bytes
 from strategies.parallel.ulysses import Ulysses, check_heads, ulysses_bytes
 
 
@@ -23,6 +27,44 @@ def test_causal_blocks_before_the_diagonal_are_full_after_it_skipped():
     assert [block_state(j, 2, causal=True) for j in range(4)] == \
         ["full", "full", "diagonal", "skip"]
     assert {block_state(j, 2, causal=False) for j in range(4)} == {"full"}
+
+
+def test_the_zigzag_table_of_cp_2():
+    # ring_attention.py's table: (query chunk, key chunk, state) by their places in the
+    # two ranks' blocks; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    assert positions_of(0, 2, 8, "zigzag").tolist() == [0, 1, 6, 7]
+    assert positions_of(1, 2, 8, "zigzag").tolist() == [2, 3, 4, 5]
+    assert chunk_pairs(0, 0, 2, "zigzag", True) == \
+        [(0, 0, "diagonal"), (1, 0, "full"), (1, 1, "diagonal")]
+    assert chunk_pairs(0, 1, 2, "zigzag", True) == [(1, 0, "full"), (1, 1, "full")]
+    assert chunk_pairs(1, 0, 2, "zigzag", True) == [(0, 0, "full"), (1, 0, "full")]
+    assert chunk_pairs(0, 1, 2, "contiguous", True) == []
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+def test_zigzag_gives_every_rank_the_same_causal_work(cp):
+    """The chunk pairs each rank computes over the ring's cp steps (chunk_pairs, what the
+    forward and the backward loop over).  Contiguous: rank r computes r + 1 blocks of
+    (T / cp)^2 scores, the last rank cp times the first's work; zig-zag: every rank
+    2 cp + 1 pairs of (T / 2 cp)^2.  Without the causal mask every pair is computed."""
+    def pairs(order, rank, causal=True):
+        return sum(len(chunk_pairs(rank, j, cp, order, causal)) for j in range(cp))
+
+    assert [pairs("contiguous", r) for r in range(cp)] == [r + 1 for r in range(cp)]
+    assert [pairs("zigzag", r) for r in range(cp)] == [2 * cp + 1] * cp
+    assert {pairs("zigzag", r, causal=False) for r in range(cp)} == {4 * cp}
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_each_rank_holds_its_chunks_at_their_true_positions(cp):
+    T = 4 * cp
+    for order in ("contiguous", "zigzag"):
+        # the ranks' positions together are the sequence, each once
+        assert sorted(gathered_positions(cp, T, order).tolist()) == list(range(T))
+        tokens = torch.arange(T).repeat(2, 1) + 1000 * torch.arange(2)[:, None]
+        for r in range(cp):
+            assert torch.equal(my_positions(tokens, r, cp, order),
+                               tokens[:, positions_of(r, cp, T, order)])
 
 
 @pytest.mark.parametrize("cp, blocks", [(1, 0), (2, 8), (3, 14), (4, 20), (8, 44)])

@@ -47,6 +47,16 @@ def test_a_zero_bucket_has_scale_one_and_stays_zero():
     assert scale == 1 and (dequantise(q, scale) == 0).all()
 
 
+def test_a_tiny_bucket_keeps_a_finite_scale_and_its_values():
+    # 448 / 1e-38 passes float32's largest: the scale stops there (runtime/fp8_formats.py),
+    # finite and positive (a server refuses any other), and q / s is x within e4m3's
+    # rounding, no inf or NaN
+    x = torch.tensor([1e-38, -5e-39, 0.0])
+    q, scale = quantise(x)
+    assert torch.isfinite(scale) and scale > 0
+    torch.testing.assert_close(dequantise(q, scale), x, rtol=1 / 16, atol=0)
+
+
 @pytest.mark.parametrize("n", [1, 4, 7, 1001])
 def test_the_packed_message_round_trips(n):
     q, scale = quantise(values(n))

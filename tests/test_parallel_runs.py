@@ -249,7 +249,12 @@ CP_SEQ = 64
 CP_GPT = GPT[:GPT.index("--seq-len")] + ["--seq-len", str(CP_SEQ)] + \
     GPT[GPT.index("--seq-len") + 2:]
 CP_TWO = [("cp2_ring", CP_GPT + ["--cp", "2", "--cp-kind", "ring"]),
-          ("cp2_ulysses", CP_GPT + ["--cp", "2", "--cp-kind", "ulysses"])]
+          ("cp2_ulysses", CP_GPT + ["--cp", "2", "--cp-kind", "ulysses"]),
+          # rank 0 holds positions 0-15 and 48-63, rank 1 16-47 (context_order.py)
+          ("cp2_ring_zigzag", CP_GPT + ["--cp", "2", "--cp-kind", "ring",
+                                        "--cp-order", "zigzag"]),
+          ("cp2_ulysses_zigzag", CP_GPT + ["--cp", "2", "--cp-kind", "ulysses",
+                                           "--cp-order", "zigzag"])]
 # interleaved needs pp x virtual stages = 4 blocks, against a reference of its own
 CP_GPT4 = CP_GPT[:CP_GPT.index("--layers")] + ["--layers", "4"] + \
     CP_GPT[CP_GPT.index("--layers") + 2:]
@@ -262,7 +267,12 @@ CP_FOUR = [("cp2_tp2", CP_GPT + ["--cp", "2", "--tp", "2"]),
                "--cp", "2", "--cp-kind", "ulysses", "--pp", "2", "--micro-batches", "2",
                "--schedule", "interleaved", "--virtual-stages", "2"]),
            # tp's sequence-parallel shards cut each cp rank's slice: 16 positions a rank
-           ("cp2_tp2_sp", CP_GPT + ["--cp", "2", "--tp", "2", "--sequence-parallel"])]
+           ("cp2_tp2_sp", CP_GPT + ["--cp", "2", "--tp", "2", "--sequence-parallel"]),
+           # the zig-zag chunks through a pipeline's stages and tp's shards
+           ("cp2_pp2_zigzag", CP_GPT + ["--cp", "2", "--pp", "2", "--micro-batches", "2",
+                                        "--cp-order", "zigzag"]),
+           ("cp2_tp2_sp_zigzag", CP_GPT + ["--cp", "2", "--tp", "2", "--sequence-parallel",
+                                           "--cp-order", "zigzag"])]
 
 
 @pytest.fixture(scope="module")
@@ -400,11 +410,15 @@ def test_cp_bytes_match_the_formulas(context_runs):
     layers, d_model, batch = 2, 16, 8
     shapes = {"cp2_ring": ("ring", batch, d_model, layers, 1),
               "cp2_ulysses": ("ulysses", batch, d_model, layers, 1),
+              "cp2_ring_zigzag": ("ring", batch, d_model, layers, 1),
+              "cp2_ulysses_zigzag": ("ulysses", batch, d_model, layers, 1),
               "cp2_tp2": ("ring", batch, d_model // 2, layers, 1),
               "cp2_dp2_zero1": ("ring", batch // 2, d_model, layers, 1),
               "cp2_pp2": ("ring", batch, d_model, 1, 2),
               "cp2_pp2_ulysses_interleaved": ("ulysses", batch, d_model, 2, 2),
-              "cp2_tp2_sp": ("ring", batch, d_model // 2, layers, 1)}
+              "cp2_tp2_sp": ("ring", batch, d_model // 2, layers, 1),
+              "cp2_pp2_zigzag": ("ring", batch, d_model, 1, 2),
+              "cp2_tp2_sp_zigzag": ("ring", batch, d_model // 2, layers, 1)}
     for name, (kind, local, features, blocks, micro_batches) in shapes.items():
         want = context_bytes(kind, local, CP_SEQ, features, 2, blocks)
         for r in context_runs[name][0]:

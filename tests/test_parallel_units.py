@@ -172,6 +172,21 @@ def test_context_parallelism_refuses_what_it_does_not_build(kw, message):
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("kw, message", [
+    # 34 divides by cp 2 (17 positions a rank) but not into 4 chunks
+    (dict(cp_order="zigzag", seq_len=34),
+     r"--cp-order zigzag cuts each sequence into 2 x cp\(2\) = 4 chunks: --seq-len 34 % 4 = 2"),
+    (dict(cp_order="stripes", seq_len=32), "--cp-order"),
+])
+def test_the_zigzag_order_needs_two_equal_chunks_a_rank(kw, message):
+    base = dict(model="gpt", sync="ring", heads=4, d_model=16, cp=2)
+    TrainConfig(**{**base, "cp_order": "zigzag", "seq_len": 36})     # 2 chunks of 9 a rank
+    with pytest.raises(ConfigError, match=message) as e:
+        TrainConfig(**{**base, **kw})
+    assert e.value.field == "cp_order"
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("kw", [dict(pp=2, micro_batches=2), dict(tp=2, sequence_parallel=True),
                                 dict(pp=2, micro_batches=2, schedule="interleaved",
                                      virtual_stages=2, layers=4, cp_kind="ulysses")])

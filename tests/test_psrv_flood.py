@@ -14,7 +14,12 @@ processes, real sockets, resident memory read from /proc.
 What the shard cannot refuse before it arrives: libzmq hands a multipart message over
 only once its last frame is in, and neither its high-water mark (whole messages) nor
 MAXMSGSIZE (one frame) counts a message's frames; so a message is buffered whole, and
-the shard's peak is about (connections) x (message size).  The sizes here fit this
+the shard's peak is about (connections) x (message size).  In libzmq's source,
+pipe_t::write and pipe_t::read (src/pipe.cpp) count a message only at a frame without
+the more flag, and the mark is checked against those counts; v2_decoder_t::size_ready
+(src/v2_decoder.cpp) holds each frame's length against MAXMSGSIZE; ypipe_t::write
+(src/ypipe.hpp) lets ypipe_t::flush hand the reader frames only up to a message's last
+one.  No option in src/options.cpp caps the frames of one message.  The sizes here fit this
 machine; docs/reliability.md has the figures of larger floods, measured with
 
     python -m tests.test_psrv_flood CONNECTIONS MESSAGES FRAMES     # e.g. 4 3 96

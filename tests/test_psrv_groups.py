@@ -46,7 +46,9 @@ def train(endpoints, stage, w, steps, mode, results):
 @pytest.mark.parametrize("mode", ["bsp", "asp"])
 def test_each_group_averages_its_own_keys(mode):
     steps, results = 3, {}
-    with psrv.launch.start_local_servers(1) as servers:
+    # the launcher knows the keys: the shard's receive queue is one step's messages of a
+    # worker (launch.step_messages), set at its bind, never changed while workers join
+    with psrv.launch.start_local_servers(1, shapes=SHAPES) as servers:
         threads = [threading.Thread(target=train, args=(servers.endpoints, stage, w, steps,
                                                         mode, results))
                    for stage, group in GROUPS.items() for w in group]
@@ -54,6 +56,8 @@ def test_each_group_averages_its_own_keys(mode):
             t.start()
         for t in threads:
             t.join(50)
+        counted = psrv.launch.step_messages(SHAPES, 1)[0]        # 2 x 3 keys + 4
+        assert f"{counted} messages queued per connection" in servers.log(0)
     assert sorted(results) == [0, 1, 2, 3]
     for stage, group in GROUPS.items():
         # the group's first worker's values, minus lr times the mean over the group of

@@ -45,6 +45,7 @@ def refused(module, *args, env=None):
     (["--join-timeout", "nan"], "join_timeout must be a finite number of seconds > 0"),
     (["--checkpoint-every", "-1"], "checkpoint_every must be >= 0"),
     (["--max-unread-mib", "0"], "max_unread must be a finite number of bytes > 0"),
+    (["--step-messages", "0"], "step_messages must be a whole number of messages >= 1"),
 ])
 def test_server_options_are_checked_before_it_serves(flags, says):
     """-1 used to ignore SIGTERM forever and 0 to spin at 100 % CPU."""

@@ -41,23 +41,20 @@ top-k's indices and values do.
 """
 import torch
 
+from ..runtime.fp8_formats import E4M3, FP8_MAX, dequantize, quantize
 from .casts import Compressor
 from .error_feedback import ErrorFeedback
 
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = torch.finfo(E4M3).max          # 448
+E4M3_MAX = FP8_MAX[E4M3]                  # 448
 
 
 def quantise(x):
-    """(e4m3 values, scale) of x: x * scale fills the format's range at amax."""
-    amax = x.abs().max()
-    scale = (E4M3_MAX / amax).float() if amax > 0 else torch.ones((), device=x.device)
-    q = (x * scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return q, scale
+    """Steps 2-3 of a bucket x: (its e4m3 values, its scale), runtime/fp8_formats.py's
+    quantize in the wire's one format."""
+    return quantize(x, E4M3)
 
 
-def dequantise(q, scale):
-    return q.float() / scale
+dequantise = dequantize                   # step 6's q / s (and step 4's)
 
 
 def pack(q, scale):

@@ -31,6 +31,9 @@ DEGREES = ((1, ("pp", "tp", "ep", "cp")), (0, ("dp",)))
 # context parallelism's attention cores: the keys and values round a ring
 # (parallel/ring_attention.py), or two all-to-alls from positions to heads (ulysses.py)
 CP_KINDS = ("ring", "ulysses")
+# which positions a cp rank holds: one contiguous slice, or chunks r and 2 cp - 1 - r of
+# 2 cp (the zig-zag order that balances causal attention: parallel/context_order.py)
+CP_ORDERS = ("contiguous", "zigzag")
 
 
 class ConfigError(ValueError):

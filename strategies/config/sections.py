@@ -79,6 +79,10 @@ class ParallelOptions:
                                   # the cp ranks) or ulysses (two all-to-alls swap the
                                   # position split for a head split: heads a multiple
                                   # of cp)
+    cp_order: str = "contiguous"  # which positions a cp rank holds: contiguous (one slice
+                                  # of T / cp) or zigzag (chunks r and 2 cp - 1 - r of
+                                  # 2 cp: causal attention's work balanced over the ring;
+                                  # T a multiple of 2 cp)
     sequence_parallel: bool = False  # with --tp: LayerNorms and residuals on 1/tp of
                                      # the sequence each (Korthikanti et al. 2023)
     zero: int = 0                 # ZeRO stage over the dp axis: 0 (plain DP), 1, 2, 3

@@ -14,7 +14,7 @@ wherever it is given.  `cli` names a field as a flag (`--link-gbps`) or as a key
 A section (sections.py) checks its own fields on construction (`*_rules`, keyword
 names); TrainConfig checks the same rules with flag names, then the combinations.
 """
-from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, CP_KINDS, DEGREES, DEVICES,
+from .choices import (ALLREDUCE_SYNCS, CONSISTENCIES, CP_KINDS, CP_ORDERS, DEGREES, DEVICES,
                       EMULATED_SYNCS, MODELS, OPTIMIZERS, PRECISIONS, PS_SYNCS,
                       REDUCE_PRECISIONS, SCHEDULES, SYNCS, ZERO_STAGES, ConfigError,
                       check_types, check_values, flag_of, setting_of)
@@ -58,7 +58,7 @@ def precision_rules(cfg, cli=True):
 
 def parallel_rules(cfg, cli=True):
     check_values(cfg, cli, choices=(("schedule", SCHEDULES), ("zero", ZERO_STAGES),
-                                    ("cp_kind", CP_KINDS)),
+                                    ("cp_kind", CP_KINDS), ("cp_order", CP_ORDERS)),
                  at_least=DEGREES + ((1, ("servers", "micro_batches", "virtual_stages",
                                           "grad_accum")),))
     if cfg.sequence_parallel and cfg.tp < 2:
@@ -259,6 +259,12 @@ def check_context(cfg):
         raise ConfigError(f"--cp {cfg.cp}: --seq-len {cfg.seq_len} is not divisible by "
                           f"cp({cfg.cp}): {cfg.seq_len} % {cfg.cp} = {cfg.seq_len % cfg.cp}; "
                           f"each cp rank holds an equal slice of the positions", field="cp")
+    chunks = 2 * cfg.cp
+    if cfg.cp_order == "zigzag" and cfg.seq_len % chunks:
+        raise ConfigError(f"--cp-order zigzag cuts each sequence into 2 x cp({cfg.cp}) = "
+                          f"{chunks} chunks: --seq-len {cfg.seq_len} % {chunks} = "
+                          f"{cfg.seq_len % chunks}; choose --seq-len a multiple of {chunks}, "
+                          f"or --cp-order contiguous", field="cp_order")
     per_tp = cfg.heads // cfg.tp if cfg.heads % cfg.tp == 0 else cfg.heads
     if cfg.cp_kind == "ulysses" and per_tp % cfg.cp:
         tp = f" / tp({cfg.tp})" if cfg.tp > 1 else ""

@@ -37,7 +37,6 @@ import uuid
 from contextlib import nullcontext
 
 import numpy as np
-import torch
 
 from ..config.settings import world_of
 from ..model.models import count_parameters, signature
@@ -86,7 +85,7 @@ class StepEngine:
                                self.device)
         if p.context:                              # the same samples, this cp rank's positions
             comms = self.ctx.mesh
-            x, y = (my_positions(t, comms.cp_rank, comms.cp_size) for t in (x, y))
+            x, y = (my_positions(t, comms.cp_rank, comms.cp_size, cfg.cp_order) for t in (x, y))
         rounds = sync.comm_rounds
         exchanged = (p.exchange.coll.bytes_sent, p.exchange.seconds) if p.exchange else None
         attended = (p.context.bytes_sent, p.context.seconds) if p.context else None

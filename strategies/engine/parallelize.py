@@ -210,11 +210,13 @@ def context_parallel(plan, model, blocks, comms, cfg, device, tracer):
     collective of the step's algorithm (axis_collective, as tp's and the experts')."""
     if cfg.cp_kind == "ring":
         transport = for_device(make_transport(comm=comms.cp, timeout=cfg.timeout), device)
-        plan.context, counter = RingAttention(transport, tracer=tracer), transport
+        plan.context, counter = RingAttention(transport, tracer=tracer,
+                                               order=cfg.cp_order), transport
     else:
         coll = collective_for(axis_collective(cfg), cfg, comms.cp, device=device)
-        plan.context, counter = Ulysses(coll, tracer=tracer), coll
-    set_attention_core(model, blocks, plan.context, comms.cp_rank, comms.cp_size)
+        plan.context, counter = Ulysses(coll, tracer=tracer, order=cfg.cp_order), coll
+    set_attention_core(model, blocks, plan.context, comms.cp_rank, comms.cp_size,
+                       cfg.cp_order)
     plan.counters = plan.counters + [counter]
 
 

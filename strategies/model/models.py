@@ -143,14 +143,17 @@ class Block(nn.Module):
 
 
 class PositionEmbedding(nn.Embedding):
-    """The learned position embeddings of the T positions; `first` is the global position
-    of the first token this rank holds: 0, or r T / cp where context parallelism gives
-    cp rank r a slice of every sequence (engine/parallelize.py), whose tokens must be
-    embedded at their own positions, not at 0 .. T / cp - 1."""
-    first = 0
+    """The learned position embeddings of the T positions; `positions` are the global
+    positions of the tokens this rank holds, in its order: None for 0 .. T - 1, or the
+    cp rank's where context parallelism gives it part of every sequence
+    (parallel/context_order.py), whose tokens must be embedded at their own positions,
+    not at 0 .. T / cp - 1."""
+    positions = None
 
     def of_length(self, T, device):
-        return self(torch.arange(self.first, self.first + T, device=device))
+        at = torch.arange(T, device=device) if self.positions is None else \
+            self.positions.to(device)
+        return self(at)
 
 
 class GPT(nn.Module):

@@ -7,6 +7,7 @@
     pipeline.py           stages of blocks; GPipe and 1F1B over the point-to-point transport
     interleaved.py        interleaved 1F1B: v chunks of layers a rank (--virtual-stages)
     expert_parallel.py    experts over the ep ranks, tokens moved by all-to-alls
+    context_order.py      which positions a cp rank holds: contiguous or zig-zag (--cp-order)
     ring_attention.py     context parallelism: k, v blocks round the cp ring, online softmax
     ulysses.py            context parallelism: all-to-alls from a sequence to a head split
     recompute.py          each block's forward re-run in backward (activation checkpointing)

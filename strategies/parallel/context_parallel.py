@@ -9,13 +9,21 @@
 
 Llama 3's long-context training and torchtitan's context parallelism: the ranks of a
 context group (config/mesh.py's "cp" axis, carved out of the replicas) hold the same
-parameters and see the same samples, and cp rank r keeps the contiguous slice
-[r t, (r+1) t), t = T / cp, of every sequence's positions: its inputs, its targets,
-and the position embedding's offset r t (models.PositionEmbedding.first), so that a
-token is embedded at its global position.
+parameters and see the same samples, and cp rank r keeps t = T / cp of every
+sequence's positions: its inputs, its targets, and the position embedding's global
+positions (models.PositionEmbedding.positions), so that a token is embedded where it
+stands in the sequence.  Which positions is --cp-order's (context_order.py):
 
     sample b, T = 8, cp = 2        positions 0 1 2 3 | 4 5 6 7
-                                             cp rank 0 | cp rank 1
+    contiguous (the default)       cp rank     0 0 0 0 | 1 1 1 1     [r t, (r+1) t)
+    zigzag                         cp rank     0 0 1 1 | 1 1 0 0     chunks r, 2 cp - 1 - r
+
+Contiguous is the default because it is the plain split the rest of this page and the
+ring's table read as (nothing is permuted, a rank's slice is one range) and any T that
+divides by cp takes it; zigzag is the choice for ring attention under causal masking,
+where it gives every rank the same work instead of the last rank cp times the first's
+(context_order.py), at the price of T divisible by 2 cp.  Under Ulysses both orders do
+the same work (each rank attends over whole sequences of its heads).
 
 Everything but attention works on each position alone (embeddings, LayerNorms, the
 MLP, the head, the loss), so it runs on the slice unchanged.  Attention is the one
@@ -48,23 +56,28 @@ sees the same slice as under tp alone (T must divide by cp x tp).
 A mixture of experts gates each rank's own positions: its capacity and balance loss
 are the slice's, as under expert parallelism they are the dp rank's batch's.
 """
+import torch
 
+from .context_order import chunks_of, positions_of
 from .ring_attention import ring_bytes
 from .ulysses import ulysses_bytes
 
 SEQUENCE = 1                     # (B, T) tokens and targets: the axis the slices cut
 
 
-def my_positions(x, cp_rank, cp_size):
-    """This cp rank's contiguous slice of the positions of a (B, T, ...) batch."""
-    t = x.shape[SEQUENCE] // cp_size
-    return x.narrow(SEQUENCE, cp_rank * t, t).contiguous()
+def my_positions(x, cp_rank, cp_size, order):
+    """This cp rank's positions of a (B, T, ...) batch, its chunks side by side in the
+    --cp-order's order (context_order.py)."""
+    chunks, n = chunks_of(cp_rank, cp_size, order)
+    c = x.shape[SEQUENCE] // n
+    return torch.cat([x.narrow(SEQUENCE, i * c, c) for i in chunks], SEQUENCE)
 
 
-def set_attention_core(model, blocks, core, cp_rank, cp_size):
+def set_attention_core(model, blocks, core, cp_rank, cp_size, order):
     """Every block's attention core replaced by `core`, and the model's position
-    embedding told where this rank's slice starts."""
-    model.pos.first = cp_rank * (model.seq_len // cp_size)
+    embedding told which positions this rank holds."""
+    model.pos.positions = positions_of(cp_rank, cp_size, model.seq_len, order,
+                                       model.pos.weight.device)
     for block in blocks:
         block.attn.core = core
 

@@ -5,9 +5,10 @@ Context", 2023 (the ring); Milakov & Gimelshein, "Online normalizer calculation 
 softmax", 2018, and Dao, "FlashAttention-2", 2023, section 3.1 (the blockwise softmax
 and its backward).
 
-Layout: contiguous shards.  Rank r holds positions [r t, (r+1) t) of every sequence,
-t = T / cp, and its q, k, v for them.  Its queries need every key and value before
-them (causal) or all of them: they come round the cp ring, one shard a step.  cp = 4:
+Layout: each rank holds t = T / cp positions of every sequence, and its q, k, v for
+them; which positions is --cp-order's (context_order.py).  Its queries need every key
+and value before them (causal) or all of them: they come round the cp ring, one rank's
+block a step.  cp = 4:
 
          kv0            kv1            kv2            kv3
       rank 0 -----> rank 1 -----> rank 2 -----> rank 3 --.
@@ -20,17 +21,27 @@ them (causal) or all of them: they come round the cp ring, one shard a step.  cp
       2  |    kv2       |  kv3   |  kv0   |  kv1
       3  |    kv1       |  kv2   |  kv3   |  kv0       cp - 1 sends of k and v each
 
-Causal masking: block j is wholly before rank r's queries where j < r (no mask),
-wholly after where j > r (skipped: no work, but it is still passed on), and the
-diagonal where j = r (masked inside).  Why contiguous and not the zig-zag order
-(rank r holding chunks r and 2cp-1-r of 2cp, as Llama 3's context parallelism and
-Brandon et al.'s "Striped Attention" do to balance the causal work): contiguous
-shards are what the position embeddings, the loss and sequence parallelism's
-shards (sequence_parallel.py) already use, so nothing is permuted on the way in or
-out, and the table above reads as it runs.  The price, stated: rank r computes
-r + 1 of its cp blocks, so the last rank works cp blocks while the mean rank works
-(cp + 1) / 2: at most (cp + 1) / (2 cp) of the compute is useful while the others
-wait (75 % at cp 2, 56 % at cp 8).  The traffic is the same in both orders.
+Causal masking, chunk by chunk.  A rank's block is one chunk (contiguous: rank r holds
+chunk r of cp) or two (zigzag: chunks r and 2 cp - 1 - r of 2 cp).  A key chunk kc is
+wholly before a query chunk qc where kc < qc (full, no mask), wholly after where
+kc > qc (skipped: no work), and the diagonal where kc = qc (masked inside); a rank
+computes each pair of its query chunks and the block's key chunks that is not skipped
+(`chunk_pairs`), and passes every block on.
+
+    contiguous, cp = 2            step 0 (own block)       step 1
+      rank 0 (chunk 0)            0x0 diagonal             kv1: 0x1 skipped
+      rank 1 (chunk 1)            1x1 diagonal             kv0: 1x0 full
+    zigzag, cp = 2 (qc x kc)
+      rank 0 (chunks 0, 3)        0x0, 3x3 diag, 3x0 full  kv1 (1, 2): 3x1, 3x2 full
+      rank 1 (chunks 1, 2)        1x1, 2x2 diag, 2x1 full  kv0 (0, 3): 1x0, 2x0 full
+
+Contiguous: rank r computes r + 1 of its cp blocks, so the last rank works cp blocks
+while the mean rank works (cp + 1) / 2, and the others wait at the ring's exchanges:
+at most (cp + 1) / (2 cp) of the compute is useful (75 % at cp 2, 56 % at cp 8).
+Zigzag: every rank computes 2 cp + 1 pairs of (T / 2 cp)^2 scores (its own block's
+two diagonals and one full pair; from an earlier rank both its chunks against that
+rank's early chunk; from a later rank its late chunk against both), the same work.
+The traffic is the same in both orders: every block goes round whole.
 
 Online softmax, per query row, over the blocks in any order (m: running max,
 l: running sum of exp, o: running unnormalised output):
@@ -70,6 +81,7 @@ from allreduce.buffers import nbytes
 
 from ..model.models import repeat_kv
 from ..runtime.trace import span
+from .context_order import CONTIGUOUS, chunks_of
 
 # The k, v blocks and the dk, dv accumulators: two streams that may be in flight at once,
 # told apart by tag.  Every message is waited for before the core returns, so the ring may
@@ -87,11 +99,22 @@ def ring_bytes(batch, seq_len, d_model, cp, itemsize=4, backward=True):
     return blocks * block
 
 
-def block_state(j, rank, causal):
-    """How rank's queries see block j: 'full', 'diagonal' (masked inside) or 'skip'."""
-    if not causal or j < rank:
+def block_state(key_chunk, query_chunk, causal):
+    """How a query chunk's rows see a key chunk (their places in the sequence): 'full',
+    'diagonal' (masked inside) or 'skip'."""
+    if not causal or key_chunk < query_chunk:
         return "full"
-    return "diagonal" if j == rank else "skip"
+    return "diagonal" if key_chunk == query_chunk else "skip"
+
+
+def chunk_pairs(rank, j, cp, order, causal):
+    """What `rank`'s queries compute with block j (rank j's keys and values): (a, b,
+    state) for each of its query chunks a and block j's key chunks b that is not
+    skipped, a and b their places in the two ranks' blocks (the docstring's table)."""
+    mine, theirs = chunks_of(rank, cp, order)[0], chunks_of(j, cp, order)[0]
+    pairs = [(a, b, block_state(kc, qc, causal)) for a, qc in enumerate(mine)
+             for b, kc in enumerate(theirs)]
+    return [(a, b, state) for a, b, state in pairs if state != "skip"]
 
 
 class Ring:
@@ -127,30 +150,40 @@ def scores(q, k, state):
     return s
 
 
+def rows(i, c):
+    """The positions of a rank's chunk i in its block: [i c, (i+1) c) of its t."""
+    return slice(i * c, (i + 1) * c)
+
+
 class RingAttentionFunction(torch.autograd.Function):
-    """Attention of this rank's q (B, H, t, D) over the k, v of every rank of the ring."""
+    """Attention of this rank's q (B, H, t, D) over the k, v of every rank of the ring,
+    its positions and theirs in --cp-order's `order`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring, causal):
+    def forward(ctx, q, k, v, ring, causal, order):
         kv = torch.stack([k, v])                 # one message a step: (2, B, H, t, D)
         spare = torch.empty_like(kv)
         m = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         l = torch.zeros_like(m)
         o = torch.zeros_like(q)
+        c = q.shape[-2] // len(chunks_of(ring.rank, ring.size, order)[0])   # a chunk's length
         for step in range(ring.size):
             j = (ring.rank - step) % ring.size
             # 1. post the next block's transfer before working on this one
             moving = ring.pass_on(kv, spare, KV_TAG) if step < ring.size - 1 else []
-            # 2. fold block j into the running max, sum and output
-            state = block_state(j, ring.rank, causal)
-            if state != "skip":
-                s = scores(q, kv[0], state)
-                m_new = torch.maximum(m, s.amax(-1))
+            # 2. fold block j's key chunks into the running max, sum and output of the
+            #    query chunks that see them
+            for a, b, state in chunk_pairs(ring.rank, j, ring.size, order, causal):
+                qa, kb, vb = q[..., rows(a, c), :], kv[0][..., rows(b, c), :], \
+                    kv[1][..., rows(b, c), :]
+                s = scores(qa, kb, state)
+                m_a = m[..., rows(a, c)]
+                m_new = torch.maximum(m_a, s.amax(-1))
                 p = torch.exp(s - m_new[..., None])
-                correction = torch.exp(m - m_new)
-                l = correction * l + p.sum(-1)
-                o = correction[..., None] * o + p @ kv[1]
-                m = m_new
+                correction = torch.exp(m_a - m_new)
+                l[..., rows(a, c)] = correction * l[..., rows(a, c)] + p.sum(-1)
+                o[..., rows(a, c), :] = correction[..., None] * o[..., rows(a, c), :] + p @ vb
+                m[..., rows(a, c)] = m_new
             # 3. the next block has arrived; this one's buffer takes the one after
             if moving:
                 ring.wait(moving, "forward")
@@ -158,13 +191,13 @@ class RingAttentionFunction(torch.autograd.Function):
         o = o / l[..., None]
         lse = m + torch.log(l)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.ring, ctx.causal = ring, causal
+        ctx.ring, ctx.causal, ctx.order, ctx.chunk = ring, causal, order, c
         return o
 
     @staticmethod
     def backward(ctx, grad_o):
         q, k, v, o, lse = ctx.saved_tensors
-        ring, causal = ctx.ring, ctx.causal
+        ring, causal, order, c = ctx.ring, ctx.causal, ctx.order, ctx.chunk
         grad_o = grad_o.contiguous()
         scale = 1 / math.sqrt(q.shape[-1])
         D = (grad_o * o).sum(-1, keepdim=True)
@@ -178,14 +211,16 @@ class RingAttentionFunction(torch.autograd.Function):
             # 1. post the next k, v block's transfer
             moving = ring.pass_on(kv, spare, KV_TAG) if not last else []
             # 2. our part of block j's gradients, while its accumulator is on its way here
-            state = block_state(j, ring.rank, causal)
             part = torch.zeros_like(kv)
-            if state != "skip":
-                p = torch.exp(scores(q, kv[0], state) - lse[..., None])
-                part[1] = p.transpose(-2, -1) @ grad_o                       # dv_j
-                ds = p * (grad_o @ kv[1].transpose(-2, -1) - D)
-                dq += ds @ kv[0] * scale
-                part[0] = ds.transpose(-2, -1) @ q * scale                    # dk_j
+            for a, b, state in chunk_pairs(ring.rank, j, ring.size, order, causal):
+                A, Bc = rows(a, c), rows(b, c)
+                qa, do_a, kb, vb = q[..., A, :], grad_o[..., A, :], kv[0][..., Bc, :], \
+                    kv[1][..., Bc, :]
+                p = torch.exp(scores(qa, kb, state) - lse[..., A, None])
+                part[1][..., Bc, :] += p.transpose(-2, -1) @ do_a                # dv_j
+                ds = p * (do_a @ vb.transpose(-2, -1) - D[..., A, :])
+                dq[..., A, :] += ds @ kb * scale
+                part[0][..., Bc, :] += ds.transpose(-2, -1) @ qa * scale         # dk_j
             # 3. add it to block j's accumulator (it starts here at step 0) and pass it on:
             #    after cp sends every accumulator is back with its block's rank
             if acc_moving:
@@ -202,16 +237,16 @@ class RingAttentionFunction(torch.autograd.Function):
         if acc_moving:                             # our own dk, dv, home from the left
             ring.wait(acc_moving, "backward dk dv")
             acc = arriving
-        return dq, acc[0], acc[1], None, None
+        return dq, acc[0], acc[1], None, None, None
 
 
 class RingAttention:
     """The GPT's attention core (models.CausalSelfAttention.core) over a cp ring:
-    q, k, v (B, t, C) of this rank's positions -> (B, t, C)."""
+    q, k, v (B, t, C) of this rank's positions, in --cp-order's `order` -> (B, t, C)."""
 
-    def __init__(self, transport, causal=True, tracer=None):
+    def __init__(self, transport, causal=True, tracer=None, order=CONTIGUOUS):
         self.ring = Ring(transport, tracer)
-        self.causal = causal
+        self.causal, self.order = causal, order
 
     @property
     def bytes_sent(self):
@@ -227,5 +262,5 @@ class RingAttention:
         B, t, C = q.shape
         q, k, v = (x.view(B, t, heads, C // heads).transpose(1, 2).contiguous()
                    for x in (q, k, v))
-        y = RingAttentionFunction.apply(q, k, v, self.ring, self.causal)
+        y = RingAttentionFunction.apply(q, k, v, self.ring, self.causal, self.order)
         return y.transpose(1, 2).reshape(B, t, C)

@@ -23,6 +23,17 @@ backward of "to heads" is "to sequence" on the gradient and the other way round
 (tensor_parallel.Conjugate).  Heads must divide by cp, since a head is never split
 (check_heads says so).
 
+The order of the positions (--cp-order, context_order.py).  The all-to-all lays the
+ranks' positions end to end, rank 0's first: under the contiguous order that is the
+sequence itself; under zig-zag (cp = 2: chunks 0 3 | 1 2) it is not, and a causal
+mask over the gathered indices would let a position see later ones.  So the gathered
+sequence is put in order of its true positions before the attention and back after
+(an index_select each way, whose backward is the scatter back): the attention is the
+GPT's own, on the true sequence.  Every rank attends over whole sequences of its heads
+in both orders, so here the order balances nothing; it is taken so that --cp-order
+means one layout for every --cp-kind (the data, the position embeddings, a pipeline's
+activations).
+
 Traffic: the paper's four all-to-alls a layer in the forward (q, k, v in, the
 output out), each of the rank's b t C elements; here q, k and v travel packed in
 one all-to-all of three times the size (one set of latencies instead of three,
@@ -41,6 +52,7 @@ from allreduce.theory import bytes_sent
 from ..config.choices import ConfigError
 from ..model.models import causal_attention, repeat_kv
 from ..runtime.trace import span
+from .context_order import CONTIGUOUS, gathered_positions
 from .tensor_parallel import Conjugate
 
 
@@ -81,11 +93,12 @@ def to_sequence(y, cp, alltoall):
 
 class Ulysses:
     """The GPT's attention core (models.CausalSelfAttention.core) over the cp ranks of
-    `coll` (an allreduce/ collective): q, k, v (B, t, C) -> (B, t, C).  `inner` is the
-    attention run on the head-sharded whole sequences."""
+    `coll` (an allreduce/ collective): q, k, v (B, t, C) of this rank's positions, in
+    --cp-order's `order` -> (B, t, C).  `inner` is the attention run on the head-sharded
+    whole sequences."""
 
-    def __init__(self, coll, inner=causal_attention, tracer=None):
-        self.coll, self.inner, self.tracer = coll, inner, tracer
+    def __init__(self, coll, inner=causal_attention, tracer=None, order=CONTIGUOUS):
+        self.coll, self.inner, self.tracer, self.order = coll, inner, tracer, order
         self.bytes_sent = 0
         self.seconds = 0.0
 
@@ -103,6 +116,17 @@ class Ulysses:
         """The all-to-all that `to_heads` and `to_sequence` call, named for the trace."""
         return lambda blocks: self.alltoall(blocks, what)
 
+    def in_order(self, q, k, v, heads):
+        """The inner attention of (B, T, c) whole sequences laid out as the all-to-all
+        gathers them, on their true positions (the docstring)."""
+        if self.order == CONTIGUOUS:                    # gathered in order already
+            return self.inner(q, k, v, heads)
+        at = gathered_positions(self.coll.size, q.shape[-2], self.order, q.device)
+        # index i of the gathered sequence holds position at[i]: true order is argsort
+        true = torch.argsort(at)
+        q, k, v = (x.index_select(-2, true) for x in (q, k, v))
+        return self.inner(q, k, v, heads).index_select(-2, at)
+
     def __call__(self, q, k, v, heads, kv_heads=None):
         cp = self.coll.size
         check_heads(heads, cp)
@@ -112,8 +136,8 @@ class Ulysses:
         q, k, v = Conjugate.apply(
             torch.stack([q, k, v]), lambda x: to_heads(x, cp, self.exchange("q k v")),
             lambda g: to_sequence(g, cp, self.exchange("q k v backward")))
-        # 2. attention over the whole sequence, heads / cp heads
-        y = self.inner(q, k, v, heads // cp)
+        # 2. attention over the whole sequence, heads / cp heads, in its true order
+        y = self.in_order(q, k, v, heads // cp)
         # 3. back to this rank's positions, every head
         return Conjugate.apply(y, lambda y: to_sequence(y, cp, self.exchange("out")),
                                lambda g: to_heads(g, cp, self.exchange("out backward")))

@@ -15,7 +15,8 @@ One linear layer y = x W^T + b, x of M rows (tokens) by K features, W of N by K:
                dW   = dy^T x       dy in e5m2, x e4m3  W's dtype (the fp32 master)
 
 Each operand gets one scale of its own, from its *current* amax (the largest
-magnitude in the tensor now): q = fp8(t * s), s = FP8_MAX / amax(t), so the largest
+magnitude in the tensor now; fp8_formats.py, which the wire's fp8 compression shares):
+q = fp8(t * s), s = FP8_MAX / amax(t), so the largest
 value lands on the format's largest (448 for e4m3, 57344 for e5m2) and the smallest
 ones stay clear of the format's underflow; _scaled_mm multiplies the product back
 by 1 / (s_a s_b).  Transformer Engine's default is *delayed* scaling (s from the
@@ -49,19 +50,16 @@ import torch.nn.functional as F
 
 from ..config.choices import ConfigError
 from ..model.moe import MoE
+# the formats' figures (FP8_MAX, MANTISSA_BITS) named here too: the docstring's table
+from .fp8_formats import E4M3, E5M2, FP8_MAX, MANTISSA_BITS, quantize
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}   # 448, 57344
-MANTISSA_BITS = {E4M3: 3, E5M2: 2}
 ALIGN = 16                  # cuBLASLt's fp8 matmul: K and N multiples of 16
 
 
-def quantize(t, fp8):
-    """t in the 8-bit format `fp8`, current scaling: (q, 1 / s) with s = FP8_MAX / amax(t),
-    the inverse being what _scaled_mm multiplies the product by."""
-    amax = t.detach().abs().amax().float().clamp(min=1e-12)   # an all-zero t: any s works
-    scale = FP8_MAX[fp8] / amax
-    q = (t.float() * scale).clamp(-FP8_MAX[fp8], FP8_MAX[fp8]).to(fp8)
+def quantize_operand(t, fp8):
+    """t in the 8-bit format `fp8`, current scaling (fp8_formats.py): (q, 1 / s), the
+    inverse being what _scaled_mm multiplies the product by."""
+    q, scale = quantize(t, fp8)
     # row-major whatever t's strides were (a transposed or broadcast gradient)
     return q.contiguous(), scale.reciprocal()
 
@@ -101,8 +99,8 @@ class Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, out_dtype):
         x2 = x.reshape(-1, x.shape[-1])
-        xq, x_inv = quantize(x2, E4M3)
-        wq, w_inv = quantize(weight, E4M3)
+        xq, x_inv = quantize_operand(x2, E4M3)
+        wq, w_inv = quantize_operand(weight, E4M3)
         y = scaled_mm(xq, x_inv, wq, w_inv, out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
@@ -116,7 +114,7 @@ class Fp8Matmul(torch.autograd.Function):
         xq, x_inv, wq, w_inv = ctx.saved_tensors
         x_shape, x_dtype, w_dtype, b_dtype = ctx.shapes
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dyq, dy_inv = quantize(dy2, E5M2)
+        dyq, dy_inv = quantize_operand(dy2, E5M2)
         # dx = dy W: W^T's rows are W's columns; dW = dy^T x: over the M tokens
         dx = scaled_mm(dyq, dy_inv, _transposed(wq), w_inv, torch.float32)
         dw = scaled_mm(_transposed(dyq), dy_inv, _transposed(xq), x_inv, torch.float32)
