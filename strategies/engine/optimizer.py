@@ -265,7 +265,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.sync.step(self.optimizer)
         else:
             self.precision.step(self.sync.gradients(), lambda: self.sync.step(self.optimizer),
-                                self.sync.agree)
+                                self.sync.agree, self.sync.kept)
         self._synchronized = False
         self._step += 1
         return loss
