@@ -187,3 +187,8 @@ def test_the_checkpoint_layout_names_the_split():
     assert layout_of(TrainConfig(**gpt, pp_layers="2,3,2"))["pp_layers"] == "2,3,2"
     assert layout_of(TrainConfig(**gpt, pp_layers="2,3,2")) != \
         layout_of(TrainConfig(**gpt, pp_layers="3,2,2"))
+    # a lossy compressor's state is each rank's own, of that compression; a cast keeps
+    # none, so its layout is the plain run's (one written before compress was a key)
+    casts = [layout_of(TrainConfig(**gpt, compress=c)) for c in ("none", "fp16", "bf16")]
+    assert casts[0] == casts[1] == casts[2] and "compress" not in casts[0]
+    assert layout_of(TrainConfig(**gpt, compress="topk:0.01"))["compress"] == "topk:0.01"
