@@ -44,6 +44,8 @@ def test_every_sync_reproduces_one_process():
         for name in ("ps", "hybrid"):
             want = "served" if rank == 2 else "ok"
             assert f"rank {rank} {name}: {want}" in result.stdout, result.stdout
+        if rank < 2:
+            assert f"rank {rank} ps topk state: ok" in result.stdout, result.stdout
 
 
 @pytest.mark.slow
