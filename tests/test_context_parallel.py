@@ -76,8 +76,7 @@ def test_a_cp_ranks_position_embeddings_are_of_its_own_positions_and_length():
     embedding.positions = positions_of(0, 2, 8, "zigzag")
     assert torch.equal(embedding.of_length(4, "cpu"), embedding.weight[[0, 1, 6, 7]])
     for T in (1, 8):
-        with pytest.raises(ValueError, match=f"the tokens are {T} positions long, this "
-                                             "rank's positions 4"):
+        with pytest.raises(ValueError, match=f"{T} tokens against this rank's 4 positions"):
             embedding.of_length(T, "cpu")
 
 

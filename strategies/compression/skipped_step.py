@@ -24,8 +24,10 @@ where the vote changes S (halved on a skip, doubled after `window` clean steps),
 residuals and top-k's velocity are multiplied by S' / S (a power of two: exact in
 floating point), so that what they add to the next step's S' x g is of S' too.  Kept
 at the old S, one halving would send the held-back gradients twice over, and one
-doubling half of them.  Cost: one copy of the state a step (a float32 copy of the gradients for
-the residuals), and on a GPU one host read of the vote, only under fp16 with a lossy
+doubling half of them.
+
+Cost: one copy of the state a step (a float32 copy of the gradients for the
+residuals), and on a GPU one host read of the vote, only under fp16 with a lossy
 compressor.  Under the parameter servers (--sync ps, hybrid) nothing is to be undone:
 the pushes, and so the push compressor, wait for the vote (sync/server_buckets.py).
 """

@@ -156,9 +156,9 @@ class PositionEmbedding(nn.Embedding):
         # the embeddings broadcast over the batch: a length that does not match would
         # broadcast too (T = 1), each token at a wrong position
         if len(self.positions) != T:
-            raise ValueError(f"the tokens are {T} positions long, this rank's positions "
-                             f"{len(self.positions)}: a sequence of seq_len / cp tokens a "
-                             f"cp rank (parallel/context_order.py)")
+            raise ValueError(f"{T} tokens against this rank's {len(self.positions)} "
+                             f"positions: a cp rank holds seq_len / cp tokens of each "
+                             f"sequence (parallel/context_order.py)")
         return self(self.positions.to(device))
 
 

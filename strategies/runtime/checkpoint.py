@@ -210,8 +210,14 @@ def layout_of(cfg):
     state, so a run may resume under another cast or none, and a layout without the key
     is a run without a lossy compressor, written before or after the key existed."""
     layout = {k: getattr(cfg, k) for k in LAYOUT if getattr(cfg, k) != UNSET.get(k, ())}
-    if not parse_compress(cfg.compress).lossy:
-        layout.pop("compress", None)
+    return without_casts(layout)
+
+
+def without_casts(layout):
+    """`layout` without a compress that keeps no state (a cast): what layout_of writes,
+    and how a stored layout is read, whoever wrote it (a set may name its cast)."""
+    if "compress" in layout and not parse_compress(layout["compress"]).lossy:
+        layout = {k: v for k, v in layout.items() if k != "compress"}
     return layout
 
 
@@ -357,6 +363,8 @@ def load(path):
         raise ConfigError(f"--resume: {path} is damaged: the sha256 of its contents is not "
                           f"the one it was written with ({str(stored)[:12]}...)", field="resume")
     state["digest"] = stored
+    if isinstance(state.get("layout"), dict):
+        state["layout"] = without_casts(state["layout"])
     return state
 
 
@@ -492,6 +500,8 @@ def read_manifest(cfg, step):
     if not whole:
         raise ConfigError(f"--resume: {path} is damaged: its sha256 is not the one it was "
                           f"written with", field="resume")
+    if isinstance(manifest.get("layout"), dict):
+        manifest["layout"] = without_casts(manifest["layout"])
     return manifest
 
 
