@@ -133,6 +133,66 @@ def equivalence(world):
             say(f"rank {rank} {name}: ok, max |diff| {worst:.1e}")
 
 
+def subcomm(world):
+    """Ranks {0, 1} and {2} train apart, each group from its first rank's weights."""
+    rank = world.rank
+    group = 0 if rank < 2 else 1
+    sub = world.Split(group, rank)
+    first = 0 if group == 0 else 2
+    for name in ("ring", "torch"):                 # torch: groups made over the whole world
+        worst = train(100 + first, rank - first, sync=name, comm=sub, bucket_mb=0.001)
+        say(f"rank {rank} subcomm {name} group of {sub.size}: ok, max |diff| {worst:.1e}")
+    # An LR schedule and a checkpoint go through to the wrapped optimizer.
+    model = UserNet(7)
+    with strategies.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
+                                                         momentum=0.9),
+                                         model, sync="tree", comm=sub) as opt:
+        schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.ones(2, 2, 6, 6)).sum().backward()
+            opt.step()
+            schedule.step()
+        assert opt.optimizer.param_groups[0]["lr"] == 0.025, opt.optimizer.param_groups
+        assert opt.state_dict()["param_groups"][0]["lr"] == 0.025
+        assert len(opt.state_dict()["state"]) == len(list(model.parameters()))
+    say(f"rank {rank} schedule: ok")
+    # A checkpoint of one's own loop holds the sync's state too (top-k's residuals): a
+    # loop stopped after 2 steps and resumed in a new optimizer ends where 4 steps do.
+    for compress in ("topk:0.1", "powersgd:1"):
+        whole, _ = resumed_loop(sub, compress, stop=None)
+        resumed, saved = resumed_loop(sub, compress, stop=2)
+        assert "data_parallel" in saved, sorted(saved)
+        for name, value in whole.items():
+            assert torch.equal(value, resumed[name]), (compress, name)
+        say(f"rank {rank} resume {compress}: ok")
+
+
+def resumed_loop(comm, compress, stop):
+    """STEPS steps of ring data parallelism with `compress`; with `stop`, the model and
+    the optimizer saved after that step and loaded into a fresh pair that goes on."""
+    def optimizer(model):
+        return strategies.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM), model,
+            sync="ring", comm=comm, compress=compress, bucket_mb=0.001)
+    model, saved = UserNet(11), {}
+    opt = optimizer(model)
+    for step in range(STEPS):
+        if step == stop:
+            saved = {"model": model.state_dict(), "opt": opt.state_dict()}
+            opt.close()
+            model = UserNet(99)                     # other weights: the load must win
+            opt = optimizer(model)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+        x, y = batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(shard(x, opt.rank, opt.size)), shard(y, opt.rank, opt.size)).backward()
+        opt.step()
+    opt.close()
+    return model.state_dict(), saved.get("opt", {})
+
+
 def push_compressor_state(role):
     """Under ps the servers keep the parameters, yet each worker's push compressor holds
     residuals the servers never see: the optimizer's state_dict carries them (without
