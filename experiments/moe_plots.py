@@ -17,6 +17,9 @@ Left: the share of token choices dropped (over capacity), mean over steps and ra
 Right: the all-to-all bytes a rank sends per step, measured (markers) beside the
 formula (dashed): 4 all-to-alls per block (dispatch and combine, forward and
 backward), each of the (E, G, C, d) float32 buffer, (ep-1)/ep of it leaving the rank.
+The formula reads the run's split from its config record: a replica's sequences
+(global batch / dp_size; the world also counts servers, stages, tp and cp ranks),
+the blocks a stage holds (--pp) and the positions a rank gates (--cp).
 """
 import sys
 from collections import defaultdict
@@ -40,7 +43,7 @@ def capacity_runs(records):
         out[c["top_k"]].append((c["capacity_factor"],
                                 sum(r["dropped_fraction"] for r in rs) / len(rs),
                                 sum(counted) / len(counted) if counted else None,
-                                alltoall_bytes_per_step(c, c["world_size"])))
+                                alltoall_bytes_per_step(c, c["dp_size"])))
     return {k: sorted(v) for k, v in out.items()}
 
 

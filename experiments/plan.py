@@ -21,7 +21,9 @@ Context parallelism (cp, carved out of the replicas; --cp-sizes, --cp-kinds
 ring,ulysses) splits each sequence's positions: at a long --seq-len it is what fits.
 CLUSTER is --preset NAME (and --nodes), or the figures themselves, or
 --calibration FILE|DIR: the machine at hand, its links from experiments.calibrate's
-calibration.json and its compute rate timed here (experiments/planner/verify.py).
+calibration.json and its compute rate timed here (experiments/planner/verify.py);
+its model is then strategies.train's GPT, whose head is whole on every tp rank and
+which has no dropout (--no-dropout implied).
 
 Prints the K fastest layouts that fit (near-duplicates, ZeRO stages with the
 same time, once), their MFU (the model's FLOPs a second over the peak) and HFU
@@ -113,7 +115,8 @@ def parser():
     m.add_argument("--flash-attention", action="store_true",
                    help="a fused attention core: the scores neither stored nor streamed")
     m.add_argument("--no-dropout", action="store_true",
-                   help="a model trained without dropout (Llama): no masks stored or written")
+                   help="a model trained without dropout (Llama): no masks stored or written; "
+                        "implied by --calibration (strategies.train's GPT has none)")
     c = ap.add_argument_group("CLUSTER")
     c.add_argument("--preset", choices=sorted(clusters.PRESETS), help="a machine's figures")
     c.add_argument("--nodes", type=whole, help="nodes (default 1)")
@@ -247,9 +250,11 @@ def main(argv=None):
     ap = parser()
     a = ap.parse_args(argv)
     try:
+        # the machine at hand runs strategies.train, whose GPT has no dropout
+        # (strategies/model/models.py): its plan stores and writes no masks
         gpt = GPT(a.layers, a.d_model, a.heads, a.seq_len, a.vocab, a.global_batch,
                   a.experts, a.top_k, a.kv_heads, a.ffn_hidden, a.gated_mlp,
-                  a.flash_attention, not a.no_dropout)
+                  a.flash_attention, not (a.no_dropout or a.calibration))
         precision = a.precision or ("fp32" if a.calibration else "bf16")
         space = Space(a.zero, a.recompute, a.schedules, a.micro_batch_sizes,
                       precision=precision, sequence_parallel=not a.no_sequence_parallel,

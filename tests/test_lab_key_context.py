@@ -10,8 +10,9 @@
                                  2's relation (the rest of bytes_sent grows only by the
                                  position embedding's T C parameters)
 
-Not regenerated: the key's times (cp_time_s, step_time_s), this machine's on one run;
-the key says which.
+The key's times: none.  cp_time_s and step_time_s are the machine's own and move by
+tens of per cent from run to run; with no record behind them, the key says what a
+student should see (which rank waits longer, how it moves with T) and with what command.
 """
 import json
 import os
@@ -73,6 +74,15 @@ def test_lab10_template_describes_the_sweeps_model():
     assert "--d-model" not in command and "--layers" not in command      # the defaults
     defaults = TrainConfig()
     assert (defaults.d_model, defaults.layers) == (given["d_model"], given["layers"])
+
+
+@pytest.mark.timeout(30)
+def test_lab10_key_gives_no_time_without_a_record():
+    """Figures link to a record (docs/measurements/); the key has none for times, so it
+    prints none: no milliseconds, no time column in its measured table."""
+    assert not re.findall(r"\d\s*ms\b", KEY), re.findall(r".{30}\d\s*ms\b", KEY)
+    header = KEY[KEY.index("| kind | T |"):].splitlines()[0]
+    assert "time" not in header, header
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from experiments.costmodel import (Machine, cluster_collective_time, cluster_all
 from experiments.planner.cluster import Cluster, preset
 from experiments.planner.figure import plan_frontier
 from experiments.planner.search import Space, layouts, pareto, plan
-from experiments.planner.stages import chunk_share, held_layers
+from experiments.planner.stages import chunk_share, held_layers, max_chunks, stage_chunks
 from experiments.planner.step import (BUCKET_BYTES, PARTS, Layout, bucketed, compute_seconds,
                                      ends_worth, exchanges, group_time, memory_of,
                                      placement, predict, rank_parameters)
@@ -93,7 +93,7 @@ def test_every_layout_uses_every_gpu_and_keeps_tp_inside_a_node():
         assert lo.dp * lo.micro_batches * lo.micro_batch_size == SMALL.global_batch
         if lo.schedule == "interleaved":
             assert lo.pp > 1 and lo.micro_batches % lo.pp == 0
-            assert lo.virtual_stages <= min(lo.stages)      # a layer a chunk at least
+            assert lo.virtual_stages <= max_chunks(lo.stages)   # a layer a chunk at least
 
 
 def test_the_space_limits_the_choices():
@@ -165,6 +165,25 @@ def test_uneven_chunks_are_paced_by_the_heaviest():
     even = predict(SMALL, TWO_NODES, replace(lo, virtual_stages=2))
     assert p.split["bubble"] > 0 and sum(p.split.values()) == pytest.approx(p.step_s)
     assert p.step_s > even.step_s * 0.9     # chunks of 2, 1, 1 layers pace as 2 of 4
+
+
+def test_the_ends_may_take_a_chunk_of_their_own():
+    """Llama 3 405B's cut (section 3.3.2): 8 chunks a rank on 7, 8 x 14, 7 layers, the
+    first rank's first chunk the embedding alone, the last rank's last the head and the
+    loss alone; a middle stage holds a layer a chunk at least."""
+    stages = [7] + [8] * 14 + [7]
+    assert max_chunks(stages) == 8 and max_chunks([4, 4]) == 5 and max_chunks([4] * 3) == 4
+    assert stage_chunks(stages, 0, 8) == [0] + [1] * 7
+    assert stage_chunks(stages, 15, 8) == [1] * 7 + [0]
+    assert stage_chunks(stages, 1, 8) == [1] * 8
+    # a light head's chunk paces no slot: a layer does, an eighth of a middle stage
+    assert chunk_share(stages, 15, 8, ends=(0.0, 0.5)) == 1 / 7.5
+    assert chunk_share(stages, 0, 8, ends=(0.25, 0.0)) == 1 / 7.25
+    # the embedding's chunk holds no layer's activations: 15 chunk-forwards, 2 of its
+    assert held_layers([0] + [1] * 7, 18, 16) == 2      # layers (Megatron-LM's order)
+    found = {(lo.stages, lo.virtual_stages) for lo in layouts(
+        SMALL, TWO_NODES, Space(pp_layers=(3, 5)))}
+    assert ((3, 5), 4) in found and ((3, 5), 5) not in found     # the first stage: 3 + 1
 
 
 def test_measured_ends_replace_the_heads_flops():

@@ -1,6 +1,7 @@
 """Tier (a): the planner's uneven pipeline stages, today's model shapes and its compute model,
 each against the formula or the rule it implements (pure arithmetic, no process)."""
 import itertools
+import json
 import math
 from dataclasses import replace
 
@@ -143,6 +144,68 @@ def test_verify_offers_the_trainer_only_what_it_builds():
     for shape in (dict(kv_heads=2), dict(ffn_hidden=1024), dict(gated_mlp=True)):
         assert runnable(replace(SMALL, **shape), even) == ""
     assert "fused attention" in runnable(replace(SMALL, flash_attention=True), even)
+
+
+def test_verify_offers_a_mixture_of_experts_on_every_split_the_planner_prices_as_run():
+    """strategies.train runs the experts with pipelines, micro-batches, ZeRO and
+    recomputation (docs/compatibility.md refuses none of them), and GQA; not another MLP
+    than GPT-2's, nor experts split over tp (it keeps them whole on every tp rank, the
+    planner splits them as the dense MLP).  A causal ring is offered where the trainer
+    can balance it as the planner prices it (zig-zag: T a multiple of 2 cp)."""
+    moe = replace(SMALL, experts=4)
+    for layout in (Layout(dp=2, pp=2, micro_batches=4, stages=(3, 5), ep=2),
+                   Layout(dp=4, ep=2, zero=3, micro_batches=2, micro_batch_size=4),
+                   Layout(dp=4, ep=4, zero=1, recompute="full")):
+        assert runnable(moe, layout) == "", layout
+    assert runnable(replace(moe, kv_heads=2), Layout(dp=4, ep=2)) == ""
+    assert "GPT-2's" in runnable(replace(moe, gated_mlp=True), Layout(dp=4, ep=2))
+    assert "whole on every tp rank" in runnable(moe, Layout(dp=2, tp=2, ep=2))
+    assert runnable(SMALL, Layout(dp=2, cp=2)) == ""                     # 256 % 4 = 0
+    odd = replace(SMALL, seq_len=12)                                      # 12 % 8 = 4
+    assert "multiple of 2 cp (8)" in runnable(odd, Layout(dp=1, cp=4))
+    assert runnable(odd, Layout(dp=1, cp=4, cp_kind="ulysses")) == ""
+
+
+def test_verify_runs_the_experts_split_and_the_ring_as_planned():
+    """layout_args of a mixture of experts: the layout's every degree, micro-batches,
+    ZeRO and stages, GQA, capacity factor 1 (the planner counts each token's k copies,
+    no padding); a ring of cp ranks in zig-zag order, as the planner prices it."""
+    from experiments.planner.verify import layout_args
+    from strategies.config.settings import check_world, parse_args
+    moe = replace(SMALL, experts=4, kv_heads=2)
+    layout = Layout(dp=2, pp=2, ep=2, zero=1, micro_batches=4, stages=(3, 5))
+    cfg = parse_args(layout_args(moe, layout, 3))
+    assert (cfg.model, cfg.experts, cfg.ep, cfg.kv_heads, cfg.capacity_factor) == \
+        ("moe", 4, 2, 2, 1.0)
+    assert (cfg.pp, cfg.zero, cfg.micro_batches, cfg.stage_split) == (2, 1, 4, (3, 5))
+    assert check_world(cfg, 4) == 2
+    ring = parse_args(layout_args(SMALL, Layout(dp=2, cp=2), 3))
+    assert (ring.cp, ring.cp_kind, ring.cp_order) == (2, "ring", "zigzag")
+    ulysses = parse_args(layout_args(SMALL, Layout(dp=2, cp=2, cp_kind="ulysses"), 3))
+    assert ulysses.cp_order == "contiguous"
+
+
+def test_the_machine_at_hand_plans_the_trainers_gpt_without_dropout(tmp_path, monkeypatch):
+    """With --calibration the model planned is strategies.train's, which has no dropout:
+    no masks in its memory (--no-dropout implied); without it, GPT-3's dropout stays."""
+    (tmp_path / "calibration.json").write_text(
+        '{"alpha_s": 2e-5, "beta_s_per_byte": 2e-10, "gamma_s_per_byte": 1e-10}')
+    timed = []
+
+    def machine(gpt, *args, **kwargs):            # the figures, without timing this host
+        timed.append(gpt)
+        return replace(NODE, gpus_per_node=1, efficiency=1.0)
+    monkeypatch.setattr(plan_cli, "this_machine", machine)
+    model = ["--layers", "2", "--d-model", "64", "--heads", "4", "--seq-len", "16",
+             "--vocab", "32", "--global-batch", "4"]
+    for flags, dropout in ((["--calibration", str(tmp_path)], False),
+                           (["--gpus-per-node", "1", "--gpu-mem-gib", "16", "--gpu-tflops",
+                             "100", "--intra-gbps", "800", "--inter-gbps", "200"], True)):
+        out = tmp_path / f"plan{dropout}.jsonl"
+        assert plan_cli.main(model + flags + ["--jsonl", str(out)]) == 0
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        assert records and all(r["model"]["dropout"] is dropout for r in records)
+    assert [g.dropout for g in timed] == [False]
 
 
 def test_verify_runs_the_shape_and_the_split_it_planned():

@@ -21,9 +21,10 @@ the same list, each with its test):
         whole heads); cp beside ep (both are carved out of the replicas; the
         trainer refuses it too);
     the interleaved schedule without a pipeline, with more chunks v than a stage's
-        layers (each chunk holds one at least; where v does not divide a stage's
-        layers its chunks are uneven: stages.chunk_share), or with m not a multiple
-        of pp (Megatron-LM's rule);
+        layers (each chunk holds one at least, but for the first and the last
+        stage's chunk of the embedding or the head alone: stages.max_chunks; where v
+        does not divide a stage's layers its chunks are uneven: stages.chunk_share),
+        or with m not a multiple of pp (Megatron-LM's rule);
     ep that does not divide both dp and the experts.
 The sizes are found as divisors of gcd(B, world / tp) (dp), of gcd(s, world / (tp
 dp)) (cp) and by pp <= layers, never by counting up to the world: a million nodes
@@ -40,7 +41,7 @@ import math
 from strategies.parallel.stages import MAX_STAGES
 
 from .cluster import GIB
-from .stages import balanced_stages
+from .stages import balanced_stages, max_chunks
 from .step import BYTES, Layout, ends_worth, predict
 from .transformer import CONTEXT_KINDS, RECOMPUTE
 
@@ -189,7 +190,7 @@ def layouts(gpt, cluster, space):
                                          space.pp_layers)
                 schedules = [("1f1b", 1)] + [
                     ("interleaved", v) for v in range(2, space.max_virtual_stages + 1)
-                    if pp > 1 and v <= min(stages) and m % pp == 0]
+                    if pp > 1 and v <= max_chunks(stages) and m % pp == 0]
                 for schedule, v in schedules:
                     if schedule not in space.schedules:
                         continue

@@ -304,8 +304,6 @@ def bucketed(total, beside, buckets):
     return max(total / buckets, total - beside * (buckets - 1) / buckets)
 
 
-
-
 def rank_parameters(gpt, lo, stage=0):
     """(dense, expert) parameters on a rank of `stage`: its layers' share over tp, the
     embeddings (word and position) on the first, the output layer's copy of the word
@@ -319,7 +317,6 @@ def rank_parameters(gpt, lo, stage=0):
     if stage == lo.pp - 1 and lo.pp > 1:
         layers += gpt.vocab * gpt.d_model / lo.tp
     return layers, experts
-
 
 
 def memory_of(gpt, lo, stage, ends=(0.0, 0.0)):
@@ -396,9 +393,6 @@ def ends_worth(gpt, lo, cluster, times=None):
     if layer <= 0:
         return 0.0, 0.0
     return sum(times["embedding"]) / layer, sum(times["head"]) / layer
-
-
-
 
 
 def predict(gpt, cluster, lo):

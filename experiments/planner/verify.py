@@ -38,12 +38,16 @@ this host, or the emulated cluster), with the trainer's flags (layout_args), for
 enough steps to last MEASURED_S after the first two (steps_for); the measured step
 is the median over the steps after the first two of the slowest rank's
 step_time_s (experiments/records.py), from the trainer's JSONL.
-The trainer runs the model's shape (GQA, the MLP's width, SwiGLU) and the
-planner's own split of the layers over the stages (--pp-layers), so a verified
-layout is the planned one.  What the trainer cannot run yet (selective
-recomputation, fused attention, uneven interleaved chunks, a mixture of experts with
-micro-batches or pipeline stages: strategies/config/settings.py) is not offered to
---verify (runnable()).
+The trainer runs the model's shape (GQA, the MLP's width, SwiGLU), the planner's own
+split of the layers over the stages (--pp-layers), a mixture of experts on every split
+the planner gives it, each expert's buffer of capacity factor 1 (the planner counts
+each token's k copies, no padding), and the causal ring balanced over its ranks
+(--cp-order zigzag), so a verified layout is the planned one; its GPT has no dropout,
+and the planner plans the machine at hand's model without (experiments/plan.py).
+Not offered to --verify (runnable()): what the trainer does not run (selective
+recomputation, fused attention, uneven interleaved chunks, experts of another MLP
+than GPT-2's, a ring it cannot balance), and experts over tp, which the trainer keeps
+whole on every tp rank where the planner prices them split as the dense MLP.
 """
 import contextlib
 import json
@@ -234,21 +238,23 @@ def tp_waits(gpt, cluster, found):
 
 
 def runnable(gpt, layout):
-    """'' when strategies.train runs this layout, else why not."""
+    """'' when strategies.train runs this layout as the planner priced it, else why not."""
     if gpt.flash_attention:
         return "the trainer's attention stores its scores (no fused attention)"
-    if gpt.experts and (gpt.kv_heads, gpt.ffn_hidden, gpt.gated_mlp) != \
-            (gpt.heads, 4 * gpt.d_model, False):
-        return "the trainer's experts are GPT-3's MLPs (no GQA, MLP width or gating)"
+    if gpt.experts and (gpt.ffn_hidden, gpt.gated_mlp) != (4 * gpt.d_model, False):
+        return "the trainer's experts are GPT-2's 4 x d-model GELU MLPs (no width or gating)"
+    if gpt.experts and layout.tp > 1:
+        return ("the trainer keeps each expert whole on every tp rank; the planner prices "
+                "the experts split over tp, as the dense MLP")
     if layout.schedule == "interleaved" and (
             (layout.stages and len(set(layout.stages)) > 1) or
             any(n % layout.virtual_stages for n in stages_of(gpt, layout))):
         return "the trainer cuts interleaved chunks evenly"
     if layout.recompute == "selective":
         return "the trainer recomputes whole blocks (--recompute), not attention alone"
-    if gpt.experts and (layout.pp > 1 or layout.tp > 1 or layout.zero or
-                        layout.micro_batches > 1 or layout.recompute != "none"):
-        return "the trainer's mixture of experts runs on dp and ep only"
+    if layout.cp > 1 and layout.cp_kind == "ring" and gpt.seq_len % (2 * layout.cp):
+        return (f"the planner prices the causal ring balanced; the trainer balances it in "
+                f"zig-zag order, which needs --seq-len a multiple of 2 cp ({2 * layout.cp})")
     return ""
 
 
@@ -259,18 +265,21 @@ def layout_args(gpt, layout, steps, device="cpu"):
             "--vocab", gpt.vocab, "--global-batch", gpt.global_batch, "--steps", steps,
             "--sync", "ring", "--precision", layout.precision, "--device", device,
             "--no-progress"]
-    if gpt.experts:
-        args += ["--experts", gpt.experts, "--top-k", gpt.top_k, "--ep", layout.ep]
+    args += ["--kv-heads", gpt.kv_heads]
+    if gpt.experts:     # capacity factor 1: each token's k copies, as the planner counts
+        args += ["--experts", gpt.experts, "--top-k", gpt.top_k, "--ep", layout.ep,
+                 "--capacity-factor", 1]
     else:
-        args += ["--kv-heads", gpt.kv_heads, "--ffn-hidden", gpt.ffn_hidden]
-        args += ["--gated-mlp"] if gpt.gated_mlp else []
-        args += ["--dp", layout.dp, "--pp", layout.pp, "--tp", layout.tp,
-                 "--zero", layout.zero, "--micro-batches", layout.micro_batches,
-                 "--schedule", layout.schedule, "--virtual-stages", layout.virtual_stages]
-        if layout.pp > 1 and layout.schedule != "interleaved":   # the planner's own split
-            args += ["--pp-layers", ",".join(map(str, stages_of(gpt, layout)))]
-        args += ["--sequence-parallel"] if layout.sequence_parallel and layout.tp > 1 else []
-        args += ["--cp", layout.cp, "--cp-kind", layout.cp_kind] if layout.cp > 1 else []
+        args += ["--ffn-hidden", gpt.ffn_hidden] + (["--gated-mlp"] if gpt.gated_mlp else [])
+    args += ["--dp", layout.dp, "--pp", layout.pp, "--tp", layout.tp,
+             "--zero", layout.zero, "--micro-batches", layout.micro_batches,
+             "--schedule", layout.schedule, "--virtual-stages", layout.virtual_stages]
+    if layout.pp > 1 and layout.schedule != "interleaved":   # the planner's own split
+        args += ["--pp-layers", ",".join(map(str, stages_of(gpt, layout)))]
+    args += ["--sequence-parallel"] if layout.sequence_parallel and layout.tp > 1 else []
+    if layout.cp > 1:   # the ring balanced over its ranks, as the planner prices it
+        args += ["--cp", layout.cp, "--cp-kind", layout.cp_kind]
+        args += ["--cp-order", "zigzag"] if layout.cp_kind == "ring" else []
     args += ["--recompute"] if layout.recompute != "none" else []
     return [str(a) for a in args]
 

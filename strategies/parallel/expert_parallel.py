@@ -79,20 +79,28 @@ from ..runtime.precision import as_wire
 from .tensor_parallel import Conjugate
 
 
-def alltoall_bytes_per_step(cfg, world_size):
-    """Bytes one rank sends in all-to-alls per step: 4 per MoE block and forward call
-    (dispatch and combine, forward and backward; a forward call a micro-batch), each of
-    the (E, G, C, d) float32 buffer (float32 under --precision bf16/fp16 too:
-    AllToAllExperts.alltoall), by alltoall.py's schedule for that size.  cfg: a
-    TrainConfig or its record (dict)."""
+def alltoall_bytes_per_step(cfg, dp):
+    """Bytes one rank sends in all-to-alls per step: 4 per MoE block it holds and forward
+    call (dispatch and combine, forward and backward; a forward call a micro-batch), each
+    of the (E, G, C, d) float32 buffer (float32 under --precision bf16/fp16 too:
+    AllToAllExperts.alltoall), by alltoall.py's schedule for that size.
+
+    What a rank gates: its replica's global_batch / dp sequences (dp the data-parallel
+    size, the mesh's dp: not the world, which also counts servers, stages, tp and cp
+    ranks), cut into its k micro-batches, each into gating groups; under --cp a group's
+    sequences are the rank's own seq_len / cp positions (context_parallel.py).  Under
+    --pp a rank holds its stage's blocks: layers / pp of them, the mean over the ranks
+    of any split (--pp-layers).  cfg: a TrainConfig or its record (dict)."""
     c = cfg if isinstance(cfg, dict) else cfg.as_dict()
     ep, experts, k = c["ep"], c["experts"], c["micro_batches"]
-    local = c["global_batch"] // world_size
+    local = c["global_batch"] // dp
     per_group = gating_group(c["moe_group"], local, k)
-    capacity = expert_capacity(per_group * c["seq_len"], experts, c["top_k"],
+    positions = c["seq_len"] // c["cp"]
+    capacity = expert_capacity(per_group * positions, experts, c["top_k"],
                                c["capacity_factor"])
     buffer = experts * (local // k // per_group) * capacity * c["d_model"] * 4
-    return 4 * c["layers"] * k * bytes_sent(buffer, ep, uses_bruck(buffer // ep, ep))
+    blocks = c["layers"] / c["pp"]
+    return 4 * blocks * k * bytes_sent(buffer, ep, uses_bruck(buffer // ep, ep))
 
 
 class ExpertPlacement:
