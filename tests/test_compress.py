@@ -175,10 +175,14 @@ def test_topk_sends_the_kept_ratio_of_its_step():
 
 
 class OneRankCollective(OneRank):
-    """OneRank with the broadcast a data-parallel sync's setup makes."""
+    """OneRank with the broadcast a data-parallel sync's setup makes, and the all-reduce
+    PowerSGD's factors take."""
 
     def broadcast(self, t, root=0):
         pass
+
+    def allreduce(self, t, op="sum"):
+        return t
 
 
 def test_the_sync_tells_the_step_and_a_resumed_run_goes_on_from_it():
@@ -250,6 +254,116 @@ def test_a_compressor_resumed_from_its_state_goes_on_as_if_never_stopped(compres
     for got, want in zip(run(resumed, range(3, 6)), expected[3:]):
         assert torch.equal(got, want)
     assert not torch.equal(run(make(), [3])[0], expected[3])
+
+
+def test_a_state_dict_is_a_copy_that_later_steps_leave_alone():
+    """What state_dict hands out, and what load_state_dict took in, are copies: later
+    steps add into the live residuals in place, not into a state kept in memory."""
+    compressor = build_compressor("powersgd:2", OneRank())
+    compressor.reduce_bucket(0, torch.randn(132), None, [(12, 10), (12,)], identity)
+    saved = compressor.state_dict()
+    frozen = io.BytesIO()
+    torch.save(saved, frozen)
+    compressor.load_state_dict(saved)
+    compressor.reduce_bucket(0, torch.randn(132), None, [(12, 10), (12,)], identity)
+    frozen.seek(0)
+    before = torch.load(frozen, weights_only=True)
+    assert torch.equal(saved["feedback"]["residuals"][0], before["feedback"]["residuals"][0])
+    assert torch.equal(saved["qs"][(0, 0)], before["qs"][(0, 0)])
+
+
+@pytest.mark.parametrize("compress, momentum", [("topk:0.1", 0.9), ("powersgd:2", 0.0),
+                                                ("fp8", 0.0)])
+def test_a_skipped_steps_bucket_leaves_no_trace_once_the_state_is_back(compress, momentum):
+    """fp16's skipped step (compression/skipped_step.py): a bucket with an inf comes out
+    not finite (so that the vote sees it), and once KeptState puts the state of the
+    step's start back, the next steps send bit for bit what they send from that state."""
+    from strategies.compression.skipped_step import KeptState
+    shapes = [(12, 10), (12,)]
+    gen = torch.Generator().manual_seed(4)
+    grads = [torch.randn(132, generator=gen) for _ in range(6)]
+
+    def make():
+        return build_compressor(compress, OneRank(), momentum=momentum)
+
+    def run(compressor, steps):
+        out = []
+        for step in steps:
+            flat = grads[step].clone()
+            compressor.reduce_bucket(0, flat, None, shapes, identity)
+            out.append(flat)
+        return out
+
+    skipping, clean = make(), make()
+    run(skipping, range(3))
+    run(clean, range(3))
+    kept = KeptState(skipping)
+    bad = grads[3].clone()
+    bad[7] = float("inf")
+    skipping.reduce_bucket(0, bad, None, shapes, identity)
+    assert not torch.isfinite(bad).all()
+    kept.decided(False)
+    for got, want in zip(run(skipping, range(4, 6)), run(clean, range(4, 6))):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host_scale", "device_scale"])
+@pytest.mark.parametrize("buffers", ["fp32", "16-bit"])
+@pytest.mark.parametrize("compress", ["topk:0.2", "powersgd:2", "fp8"])
+def test_an_fp16_overflow_trains_on_as_if_its_step_never_happened(compress, buffers,
+                                                                   on_device):
+    """One process through the data-parallel sync and fp16's loss scaling, as the loop
+    drives them: step 3's loss times inf makes every gradient inf or NaN, the vote skips
+    the step, and the run ends where the run without step 3 ends (rtol 1e-6: the loss
+    scales, 2^10 and 2^9, differ by a power of two, which the unscaling undoes exactly).
+    A compressor that kept the inf would make every later step overflow too.  fp32: a
+    whole model's buckets, the loop votes; 16-bit: the grid's buffers and fp32 masters,
+    the sync votes itself (precision handed to it).  The scale on the host, or as
+    tensors (runtime/loss_scaling.py's device path, here on CPU tensors)."""
+    from strategies.runtime.precision import MixedPrecision
+    from strategies.sync.data_parallel import data_parallel, parameter_units
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(8, 12, generator=gen) for _ in range(6)]
+
+    def train(steps, poisoned=None, window=1000):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.Tanh(),
+                                    torch.nn.Linear(10, 4))
+        cfg = TrainConfig(sync="ring", compress=compress, overlap=False, precision="fp16",
+                          loss_scale=1024.0, lr=0.1)
+        precision = MixedPrecision("fp16", loss_scale=1024.0, loss_scale_window=window,
+                                   on_device=on_device)
+        sync = data_parallel(parameter_units(model), None, cfg, device=torch.device("cpu"),
+                             coll=OneRankCollective(),
+                             precision=precision if buffers == "16-bit" else None)
+        sync.setup(model)
+        optimizer = sync.make_optimizer(model)
+        assert sync.scales_itself == (buffers == "16-bit")
+        for step in steps:
+            sync.before_backward()
+            with precision.autocast():
+                loss = model(xs[step]).float().pow(2).mean()
+            precision.backward(loss * float("inf") if step == poisoned else loss)
+            sync.synchronize(step)
+            if sync.scales_itself:
+                sync.step(optimizer)
+            else:
+                precision.step(sync.gradients(), lambda: sync.step(optimizer), sync.agree,
+                               sync.kept)
+        sync.close()
+        return [p.detach().float().clone() for p in model.parameters()], precision.record()
+
+    skipped, record = train(range(6), poisoned=3)
+    never, _ = train([0, 1, 2, 4, 5])
+    assert record["overflow_skips"] == 1
+    for got, want in zip(skipped, never):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    # a scale doubled every 2 steps (2^10 to 2^12): the state follows it, and the run
+    # is the one at a constant scale
+    grown, record = train([0, 1, 2, 4, 5], window=2)
+    assert record["loss_scale"] == 4096.0
+    for got, want in zip(grown, never):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
 # -------------------------------------------------------------- PowerSGD

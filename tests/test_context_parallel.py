@@ -67,6 +67,19 @@ def test_each_rank_holds_its_chunks_at_their_true_positions(cp):
                                tokens[:, positions_of(r, cp, T, order)])
 
 
+def test_a_cp_ranks_position_embeddings_are_of_its_own_positions_and_length():
+    """The embedding of rank 0's zig-zag positions [0, 1, 6, 7] is those rows; tokens of
+    another length are refused, where broadcasting would embed them at wrong positions
+    (one token against four positions)."""
+    from strategies.model.models import PositionEmbedding
+    embedding = PositionEmbedding(8, 3)
+    embedding.positions = positions_of(0, 2, 8, "zigzag")
+    assert torch.equal(embedding.of_length(4, "cpu"), embedding.weight[[0, 1, 6, 7]])
+    for T in (1, 8):
+        with pytest.raises(ValueError, match=f"{T} tokens against this rank's 4 positions"):
+            embedding.of_length(T, "cpu")
+
+
 @pytest.mark.parametrize("cp, blocks", [(1, 0), (2, 8), (3, 14), (4, 20), (8, 44)])
 def test_ring_sends_k_v_round_twice_and_dk_dv_home(cp, blocks):
     # forward 2 (cp-1); backward 2 (cp-1) + 2 cp; a block: b (T / cp) C values

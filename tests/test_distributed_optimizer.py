@@ -46,6 +46,22 @@ def test_every_sync_reproduces_one_process():
             assert f"rank {rank} {name}: {want}" in result.stdout, result.stdout
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(200)
+def test_an_fp16_overflow_leaves_a_lossy_compressor_as_if_the_step_never_happened():
+    """tests/mpi/distributed_optimizer.py's fp16_skip (its docstring): topk, powersgd and
+    fp8 over a 3-rank ring, topk under ps, each run with step 3 skipped equal (rtol 1e-6)
+    to the run without step 3; and under ps the optimizer's state_dict carries the
+    workers' push compressor's residuals."""
+    result = check_ok(mpirun(3, [SCRIPT, "fp16_skip"], timeout=180))
+    for rank in range(3):
+        for compress in ("topk:0.2", "powersgd:1", "fp8"):
+            assert f"rank {rank} fp16 skip ring {compress}: ok" in result.stdout, result.stdout
+    for rank in range(2):
+        assert f"rank {rank} fp16 skip ps topk:0.2: ok" in result.stdout, result.stdout
+        assert f"rank {rank} ps topk state: ok" in result.stdout, result.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(300)

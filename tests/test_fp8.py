@@ -57,6 +57,22 @@ def test_a_tiny_bucket_keeps_a_finite_scale_and_its_values():
     torch.testing.assert_close(dequantise(q, scale), x, rtol=1 / 16, atol=0)
 
 
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
+def test_a_bucket_with_an_inf_or_a_nan_has_scale_one_and_keeps_it_not_finite(bad):
+    # Transformer Engine's rule: a scale of 1 where amax is not finite, so the finite
+    # entries come back as they went (1, 2, 4 are e4m3 values) and the bad one stays
+    # not finite (NaN: e4m3fn has no inf), for fp16's vote to see; the wire takes the
+    # scale (the servers refuse one that is not finite and positive)
+    from strategies.runtime.fp8_formats import E5M2, quantize, scale_of
+    x = torch.tensor([1.0, 2.0, bad, -4.0])
+    q, scale = quantise(x)
+    assert scale == 1
+    out = dequantise(q, scale)
+    assert out[[0, 1, 3]].tolist() == [1.0, 2.0, -4.0] and out[2].isnan()
+    assert scale_of(torch.tensor(bad), E5M2) == 1
+    assert not torch.isfinite(dequantise(*quantize(x, E5M2))[2])
+
+
 @pytest.mark.parametrize("n", [1, 4, 7, 1001])
 def test_the_packed_message_round_trips(n):
     q, scale = quantise(values(n))

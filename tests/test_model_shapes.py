@@ -182,8 +182,20 @@ def test_balanced_stages_weigh_the_embedding_and_the_head():
     assert [n for n, _ in chunk_layers(gpt, 1, 3, 1, (3, 2, 2))[0]] == ["blocks.3", "blocks.4"]
 
 
-def test_the_checkpoint_layout_names_the_split():
+def test_the_checkpoint_layout_names_the_split(tmp_path):
     gpt = dict(model="gpt", layers=7, d_model=16, heads=4, global_batch=8, sync="ring", pp=3)
     assert layout_of(TrainConfig(**gpt, pp_layers="2,3,2"))["pp_layers"] == "2,3,2"
     assert layout_of(TrainConfig(**gpt, pp_layers="2,3,2")) != \
         layout_of(TrainConfig(**gpt, pp_layers="3,2,2"))
+    # a lossy compressor's state is each rank's own, of that compression; a cast keeps
+    # none, so its layout is the plain run's (one written before compress was a key)
+    casts = [layout_of(TrainConfig(**gpt, compress=c)) for c in ("none", "fp16", "bf16")]
+    assert casts[0] == casts[1] == casts[2] and "compress" not in casts[0]
+    assert layout_of(TrainConfig(**gpt, compress="topk:0.01"))["compress"] == "topk:0.01"
+    # a file that names its cast reads as one that does not
+    from strategies.runtime.checkpoint import FORMAT, digest, load
+    for compress, want in (("fp16", {"pp": 3}), ("topk:0.01", {"pp": 3, "compress": "topk:0.01"})):
+        state = {"format": FORMAT, "step": 2, "layout": {"pp": 3, "compress": compress}}
+        state["digest"] = digest(state)
+        torch.save(state, tmp_path / "checkpoint.pt")
+        assert load(str(tmp_path / "checkpoint.pt"))["layout"] == want

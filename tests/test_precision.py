@@ -324,6 +324,32 @@ def test_distributed_optimizer_bf16_and_fp16_in_a_loop_of_ones_own():
                                         sync="local", precision="fp16", compress="topk:0.01")
 
 
+def test_distributed_optimizer_state_dict_carries_fp16s_loss_scale():
+    """A loop resumed from opt.state_dict() goes on with the scale it had: 5 clean steps
+    at window 2 double 2^16 twice, and a fresh optimizer loaded from the state holds
+    2^18 and its counters, not its own 2^16."""
+    import strategies
+
+    def optimizer():
+        model = torch.nn.Linear(4, 2)
+        return model, strategies.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, sync="local",
+            precision="fp16", loss_scale_window=2)
+
+    model, opt = optimizer()
+    for _ in range(5):
+        opt.zero_grad()
+        opt.backward(model(torch.ones(3, 4)).sum())
+        opt.step()
+    saved = opt.state_dict()
+    assert saved["loss_scale"] == {"scale": 2.0**18, "clean_steps": 1, "overflow_skips": 0}
+    _, fresh = optimizer()
+    fresh.load_state_dict(saved)
+    assert fresh.loss_scale == 2.0**18 and fresh.precision.state_dict() == saved["loss_scale"]
+    assert fresh.optimizer.state_dict()["param_groups"] == opt.optimizer.state_dict()[
+        "param_groups"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_fp16_zero_ranks_agree_to_skip(tmp_path):

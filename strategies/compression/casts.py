@@ -56,6 +56,10 @@ class Compressor:
         """Resume from `state` (a state_dict of the same compression, its tensors already
         where the buckets live)."""
 
+    def rescale(self, factor):
+        """fp16's loss scale changed by `factor`: what the state holds of the gradients
+        follows it (compression/skipped_step.py); nothing for the casts."""
+
     def reduce_bucket(self, key, flat, wire, shapes, allreduce_avg, coll=None):
         """flat := the mean over the ranks of flat (bucket `key`, its tensors of `shapes`
         laid out in order; `wire` a scratch buffer of wire_dtype or None); returns the

@@ -29,6 +29,15 @@ checkpoint held back, and no longer be the run that never stopped.
 import torch
 
 
+def copies(tensors):
+    """{key: a copy of its tensor}: what a compressor's state_dict hands out and its
+    load_state_dict takes in.  The steps add into the residuals in place, so a state
+    handed out by reference (a checkpoint still in memory, fp16's kept state:
+    compression/skipped_step.py) would change with every later step, and one loaded
+    twice would be shared by two compressors."""
+    return {k: v.clone() for k, v in tensors.items()}
+
+
 class ErrorFeedback:
     """The residual of each bucket (keyed by bucket index) of one rank.
 
@@ -57,10 +66,15 @@ class ErrorFeedback:
             acc.sub_(sent)
 
     def state_dict(self):
-        return {"residuals": dict(self.residuals)}
+        return {"residuals": copies(self.residuals)}
 
     def load_state_dict(self, state):
-        self.residuals = dict(state["residuals"])
+        self.residuals = copies(state["residuals"])
+
+    def rescale(self, factor):
+        """Every residual times `factor` (fp16's loss scale changed: skipped_step.py)."""
+        for residual in self.residuals.values():
+            residual.mul_(factor)
 
     def residual(self, key):
         """The residual of `key` now (zeros before its first step); for tests and figures."""

@@ -85,6 +85,9 @@ class Fp8Compressor(Compressor):
     def load_state_dict(self, state):
         self.feedback.load_state_dict(state["feedback"])
 
+    def rescale(self, factor):
+        self.feedback.rescale(factor)
+
     def encode(self, key, flat):
         """Steps 1-4 of `flat` (a bucket, or a slice a push carries: server_buckets.py):
         (its e4m3 values, its scale), what the rounding dropped kept as the residual."""

@@ -38,7 +38,7 @@ import math
 import torch
 
 from .casts import Compressor
-from .error_feedback import ErrorFeedback
+from .error_feedback import ErrorFeedback, copies
 
 
 def as_matrix_shape(shape):
@@ -71,11 +71,16 @@ class PowerSGDCompressor(Compressor):
     def state_dict(self):
         """The residuals and each matrix's warm-start Q: a resumed run that drew its first
         Q again would start its power iteration over (a different P, a different step)."""
-        return {"feedback": self.feedback.state_dict(), "qs": dict(self.qs)}
+        return {"feedback": self.feedback.state_dict(), "qs": copies(self.qs)}
 
     def load_state_dict(self, state):
         self.feedback.load_state_dict(state["feedback"])
-        self.qs = dict(state["qs"])
+        self.qs = copies(state["qs"])
+
+    def rescale(self, factor):
+        """The residuals follow the loss scale; Q need not: P is orthonormalised, so
+        its scale drops out."""
+        self.feedback.rescale(factor)
 
     def plan(self, shapes):
         """[(offset, numel, (n, m) or None)] of a bucket's tensors in their flat order."""

@@ -49,7 +49,7 @@ import torch
 
 from ..config.compress_spec import kept_ratio_at, topk_count
 from .casts import Compressor
-from .error_feedback import ErrorFeedback
+from .error_feedback import ErrorFeedback, copies
 
 
 def select_topk(acc, k):
@@ -92,12 +92,17 @@ class TopKCompressor(Compressor):
     def state_dict(self):
         """The residuals, DGC's velocities and the step whose k comes next (the warm-up's)."""
         return {"step": self.step, "feedback": self.feedback.state_dict(),
-                "velocity": dict(self.velocity)}
+                "velocity": copies(self.velocity)}
 
     def load_state_dict(self, state):
         self.set_step(state["step"])
         self.feedback.load_state_dict(state["feedback"])
-        self.velocity = dict(state["velocity"])
+        self.velocity = copies(state["velocity"])
+
+    def rescale(self, factor):
+        self.feedback.rescale(factor)
+        for velocity in self.velocity.values():
+            velocity.mul_(factor)
 
     def encode(self, key, flat):
         """Steps 1, 2 and 5 of `flat` (a bucket, or a slice a push carries:

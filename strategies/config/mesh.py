@@ -33,7 +33,8 @@ gradient is averaged).  World 4, dp 4, ep 2:
 Context parallelism borrows its ranks from dp too, as torchtitan's ParallelDims does
 (its dp_shard_cp): the first axis of the reshape holds the replicas of the parameters,
 dp x cp of them, cut into context groups of cp consecutive ones.  The ranks of a group
-see the same samples, each a contiguous slice of their positions, and hold the same
+see the same samples, each its T / cp of their positions (--cp-order: one contiguous
+slice, or the zig-zag pair of chunks, parallel/context_order.py), and hold the same
 parameters, so a gradient is averaged over all dp x cp replicas.  World 4, dp 2, cp 2:
 
     replica          0    1    2    3

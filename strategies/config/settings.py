@@ -127,7 +127,11 @@ def with_moe_group(cfg, dp):
     """cfg with --moe-group's default written in at data-parallel size dp: 0 becomes the
     sequences of one forward call of a replica, one micro-batch of its local batch
     (validate.gating_group), so that the records and checkpoints name the gating group
-    in force and the one-process reference can be read off them.  check_world first."""
+    in force.  Without --cp the one-process reference can be read off them: --moe-group
+    that many sequences.  Under --cp a rank gates only its T / cp positions of those
+    sequences (its slice or zig-zag chunks, parallel/context_order.py): a group of
+    moe_group x T / cp tokens, each with a capacity of its own, which no --moe-group of
+    one process over whole sequences reproduces.  check_world first."""
     if cfg.model != "moe" or cfg.moe_group:
         return cfg
     return dataclasses.replace(cfg, moe_group=gating_group(0, cfg.global_batch // dp,

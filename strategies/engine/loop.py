@@ -113,7 +113,7 @@ class StepEngine:
                 sync.step(self.optimizer)
             else:   # every rank holds the same averaged gradients, or `agree` votes
                 self.precision.step(sync.gradients(), lambda: sync.step(self.optimizer),
-                                    sync.agree)
+                                    sync.agree, sync.kept)
         # the loss and fp16's scale, copied to the host behind the update: one wait a step
         read = clock.read(loss, *self.precision.scalars())
         t3 = clock.mark()

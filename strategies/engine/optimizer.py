@@ -109,10 +109,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     A torch.optim.Optimizer for LR schedulers and checkpoints: param_groups and state
     are the wrapped optimizer's own; state_dict is the wrapped optimizer's, plus, under
-    "data_parallel", what this rank's sync holds beyond the model and the optimizer
-    (a lossy compressor's residuals, ZeRO-3's shards, mixed precision's fp32 masters),
-    so that a resumed loop goes on exactly where it stopped.  Under ps and hybrid the
-    servers hold the parameters and their optimizer state, and checkpoint them."""
+    "data_parallel", what this rank's sync holds beyond the model and the optimizer (a
+    lossy compressor's residuals, warm starts, velocities and step: each rank's own),
+    and under "loss_scale" fp16's scale and its counters, so that a resumed loop goes on
+    exactly where it stopped.  (The parameters stay fp32 under every precision, the
+    master weights: there is no master copy or shard beside them.)  Under ps and hybrid
+    the servers hold the parameters and their optimizer state, and checkpoint them; the
+    push compressor's state is the workers' and stays in "data_parallel"."""
 
     def __init__(self, optimizer, model, sync="ring", comm=None, *, transport=None, role=None,
                  **settings):
@@ -201,19 +204,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.optimizer.defaults
 
     def state_dict(self):
+        """The wrapped optimizer's state_dict, plus "data_parallel": this rank's sync's
+        own state where it holds any (module docstring), and "loss_scale": fp16's scale
+        and its counters.  Under ps and hybrid the servers hold the parameters and the
+        optimizer's state, in their own files: "data_parallel" is then the push
+        compressor's state alone (the servers are not asked to checkpoint)."""
         state = self.optimizer.state_dict()
-        if self.options.sync in PS_SYNCS:  # the servers hold the state, in their own files
-            return state
-        mine = self.sync.state_dict()      # per rank: save each rank's, as torch's DCP does
+        # per rank: save each rank's, as torch's DCP does
+        mine = self.sync.workers_state_dict() if self.options.sync in PS_SYNCS else \
+            self.sync.state_dict()
         if mine:
             state["data_parallel"] = mine
+        scaling = self.precision.state_dict()
+        if scaling:
+            state["loss_scale"] = scaling
         return state
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         mine = state_dict.pop("data_parallel", {})
+        self.precision.load_state_dict(state_dict.pop("loss_scale", {}))
         self.optimizer.load_state_dict(state_dict)
-        if mine:
+        if mine and self.options.sync in PS_SYNCS:
+            self.sync.load_workers_state_dict(mine)
+        elif mine:
             self.sync.load_state_dict(mine)
 
     def add_param_group(self, group):
@@ -265,7 +279,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.sync.step(self.optimizer)
         else:
             self.precision.step(self.sync.gradients(), lambda: self.sync.step(self.optimizer),
-                                self.sync.agree)
+                                self.sync.agree, self.sync.kept)
         self._synchronized = False
         self._step += 1
         return loss

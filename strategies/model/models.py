@@ -151,9 +151,15 @@ class PositionEmbedding(nn.Embedding):
     positions = None
 
     def of_length(self, T, device):
-        at = torch.arange(T, device=device) if self.positions is None else \
-            self.positions.to(device)
-        return self(at)
+        if self.positions is None:
+            return self(torch.arange(T, device=device))
+        # the embeddings broadcast over the batch: a length that does not match would
+        # broadcast too (T = 1), each token at a wrong position
+        if len(self.positions) != T:
+            raise ValueError(f"{T} tokens against this rank's {len(self.positions)} "
+                             f"positions: a cp rank holds seq_len / cp tokens of each "
+                             f"sequence (parallel/context_order.py)")
+        return self(self.positions.to(device))
 
 
 class GPT(nn.Module):

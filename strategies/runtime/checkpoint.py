@@ -47,7 +47,7 @@ bounded by --timeout like every wait of the run: waits.py).
 
 A file knows itself: it carries the run's id and layout (the degrees, the blocks
 of each pipeline stage: a stage's file numbers its layers from its own first, so a
-run cut 3, 2, 2 must not read a set cut 2, 3, 2; and --compress: topk's residuals
+run cut 3, 2, 2 must not read a set cut 2, 3, 2; and a lossy --compress: topk's residuals
 are no warm start of PowerSGD, and a run with another compression would not be the
 run that never stopped), the step, the writing
 rank's coordinates (rank, dp, pp, tp, cp, expert group and ep rank, ZeRO shard) and a
@@ -61,7 +61,7 @@ before training: its file's digest against its contents (a flipped byte), its
 rank, coordinates, step and run against the manifest (a swapped, copied, torn or
 foreign file), the digest against the manifest's (a file of another set); any
 mismatch is one line naming the file, on every rank, exit 2.  So is another layout
-(another --compress too), named on both sides, in either layout of the files.
+(another lossy --compress too), named on both sides, in either layout of the files.
 
 Which set --resume takes (a split run): the newest folder with a manifest.  A
 folder without one is a set whose writing was stopped (a kill between the ranks'
@@ -101,7 +101,8 @@ MANIFEST = "manifest.json"      # in a split run's set folder, written last
 SET_PREFIX = "step-"            # a split run's set of step S: DIR/step-<S>/
 # what a run must share with the run it resumes: each rank's file holds its share
 # (pp_layers: the blocks of each stage, which the trainer writes into its config;
-# compress: a lossy compressor's state is each rank's own, of that compression)
+# compress: a lossy compressor's state is each rank's own, of that compression; the
+# casts keep none, layout_of leaves them out)
 LAYOUT = ("dp", "pp", "tp", "ep", "zero", "virtual_stages", "sequence_parallel", "pp_layers",
           "cp", "compress")
 # left out of a layout where they hold their default, so that a set written before
@@ -204,9 +205,20 @@ def save(cfg, ctx, step, engine, run_id):
 
 
 def layout_of(cfg):
-    """The settings a run's shares depend on; cp and compress only where they are set
-    (UNSET)."""
-    return {k: getattr(cfg, k) for k in LAYOUT if getattr(cfg, k) != UNSET.get(k, ())}
+    """The settings a run's shares depend on; cp only where it is set (UNSET), compress
+    only where it is lossy (the test sharded() makes): a cast (fp16, bf16) keeps no
+    state, so a run may resume under another cast or none, and a layout without the key
+    is a run without a lossy compressor, written before or after the key existed."""
+    layout = {k: getattr(cfg, k) for k in LAYOUT if getattr(cfg, k) != UNSET.get(k, ())}
+    return without_casts(layout)
+
+
+def without_casts(layout):
+    """`layout` without a compress that keeps no state (a cast): what layout_of writes,
+    and how a stored layout is read, whoever wrote it (a set may name its cast)."""
+    if "compress" in layout and not parse_compress(layout["compress"]).lossy:
+        layout = {k: v for k, v in layout.items() if k != "compress"}
+    return layout
 
 
 def differing(layout, other):
@@ -351,6 +363,8 @@ def load(path):
         raise ConfigError(f"--resume: {path} is damaged: the sha256 of its contents is not "
                           f"the one it was written with ({str(stored)[:12]}...)", field="resume")
     state["digest"] = stored
+    if isinstance(state.get("layout"), dict):
+        state["layout"] = without_casts(state["layout"])
     return state
 
 
@@ -486,6 +500,8 @@ def read_manifest(cfg, step):
     if not whole:
         raise ConfigError(f"--resume: {path} is damaged: its sha256 is not the one it was "
                           f"written with", field="resume")
+    if isinstance(manifest.get("layout"), dict):
+        manifest["layout"] = without_casts(manifest["layout"])
     return manifest
 
 

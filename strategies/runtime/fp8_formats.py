@@ -26,19 +26,26 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 
 def scale_of(amax, fp8):
     """s = FP8_MAX / amax as a float32 tensor on amax's device, Transformer Engine's rule
-    (its compute_scale_from_amax): 1 where amax is 0 (q is zeros whatever s is, and 1 is
-    a scale every reader takes: the servers refuse one that is not finite and positive,
-    psrv/protocol.py), float32's largest where the quotient overflows (amax below
-    FP8_MAX / 3.4e38, about 1e-36: an infinite s would turn t * s into inf and NaN)."""
+    (its compute_scale_from_amax): 1 where amax is 0, inf or NaN (q is zeros or not
+    finite whatever s is, and 1 is a scale every reader takes: the servers refuse one
+    that is not finite and positive, psrv/protocol.py; an inf amax would give s = 0,
+    and q / s NaN even where t was finite), float32's largest where the quotient
+    overflows (amax below FP8_MAX / 3.4e38, about 1e-36: an infinite s would turn t * s
+    into inf and NaN)."""
     amax = amax.float()
-    return torch.where(amax > 0, (FP8_MAX[fp8] / amax).clamp(max=FLOAT32_MAX),
-                       torch.ones_like(amax))
+    return torch.where(torch.isfinite(amax) & (amax > 0),
+                       (FP8_MAX[fp8] / amax).clamp(max=FLOAT32_MAX), torch.ones_like(amax))
 
 
 def cast(t, scale, fp8):
     """fp8(t * s), saturating: float32's rounding of t * s may land just past the
-    format's largest value, where e5m2's cast gives inf (and e4m3fn has none)."""
-    return (t.float() * scale).clamp(-FP8_MAX[fp8], FP8_MAX[fp8]).to(fp8)
+    format's largest value, where e5m2's cast gives inf (and e4m3fn has none).  What
+    was not finite stays so (NaN): torch's cast to e4m3fn would saturate an inf to 448,
+    and a gradient's overflow would travel on as a finite value that fp16's vote
+    (runtime/precision.py) never sees."""
+    scaled = t.float() * scale
+    return torch.where(scaled.isfinite(), scaled.clamp(-FP8_MAX[fp8], FP8_MAX[fp8]),
+                       float("nan")).to(fp8)
 
 
 def quantize(t, fp8):

@@ -104,22 +104,27 @@ class MixedPrecision:
         out, grad = outputs_and_grads
         torch.autograd.backward([out, scaled], [grad, torch.ones_like(scaled)])
 
-    def step(self, grads, update, agree=None):
+    def step(self, grads, update, agree=None, kept=None):
         """Steps 4-5 on the synchronised `grads`: skip (fp16 overflow) or unscale them
         and run `update()`.  agree(found_inf) -> found_inf: every rank's vote (ZeRO's
         shards), over a one-element tensor (a bool on the host's path); None where
-        every rank holds the same gradients.  Returns whether it stepped: a bool, or
-        on the device's path a bool tensor (reading it is a host read, the caller's)."""
+        every rank holds the same gradients.  kept: the sync's lossy compressor's state
+        of the step's start (compression/skipped_step.py), told the vote's outcome, or
+        None.  Returns whether it stepped: a bool, or on the device's path a bool tensor
+        (reading it is a host read, the caller's; kept's, where there is one)."""
         if self.scaler is None:
             update()
             return True
         if isinstance(self.scaler, DeviceLossScaler):
-            return self._device_step(grads, update, agree)
+            return self._device_step(grads, update, agree, kept)
         overflow = self.scaler.overflowed(grads)
         if agree is not None:
             overflow = bool(agree(overflow))
         scale = self.scaler.scale
-        if not self.scaler.update(overflow):
+        stepped = self.scaler.update(overflow)
+        if kept is not None:
+            kept.decided(stepped, self.scaler.scale / scale)
+        if not stepped:
             return False
         with torch.no_grad():
             for g in grads:
@@ -128,7 +133,7 @@ class MixedPrecision:
         update()
         return True
 
-    def _device_step(self, grads, update, agree):
+    def _device_step(self, grads, update, agree, kept):
         """loss_scaling.py's steps 1-4: no host read where the optimizers allow."""
         with torch.no_grad():
             found_inf = self.scaler.unscale(grads)          # unscaled even where skipped
@@ -140,8 +145,12 @@ class MixedPrecision:
                 found_inf.copy_(voted)
         with SkipWhereFound(found_inf):
             update()
+        before = self.scaler.multiplier.clone() if kept is not None else None
         self.scaler.update(found_inf)
-        return found_inf.view(()) == 0
+        stepped = found_inf.view(()) == 0
+        if kept is not None:                                # a host read
+            kept.decided(stepped, self.scaler.multiplier / before)
+        return stepped
 
     def state_dict(self):
         """fp16's loss scale and counters, for checkpoints ({} without a scaler)."""

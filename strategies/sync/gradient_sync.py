@@ -158,6 +158,9 @@ class GradientSync:
     # ranks hold different gradients at the check (ps: each its own, pushed after it);
     # None where every rank holds the same averaged gradients
     agree = None
+    # fp16 with a lossy compressor: its state of the step's start, put back where the
+    # vote skips the step (compression/skipped_step.py's KeptState); None elsewhere
+    kept = None
     # whether step unscales fp16's gradients and skips an overflow itself (16-bit
     # buffers, the servers' deferred pushes); else the loop does (precision.step)
     scales_itself = False

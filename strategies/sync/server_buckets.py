@@ -349,13 +349,21 @@ class ServerBuckets(ZeRO):
         the servers never see)."""
         if self.comms.rank == 0:
             self.client.checkpoint(self.next_step)
-        state = {"servers_step": self.next_step}
-        if self.push_compressor is not None:
-            state["compressor"] = self.push_compressor.state_dict()
-        return state
+        return {"servers_step": self.next_step, **self.workers_state_dict()}
 
     def load_state_dict(self, state):
         check_servers_step(self.start_step, state)
+        self.load_workers_state_dict(state)
+
+    def workers_state_dict(self):
+        """What this worker holds that the servers never see, without asking them to
+        checkpoint (DistributedOptimizer's state_dict, whose user saves the servers' part
+        their own way): the push compressor's state, or {}."""
+        if self.push_compressor is None:
+            return {}
+        return {"compressor": self.push_compressor.state_dict()}
+
+    def load_workers_state_dict(self, state):
         if self.push_compressor is not None:   # loaded on the host, where pushes encode
             self.push_compressor.load_state_dict(state["compressor"])
 

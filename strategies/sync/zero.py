@@ -74,6 +74,7 @@ import torch.nn as nn
 from allreduce.torch_world import under_torchrun
 
 from ..compression.casts import Compressor
+from ..compression.skipped_step import kept_state
 from ..runtime.checkpoint import on_device
 from ..runtime.memory import optimizer_tensors, state_bytes
 from ..runtime.precision import MixedPrecision, any_rank
@@ -192,6 +193,7 @@ class ZeRO(GradientSync):
         self.peak_gathered_bytes = 0
         self.thread_coll = thread_coll or coll
         self.compressor = compressor or Compressor()
+        self.kept = kept_state(cfg, self.compressor)      # fp16's skips, undone in it
         # --reduce-precision fp32: 16-bit buckets are reduced as fp32 (Megatron-LM's
         # grad_reduce_in_fp32): twice the bytes, no 16-bit rounding in the sum
         self.reduce_fp32 = cfg.reduce_precision == "fp32"
@@ -352,7 +354,7 @@ class ZeRO(GradientSync):
             optimizer.step()
             for unit in self.units:
                 unit.master_step_done()
-        return self.precision.step(grads, update, self.agree)
+        return self.precision.step(grads, update, self.agree, self.kept)
 
     # ------------------------------------------------------ what it holds
     def state_bytes(self, optimizer):
@@ -422,6 +424,7 @@ class ZeRO(GradientSync):
     def load_state_dict(self, state):
         if "compressor" in state:       # back where the buckets' gradients live
             self.compressor.load_state_dict(on_device(state["compressor"], self.device))
+            self.kept = kept_state(self.cfg, self.compressor)
         with torch.no_grad():
             for unit, shard in zip(self.units, state.get("shards", [])):
                 unit.shard.copy_(shard)

@@ -3,6 +3,7 @@
     mpiexec -n 3 python -m mpi4py tests/mpi/distributed_optimizer.py equivalence
     mpiexec -n 3 python -m mpi4py tests/mpi/distributed_optimizer.py subcomm
     mpiexec -n 3 python -m mpi4py tests/mpi/distributed_optimizer.py errors
+    mpiexec -n 3 python -m mpi4py tests/mpi/distributed_optimizer.py fp16_skip
     torchrun --standalone --nproc-per-node 2 tests/mpi/distributed_optimizer.py torchrun
 
 Every rank starts from its own random weights; the optimizer must broadcast
@@ -192,6 +193,30 @@ def resumed_loop(comm, compress, stop):
     return model.state_dict(), saved.get("opt", {})
 
 
+def push_compressor_state(role):
+    """Under ps the servers keep the parameters, yet each worker's push compressor holds
+    residuals the servers never see: the optimizer's state_dict carries them (without
+    asking the servers to checkpoint: they have no --checkpoint-dir here), and
+    load_state_dict takes them back."""
+    model = UserNet(5)
+    with strategies.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=LR), model, sync="ps", role=role,
+            compress="topk:0.1", bucket_mb=0.001) as opt:
+        for step in range(2):
+            x, y = batch(step)
+            opt.zero_grad()
+            F.cross_entropy(model(shard(x, opt.rank, opt.size)),
+                            shard(y, opt.rank, opt.size)).backward()
+            opt.step()
+        saved = opt.state_dict()
+        opt.load_state_dict(saved)
+        again = opt.state_dict()
+    residuals = saved["data_parallel"]["compressor"]["feedback"]["residuals"]
+    assert residuals and any(r.abs().sum() > 0 for r in residuals.values()), saved
+    assert all(torch.equal(again["data_parallel"]["compressor"]["feedback"]["residuals"][k],
+                           r) for k, r in residuals.items())
+
+
 def errors(world):
     """Each bad argument raises on every rank; one line per rank and case."""
     from mpi4py import MPI
@@ -230,6 +255,71 @@ def errors(world):
             say(f"rank {rank} error {case}: none raised")
 
 
+POISONED = 3          # fp16_skip: the step whose loss one rank multiplies by inf
+
+
+def fp16_skip(world):
+    """fp16 with a lossy compressor: one rank's step-3 loss times inf gives it inf and
+    NaN gradients, which its buckets compress during backward, before the vote; the
+    others' finite buckets move their compressors' state too.  The vote skips the step
+    on every rank, the compressors' state goes back to the step's start, and the run
+    ends where the run that never took step 3 ends.  Over the ring (3 ranks: topk,
+    powersgd, fp8) and under ps (2 workers, 1 server: topk, whose pushes wait for the
+    vote).  Then the push compressor's state through the optimizer's state_dict under ps
+    (push_compressor_state)."""
+    rank = world.rank
+    for compress in ("topk:0.2", "powersgd:1", "fp8"):
+        skipped = skipping_run(range(6), sync="ring", comm=world, compress=compress)
+        never = skipping_run([0, 1, 2, 4, 5], sync="ring", comm=world, compress=compress)
+        compare(skipped, never, f"rank {rank} fp16 skip ring {compress}")
+    runs = []
+    for steps in (range(6), [0, 1, 2, 4, 5]):
+        role = strategies.ps_roles(servers=1, comm=world)
+        if role.is_server:
+            role.serve()
+        else:
+            runs.append(skipping_run(steps, sync="ps", role=role, compress="topk:0.2"))
+    if runs:
+        compare(*runs, f"rank {rank} fp16 skip ps topk:0.2")
+    role = strategies.ps_roles(servers=1, comm=world)
+    if role.is_server:
+        role.serve()
+    else:
+        push_compressor_state(role)
+        say(f"rank {rank} ps topk state: ok")
+
+
+def skipping_run(steps, **kwargs):
+    """(parameters, skips) after `steps` of fp16 at a scale of 2^10, the last rank's loss
+    of step POISONED times inf."""
+    model = UserNet(7)
+    with strategies.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=LR), model, precision="fp16",
+            loss_scale=1024.0, loss_scale_window=1000, bucket_mb=0.001, **kwargs) as opt:
+        for step in steps:
+            x, y = batch(step)
+            opt.zero_grad()
+            with opt.autocast():
+                loss = F.cross_entropy(model(shard(x, opt.rank, opt.size)).float(),
+                                       shard(y, opt.rank, opt.size))
+            poisoned = step == POISONED and opt.rank == opt.size - 1
+            opt.backward(loss * float("inf") if poisoned else loss)
+            opt.step()
+        return {k: v.clone() for k, v in model.state_dict().items()}, opt.overflow_skips
+
+
+def compare(skipped, never, label):
+    """rtol 1e-6: the runs' scales differ by a power of two (2^9 after the skip, 2^10),
+    which the unscaling undoes exactly; an inf kept in a residual makes every later
+    step overflow, and a residual of the wrong scale moves the weights by ~1e-2."""
+    (got, skips), (want, none) = skipped, never
+    assert (skips, none) == (1, 0), (label, skips, none)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name].numpy(), value.numpy(), rtol=1e-6, atol=1e-7,
+                                   err_msg=f"{label}: {name}")
+    say(f"{label}: ok")
+
+
 def wrap(model):
     return strategies.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
 
@@ -256,4 +346,5 @@ if __name__ == "__main__":
         under_torchrun()
     else:
         from mpi4py import MPI
-        {"equivalence": equivalence, "subcomm": subcomm, "errors": errors}[mode](MPI.COMM_WORLD)
+        {"equivalence": equivalence, "subcomm": subcomm, "errors": errors,
+         "fp16_skip": fp16_skip}[mode](MPI.COMM_WORLD)
