@@ -220,6 +220,25 @@ def test_the_sync_tells_the_step_and_a_resumed_run_goes_on_from_it():
     assert plain.state_dict() == {}
 
 
+BUCKET_SHAPES = [(12, 10), (12,)]          # one bucket of a weight and a bias: 132 values
+
+
+def bucket_gradients(seed, steps=6):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(132, generator=gen) for _ in range(steps)]
+
+
+def sent(compressor, grads, steps):
+    """What the compressor's one bucket holds after each of `steps` (its gradient given)."""
+    out = []
+    for step in steps:
+        flat = grads[step].clone()
+        compressor.set_step(step)
+        compressor.reduce_bucket(0, flat, None, BUCKET_SHAPES, identity)
+        out.append(flat)
+    return out
+
+
 @pytest.mark.parametrize("compress, momentum", [("topk:0.1", 0.0), ("topk:0.1", 0.9),
                                                 ("powersgd:2", 0.0), ("fp8", 0.0)])
 def test_a_compressor_resumed_from_its_state_goes_on_as_if_never_stopped(compress, momentum):
@@ -227,45 +246,34 @@ def test_a_compressor_resumed_from_its_state_goes_on_as_if_never_stopped(compres
     compressor send what the old one would have, bit for bit: the residuals (which hold
     everything the first steps held back), PowerSGD's warm-start Q, DGC's velocity.
     A fresh one (all zero, a new first Q) sends something else."""
-    shapes = [(12, 10), (12,)]
-    gen = torch.Generator().manual_seed(3)
-    grads = [torch.randn(132, generator=gen) for _ in range(6)]
+    grads = bucket_gradients(3)
 
     def make():
         return build_compressor(compress, OneRank(), momentum=momentum)
 
-    def run(compressor, steps):
-        out = []
-        for step in steps:
-            flat = grads[step].clone()
-            compressor.set_step(step)
-            compressor.reduce_bucket(0, flat, None, shapes, identity)
-            out.append(flat)
-        return out
-
     whole, first = make(), make()
-    expected = run(whole, range(6))
-    run(first, range(3))
+    expected = sent(whole, grads, range(6))
+    sent(first, grads, range(3))
     saved = io.BytesIO()
     torch.save(first.state_dict(), saved)
     saved.seek(0)
     resumed = make()
     resumed.load_state_dict(torch.load(saved, weights_only=True))
-    for got, want in zip(run(resumed, range(3, 6)), expected[3:]):
+    for got, want in zip(sent(resumed, grads, range(3, 6)), expected[3:]):
         assert torch.equal(got, want)
-    assert not torch.equal(run(make(), [3])[0], expected[3])
+    assert not torch.equal(sent(make(), grads, [3])[0], expected[3])
 
 
 def test_a_state_dict_is_a_copy_that_later_steps_leave_alone():
     """What state_dict hands out, and what load_state_dict took in, are copies: later
     steps add into the live residuals in place, not into a state kept in memory."""
     compressor = build_compressor("powersgd:2", OneRank())
-    compressor.reduce_bucket(0, torch.randn(132), None, [(12, 10), (12,)], identity)
+    compressor.reduce_bucket(0, torch.randn(132), None, BUCKET_SHAPES, identity)
     saved = compressor.state_dict()
     frozen = io.BytesIO()
     torch.save(saved, frozen)
     compressor.load_state_dict(saved)
-    compressor.reduce_bucket(0, torch.randn(132), None, [(12, 10), (12,)], identity)
+    compressor.reduce_bucket(0, torch.randn(132), None, BUCKET_SHAPES, identity)
     frozen.seek(0)
     before = torch.load(frozen, weights_only=True)
     assert torch.equal(saved["feedback"]["residuals"][0], before["feedback"]["residuals"][0])
@@ -279,31 +287,21 @@ def test_a_skipped_steps_bucket_leaves_no_trace_once_the_state_is_back(compress,
     not finite (so that the vote sees it), and once KeptState puts the state of the
     step's start back, the next steps send bit for bit what they send from that state."""
     from strategies.compression.skipped_step import KeptState
-    shapes = [(12, 10), (12,)]
-    gen = torch.Generator().manual_seed(4)
-    grads = [torch.randn(132, generator=gen) for _ in range(6)]
+    grads = bucket_gradients(4)
 
     def make():
         return build_compressor(compress, OneRank(), momentum=momentum)
 
-    def run(compressor, steps):
-        out = []
-        for step in steps:
-            flat = grads[step].clone()
-            compressor.reduce_bucket(0, flat, None, shapes, identity)
-            out.append(flat)
-        return out
-
     skipping, clean = make(), make()
-    run(skipping, range(3))
-    run(clean, range(3))
+    sent(skipping, grads, range(3))
+    sent(clean, grads, range(3))
     kept = KeptState(skipping)
     bad = grads[3].clone()
     bad[7] = float("inf")
-    skipping.reduce_bucket(0, bad, None, shapes, identity)
+    skipping.reduce_bucket(0, bad, None, BUCKET_SHAPES, identity)
     assert not torch.isfinite(bad).all()
     kept.decided(False)
-    for got, want in zip(run(skipping, range(4, 6)), run(clean, range(4, 6))):
+    for got, want in zip(sent(skipping, grads, range(4, 6)), sent(clean, grads, range(4, 6))):
         assert torch.equal(got, want)
 
 
