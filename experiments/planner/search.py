@@ -18,8 +18,9 @@ the same list, each with its test):
         divide a replica's share B / dp (m = B / (dp b) micro-batches);
     cp that does not divide the sequence (each cp rank holds an equal slice of its
         positions); Ulysses with cp not dividing a tp rank's heads (it splits
-        whole heads); cp beside ep (both are carved out of the replicas; the
-        trainer refuses it too);
+        whole heads); cp with a mixture of experts (the trainer runs it, its
+        expert groups cut out of the dp x cp replicas, but no published run or
+        --verify has checked the step's pricing of it: not searched);
     the interleaved schedule without a pipeline, with more chunks v than a stage's
         layers (each chunk holds one at least, but for the first and the last
         stage's chunk of the embedding or the head alone: stages.max_chunks; where v
