@@ -454,7 +454,7 @@ def probe(d_model, heads, seq_len, batches, threads, device="cpu", link=False, t
     groups = ring_groups(world, tp_sizes)
     # where the ranks make two groups of t at least, the ranks t apart: a context
     # group's or ZeRO-3's replicas beside tp (6.)
-    across = ring_groups(world, [t for t in tp_sizes if world >= 2 * t], apart=True)
+    across = ring_groups(world, [t for t in tp_sizes if world.size >= 2 * t], apart=True)
     sizes = {b: SizeProbe(world, d_model, heads, seq_len, b, device, pair, groups, replays,
                           shape, vocab, across) for b in batches}
     # All compute at once, as in the run, for SHARED_S at least: a block of a small
