@@ -19,8 +19,9 @@ resumed run's records in --jsonl belong to the run they continue.
 
 Its files, each importing only those above it:
 
-    paths.py      where a run's files live: checkpoint.pt, or a set folder step-<S>/ of
-                  rank-R.pt files and a manifest.json; the servers' ps/; who writes which
+    paths.py      where a run's files live (checkpoint.pt, or a set folder step-<S>/ of
+                  rank-R.pt files and a manifest.json, and the servers' shards), and
+                  who writes which
     layout.py     what a run must share with the run it resumes, and a rank's coordinates
     rank_file.py  one rank's file: its state, its sha256, written atomically, loaded back
     sets.py       save: every rank's file, then a split run's manifest, last; pruning; the

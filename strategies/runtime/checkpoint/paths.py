@@ -10,7 +10,8 @@ Two layouts of the files:
                        tp piece, a ZeRO shard, its experts, its own residuals), so
                        each writes and reads its own; the set of step S is a folder,
                        and its manifest, written last, names every file (sets.py)
-    ps/                --sync ps or hybrid: the servers' shards (psrv/checkpoints.py)
+    ps/shardI-of-N-steps.npz   --sync ps or hybrid: the servers' shards, beside
+                       either layout (psrv/checkpoints.py)
 
 Context parallelism (--cp) changes neither layout.  The ranks of a context group hold
 the same parameters, but not always the same state: ZeRO and the experts' replicas
