@@ -43,6 +43,7 @@ built), mpi_roles(await_keys=True) makes the servers wait for them:
 
 Without either, as from a shell, the queue holds 8.
 """
+import logging
 import os
 import select
 import shutil
@@ -59,6 +60,7 @@ from allreduce.records import checkout_pythonpath
 from .link import PSError
 from .placement import DEFAULT_SLICE_BYTES, Placement
 
+log = logging.getLogger("psrv.launch")
 # Besides its pushes and pulls, a worker may have a few control messages to a shard in
 # flight in a step (STATS, CHECKPOINT, BYE or ABORT).
 CONTROL_MESSAGES = 4
@@ -80,8 +82,8 @@ class Role:
     def serve(self):
         """A server rank: serve until every worker has closed (under await_keys, first
         wait for the workers' keys and bind)."""
-        if self.server.listener is None:
-            self.keys_first.listen(self.server)
+        if self.server.listener is None and not self.keys_first.listen(self.server):
+            return                       # stopped by a signal before the keys came
         self.server.serve()
 
     def declare(self, shapes, timeout):
@@ -120,8 +122,19 @@ class KeysFirst:
         return [replies[s][0] for s in self.servers]
 
     def listen(self, server):
-        """A server: wait for the keys (within the server's join_timeout), bind, answer."""
-        shapes = self._receive([0], server.join_timeout, "the workers' keys")[0]
+        """A server: wait for the keys (within the server's join_timeout), bind, answer.
+        False if SIGINT/SIGTERM came first: there is nothing to serve or save yet."""
+        restore = server.catch_signals()
+        try:
+            got = self._receive([0], server.join_timeout, "the workers' keys",
+                                stopped=lambda: server.stop_signal is not None)
+        finally:
+            restore()
+        if got is None:
+            log.warning("shard %d: %s before the workers declared their keys: nothing to "
+                        "serve", server.shard_id, signal.Signals(server.stop_signal).name)
+            return False
+        shapes = got[0]
         endpoint, why = None, None
         try:
             counted = step_messages(shapes, server.num_shards, self.slice_bytes)
@@ -134,11 +147,15 @@ class KeysFirst:
         self.comm.Free()
         if why:
             raise RuntimeError(f"shard {server.shard_id} could not bind: {why}")
+        return True
 
-    def _receive(self, sources, timeout, what):
-        """{source: its message}, polled until every source's came or `timeout` s passed."""
+    def _receive(self, sources, timeout, what, stopped=lambda: False):
+        """{source: its message}, polled until every source's came or `timeout` s passed;
+        None once stopped() says so."""
         got, deadline = {}, time.monotonic() + timeout
         while len(got) < len(sources):
+            if stopped():
+                return None
             for s in sources:
                 if s not in got:
                     msg = self.comm.improbe(source=s, tag=KEYS_TAG)

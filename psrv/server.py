@@ -158,7 +158,7 @@ class Server:
         for s in self.listener.sockets():
             poller.register(s, zmq.POLLIN)
         tick = max(0.01, min(0.1, self.worker_timeout / 4))
-        restore = self._catch_signals()
+        restore = self.catch_signals()
         try:
             while not self.finished() and not self.stopping():
                 for s, _ in poller.poll(tick * 1000):
@@ -208,7 +208,7 @@ class Server:
             self.trim_at = None
             heap.trim()
 
-    def _catch_signals(self):
+    def catch_signals(self):
         """SIGINT/SIGTERM end the loop at its next turn (only the main thread may catch);
         draining, the first one only counts (stopping)."""
         if threading.current_thread() is not threading.main_thread():
