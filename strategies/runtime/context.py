@@ -178,7 +178,7 @@ def nccl_gpu_conflict(host, gpus, visible):
 def ps_checkpoint_options(cfg, comm):
     """With --checkpoint-dir the servers save their shards (parameters and optimizer
     state) under DIR/ps when the workers ask, as parts of a checkpoint set
-    (checkpoint.py); a signal makes them serve on until the workers have written the
+    (checkpoint/resume.py); a signal makes them serve on until the workers have written the
     set of the step they stop at ("drain").  --resume: rank 0 (a worker) picks the set,
     every rank says so if it is not the newest on disk, and every server loads its part
     (collective over `comm`; every rank raises the same ConfigError if there is none)."""
