@@ -26,12 +26,24 @@ random port, and the endpoints are exchanged with one allgather:
 `start_local_servers` runs (b) on this machine on Unix sockets (ipc://) in a private
 directory, or random loopback ports (tests, bench).
 
-A launcher that knows the keys before the servers start (shapes=, the name -> shape
-table the workers' Client.init declares) tells each shard how many messages a worker
-sends it in a step (step_messages): the shard sizes its receive queue by that, within
-[8, 64], before it binds (server.receive_hwm), and never changes it.  Without shapes, as
-from a shell, the queue holds 8.
+Each shard sizes its receive queue by how many messages a worker sends it in a step
+(step_messages, counted from the keys: the name -> shape table the workers' Client.init
+declares), within [8, 64], before it binds (server.receive_hwm), and never changes it.
+A launcher that knows the keys before the servers start passes them (shapes=).  Where
+the workers learn their keys only later (a trainer's buckets exist once its model is
+built), mpi_roles(await_keys=True) makes the servers wait for them:
+
+    role = mpi_roles(comm, num_servers=S, await_keys=True)
+    if role.is_server:
+        role.serve()                   # waits for the keys, binds, then serves
+    else:
+        ...                            # build the model, cut its buckets: shapes
+        role.declare(shapes, timeout)  # every worker; now role.endpoints is known
+        client = psrv.Client(role.endpoints, ...)
+
+Without either, as from a shell, the queue holds 8.
 """
+import logging
 import os
 import select
 import shutil
@@ -40,29 +52,130 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 from allreduce.records import checkout_pythonpath
 
+from .link import PSError
 from .placement import DEFAULT_SLICE_BYTES, Placement
 
+log = logging.getLogger("psrv.launch")
 # Besides its pushes and pulls, a worker may have a few control messages to a shard in
 # flight in a step (STATS, CHECKPOINT, BYE or ABORT).
 CONTROL_MESSAGES = 4
+# The tag of the keys' and the endpoints' messages (KeysFirst), on a communicator of their own
+KEYS_TAG = 7
 
 
 @dataclass
 class Role:
     is_server: bool
-    endpoints: list
+    endpoints: list                  # None until declare() under await_keys
     num_workers: int
     worker_id: int = None            # None on server ranks
     worker_comm: object = None       # the workers' sub-communicator; None on server ranks
     server: object = field(default=None, repr=False)   # a server.Server on server ranks
     keys: object = field(default=None, repr=False)     # a worker's keys.ClientKeys, off loopback
+    keys_first: object = field(default=None, repr=False)   # a KeysFirst under await_keys
 
     def serve(self):
+        """A server rank: serve until every worker has closed (under await_keys, first
+        wait for the workers' keys and bind)."""
+        if self.server.listener is None and not self.keys_first.listen(self.server):
+            return                       # stopped by a signal before the keys came
         self.server.serve()
+
+    def declare(self, shapes, timeout):
+        """Every worker rank, with the same shapes (name -> shape, every key of every
+        worker): under await_keys the servers bind for them and role.endpoints is set;
+        else nothing to do.  Raises TimeoutError naming the silent servers after
+        `timeout` s, PSError with a server's own error if one could not bind."""
+        if self.endpoints is None:
+            self.endpoints = self.keys_first.declare(shapes, timeout)
+        return self.endpoints
+
+
+class KeysFirst:
+    """The servers bind once the workers know their keys: rank 0 (a worker) sends the
+    key table to every server, each server binds with a receive queue of one step of a
+    worker (step_messages) and sends its endpoint, or why it could not bind, to every
+    worker.  Point to point on a duplicate of the communicator, each wait polled against
+    a deadline, so that a rank that never comes is named instead of waited for."""
+
+    def __init__(self, comm, workers, bind_host, slice_bytes):
+        self.comm = comm.Dup()               # collective: in mpi_roles, on every rank
+        self.workers, self.bind_host, self.slice_bytes = workers, bind_host, slice_bytes
+        self.servers = list(range(workers, comm.Get_size()))
+
+    def declare(self, shapes, timeout):
+        """A worker: the keys to the servers (rank 0 sends them), their endpoints back."""
+        sends = [self.comm.isend(shapes, dest=s, tag=KEYS_TAG) for s in self.servers] \
+            if self.comm.Get_rank() == 0 else []
+        replies = self._receive(self.servers, timeout, "the servers' endpoints")
+        for r in sends:
+            r.wait()
+        self.comm.Free()                     # every message of the exchange is in
+        problems = [f"server rank {s}: {why}" for s, (_, why) in replies.items() if why]
+        if problems:
+            raise PSError("; ".join(problems))
+        return [replies[s][0] for s in self.servers]
+
+    def listen(self, server):
+        """A server: wait for the keys (within the server's join_timeout), bind, answer.
+        False if SIGINT/SIGTERM came first: there is nothing to serve or save yet."""
+        restore = server.catch_signals()
+        try:
+            got = self._receive([0], server.join_timeout, "the workers' keys",
+                                stopped=lambda: server.stop_signal is not None)
+        finally:
+            restore()
+        if got is None:
+            log.warning("shard %d: %s before the workers declared their keys: nothing to "
+                        "serve", server.shard_id, signal.Signals(server.stop_signal).name)
+            return False
+        shapes = got[0]
+        endpoint, why = None, None
+        try:
+            counted = step_messages(shapes, server.num_shards, self.slice_bytes)
+            endpoint = advertised(server.listen(counted[server.shard_id]), self.bind_host)
+        except Exception as e:           # told to every worker, then raised here
+            why = f"{type(e).__name__}: {e}"
+        for r in [self.comm.isend((endpoint, why), dest=w, tag=KEYS_TAG)
+                  for w in range(self.workers)]:
+            r.wait()
+        self.comm.Free()
+        if why:
+            raise RuntimeError(f"shard {server.shard_id} could not bind: {why}")
+        return True
+
+    def _receive(self, sources, timeout, what, stopped=lambda: False):
+        """{source: its message}, polled until every source's came or `timeout` s passed;
+        None once stopped() says so."""
+        got, deadline = {}, time.monotonic() + timeout
+        while len(got) < len(sources):
+            if stopped():
+                return None
+            for s in sources:
+                if s not in got:
+                    msg = self.comm.improbe(source=s, tag=KEYS_TAG)
+                    if msg is not None:
+                        got[s] = msg.recv()
+            if len(got) < len(sources):
+                if time.monotonic() > deadline:
+                    silent = ", ".join(f"rank {s}" for s in sources if s not in got)
+                    raise TimeoutError(f"rank {self.comm.Get_rank()}: waited {timeout:g} s for "
+                                       f"{what} from {silent} (stopped, failed or gone)")
+                time.sleep(0.002)        # leaves the cores to ranks still building
+        return got
+
+
+def advertised(endpoint, bind_host):
+    """The endpoint other hosts reach: the host's name where the server binds every
+    interface."""
+    if bind_host in ("0.0.0.0", "*"):
+        return endpoint.replace(bind_host, socket.gethostname())
+    return endpoint
 
 
 def step_messages(shapes, num_servers, slice_bytes=DEFAULT_SLICE_BYTES):
@@ -76,18 +189,22 @@ def step_messages(shapes, num_servers, slice_bytes=DEFAULT_SLICE_BYTES):
 
 
 def mpi_roles(comm, num_servers=1, bind_host="127.0.0.1", shapes=None,
-              slice_bytes=DEFAULT_SLICE_BYTES, **server_options):
+              slice_bytes=DEFAULT_SLICE_BYTES, await_keys=False, **server_options):
     """Split comm: ranks size-S .. size-1 serve (shard = rank - (size - S)), the rest train.
     Off loopback every rank takes part in one key exchange (collective).  shapes: the
-    workers' keys, when this rank knows them before the servers start (step_messages)."""
+    workers' keys, when this rank knows them before the servers start (step_messages);
+    await_keys: the workers declare them later (Role.declare), and the servers bind then."""
     from .auth import is_local
     from .keys import for_mpi_rank
     from .server import Server      # here, so that `python -m psrv.server` imports it once
     rank, size = comm.Get_rank(), comm.Get_size()
     if not 0 < num_servers < size:
         raise ValueError(f"need 0 < servers({num_servers}) < ranks({size}): at least one worker")
+    if await_keys and shapes:
+        raise ValueError("pass shapes= or await_keys=True, not both")
     workers = size - num_servers
     keys = None if is_local(f"tcp://{bind_host}:0") else for_mpi_rank(comm, workers)
+    keys_first = KeysFirst(comm, workers, bind_host, slice_bytes) if await_keys else None
     server = None
     if rank >= workers:
         shard = rank - workers
@@ -95,16 +212,17 @@ def mpi_roles(comm, num_servers=1, bind_host="127.0.0.1", shapes=None,
             server_options["step_messages"] = step_messages(shapes, num_servers,
                                                             slice_bytes)[shard]
         server = Server(f"tcp://{bind_host}:0", shard, num_servers, keys=keys,
-                        **server_options)
-        advertised = server.endpoint
-        if bind_host in ("0.0.0.0", "*"):      # reachable name for other hosts
-            advertised = server.endpoint.replace(bind_host, socket.gethostname())
-    endpoints = comm.allgather(advertised if server else None)[workers:]
+                        listen=not await_keys, **server_options)
+    endpoints = None
+    if not await_keys:
+        endpoints = comm.allgather(advertised(server.endpoint, bind_host) if server
+                                   else None)[workers:]
     sub = comm.Split(color=0 if server is None else 1, key=rank)
     if server is not None:
         sub.Free()
-        return Role(True, endpoints, workers, server=server)
-    return Role(False, endpoints, workers, worker_id=rank, worker_comm=sub, keys=keys)
+        return Role(True, endpoints, workers, server=server, keys_first=keys_first)
+    return Role(False, endpoints, workers, worker_id=rank, worker_comm=sub, keys=keys,
+                keys_first=keys_first)
 
 
 class LocalServers:

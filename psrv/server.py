@@ -104,7 +104,9 @@ class Server:
     def __init__(self, bind="tcp://127.0.0.1:0", shard=0, num_shards=1, worker_timeout=10.0,
                  on_worker_death="fail", checkpoint_dir=None, checkpoint_every=0, resume=False,
                  keys=None, linger_ms=5000, join_timeout=60.0, max_unread=None,
-                 on_signal="checkpoint", resume_step=None, step_messages=None):
+                 on_signal="checkpoint", resume_step=None, step_messages=None, listen=True):
+        """listen=False: everything but the bind, which listen() does later, once the
+        workers' keys (and so their step's messages) are known (launch.mpi_roles)."""
         check_server_options(shard, num_shards, worker_timeout, join_timeout, on_worker_death,
                              checkpoint_every, max_unread, on_signal, step_messages)
         if keys is None and not auth.is_local(bind):
@@ -113,8 +115,9 @@ class Server:
                              f"--workers N) or keys=ServerKeys, or bind 127.0.0.1")
         if keys is None and bind.startswith("ipc://"):
             auth.check_private_ipc(bind)
-        self.shard_id, self.num_shards, self.keys = shard, num_shards, keys
+        self.bind, self.shard_id, self.num_shards, self.keys = bind, shard, num_shards, keys
         self.worker_timeout, self.on_worker_death = worker_timeout, on_worker_death
+        self.join_timeout = join_timeout
         self.linger_ms, self.max_unread, self.on_signal = linger_ms, max_unread, on_signal
         self.checkpoints = ShardCheckpoints(checkpoint_dir, shard, num_shards, checkpoint_every,
                                             resume_step) if checkpoint_dir else None
@@ -130,15 +133,24 @@ class Server:
         self.failure = None        # the error every request gets once a BSP run failed
         self.stop_signal, self.signals = None, 0      # the last signal, how many so far
         self.trim_at = None        # when to give a flood's memory back (trim_later)
+        self.listener = self.sock = self.endpoint = self.outbox = None
+        if listen:
+            self.listen(step_messages)
+
+    def listen(self, step_messages=None):
+        """Bind, with a receive queue of one step's messages of a worker (receive_hwm),
+        set before the bind and never changed."""
         hwm = receive_hwm(step_messages)
-        self.listener = auth.Listener(bind, keys, f"shard {shard}", linger_ms, hwm, SEND_HWM)
+        self.listener = auth.Listener(self.bind, self.keys, f"shard {self.shard_id}",
+                                      self.linger_ms, hwm, SEND_HWM)
         self.sock, self.endpoint = self.listener.sock, self.listener.endpoint
-        self.outbox = Outbox(self.sock, shard)
-        log.info("shard %d on %s: %s; %d messages queued per connection (%s)", shard,
-                 self.endpoint, f"CURVE, {len(keys.clients)} client keys" if keys else
-                 "no authentication (local only)", hwm,
+        self.outbox = Outbox(self.sock, self.shard_id)
+        log.info("shard %d on %s: %s; %d messages queued per connection (%s)", self.shard_id,
+                 self.endpoint, f"CURVE, {len(self.keys.clients)} client keys" if self.keys
+                 else "no authentication (local only)", hwm,
                  "no step size given" if step_messages is None else
                  f"a worker's step: {step_messages}")
+        return self.endpoint
 
     # -- the loop ----------------------------------------------------------------
     def serve(self):
@@ -146,7 +158,7 @@ class Server:
         for s in self.listener.sockets():
             poller.register(s, zmq.POLLIN)
         tick = max(0.01, min(0.1, self.worker_timeout / 4))
-        restore = self._catch_signals()
+        restore = self.catch_signals()
         try:
             while not self.finished() and not self.stopping():
                 for s, _ in poller.poll(tick * 1000):
@@ -196,7 +208,7 @@ class Server:
             self.trim_at = None
             heap.trim()
 
-    def _catch_signals(self):
+    def catch_signals(self):
         """SIGINT/SIGTERM end the loop at its next turn (only the main thread may catch);
         draining, the first one only counts (stopping)."""
         if threading.current_thread() is not threading.main_thread():

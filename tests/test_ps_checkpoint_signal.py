@@ -3,7 +3,7 @@ and --resume takes the newest complete set.
 
 A --sync ps checkpoint is a set: each server's part of step s
 (ps/shardI-of-N-steps.npz) and the workers' checkpoint.pt, written last
-(strategies/runtime/checkpoint.py, psrv/checkpoints.py).  Tier (c): real mpiexec runs of
+(strategies/runtime/checkpoint/resume.py, psrv/checkpoints.py).  Tier (c): real mpiexec runs of
 3 workers and 1 server.  The signal goes to mpiexec, which forwards it to every
 rank, as Ctrl-C does; it is sent once the first set is on disk, so it lands
 mid-run, at whatever step: the tests check what must hold at any step (the

@@ -31,6 +31,35 @@ def test_example_under_mpiexec_one_server_two_workers(mode, bind_host):
         assert set(result["staleness"]) == {"0"}
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
+def test_servers_bind_once_the_workers_declare_their_keys():
+    """mpi_roles(await_keys=True), as --sync ps / hybrid and ps_roles use it: the shard
+    binds after the workers' declare, its receive queue one step's messages of a worker
+    (2 x 6 keys + 4 = 16, not the 8 of a shard that knows nothing), and serves a step;
+    workers that never declare leave the server a one-line timeout naming rank 0 after
+    its join timeout (2 s), not a wait for ever; a SIGINT in that wait ends the server
+    at once, in one line."""
+    cmd = [MPIEXEC, "-n", "3", sys.executable, "-m", "mpi4py", "tests/mpi/keys_first.py"]
+    
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "trained" in run.stdout
+    assert ("16 messages queued per connection (a worker's step: 16)" in run.stderr), \
+        run.stderr[-3000:]
+    run = subprocess.run(cmd + ["silent"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0
+    assert "server: rank 2: waited 2 s for the workers' keys from rank 0" in run.stdout, \
+        run.stdout + run.stderr[-3000:]
+    assert "listening" not in run.stderr and "queued per connection" not in run.stderr
+    run = subprocess.run(cmd + ["signalled"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0 and "server: returned" in run.stdout, run.stderr[-3000:]
+    assert "SIGINT before the workers declared their keys" in run.stderr, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_bench_writes_every_kind_with_throughput_and_cpu(tmp_path):

@@ -1,4 +1,4 @@
-"""Tier (c): a split run's checkpoint set knows itself (strategies/runtime/checkpoint.py).
+"""Tier (c): a split run's checkpoint set knows itself (strategies/runtime/checkpoint/sets.py).
 
 Small grid runs under mpiexec write sets of steps 2 and 4; each case damages a copy
 of them as a crash, a disk or a hand would, then resumes.  A flipped byte, swapped

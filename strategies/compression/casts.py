@@ -19,7 +19,7 @@ handed to the collectives: the "wire bytes" of the step records.
 What a compressor carries from one step to the next (residuals, PowerSGD's warm-start
 Q, top-k's velocity and step) is its own, and it hands it over as torch's optimizers
 do: `state_dict()` for a checkpoint, `load_state_dict(state)` on --resume, through the
-sync's own state_dict (runtime/checkpoint.py stores what the sync hands it).  The
+sync's own state_dict (runtime/checkpoint/rank_file.py stores what the sync hands it).  The
 casts keep nothing.
 """
 import torch

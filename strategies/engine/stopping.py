@@ -7,7 +7,7 @@ servers' shards would hold a third.  So a worker, on its signal, tells every
 other worker how far it will get: the steps it has begun (`started`, the step it
 is in plus one), its proposal.  Every worker then runs on to the largest
 proposal S and stops there; the loop writes the checkpoint set of step S
-(loop.py, checkpoint.py).  No worker ever passes its own proposal before it
+(loop.py, runtime/checkpoint/sets.py).  No worker ever passes its own proposal before it
 knows S, and S is at least every proposal, so nobody has to go back.
 
     stop = SignalStop(control, timeout)   # every worker (it duplicates the communicator)

@@ -9,7 +9,7 @@ what it records.
     trace.py       Chrome trace (Perfetto) of forward, backward, communication and idle time
     metrics.py     JSON Lines records, progress bar, summary
     memory.py      params / grads / optimizer / saved-activation bytes, measured
-    checkpoint.py  atomic per-rank checkpoints, --sync ps's sets of one step, --resume
+    checkpoint/    atomic per-rank checkpoints, --sync ps's sets of one step, --resume
     waits.py       the control waits (records, barriers), each bounded by --timeout
     exits.py       an exit every rank takes together finalizes MPI instead of aborting
 

@@ -178,7 +178,7 @@ def nccl_gpu_conflict(host, gpus, visible):
 def ps_checkpoint_options(cfg, comm):
     """With --checkpoint-dir the servers save their shards (parameters and optimizer
     state) under DIR/ps when the workers ask, as parts of a checkpoint set
-    (checkpoint.py); a signal makes them serve on until the workers have written the
+    (checkpoint/resume.py); a signal makes them serve on until the workers have written the
     set of the step they stop at ("drain").  --resume: rank 0 (a worker) picks the set,
     every rank says so if it is not the newest on disk, and every server loads its part
     (collective over `comm`; every rank raises the same ConfigError if there is none)."""
@@ -208,12 +208,15 @@ def ps_checkpoint_options(cfg, comm):
 def ps_role(comm, servers, **server_options):
     """psrv.launch's Role of this rank over `comm` (collective): psrv decides which ranks
     serve, everyone here asks it.  Servers listen on loopback when every rank shares
-    this host, else on all interfaces (where psrv authenticates workers by CURVE keys)."""
+    this host, else on all interfaces (where psrv authenticates workers by CURVE keys).
+    The servers bind once the workers have cut their buckets (await_keys: the buckets
+    are the keys, sync/server_buckets.py declares them), so that each shard queues one
+    step's messages of a worker."""
     psrv = require_psrv()
     one_host = len(set(comm.allgather(socket.gethostname()))) == 1
     return psrv.launch.mpi_roles(comm, num_servers=servers,
                                  bind_host="127.0.0.1" if one_host else "0.0.0.0",
-                                 **server_options)
+                                 await_keys=True, **server_options)
 
 
 def require_psrv():

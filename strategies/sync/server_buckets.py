@@ -172,6 +172,9 @@ class ServerBuckets(ZeRO):
         mine = {k: (u.numel,) for k, u, leads in zip(self.keys, self.units, self.leads)
                 if leads}
         shapes = {k: s for part in comms.world.allgather(mine) for k, s in part.items()}
+        # the servers bind now, each with a receive queue of one step's messages of a
+        # worker, counted from these keys (psrv.launch.KeysFirst): every worker declares
+        role.declare(shapes, cfg.timeout)
         # the servers' workers are the ranks that lead some key, numbered in rank order
         leading = nodes is None or any(self.leads)
         leaders = [r for r, leads in enumerate(comms.world.allgather(leading)) if leads]

@@ -20,6 +20,7 @@ import pytest
 
 from experiments.cluster.net import Layout
 from psrv.keys import load_worker_keys
+from psrv.server import receive_hwm
 
 from conftest import ROOT, check_ok, mpi_env, mpirun, run
 from test_train_runs import TINY, assert_same_run, read_records
@@ -80,14 +81,19 @@ def test_the_servers_host_serves_off_loopback_with_curve(trained):
     for shard, rank in enumerate(range(WORKERS, WORKERS + SERVERS)):
         mine = [line.split(" INFO ", 1)[1] for line in stderr.splitlines()
                 if line.startswith(f"{SERVER_HOST} rank {rank} psrv.server INFO")]
-        # --sync ps/hybrid bind their shards before the keys exist: the fixed queue of 8
+        # --sync ps/hybrid bind their shards once the workers declared their buckets:
+        # a queue of one step's messages of a worker (2 x the shard's keys + 4)
         listening = (f"shard {shard} on tcp://0\\.0\\.0\\.0:\\d+: CURVE, {WORKERS} client keys; "
-                     f"8 messages queued per connection \\(no step size given\\)")
+                     f"(\\d+) messages queued per connection \\(a worker's step: (\\d+)\\)")
         expected = [listening, f"shard {shard} done: workers closed \\[0, 1, 2, 3\\], dead \\[\\]",
                     listening, f"shard {shard} done: workers closed \\[0, 1\\], dead \\[\\]"]
         assert len(mine) == len(expected), stderr[-3000:]
         for line, pattern in zip(mine, expected):
-            assert re.fullmatch(pattern, line), (line, pattern)
+            match = re.fullmatch(pattern, line)
+            assert match, (line, pattern)
+            if pattern is listening:
+                queued, step = map(int, match.groups())
+                assert queued == receive_hwm(step), line
 
 
 def keys(where, workers):
