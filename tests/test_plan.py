@@ -592,6 +592,65 @@ def test_a_recomputed_tp_block_measured_here_sets_its_replays_rate_and_waits():
     assert predict(SMALL, measured, none).step_s == predict(SMALL, plain, none).step_s
 
 
+def test_an_exchange_across_tp_groups_waits_what_the_crossed_block_measured():
+    """Cluster.cross_waits (shared_cores.crossed, verify.cross_waits): the ring's tp block
+    with an all-to-all with the ranks t apart at the start of its forward and the end of
+    its backward; what they add, less their link, over their exchanges, is the wait of
+    an exchange between ranks of two tp groups.  Ulysses' all-to-alls beside tp and
+    ZeRO-3's in-line gathers wait it; Ulysses at tp = 1 (a context group of consecutive
+    ranks) waits as a tp group of cp does, and where nothing was crossed, so does all."""
+    from experiments.planner import verify
+    from experiments.planner.shared_cores import Shared, TpBlock
+    from experiments.planner.step import cp_layer
+    shared = replace(TWO_NODES, core_waits=((1, 2e-3),), measured_rates=((1, 1e9),))
+    # t = 4 of 8 ranks: crossed with the 2 ranks 4 apart, 4 ms more than over the ring
+    found = {1: Shared(0.01, 2e-3, (TpBlock(4, 0.010, 0.004, crossed_s=0.014),)),
+             2: Shared(0.02, 2e-3, (TpBlock(4, 0.020, 0.008),))}     # not crossed
+    no_waits = replace(shared, core_waits=None)
+    link = group_time("alltoall", SMALL.seq_len // 4 * SMALL.d_model * 4, 2, 4, no_waits)
+    assert verify.cross_waits(SMALL, shared, found, world=8) == \
+        ((4, 1, pytest.approx((0.004 - 2 * link) / 2)),)
+    measured = replace(shared, tp_waits=((4, 1, 1e-4),), cross_waits=((4, 1, 1e-3), (4, 8, 3e-3)))
+    assert measured.cross_wait(4, 2) == 1e-3 and measured.cross_wait(4, 6) == 3e-3
+    assert measured.cross_wait(2, 1) == measured.tp_wait(2, 1) == 1e-3     # the pair's
+    assert shared.cross_wait(4, 1) == shared.tp_wait(4, 1)
+    # Ulysses beside tp: its cp - 1 exchanges an all-to-all wait across the groups
+    lo = Layout(dp=2, tp=4, cp=2, cp_kind="ulysses", micro_batch_size=1)
+    waited, plain = (cp_layer(SMALL, lo, 1, 2, c, (0.0, 0.0)) for c in (measured, no_waits))
+    assert waited == pytest.approx(tuple(s + 2 * 1e-3 for s in plain))
+    alone = replace(lo, tp=1, dp=8)                        # consecutive ranks: a tp group's
+    waited, plain = (cp_layer(SMALL, alone, 1, 2, c, (0.0, 0.0)) for c in (measured, no_waits))
+    assert waited == pytest.approx(tuple(s + 2 * shared.tp_wait(2, 1) for s in plain))
+    # ZeRO-3 gathers a unit (8 layers, the embedding, the head of one stage) forward and
+    # backward, every micro-batch, each of its replicas - 1 exchanges waiting
+    z3 = Layout(dp=2, tp=4, zero=3, micro_batches=16, micro_batch_size=1, precision="fp32")
+    gathers = 16 * 2 * (SMALL.layers + 2) * exchanges("allgather", 2)
+    assert predict(SMALL, measured, z3).split["dp"] - \
+        predict(SMALL, replace(measured, cross_waits=None, tp_waits=None, core_waits=None),
+                z3).split["dp"] == pytest.approx(gathers * 1e-3 + 1 * 2e-3)
+    z2 = replace(z3, zero=2)                               # gathers nothing in line
+    assert predict(SMALL, measured, z2).step_s == \
+        predict(SMALL, replace(measured, cross_waits=None), z2).step_s
+
+
+def test_the_crossed_tp_block_is_a_difference_within_each_slice_too():
+    """SizeProbe.tp_result: the crossed block is the ring's plus what crossing added
+    within each slice, over the middle half of the slices."""
+    from types import SimpleNamespace
+
+    from experiments.planner.shared_cores import SizeProbe, TpBlock
+    ms = 1e-3
+    local = [3 * ms + d * ms for d in (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7)]
+    ring = [x + 6 * ms for x in local]
+    crossed = [x + 4 * ms for x in ring]
+    crossed[2] += 30 * ms                                  # one slice given to other work
+    probe = SimpleNamespace(tp_kinds=[("local", False), ("ring", False)], times={
+        ("local", False, 2): local, ("ring", False, 2): ring, ("crossed", False, 2): crossed})
+    block = SizeProbe.tp_result(probe, 2, slowest=lambda value: value)
+    base = (local[2] + local[3] + local[4] + local[5]) / 4
+    assert block == pytest.approx(TpBlock(2, base + 6 * ms, base, crossed_s=base + 10 * ms))
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(240)       # 85-105 s on a quiet machine; the tp probe's slices add
 def test_the_shared_cores_probe_times_every_rank_at_once_and_pairs_them():
@@ -607,14 +666,16 @@ def test_the_shared_cores_probe_times_every_rank_at_once_and_pairs_them():
     found = shared_cores.measure(GPT(2, 32, 2, 16, 64, 8), ranks=2, batches=(2,), threads=1)
     assert found.sizes[2].block_s > 0 and found.link is None and found.sizes[2].tp_blocks == ()
     assert found.sizes[2].ends_s > 0                # the embeddings, head and loss too
-    # a tp block in groups of 2, at each size: with the ring and alone
-    probed = shared_cores.measure(GPT(2, 32, 2, 16, 64, 8), ranks=2, batches=(1, 2),
+    # a tp block in groups of 2, at each size: with the ring and alone; 4 ranks make
+    # two groups, so the ring's block is crossed with the other group's too
+    probed = shared_cores.measure(GPT(2, 32, 2, 16, 64, 8), ranks=4, batches=(1, 2),
                                   threads=1, tp_max=2, replays=True)
     for b in (1, 2):
         block, = probed.sizes[b].tp_blocks
         assert block.t == 2 and block.ring_s > 0 and block.local_s > 0
         # and recomputed: at least the block again, with its forward once more
         assert block.ring_replayed_s > 0 and block.local_replayed_s > 0
+        assert block.crossed_s >= block.ring_s
     if os.cpu_count() >= 2:             # a core for each rank: nothing to wait for
         assert found.sizes[2].wait_s == 0.0
     # the link as the trainer's ring moves tensors on the device (here the host's path)

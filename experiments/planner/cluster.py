@@ -78,6 +78,11 @@ class Cluster:
     # ((t, b, s), ...) a replayed exchange waits, measured here (verify.py)
     tp_replay_rates: tuple = None
     tp_replay_waits: tuple = None
+    # ((t, sequences a micro-batch, s), ...): what an exchange between ranks of different
+    # tp groups of t waits beyond its link (Ulysses' all-to-alls and ZeRO-3's gathers
+    # beside tp: each group in step with itself, not with the other), measured here
+    # (verify.cross_waits)
+    cross_waits: tuple = None
     # ((sequences a micro-batch, s), ...): the model's ends (the embeddings, the final
     # norm, the logit layer and the loss) forward and backward, measured here: on a
     # CPU their small kernels run far below the blocks' rate (shared_cores.py)
@@ -173,6 +178,15 @@ class Cluster:
         if measured:
             return min(measured, key=lambda bs: (abs(bs[0] - b), bs[0]))[1]
         return self.core_wait(b) / 2
+
+    def cross_wait(self, t, b):
+        """Seconds an exchange between ranks of different tp groups of t waits for a
+        shared core: as measured for t at the micro-batch size nearest b, else what an
+        exchange inside a group of t waits (tp_wait; t = 1: half a pair all-reduce's)."""
+        measured = [(size, s) for group, size, s in self.cross_waits or () if group == t]
+        if measured:
+            return min(measured, key=lambda bs: (abs(bs[0] - b), bs[0]))[1]
+        return self.tp_wait(t, b)
 
     @property
     def memory_bytes(self):

@@ -67,7 +67,22 @@ the probe measures what that costs with every rank of the run there at once:
    recomputed, where a third of its 3.0 ms was expected; its collectives'
    replays waited about as much as the block's own (0.23-0.28 against 0.20-0.22
    ms an exchange).
-6. The model's ends (`--vocab`): the token and position embeddings, the final norm,
+6. The tp block coupled to another tp group (`--tp-max`, where the ranks make two
+   groups of t at least).  Ulysses' all-to-alls pair a rank with the ranks of its
+   context group, pp tp apart, and ZeRO-3 gathers each layer over the replicas,
+   as far apart: ranks of different tp groups.  Each group's collectives keep its
+   own ranks in step, but not with the other group's, so an exchange across
+   groups finds its partner in the middle of its own group's block, and at 4
+   ranks on 2 cores, descheduled: it waits about a time slice where a tp
+   exchange waits a third of one.  So the ring's tp block is also timed with an
+   all-to-all with the rank t apart at the start of its forward and at the end of
+   its backward (where ZeRO-3 gathers a layer), each of b s / t h values; what
+   that adds to the block over the ring, less the link, is the wait of an
+   exchange across groups (verify.cross_waits).  At 4 ranks on 2 cores, tp2 cp2
+   Ulysses ZeRO-3 b1 measured 2.6-2.7 s a step where tp's own waits made 1.8 s:
+   0.37 s in the all-to-alls (0.44-0.52 ms each), 0.27 s in the ZeRO-3 gathers
+   (0.7 ms each), and compute 0.9 s where the probe's block said 0.4.
+7. The model's ends (`--vocab`): the token and position embeddings, the final norm,
    the logit layer and the loss (strategies/model/models.py's GPT with no block),
    forward and backward, among all ranks as the block is.  Their FLOPs are a few
    per cent of the blocks', but on a CPU their small kernels run far below the
@@ -115,6 +130,9 @@ class TpBlock(NamedTuple):
     local_s: float                  # over LocalOnly: its compute alone
     ring_replayed_s: float = None   # recomputed (--replays), over the ring
     local_replayed_s: float = None  # ... and over LocalOnly
+    # over the ring with an all-to-all with the rank t apart, in another tp group, at
+    # the start of its forward and at the end of its backward (crossed)
+    crossed_s: float = None
 
 
 class Probed(NamedTuple):
@@ -200,17 +218,36 @@ class LocalOnly:
         return whole[:whole.numel() // self.size].clone()
 
 
+def crossed(block, exchange):
+    """`block` with exchange() at the start of its forward and at the end of its
+    backward, where ZeRO-3 gathers a layer's parameters (strategies/sync/zero.py)."""
+    import torch
+
+    class Exchange(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            exchange()
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            exchange()
+            return grad
+    return lambda x: block(Exchange.apply(x))
+
+
 class SizeProbe:
     """Everything the probe times at one micro-batch size, a round at a time
     (probe() runs a round of every size in turn): the block among all ranks; with
     `pair` (the ranks in twos, their ring), the pair all-reduce's wait; with `groups`
     ({t: (ranks in groups of t, their ring)}), a sequence-parallel block
     (strategies/parallel) over the ring and over LocalOnly, and with `replays` each
-    also recomputed.  Every rank keeps its own times; result() gives the slowest
-    rank's means."""
+    also recomputed; with `across` ({t: the ranks t apart, their ring}), the ring's
+    block crossed with the other groups.  Every rank keeps its own times; result()
+    gives the slowest rank's means."""
 
     def __init__(self, world, d_model, heads, seq_len, batch, device, pair=None, groups=None,
-                 replays=False, shape=None, vocab=None):
+                 replays=False, shape=None, vocab=None, across=None):
         import numpy as np
         import torch
 
@@ -242,6 +279,11 @@ class SizeProbe:
             blocks = {(name, replayed): self.tp_block(colls[name], group.rank, t, d_model,
                                                       heads, replayed, shape)
                       for name, replayed in self.tp_kinds}
+            if t in (across or {}):     # the ring's block, crossed with the other groups
+                values = np.zeros(batch * seq_len // t * d_model, np.float32)
+                blocks["crossed", False] = crossed(
+                    blocks["ring", False], lambda ring=across[t][1], v=values: ring.alltoall(v))
+                self.times["crossed", False, t] = []
             x = torch.randn(batch, seq_len // t, d_model, requires_grad=True)
             # each kind's round as long as the whole block's SHARED_S: t times the
             # (smaller) blocks, cut into SLICES slices
@@ -285,7 +327,7 @@ class SizeProbe:
         # means) went 0-2.0 ms an exchange from probe to probe at one micro-batch size.
         for t, (blocks, x, repeats) in self.tp.items():
             for _ in range(SLICES):
-                for name, replayed in self.tp_kinds:
+                for name, replayed in blocks:
                     self.world.Barrier()
                     self.times[name, replayed, t].append(statistics.fmean(
                         timed_blocks(blocks[name, replayed], x, repeats, self.device)))
@@ -332,13 +374,15 @@ class SizeProbe:
             return slowest(interquartile_mean(per_slice))
         local = robust([(1, ("local", False))])
         ring = local + max(0.0, robust([(1, ("ring", False)), (-1, ("local", False))]))
+        crossed_s = ring + max(0.0, robust([(1, ("crossed", False)), (-1, ("ring", False))])) \
+            if ("crossed", False, t) in self.times else None
         if ("local", True) not in self.tp_kinds:
-            return TpBlock(t, ring, local)
+            return TpBlock(t, ring, local, crossed_s=crossed_s)
         recompute = robust([(1, ("local", True)), (-1, ("local", False))])
         replay_comm = robust([(1, ("ring", True)), (-1, ("ring", False)),
                               (-1, ("local", True)), (1, ("local", False))])
         return TpBlock(t, ring, local, ring + recompute + max(0.0, replay_comm),
-                       local + recompute)
+                       local + recompute, crossed_s)
 
 
 def pair_link(world, device):
@@ -375,12 +419,14 @@ def fit_link(points):
     return max(t1 - n1 * beta, 0.0) / 2, beta
 
 
-def ring_groups(world, sizes):
-    """{t: (the world's ranks in groups of t, the trainer's ring on each)}."""
+def ring_groups(world, sizes, apart=False):
+    """{t: (the world's ranks in groups of t, the trainer's ring on each)}; apart: the
+    ranks t apart instead (world / t of them, one from each group of t)."""
     import allreduce
     groups = {}
     for t in sizes:
-        group = world.Split(world.rank // t, world.rank)
+        group = world.Split(world.rank % t, world.rank) if apart else \
+            world.Split(world.rank // t, world.rank)
         groups[t] = (group, allreduce.create("ring", comm=group) if group.size > 1 else None)
     return groups
 
@@ -406,8 +452,11 @@ def probe(d_model, heads, seq_len, batches, threads, device="cpu", link=False, t
                 if world.size % t == 0 and all(n % t == 0 for n in splits)] \
         if device == "cpu" else []
     groups = ring_groups(world, tp_sizes)
+    # where the ranks make two groups of t at least, the ranks t apart: a context
+    # group's or ZeRO-3's replicas beside tp (6.)
+    across = ring_groups(world, [t for t in tp_sizes if world.size >= 2 * t], apart=True)
     sizes = {b: SizeProbe(world, d_model, heads, seq_len, b, device, pair, groups, replays,
-                          shape, vocab) for b in batches}
+                          shape, vocab, across) for b in batches}
     # All compute at once, as in the run, for SHARED_S at least: a block of a small
     # micro-batch takes about a time slice, so a few of them are each timed either
     # on a core of its own or sharing one, and their median is one or the other (the

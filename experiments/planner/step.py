@@ -33,7 +33,8 @@ paces the pipeline.  A micro-batch of b sequences on one stage takes
                + with cp > 1, the context group's traffic a layer (cp_layer: the ring's
                  k, v blocks overlapped with the attention of the block at hand, what
                  outlasts it exposed; Ulysses' 2 all-to-alls, exposed,
-                 each exchange waiting for a shared core as a tp one)
+                 each exchange waiting for a shared core: beside tp, for a rank
+                 of another tp group, not in step with its own)
     backward   twice the forward's FLOPs, recomputation's on top, the same communication
                (with sequence parallelism an all-gather more for each column-parallel
                layer, and 6 small all-reduces of replicated weights' gradients; full
@@ -57,8 +58,9 @@ what outlasts that backward is exposed, and never less than the last bucket's
 share (`bucketed`); ZeRO 1 and 2 then all-gather the
 updated parameters (exposed); ZeRO 3 gathers each layer's parameters when its
 forward and its backward begin, in line (the worker gathers on demand, with no
-prefetch: exposed), and reduce-scatters each layer's gradients once its backward
-is done (a bucket a layer), every micro-batch.  Where the cluster's
+prefetch: exposed; on shared cores each gather waits for a replica's turn, as an
+exchange across tp groups does), and reduce-scatters each layer's gradients once
+its backward is done (a bucket a layer), every micro-batch.  Where the cluster's
 ranks cannot run the two at once (CPU cores: Cluster.overlaps), what the group
 would cost inside one node (the copies and additions, on the cores) is exposed,
 and only its time on the wire between nodes overlaps.  The optimizer's own
@@ -275,8 +277,11 @@ def cp_layer(gpt, lo, b, e, cluster, core):
                start before them).  The keys and values travel h_kv wide where cp
                divides a tp rank's key-value heads, else repeated to h (as the
                trainer does).  Each comes right after compute, so where ranks share
-               cores each of its cp - 1 exchanges waits as a tp exchange does
-               (Cluster.tp_wait for groups of cp)."""
+               cores each of its cp - 1 exchanges waits: as a tp exchange of a group
+               of cp does (Cluster.tp_wait) where the context group is consecutive
+               ranks (tp = 1), and beside tp, where it pairs ranks of tp groups that
+               are not in step with each other, what an exchange across tp groups
+               waits (Cluster.cross_wait)."""
     cp = lo.cp
     if cp == 1:
         return 0.0, 0.0
@@ -284,8 +289,9 @@ def cp_layer(gpt, lo, b, e, cluster, core):
     if lo.cp_kind == "ulysses":
         kv = gpt.kv_width if (gpt.kv_heads // lo.tp) % cp == 0 else gpt.d_model
         qkv, out = (tokens * width / lo.tp * e for width in (gpt.d_model + 2 * kv, gpt.d_model))
+        wait = cluster.cross_wait(lo.tp, b) if lo.tp > 1 else cluster.tp_wait(cp, b)
         one = sum(group_time("alltoall", n, cp, lo.pp * lo.tp, cluster)
-                  + exchanges("alltoall", cp) * cluster.tp_wait(cp, b) for n in (qkv, out))
+                  + exchanges("alltoall", cp) * wait for n in (qkv, out))
         return one, one
     block = tokens * gpt.kv_width / lo.tp * e
     nodes, _, sharing = placement(cp, lo.pp * lo.tp, cluster.gpus_per_node)
@@ -465,9 +471,14 @@ def predict(gpt, cluster, lo):
         return cores + hide(total - cores)
     dp_f = dp_b = dp_after = 0.0
     if lo.zero == 3:                            # every micro-batch; the gathers in line
-        dp_f = exposed(["allgather"], 0.0)
-        dp_b = exposed(["allgather"], 0.0) + exposed(["reduce_scatter"], compute_b,
-                                                     max(1, stages[fullest]))
+        # a gather a unit (its layers, the embedding on the first stage, the head on
+        # the last), each right after the compute before it: on shared cores each of
+        # its exchanges waits for a replica in another tp group (Cluster.cross_wait)
+        units = stages[fullest] + (fullest == 0) + (fullest == lo.pp - 1)
+        waits = units * exchanges("allgather", lo.replicas) * cluster.cross_wait(lo.tp, b)
+        dp_f = exposed(["allgather"], 0.0) + waits
+        dp_b = exposed(["allgather"], 0.0) + waits + exposed(["reduce_scatter"], compute_b,
+                                                             max(1, stages[fullest]))
     elif lo.replicas > 1:
         buckets = max(1, math.ceil((dense + experts) * e / BUCKET_BYTES))
         reduce = exposed(["allreduce" if lo.zero == 0 else "reduce_scatter"], compute_b,

@@ -28,7 +28,8 @@ figures are measured, never assumed:
   waits     where ranks outnumber cores, what a tp pair's all-reduce right after a
             block's forward waits for the peer's turn on a core (shared_cores.py),
             for each micro-batch size; and what each exchange of a tp block's
-            collectives waits, in groups of every tp size (tp_waits).  Where the
+            collectives waits, in groups of every tp size (tp_waits), and an
+            exchange between ranks of two such groups (cross_waits).  Where the
             search holds full recomputation, the tp block recomputed too: its
             replay's rate and its replayed exchanges' waits (torch's checkpoint
             costs small micro-batches more than the forward's FLOPs say).
@@ -68,7 +69,7 @@ from strategies.parallel.sequence_parallel import block_collectives
 from . import shared_cores
 from .cluster import GIB, Cluster
 from .stages import stages_of
-from .step import Layout, exchanges, tp_layer
+from .step import Layout, exchanges, group_time, tp_layer
 from .transformer import layer_forward_flops
 
 WARM_UP_STEPS = 2
@@ -156,7 +157,8 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
         waits, replay_waits = tp_waits(gpt, cluster, found)
         cluster = replace(cluster, tp_rates=tp_rates, tp_waits=waits,
                           tp_replay_rates=replay_rates or None,
-                          tp_replay_waits=replay_waits or None)
+                          tp_replay_waits=replay_waits or None,
+                          cross_waits=cross_waits(gpt, cluster, found, world) or None)
     return cluster
 
 
@@ -235,6 +237,25 @@ def tp_waits(gpt, cluster, found):
                     (block.local_replayed_s - block.local_s)
                 replay_waits.append((t, b, max(0.0, (replay - link_f) / steps_f)))
     return tuple(waits), tuple(replay_waits)
+
+
+def cross_waits(gpt, cluster, found, world):
+    """((t, b, s), ...): what an exchange between ranks of different tp groups of t
+    waits, from the probe's crossed tp blocks (shared_cores.crossed: two all-to-alls
+    a block with the world / t ranks t apart): what they add to the block over the
+    ring, less their link, over their exchanges."""
+    no_waits = replace(cluster, core_waits=None, tp_waits=None, tp_replay_waits=None)
+    waits = []
+    for b, shared in found.items():
+        for block in shared.tp_blocks:
+            if block.crossed_s is None:
+                continue
+            t, apart = block.t, world // block.t
+            n = b * gpt.seq_len // t * gpt.d_model * 4      # the block's input, fp32
+            link = group_time("alltoall", n, apart, t, no_waits)
+            waits.append((t, b, max(0.0, (block.crossed_s - block.ring_s - 2 * link)
+                                    / (2 * exchanges("alltoall", apart)))))
+    return tuple(waits)
 
 
 def runnable(gpt, layout):
