@@ -52,6 +52,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -100,12 +101,16 @@ class KeysFirst:
     """The servers bind once the workers know their keys: rank 0 (a worker) sends the
     key table to every server, each server binds with a receive queue of one step of a
     worker (step_messages) and sends its endpoint, or why it could not bind, to every
-    worker.  Point to point on a duplicate of the communicator, each wait polled against
-    a deadline, so that a rank that never comes is named instead of waited for."""
+    worker.  Point to point on a duplicate of the communicator, each receive polled
+    against a deadline, so that a rank that never comes is named instead of waited for
+    (the sends, a key table and an endpoint, are small enough to leave at once: MPI's
+    eager protocol).  keys_timeout: how long a server waits for the keys, the time the
+    workers may take to build their model and cut it into buckets."""
 
-    def __init__(self, comm, workers, bind_host, slice_bytes):
+    def __init__(self, comm, workers, bind_host, slice_bytes, keys_timeout):
         self.comm = comm.Dup()               # collective: in mpi_roles, on every rank
         self.workers, self.bind_host, self.slice_bytes = workers, bind_host, slice_bytes
+        self.keys_timeout = keys_timeout
         self.servers = list(range(workers, comm.Get_size()))
 
     def declare(self, shapes, timeout):
@@ -122,17 +127,21 @@ class KeysFirst:
         return [replies[s][0] for s in self.servers]
 
     def listen(self, server):
-        """A server: wait for the keys (within the server's join_timeout), bind, answer.
-        False if SIGINT/SIGTERM came first: there is nothing to serve or save yet."""
-        restore = server.catch_signals()
+        """A server: wait for the keys (within keys_timeout), bind, answer.  False if
+        SIGINT/SIGTERM came first: there is nothing to serve, save or drain yet."""
+        signals = []
+        note = lambda signum, frame: signals.append(signum)      # noqa: E731
+        old = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)} \
+            if threading.current_thread() is threading.main_thread() else {}
         try:
-            got = self._receive([0], server.join_timeout, "the workers' keys",
-                                stopped=lambda: server.stop_signal is not None)
+            got = self._receive([0], self.keys_timeout, "the workers' keys",
+                                stopped=lambda: bool(signals))
         finally:
-            restore()
+            for s, h in old.items():
+                signal.signal(s, h)
         if got is None:
             log.warning("shard %d: %s before the workers declared their keys: nothing to "
-                        "serve", server.shard_id, signal.Signals(server.stop_signal).name)
+                        "serve", server.shard_id, signal.Signals(signals[0]).name)
             return False
         shapes = got[0]
         endpoint, why = None, None
@@ -146,7 +155,7 @@ class KeysFirst:
             r.wait()
         self.comm.Free()
         if why:
-            raise RuntimeError(f"shard {server.shard_id} could not bind: {why}")
+            raise PSError(f"shard {server.shard_id} could not bind: {why}")
         return True
 
     def _receive(self, sources, timeout, what, stopped=lambda: False):
@@ -189,11 +198,14 @@ def step_messages(shapes, num_servers, slice_bytes=DEFAULT_SLICE_BYTES):
 
 
 def mpi_roles(comm, num_servers=1, bind_host="127.0.0.1", shapes=None,
-              slice_bytes=DEFAULT_SLICE_BYTES, await_keys=False, **server_options):
+              slice_bytes=DEFAULT_SLICE_BYTES, await_keys=False, keys_timeout=600.0,
+              **server_options):
     """Split comm: ranks size-S .. size-1 serve (shard = rank - (size - S)), the rest train.
     Off loopback every rank takes part in one key exchange (collective).  shapes: the
     workers' keys, when this rank knows them before the servers start (step_messages);
-    await_keys: the workers declare them later (Role.declare), and the servers bind then."""
+    await_keys: the workers declare them later (Role.declare), and the servers bind then,
+    waiting for them at most keys_timeout seconds.  A server that cannot start (a bad
+    option, a damaged shard to resume) raises PSError on every rank, naming it."""
     from .auth import is_local
     from .keys import for_mpi_rank
     from .server import Server      # here, so that `python -m psrv.server` imports it once
@@ -204,19 +216,26 @@ def mpi_roles(comm, num_servers=1, bind_host="127.0.0.1", shapes=None,
         raise ValueError("pass shapes= or await_keys=True, not both")
     workers = size - num_servers
     keys = None if is_local(f"tcp://{bind_host}:0") else for_mpi_rank(comm, workers)
-    keys_first = KeysFirst(comm, workers, bind_host, slice_bytes) if await_keys else None
-    server = None
+    keys_first = KeysFirst(comm, workers, bind_host, slice_bytes, keys_timeout) \
+        if await_keys else None
+    server = problem = None
     if rank >= workers:
         shard = rank - workers
         if shapes:
             server_options["step_messages"] = step_messages(shapes, num_servers,
                                                             slice_bytes)[shard]
-        server = Server(f"tcp://{bind_host}:0", shard, num_servers, keys=keys,
-                        listen=not await_keys, **server_options)
-    endpoints = None
-    if not await_keys:
-        endpoints = comm.allgather(advertised(server.endpoint, bind_host) if server
-                                   else None)[workers:]
+        try:
+            server = Server(f"tcp://{bind_host}:0", shard, num_servers, keys=keys,
+                            listen=not await_keys, **server_options)
+        except Exception as e:       # every rank hears of it, instead of waiting below
+            problem = f"shard {shard} (rank {rank}) could not start: {type(e).__name__}: {e}"
+    # the endpoints (bound now, or at the declaration), and any server's failure to start
+    told = comm.allgather((advertised(server.endpoint, bind_host)
+                           if server and server.endpoint else None, problem))
+    failed = [why for _, why in told if why]
+    if failed:
+        raise PSError("; ".join(failed))
+    endpoints = None if await_keys else [endpoint for endpoint, _ in told[workers:]]
     sub = comm.Split(color=0 if server is None else 1, key=rank)
     if server is not None:
         sub.Free()

@@ -164,7 +164,8 @@ def main(argv=None):
         train(argv)
     except FailedRank as e:
         failed = e                                 # handled below, outside this handler
-    except TimeoutError as e:                      # waits.WaitTimeout, CollectiveTimeout
+    except (TimeoutError, PSError) as e:          # waits.WaitTimeout, CollectiveTimeout;
+        # a server's: the workers' keys never came, or its bind failed (psrv.launch)
         sys.stderr.write(f"strategies.train: error: {e}\n")
         sys.stderr.flush()
         raise SystemExit(1) from None

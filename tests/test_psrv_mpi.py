@@ -39,8 +39,9 @@ def test_servers_bind_once_the_workers_declare_their_keys():
     binds after the workers' declare, its receive queue one step's messages of a worker
     (2 x 6 keys + 4 = 16, not the 8 of a shard that knows nothing), and serves a step;
     workers that never declare leave the server a one-line timeout naming rank 0 after
-    its join timeout (2 s), not a wait for ever; a SIGINT in that wait ends the server
-    at once, in one line."""
+    its keys_timeout (2 s), not a wait for ever; a SIGINT in that wait ends the server
+    at once, in one line; a server that cannot bind or start is one line on every rank
+    that would wait for it."""
     cmd = [MPIEXEC, "-n", "3", sys.executable, "-m", "mpi4py", "tests/mpi/keys_first.py"]
     
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -52,12 +53,25 @@ def test_servers_bind_once_the_workers_declare_their_keys():
     assert run.returncode != 0
     assert "server: rank 2: waited 2 s for the workers' keys from rank 0" in run.stdout, \
         run.stdout + run.stderr[-3000:]
-    assert "listening" not in run.stderr and "queued per connection" not in run.stderr
+    assert "queued per connection" not in run.stderr
     run = subprocess.run(cmd + ["signalled"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert run.returncode == 0 and "server: returned" in run.stdout, run.stderr[-3000:]
     assert "SIGINT before the workers declared their keys" in run.stderr, run.stderr[-3000:]
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    # a server that cannot bind, or cannot start: one line on every rank, nobody waits
+    run = subprocess.run(cmd + ["unbindable"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    for worker in (0, 1):
+        assert f"worker {worker}: server rank 2: ZMQError" in run.stdout, \
+            run.stdout + run.stderr[-3000:]
+    assert "server: shard 0 could not bind: ZMQError" in run.stdout
+    run = subprocess.run(cmd + ["unstartable"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in (0, 1, 2):
+        assert f"rank {rank}: shard 0 (rank 2) could not start: ValueError: worker_timeout" \
+            in run.stdout, run.stdout + run.stderr[-3000:]
 
 
 @pytest.mark.slow

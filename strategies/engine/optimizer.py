@@ -94,14 +94,17 @@ from ..sync.gradient_sync import (broadcast_buffers, collective_for, for_device,
                                   without_momentum)
 
 
-def ps_roles(servers=1, comm=None):
+def ps_roles(servers=1, comm=None, keys_timeout=600.0):
     """psrv.launch's roles over `comm` (default COMM_WORLD): psrv decides who serves (the
-    last `servers` ranks), the others train.  Collective over comm."""
+    last `servers` ranks), the others train.  Collective over comm.  The servers bind
+    once the workers' DistributedOptimizer has cut the model into buckets, and wait
+    keys_timeout seconds for that (the time the workers may take to build their model
+    and their optimizer).  A server that cannot start raises ConfigError on every rank."""
     if comm is None:
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
     check_comm(comm, "mpi")
-    return ps_role(comm, servers)
+    return ps_role(comm, servers, keys_timeout)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):

@@ -113,7 +113,10 @@ class RunContext:
         control = MPIControl(comm)
         role, workers = None, comm
         if cfg.sync in PS_SYNCS:          # psrv.launch decides who serves; we ask it
-            role = ps_role(comm, cfg.servers, **ps_checkpoint_options(cfg, comm))
+            # the servers wait for the workers' keys while the workers build their
+            # engine (parallelize): within --timeout, and never less than a minute
+            role = ps_role(comm, cfg.servers, max(cfg.timeout, KEYS_WAIT_S),
+                           **ps_checkpoint_options(cfg, comm))
             workers = role.worker_comm            # None on a server
             if role.is_server:                    # a role beside the mesh's workers
                 return cls(comm.rank, comm.size, local_rank, local_size, True, comm,
@@ -175,6 +178,11 @@ def nccl_gpu_conflict(host, gpus, visible):
             f"memory, and ranks may share a GPU")
 
 
+# The least a server of --sync ps / hybrid waits for the workers to declare their keys
+# (ps_role): their engine's construction, with no collective a --timeout would bound.
+KEYS_WAIT_S = 60.0
+
+
 def ps_checkpoint_options(cfg, comm):
     """With --checkpoint-dir the servers save their shards (parameters and optimizer
     state) under DIR/ps when the workers ask, as parts of a checkpoint set
@@ -205,18 +213,23 @@ def ps_checkpoint_options(cfg, comm):
     return {**options, "resume": True, "resume_step": step}
 
 
-def ps_role(comm, servers, **server_options):
+def ps_role(comm, servers, keys_timeout, **server_options):
     """psrv.launch's Role of this rank over `comm` (collective): psrv decides which ranks
     serve, everyone here asks it.  Servers listen on loopback when every rank shares
     this host, else on all interfaces (where psrv authenticates workers by CURVE keys).
     The servers bind once the workers have cut their buckets (await_keys: the buckets
     are the keys, sync/server_buckets.py declares them), so that each shard queues one
-    step's messages of a worker."""
+    step's messages of a worker; they wait keys_timeout seconds for that.  A server that
+    cannot start is a ConfigError on every rank, naming it."""
     psrv = require_psrv()
     one_host = len(set(comm.allgather(socket.gethostname()))) == 1
-    return psrv.launch.mpi_roles(comm, num_servers=servers,
-                                 bind_host="127.0.0.1" if one_host else "0.0.0.0",
-                                 await_keys=True, **server_options)
+    try:
+        return psrv.launch.mpi_roles(comm, num_servers=servers,
+                                     bind_host="127.0.0.1" if one_host else "0.0.0.0",
+                                     await_keys=True, keys_timeout=keys_timeout,
+                                     **server_options)
+    except psrv.PSError as e:
+        raise ConfigError(str(e), field="servers") from None
 
 
 def require_psrv():
