@@ -262,7 +262,10 @@ def main(argv=None):
                       whole_head=bool(a.calibration),
                       tp_sizes=a.tp_sizes, pp_sizes=a.pp_sizes, pp_layers=a.pp_layers,
                       cp_sizes=a.cp_sizes, cp_kinds=a.cp_kinds,
-                      fp32_main_grads=a.fp32_main_grads)
+                      fp32_main_grads=a.fp32_main_grads,
+                      # the machine at hand runs strategies.train, whose optimizer is
+                      # plain SGD (OptimizerOptions' default: no momentum buffer)
+                      optimizer="sgd" if a.calibration else "adam")
         if a.pp_layers and sum(a.pp_layers) != gpt.layers:
             raise ValueError(f"--pp-layers {','.join(map(str, a.pp_layers))}: adds up to "
                              f"{sum(a.pp_layers)} layers, the model has {gpt.layers}")

@@ -209,7 +209,60 @@ def test_the_pipeline_part_is_the_cost_models():
     t_f, t_b = per_mb / 3, 2 * per_mb / 3
     # the 4 stages are ranks 0-3, one node: their sends go over its links
     expected = pipeline_step_time(4, 4, t_f, t_b, 4 * 256 * 512 * 2, TWO_NODES.intra())
-    assert p.step_s - p.split["dp"] == pytest.approx(expected)
+    assert p.step_s - p.split["dp"] - p.split["update"] == pytest.approx(expected)
+
+
+def test_the_update_streams_the_ranks_parameters_once_a_step():
+    """The optimizer's update: kernels.update_bytes a parameter at the memory's bandwidth
+    (STREAM_SHARE of it), on all of a rank's parameters under ZeRO 0 and a 1/dp shard
+    under ZeRO 1-3; twice the bandwidth, half the time; the same for every micro-batch."""
+    from experiments.planner.kernels import STREAM_SHARE, update_bytes
+    assert (update_bytes("fp32", "sgd"), update_bytes("fp32", "momentum"),
+            update_bytes("fp32", "adam"), update_bytes("bf16", "adam")) == (12, 20, 28, 28)
+    assert update_bytes("bf16", "adam", grad_bytes=4) == 30      # an fp32 main gradient
+    lo = Layout(dp=4, tp=2, micro_batches=2, micro_batch_size=2, optimizer="sgd",
+                precision="fp32")
+    updated = predict(SMALL, TWO_NODES, lo).split["update"]
+    assert updated == pytest.approx(sum(rank_parameters(SMALL, lo)) * 12 /
+                                    (TWO_NODES.hbm_bytes_per_s * STREAM_SHARE))
+    for zero in (1, 2, 3):
+        assert predict(SMALL, TWO_NODES, replace(lo, zero=zero)).split["update"] == \
+            pytest.approx(updated / 4)
+    faster = replace(TWO_NODES, hbm_gbps=2 * TWO_NODES.hbm_bytes_per_s / 1e9)
+    assert predict(SMALL, faster, lo).split["update"] == pytest.approx(updated / 2)
+    assert predict(SMALL, TWO_NODES, replace(lo, micro_batches=4, micro_batch_size=1)
+                   ).split["update"] == pytest.approx(updated)
+    assert predict(SMALL, TWO_NODES, replace(lo, optimizer="adam")).split["update"] == \
+        pytest.approx(updated * 28 / 12)
+
+
+def test_the_update_streams_at_the_copy_rate_a_rank_gets():
+    """The machine at hand: the calibration's np.copyto rate (2 bytes moved a byte copied),
+    a rank's share of its core where ranks outnumber cores."""
+    from experiments.planner import verify
+    from experiments.planner.kernels import STREAM_SHARE
+    assert verify.memory_gbps({"memcpy_gbps": 10.0}, world=4, cores=2) * STREAM_SHARE == \
+        pytest.approx(10.0)
+    assert verify.memory_gbps({"memcpy_gbps": 10.0}, world=2, cores=2) * STREAM_SHARE == \
+        pytest.approx(20.0)
+    assert verify.memory_gbps({}, world=4, cores=2) is None
+
+
+def test_zero_1_and_2_gather_after_the_update_waiting_on_shared_cores_only():
+    """ZeRO 1/2's all-gather of the updated shards, once a step: on shared cores each of
+    its dp - 1 exchanges waits as ZeRO-3's gathers do (Cluster.cross_wait); a GPU
+    cluster (no waits measured) prices its link time alone."""
+    shared = replace(TWO_NODES, core_waits=((1, 2e-3),), cross_waits=((2, 1, 1e-3),))
+    for zero in (1, 2):
+        lo = Layout(dp=4, tp=2, zero=zero, micro_batches=8, micro_batch_size=1)
+        waited = predict(SMALL, shared, lo).split["dp"]
+        assert waited - predict(SMALL, replace(shared, cross_waits=None), lo).split["dp"] == \
+            pytest.approx(exchanges("allgather", 4) * (1e-3 - 2e-3 / 2))
+        gpu = predict(SMALL, TWO_NODES, lo).split["dp"]
+        assert waited - gpu == pytest.approx(3 * 2e-3 + 3 * 1e-3)  # the reduce's, the gather's
+    lo = Layout(dp=4, tp=2, zero=0, micro_batches=8, micro_batch_size=1)     # no gather
+    assert predict(SMALL, shared, lo).split["dp"] - predict(SMALL, TWO_NODES, lo).split["dp"] \
+        == pytest.approx(3 * 2e-3)
 
 
 def test_zero_shards_memory_and_tp_adds_communication():
@@ -294,7 +347,7 @@ CLUSTER = ["--nodes", "2", "--gpus-per-node", "4", "--gpu-mem-gib", "16", "--gpu
            "100", "--intra-gbps", "800", "--inter-gbps", "200"]
 RECORD_KEYS = {"dp", "pp", "tp", "ep", "zero", "micro_batches", "schedule", "recompute",
                "precision", "fits", "mem_bytes", "step_s", "tflops_per_gpu", "compute_s",
-               "tp_s", "pp_s", "dp_s", "ep_s", "bubble_s", "why_out", "rank"}
+               "tp_s", "pp_s", "dp_s", "ep_s", "bubble_s", "update_s", "why_out", "rank"}
 
 
 def test_jsonl_records_and_the_figure(tmp_path, capsys):
@@ -628,9 +681,10 @@ def test_an_exchange_across_tp_groups_waits_what_the_crossed_block_measured():
     assert predict(SMALL, measured, z3).split["dp"] - \
         predict(SMALL, replace(measured, cross_waits=None, tp_waits=None, core_waits=None),
                 z3).split["dp"] == pytest.approx(gathers * 1e-3 + 1 * 2e-3)
-    z2 = replace(z3, zero=2)                               # gathers nothing in line
-    assert predict(SMALL, measured, z2).step_s == \
-        predict(SMALL, replace(measured, cross_waits=None), z2).step_s
+    z2 = replace(z3, zero=2)              # gathers nothing in line: once, after the update
+    assert predict(SMALL, measured, z2).step_s - \
+        predict(SMALL, replace(measured, cross_waits=None), z2).step_s == \
+        pytest.approx(exchanges("allgather", 2) * (1e-3 - 1e-4))
 
 
 def test_the_crossed_tp_block_is_a_difference_within_each_slice_too():

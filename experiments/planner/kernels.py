@@ -51,7 +51,15 @@ on one of t tp ranks:
                          nothing with flash attention, whose softmax stays on chip.
 A model without dropout (GPT.dropout False) writes no masks: the residual adds
 are 3 e s b h each, and the scores 2 e b a s^2 / t.
+
+The optimizer's update is a stream too, once a step over the parameters a rank
+updates: Adam (Kingma and Ba, Algorithm 1) or SGD reads each parameter's gradient,
+reads and writes its fp32 master and its moments (m, v; a momentum buffer), and
+writes the parameter (`update_bytes`; Megatron-LM's and apex's fused Adam are one
+kernel over these, bound by the memory, not the FLOPs).
 """
+from strategies.runtime.memory import bytes_per_parameter
+
 from .transformer import layer_gemms, mlp_copies
 
 # a GEMM's efficiency is half its best when its output's smaller side is this (above)
@@ -79,6 +87,18 @@ def gemm_seconds(m, n, k, cluster, e=2, times=1):
 
 def stream_seconds(n_bytes, cluster):
     return n_bytes / (cluster.hbm_bytes_per_s * STREAM_SHARE)
+
+
+def update_bytes(precision, optimizer, grad_bytes=None):
+    """Bytes the optimizer's update moves a parameter (strategies.runtime.memory's states):
+    the gradient read (grad_bytes: an fp32 main gradient's, where the optimizer keeps
+    one), the optimizer's state (the fp32 master and the moments) read and written, and
+    the parameter written; in fp32 the parameter is the master, read and written.
+    fp32 SGD 12, with momentum 20, Adam 28; mixed Adam 2 + 2 x 12 + 2 = 28."""
+    states = bytes_per_parameter(precision, optimizer)
+    grad = states["grads"] if grad_bytes is None else grad_bytes
+    params = 2 * states["params"] if precision == "fp32" else states["params"]
+    return grad + 2 * states["optimizer"] + params
 
 
 def split_gemms(gpt, b, tp, cp=1, cp_kind="ring"):

@@ -66,6 +66,7 @@ class Space:
     cp_sizes: tuple = None               # the context-parallel sizes allowed (None: every one)
     cp_kinds: tuple = CONTEXT_KINDS      # ring, ulysses: both searched
     fp32_main_grads: bool = False        # Megatron-LM's fp32 gradient copy (Layout's)
+    optimizer: str = "adam"              # the update's (Layout's): adam, momentum, sgd
 
     def __post_init__(self):
         checks = (("zero", self.zero, (0, 1, 2, 3)), ("recompute", self.recompute, RECOMPUTE),
@@ -201,7 +202,7 @@ def layouts(gpt, cluster, space):
                             yield Layout(dp, pp, tp, ep, zero, m, b, schedule, v, recompute,
                                          space.precision, space.sequence_parallel and tp > 1,
                                          space.whole_head and tp > 1, stages, cp, kind,
-                                         space.fp32_main_grads)
+                                         space.fp32_main_grads, space.optimizer)
 
 
 def why_out(prediction, cluster):

@@ -2,8 +2,8 @@
 
     layout = Layout(dp=4, pp=2, tp=4, micro_batches=8, micro_batch_size=1)
     p = predict(gpt, cluster, layout)
-    p.step_s, p.split          # {"compute", "tp", "cp", "pp", "dp", "ep", "bubble"}: seconds,
-                               # their sum step_s
+    p.step_s, p.split          # {"compute", "tp", "cp", "pp", "dp", "ep", "bubble",
+                               # "update"}: seconds, their sum step_s
     p.mem_bytes, p.memory      # the fullest rank, and its parts
 
 Ranks are laid out as the trainer lays them (strategies/config/mesh.py): arange(world)
@@ -63,9 +63,15 @@ exchange across tp groups does), and reduce-scatters each layer's gradients once
 its backward is done (a bucket a layer), every micro-batch.  Where the cluster's
 ranks cannot run the two at once (CPU cores: Cluster.overlaps), what the group
 would cost inside one node (the copies and additions, on the cores) is exposed,
-and only its time on the wire between nodes overlaps.  The optimizer's own
-update and the embedding's gradient all-reduce between the first and last
-stage are left out.
+and only its time on the wire between nodes overlaps.  On shared cores each
+exchange of a parameter gather (ZeRO 3's, and ZeRO 1 and 2's after the update) comes
+right after compute and waits for a replica's turn, as an exchange across tp groups
+does (Cluster.cross_wait).
+Last, the optimizer's update, once a step on the parameters the rank updates (its
+ZeRO shard under ZeRO 1-3): element-wise, so priced as the streams are, by the bytes it
+moves at the memory's bandwidth (update_seconds, kernels.update_bytes; Megatron-LM's
+fused Adam is memory-bound too).  The embedding's gradient all-reduce between the first and last
+stage is left out.
 
 Memory: model states are strategies/runtime/memory.py's zero_memory for the parameters
 a rank holds, activations Korthikanti et al.'s per layer (transformer.py) times
@@ -110,7 +116,7 @@ BUCKET_BYTES = SyncOptions.bucket_mb * 2**20
 # parameter: 20 without the distributed optimizer, 4 + 16 / d with it, the copy
 # sharded with the optimizer's state).
 MAIN_GRAD_BYTES = 4
-PARTS = ("compute", "tp", "cp", "pp", "dp", "ep", "bubble")
+PARTS = ("compute", "tp", "cp", "pp", "dp", "ep", "bubble", "update")
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,9 @@ class Layout:
     # the optimizer keeps the gradients in fp32 besides the 16-bit ones, as Megatron-LM's
     # mixed-precision optimizer does (its main_grad): MAIN_GRAD_BYTES a parameter more
     fp32_main_grads: bool = False
+    # the update's optimizer, as strategies.runtime.memory names it: adam, momentum (SGD
+    # with a momentum buffer) or sgd (none); its states' bytes and the update's traffic
+    optimizer: str = "adam"
 
     @property
     def world(self):
@@ -334,8 +343,9 @@ def memory_of(gpt, lo, stage, ends=(0.0, 0.0)):
     embedding's and the head's layers' worth, which shape uneven interleaved chunks
     (stages.stage_chunks)."""
     dense, experts = rank_parameters(gpt, lo, stage)
-    states = zero_memory(dense, lo.replicas, lo.zero, lo.precision)
-    for part, b in zero_memory(experts, lo.replicas // lo.ep, lo.zero, lo.precision).items():
+    states = zero_memory(dense, lo.replicas, lo.zero, lo.precision, lo.optimizer)
+    for part, b in zero_memory(experts, lo.replicas // lo.ep, lo.zero, lo.precision,
+                               lo.optimizer).items():
         states[part] += b
     if lo.fp32_main_grads:                      # sharded with the optimizer's state
         states["optimizer"] += MAIN_GRAD_BYTES * (
@@ -355,6 +365,19 @@ def memory_of(gpt, lo, stage, ends=(0.0, 0.0)):
     if stage == lo.pp - 1:
         acts += logits_bytes(gpt, b, 1 if lo.whole_head else lo.tp, lo.cp)
     return {**states, "activations": acts}
+
+
+def update_seconds(gpt, lo, cluster, stage=0):
+    """Seconds of the optimizer's update on a rank of `stage`: the parameters it updates,
+    all of them under ZeRO 0, its shard of the replicas' (experts': of the replicas / ep
+    holding them) under ZeRO 1-3 (Rajbhandari et al.: each rank updates its partition),
+    at kernels.update_bytes a parameter."""
+    dense, experts = rank_parameters(gpt, lo, stage)
+    if lo.zero:
+        dense, experts = dense / lo.replicas, experts / (lo.replicas // lo.ep)
+    grad = MAIN_GRAD_BYTES if lo.fp32_main_grads else None
+    return kernels.stream_seconds((dense + experts) * kernels.update_bytes(
+        lo.precision, lo.optimizer, grad), cluster)
 
 
 def compute_seconds(gpt, lo, cluster):
@@ -469,13 +492,15 @@ def predict(gpt, cluster, lo):
             return hide(total)
         cores = min(total, sum(dp_time(c, on_one_node=True) for c in collectives))
         return cores + hide(total - cores)
+    # a parameter gather comes right after compute (a unit's, or the update's): on shared
+    # cores each of its exchanges waits for a replica in another tp group (cross_wait)
+    gather_wait = exchanges("allgather", lo.replicas) * cluster.cross_wait(lo.tp, b)
     dp_f = dp_b = dp_after = 0.0
     if lo.zero == 3:                            # every micro-batch; the gathers in line
         # a gather a unit (its layers, the embedding on the first stage, the head on
-        # the last), each right after the compute before it: on shared cores each of
-        # its exchanges waits for a replica in another tp group (Cluster.cross_wait)
+        # the last)
         units = stages[fullest] + (fullest == 0) + (fullest == lo.pp - 1)
-        waits = units * exchanges("allgather", lo.replicas) * cluster.cross_wait(lo.tp, b)
+        waits = units * gather_wait
         dp_f = exposed(["allgather"], 0.0) + waits
         dp_b = exposed(["allgather"], 0.0) + waits + exposed(["reduce_scatter"], compute_b,
                                                              max(1, stages[fullest]))
@@ -483,7 +508,8 @@ def predict(gpt, cluster, lo):
         buckets = max(1, math.ceil((dense + experts) * e / BUCKET_BYTES))
         reduce = exposed(["allreduce" if lo.zero == 0 else "reduce_scatter"], compute_b,
                          buckets)
-        dp_after = reduce + (dp_time("allgather") if lo.zero else 0.0)
+        # ZeRO 1 and 2: the updated shards gathered after the update, once a step
+        dp_after = reduce + (dp_time("allgather") + gather_wait if lo.zero else 0.0)
     if lo.replicas > 1:  # shared cores: the step's last exchange, right after the backward,
         dp_after += (lo.replicas - 1) * cluster.core_wait(b)    # waits for its peers' turns
     # 3. the pipeline: (v m + p - 1) slots, each sending an activation and its gradient
@@ -500,8 +526,11 @@ def predict(gpt, cluster, lo):
     split = {"compute": m * (compute_f + compute_b), "tp": m * (tp_f + tp_b),
              "cp": m * (cp_f + cp_b),
              "pp": pipeline - m * (t_f + t_b) - bubble, "dp": m * (dp_f + dp_b) + dp_after,
-             "ep": m * (ep_f + ep_b), "bubble": bubble}
+             "ep": m * (ep_f + ep_b), "bubble": bubble,
+             # 4. the update, on the fullest rank's parameters, after the step's exchanges
+             "update": update_seconds(gpt, lo, cluster, fullest)}
     memories = [memory_of(gpt, lo, stage, ends) for stage in kinds_of_stage(stages)]
     memory = max(memories, key=lambda parts: sum(parts.values()))
-    return Prediction(lo, pipeline + dp_after, split, sum(memory.values()), memory,
+    return Prediction(lo, pipeline + dp_after + split["update"], split,
+                      sum(memory.values()), memory,
                       step_flops(gpt, lo.recompute), step_flops(gpt, "none"))

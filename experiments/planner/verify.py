@@ -24,7 +24,10 @@ figures are measured, never assumed:
             On the emulated cluster, each host's link at --inter-gbps.  Ranks on
             a GPU send device tensors by another path (CUDA IPC or staging):
             there the links are that path's, timed by the probe (shared_cores.py).
-  memory    this host's memory over the ranks.
+  memory    this host's memory over the ranks; its bandwidth (what the optimizer's update
+            streams at, kernels.update_bytes) the calibration's np.copyto rate
+            (memcpy_gbps, two ranks copying at once, one a core), a rank's share of
+            it where ranks outnumber cores (memory_gbps).
   waits     where ranks outnumber cores, what a tp pair's all-reduce right after a
             block's forward waits for the peer's turn on a core (shared_cores.py),
             for each micro-batch size; and what each exchange of a tp block's
@@ -68,6 +71,7 @@ from strategies.parallel.sequence_parallel import block_collectives
 
 from . import shared_cores
 from .cluster import GIB, Cluster
+from .kernels import STREAM_SHARE
 from .stages import stages_of
 from .step import Layout, exchanges, group_time, tp_layer
 from .transformer import layer_forward_flops
@@ -98,9 +102,10 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
         import torch
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: torch sees no GPU on this machine")
-    intra = Machine(5e-6, 1 / 10e9)
+    intra, cal = Machine(5e-6, 1 / 10e9), {}
     if calibration:                   # read first: a wrong path fails before the timing
-        intra = Machine.from_calibration(calibration_of(calibration))
+        cal = calibration_of(calibration)
+        intra = Machine.from_calibration(cal)
     # each rank gets the threads strategies.train gives it; several ranks are timed
     # together, sharing the cores (or the GPU) as in the run (shared_cores.py)
     threads, waits = max(1, cores // world), None
@@ -140,6 +145,7 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
     cluster = Cluster(name, nodes, ranks, gpu_mem_gib=memory / GIB, gpu_tflops=rate / 1e12,
                       intra_gbps=8e-9 / intra.beta, intra_latency_us=intra.alpha * 1e6,
                       inter_gbps=inter_gbps, efficiency=1.0,
+                      hbm_gbps=memory_gbps(cal, world, cores) if device == "cpu" else None,
                       calibrated_intra=intra, measured_rates=rates, core_waits=waits,
                       overlaps=device == "cuda",
                       measured_ends=tuple((b, s) for b, s in ends.items() if s is not None)
@@ -160,6 +166,18 @@ def this_machine(gpt, ranks, calibration=None, nodes=1, inter_gbps=1.0, sizes=(1
                           tp_replay_waits=replay_waits or None,
                           cross_waits=cross_waits(gpt, cluster, found, world) or None)
     return cluster
+
+
+def memory_gbps(cal, world, cores):
+    """A rank's memory bandwidth as Cluster.hbm_gbps (a datasheet's peak, of which a stream
+    reaches kernels.STREAM_SHARE), from the calibration's np.copyto rate: a copy of n
+    bytes moves 2 n (read, written), timed in two ranks at once, one a core; where ranks
+    outnumber the cores, each core's rate is shared by its ranks, as their compute is.
+    None where the calibration has no rate (the cluster's default ratio stands)."""
+    copied = cal.get("memcpy_gbps")
+    if not (isinstance(copied, (int, float)) and math.isfinite(copied) and copied > 0):
+        return None
+    return 2 * copied * min(1.0, cores / world) / STREAM_SHARE
 
 
 # calibration.json's fields the planner reads (experiments/calibrate.py writes them),
