@@ -79,9 +79,10 @@ the probe measures what that costs with every rank of the run there at once:
    its backward (where ZeRO-3 gathers a layer), each of b s / t h values; what
    that adds to the block over the ring, less the link, is the wait of an
    exchange across groups (verify.cross_waits).  At 4 ranks on 2 cores, tp2 cp2
-   Ulysses ZeRO-3 b1 measured 2.6-2.7 s a step where tp's own waits made 1.8 s:
-   0.37 s in the all-to-alls (0.44-0.52 ms each), 0.27 s in the ZeRO-3 gathers
-   (0.7 ms each), and compute 0.9 s where the probe's block said 0.4.
+   Ulysses ZeRO-3 b1 measured 2.50-2.67 s a step where the whole prediction
+   without these waits was 1.84 s: 0.37-0.41 s in the all-to-alls (0.43-0.57 ms
+   each), 0.27-0.29 s in the ZeRO-3 gathers (0.68-0.81 ms each), and compute
+   0.8-0.9 s where the probe's block said 0.4 (docs/measurements/planner/README.md).
 7. The model's ends (`--vocab`): the token and position embeddings, the final norm,
    the logit layer and the loss (strategies/model/models.py's GPT with no block),
    forward and backward, among all ranks as the block is.  Their FLOPs are a few

@@ -270,7 +270,9 @@ def cross_waits(gpt, cluster, found, world):
                 continue
             t, apart = block.t, world // block.t
             n = b * gpt.seq_len // t * gpt.d_model * 4      # the block's input, fp32
-            link = group_time("alltoall", n, apart, t, no_waits)
+            # the probe ran on this one machine: its link is the node's own, whatever
+            # nodes the cluster emulates
+            link = group_time("alltoall", n, apart, t, no_waits, on_one_node=True)
             waits.append((t, b, max(0.0, (block.crossed_s - block.ring_s - 2 * link)
                                     / (2 * exchanges("alltoall", apart)))))
     return tuple(waits)
